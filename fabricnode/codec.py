@@ -1,0 +1,92 @@
+"""Strict, bounded decoding primitives shared by every wire-facing module.
+
+msgpack is asked to refuse oversized containers up front; the ``take_*`` helpers then check
+each field's type and bounds. Every failure is a ``DecodeError``: callers at the network
+boundary catch ``WireError``, count it and drop the input.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import msgpack
+
+from fabricnode.errors import DecodeError
+
+MAX_PACKET_BYTES = 16 * 1024 * 1024
+
+
+def unpack(data: bytes, *, max_bytes: int = MAX_PACKET_BYTES, max_items: int = 65536) -> Any:
+    """Decode msgpack with hard bounds on size, containers and nesting; no maps with odd keys."""
+    if len(data) > max_bytes:
+        raise DecodeError(f"message of {len(data)} bytes exceeds {max_bytes}")
+    try:
+        return msgpack.unpackb(
+            data,
+            raw=False,
+            strict_map_key=True,
+            max_str_len=max_bytes,
+            max_bin_len=max_bytes,
+            max_array_len=max_items,
+            max_map_len=1024,
+            max_ext_len=0,
+            use_list=True,
+        )
+    except (ValueError, TypeError, msgpack.UnpackException, RecursionError) as exc:
+        # ExtraData, FormatError, StackError, OutOfData, UnicodeDecodeError are all ValueError.
+        raise DecodeError(f"undecodable msgpack: {type(exc).__name__}") from exc
+
+
+def pack(obj: object) -> bytes:
+    data: bytes = msgpack.packb(obj, use_bin_type=True)
+    return data
+
+
+def take_list(
+    value: Any, *, min_len: int = 0, max_len: int = 65536, what: str = "list"
+) -> list[Any]:
+    if not isinstance(value, list) or not (min_len <= len(value) <= max_len):
+        raise DecodeError(f"{what}: expected a list of {min_len}..{max_len} items")
+    return value
+
+
+def take_str(value: Any, *, max_len: int = 256, what: str = "string", empty: bool = True) -> str:
+    if not isinstance(value, str) or len(value) > max_len or (not empty and not value):
+        raise DecodeError(f"{what}: expected a string of at most {max_len} characters")
+    return value
+
+
+def take_opt_str(value: Any, *, max_len: int = 256, what: str = "string") -> str | None:
+    return None if value is None else take_str(value, max_len=max_len, what=what)
+
+
+def take_bytes(
+    value: Any, *, size: int | None = None, max_len: int = 65536, what: str = "bytes"
+) -> bytes:
+    if not isinstance(value, bytes):
+        raise DecodeError(f"{what}: expected bytes")
+    if (size is not None and len(value) != size) or len(value) > max_len:
+        raise DecodeError(f"{what}: wrong length {len(value)}")
+    return value
+
+
+def take_int(value: Any, *, lo: int = 0, hi: int = 2**63 - 1, what: str = "integer") -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not (lo <= value <= hi):
+        raise DecodeError(f"{what}: expected an integer in {lo}..{hi}")
+    return value
+
+
+def take_opt_int(
+    value: Any, *, lo: int = 0, hi: int = 2**63 - 1, what: str = "integer"
+) -> int | None:
+    return None if value is None else take_int(value, lo=lo, hi=hi, what=what)
+
+
+def take_float(value: Any, *, lo: float = 0.0, hi: float = 1e18, what: str = "number") -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise DecodeError(f"{what}: expected a number")
+    number = float(value)
+    if not math.isfinite(number) or not (lo <= number <= hi):
+        raise DecodeError(f"{what}: {number} out of range {lo}..{hi}")
+    return number
