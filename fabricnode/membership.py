@@ -34,6 +34,7 @@ from __future__ import annotations
 import enum
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from fabricnode.wire import DEAD, Accusation, Alive
@@ -116,8 +117,15 @@ class SuspicionTiming:
 
 
 class MemberTable:
-    def __init__(self, self_id: str, timing: SuspicionTiming, rng: random.Random) -> None:
+    def __init__(
+        self,
+        self_id: str,
+        timing: SuspicionTiming,
+        rng: random.Random,
+        on_status: Callable[[str, Liveness, float], None] | None = None,
+    ) -> None:
         self.self_id = self_id
+        self.on_status = on_status  # observer of status changes (metrics, simulations)
         self.timing = timing
         self.rng = rng
         self.members: dict[str, Member] = {}
@@ -138,6 +146,8 @@ class MemberTable:
     def touch(self, m: Member) -> None:
         """Record that a member's status or address changed (keeps the caches right)."""
         self._reachable = None
+        if self.on_status is not None:
+            self.on_status(m.session_id, m.status, m.since)
         if m.status == Liveness.SUSPECT and self.members.get(m.session_id) is m:
             self._suspects.add(m.session_id)
         else:

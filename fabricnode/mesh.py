@@ -73,7 +73,7 @@ PACKET_ENVELOPE_BYTES = 64  # version, sender id, seq, timestamp and array heade
 class MeshConfig:
     probe_interval_s: float = 0.5
     probe_timeout_s: float = 0.2
-    indirect_probes: int = 4
+    indirect_probes: int = 6
     suspicion_mult: float = 1.0
     suspicion_max_factor: float = 4.0
     expected_confirmations: int = 3
@@ -179,6 +179,7 @@ class MeshCore:
         self._next_sync_at = now + self._sync_interval()
         self._next_reconnect_at = now + cfg.reconnect_interval_s
         self._next_gc_at = now + 1.0
+        self._next_member_sweep_at = now + 10.0
         self._load_seq = 0
         self._my_load: Load | None = None
         self._next_load_at = now + cfg.load_refresh_s
@@ -242,6 +243,19 @@ class MeshCore:
         if changed or now >= self._next_load_at:
             self.load_broadcasts.put(("load", self.self_id), load)
             self._next_load_at = now + self.config.load_refresh_s
+
+    def ingest(self, messages: Iterable[Message], now: float) -> None:
+        """Apply records as if they arrived by anti-entropy (not re-gossiped).
+
+        Used to pre-load state in simulations and tests without a network exchange.
+        """
+        self._spread = False
+        self._handle_packet(Packet(self.self_id, 0, int(now * 1000), tuple(messages)), now, None)
+        self._spread = True
+
+    def own_records(self) -> list[Message]:
+        """Our signed entry and liveness record, as a peer would receive them."""
+        return [EntryMsg(self.self_entry), self.alive]
 
     def liveness(self, sid: str) -> Liveness | None:
         if sid == self.self_id:
@@ -656,7 +670,6 @@ class MeshCore:
             self.load_broadcasts.put(("load", self.self_id), self._my_load)
             self._next_load_at = now + cfg.load_refresh_s
         if now >= self._next_gc_at:
-            self._next_gc_at = now + 1.0
             self._gc(now)
 
     def _gossip_round(self, now: float) -> None:
@@ -674,9 +687,14 @@ class MeshCore:
             self.broadcasts.discard(("entry", sid))
             self.broadcasts.discard(("live", sid))
         hold = self.config.registry.terminal_hold_s
-        for sid, m in list(self.members.members.items()):
-            if sid not in self.registry and m.status >= Liveness.DEAD and now - m.since > hold:
-                self.members.remove(sid)
+        if now >= self._next_member_sweep_at:
+            # Members known only from liveness records (no entry ever arrived) and long dead.
+            self._next_member_sweep_at = now + 10.0
+            for sid, m in list(self.members.members.items()):
+                if sid not in self.registry and m.status >= Liveness.DEAD and now - m.since > hold:
+                    self.members.remove(sid)
+        due = self.registry.next_gc_at()
+        self._next_gc_at = min(now + 10.0, max(now + 0.1, due if due is not None else now + 10.0))
 
     def _isolated(self) -> bool:
         return not self.members.reachable()

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import heapq
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -337,6 +338,9 @@ class Registry:
         self.limits = limits or RegistryLimits()
         self._entries: dict[str, SignedEntry] = {}
         self._tombstones: dict[str, tuple[tuple[int, int, bytes], float]] = {}
+        # (time, session id): when an entry is due for collection or a tombstone for forgetting.
+        # Lazy: stale items (entry since replaced, tombstone since renewed) are skipped.
+        self._due: list[tuple[float, str]] = []
         self._merges: dict[str, int] = {o.value: 0 for o in MergeOutcome}
 
     # -- merge ------------------------------------------------------------------------------
@@ -361,6 +365,8 @@ class Registry:
         if not entry.verify(self.verifier):
             return MergeOutcome.INVALID
         self._entries[sid] = entry
+        # A newer version outranks the tombstone, so it covers everything the tombstone did.
+        self._tombstones.pop(sid, None)
         return MergeOutcome.NEW if current is None else MergeOutcome.UPDATED
 
     def _lifetime_allowed(self, entry: SignedEntry, now: float) -> bool:
@@ -377,22 +383,29 @@ class Registry:
     def gc(self, now: float) -> list[str]:
         """Drop entries past their gc time (tombstoning them) and forget old tombstones."""
         hold = self.limits.terminal_hold_s
-        removed = [sid for sid, e in self._entries.items() if now >= e.gc_at(hold)]
-        for sid in removed:
-            entry = self._entries.pop(sid)
-            forget_at = (
-                entry.body.updated_at + self.limits.max_entry_ttl_s + self.limits.max_clock_skew_s
-            )
-            self._tombstones[sid] = (entry.rank, max(forget_at, now))
-        for sid in [s for s, (_, until) in self._tombstones.items() if now >= until]:
-            del self._tombstones[sid]
+        removed: list[str] = []
+        while self._due and self._due[0][0] <= now:
+            _, sid = heapq.heappop(self._due)
+            entry = self._entries.get(sid)
+            if entry is not None and now >= entry.gc_at(hold):
+                del self._entries[sid]
+                removed.append(sid)
+                forget_at = max(
+                    now,
+                    entry.body.updated_at
+                    + self.limits.max_entry_ttl_s
+                    + self.limits.max_clock_skew_s,
+                )
+                self._tombstones[sid] = (entry.rank, forget_at)
+                heapq.heappush(self._due, (forget_at, sid))
+            elif entry is None:
+                tomb = self._tombstones.get(sid)
+                if tomb is not None and now >= tomb[1]:
+                    del self._tombstones[sid]
         return removed
 
     def next_gc_at(self) -> float | None:
-        hold = self.limits.terminal_hold_s
-        times = [e.gc_at(hold) for e in self._entries.values()]
-        times += [until for _, until in self._tombstones.values()]
-        return min(times) if times else None
+        return self._due[0][0] if self._due else None
 
     # -- reads ------------------------------------------------------------------------------
 

@@ -69,6 +69,7 @@ class SimNetwork:
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed)
         self.nodes: dict[str, SimNode] = {}
+        self.by_sid: dict[str, SimNode] = {}
         self._heap: list[tuple[float, int, str, str, bytes | None]] = []  # t, seq, kind, dst
         self._seq = 0
         self._groups: dict[str, int] | None = None
@@ -97,6 +98,7 @@ class SimNetwork:
         core.bootstrap(seeds)
         node = SimNode(addr, core)
         self.nodes[addr] = node
+        self.by_sid[identity.session_id] = node
         if start:
             self._flush(node)
         return node
