@@ -48,6 +48,7 @@ class TransportStatistics:
     streams_out: int
     send_errors: int
     oversized: int
+    stream_errors: int = 0  # incoming connections that broke mid-frame
 
 
 class UdpTcpTransport:
@@ -76,7 +77,7 @@ class UdpTcpTransport:
         self._stream_limit = trio.CapacityLimiter(32)
         self._nursery: trio.Nursery | None = None
         self.datagrams_in = self.datagrams_out = self.streams_in = self.streams_out = 0
-        self.send_errors = self.oversized = 0
+        self.send_errors = self.oversized = self.stream_errors = 0
 
     @classmethod
     async def bind(cls, host: str, port: int, advertise_host: str) -> UdpTcpTransport:
@@ -106,6 +107,7 @@ class UdpTcpTransport:
             self.streams_out,
             self.send_errors,
             self.oversized,
+            self.stream_errors,
         )
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -127,14 +129,19 @@ class UdpTcpTransport:
     async def _handle_stream(self, stream: trio.SocketStream) -> None:
         async with stream:
             with trio.move_on_after(self.stream_timeout_s):
-                header = await _receive_exactly(stream, FRAME_HEADER.size)
-                if header is None:
+                try:
+                    header = await _receive_exactly(stream, FRAME_HEADER.size)
+                    if header is None:
+                        return
+                    (length,) = FRAME_HEADER.unpack(header)
+                    if length > self.max_frame_bytes:
+                        self.oversized += 1
+                        return
+                    body = await _receive_exactly(stream, length)
+                except trio.BrokenResourceError:
+                    # The peer reset the connection: its problem, never the listener's.
+                    self.stream_errors += 1
                     return
-                (length,) = FRAME_HEADER.unpack(header)
-                if length > self.max_frame_bytes:
-                    self.oversized += 1
-                    return
-                body = await _receive_exactly(stream, length)
                 if body is None:
                     return
                 self.streams_in += 1

@@ -151,6 +151,8 @@ class Keyring:
             ) from exc
         except OSError as exc:
             raise KeyFileError(f"cannot read cluster key file {path}: {exc.strerror}") from exc
+        except UnicodeDecodeError as exc:
+            raise KeyFileError(f"{path} is not a valid fabric cluster keyring") from exc
         return cls.from_json(text, source=str(path))
 
     @classmethod
@@ -164,13 +166,13 @@ class Keyring:
                 kid = ring.add(base64.b64decode(b64, validate=True))
                 if kid.hex() != kid_hex:
                     raise ValueError("key id mismatch")
+            if not ring.keys:
+                raise KeyFileError(f"{source} holds no keys")
             ring.use(bytes.fromhex(doc["primary"]))
         except KeyFileError:
             raise
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
             raise KeyFileError(f"{source} is not a valid fabric cluster keyring") from exc
-        if not ring.keys:
-            raise KeyFileError(f"{source} holds no keys")
         return ring
 
 

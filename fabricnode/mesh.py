@@ -36,7 +36,7 @@ from fabricnode import codec
 from fabricnode.broadcast import BroadcastQueue
 from fabricnode.errors import WireError
 from fabricnode.identity import Identity, Verifier
-from fabricnode.keyring import SEAL_OVERHEAD, Keyring
+from fabricnode.keyring import HEADER_BYTES, NONCE_BYTES, SEAL_OVERHEAD, Keyring
 from fabricnode.membership import Change, Liveness, MemberTable, SuspicionTiming
 from fabricnode.registry import (
     EntryBody,
@@ -79,8 +79,9 @@ class MeshConfig:
     expected_confirmations: int = 3
     gossip_interval_s: float = 0.1
     gossip_fanout: int = 3
-    retransmit_mult: int = 3
-    load_retransmit_mult: int = 1
+    retransmit_mult: int = 4
+    load_retransmit_mult: int = 2
+    load_direct_max_members: int = 32
     load_refresh_s: float = 10.0
     sync_interval_s: float = 5.0
     reconnect_interval_s: float = 10.0
@@ -176,8 +177,9 @@ class MeshCore:
         self._next_seed_at = now
         self._next_probe_at = now + self.rng.uniform(0, cfg.probe_interval_s)
         self._next_gossip_at = now
-        self._next_sync_at = now + self._sync_interval()
-        self._next_reconnect_at = now + cfg.reconnect_interval_s
+        # Jittered so that agents started together (a Slurm job array) do not sync in lockstep.
+        self._next_sync_at = now + self._sync_interval() * self.rng.uniform(0.5, 1.0)
+        self._next_reconnect_at = now + cfg.reconnect_interval_s * self.rng.uniform(0.5, 1.0)
         self._next_gc_at = now + 1.0
         self._next_member_sweep_at = now + 10.0
         self._load_seq = 0
@@ -232,17 +234,22 @@ class MeshCore:
         self.loads[self.self_id] = load
         changed = (
             prev is None
-            or (prev.waiting, prev.running, prev.inflight)
-            != (
-                waiting,
-                running,
-                inflight,
-            )
+            or (prev.waiting, prev.running, prev.inflight) != (waiting, running, inflight)
             or abs(prev.kv_usage - kv_usage) >= 0.02
         )
-        if changed or now >= self._next_load_at:
+        if not changed and now < self._next_load_at:
+            return
+        self._next_load_at = now + self.config.load_refresh_s
+        if self._load_direct():
+            # Small mesh: one small datagram to every member beats epidemic spread on both
+            # freshness (one hop) and bytes (no redundant copies).
+            for m in self.members.reachable():
+                self._send(m.addr, [load], now)
+        else:
             self.load_broadcasts.put(("load", self.self_id), load)
-            self._next_load_at = now + self.config.load_refresh_s
+
+    def _load_direct(self) -> bool:
+        return self.members.live_count() <= self.config.load_direct_max_members
 
     def ingest(self, messages: Iterable[Message], now: float) -> None:
         """Apply records as if they arrived by anti-entropy (not re-gossiped).
@@ -267,6 +274,10 @@ class MeshCore:
         return out
 
     def next_deadline(self) -> float:
+        if self.left:
+            # tick() only runs gossip rounds once we left; the other timers are frozen in the
+            # past and would make the shell spin.
+            return self._next_gossip_at
         times = [
             self._next_probe_at,
             self._next_sync_at,
@@ -312,8 +323,10 @@ class MeshCore:
     ) -> None:
         """Handle one sealed packet. Never raises on bad input: it is dropped and counted.
 
-        ``stream``: it came over a reliable stream (anti-entropy). News learned that way is not
-        re-gossiped: the peer already had it, so it is old news that gossip has spread before.
+        ``stream``: it came over a reliable stream (anti-entropy). What it teaches us for the
+        first time is not re-gossiped (the peer had it, so gossip spread it before; re-gossiping
+        a whole state transfer is what makes bootstrap storms). What it *changes* about a
+        record we already held is re-gossiped: that is how news crosses a healed partition.
         """
         self.packets_in += 1
         self.bytes_in += len(data)
@@ -328,7 +341,8 @@ class MeshCore:
         if packet.sender == self.self_id:
             self._drop("own_packet")
             return
-        why = self.replay.accept(packet.sender, packet.seq, packet.sent_at_ms, now)
+        nonce = data[HEADER_BYTES : HEADER_BYTES + NONCE_BYTES]
+        why = self.replay.accept(nonce, packet.sent_at_ms, now)
         if why is not None:
             self._drop(why)
             return
@@ -365,12 +379,15 @@ class MeshCore:
                 self._drop("foreign_self_entry")  # a valid signature would need our key
             return
         outcome = self.registry.merge(entry, now)
+        if outcome == MergeOutcome.COLLECTED:
+            self._forget(sid)
+            return
         if outcome in (MergeOutcome.INVALID, MergeOutcome.EXPIRED):
             self._drop(f"entry_{outcome.value}")
             return
         if not outcome.changed:
             return
-        if self._spread:
+        if self._spread or outcome == MergeOutcome.UPDATED:
             self.broadcasts.put(("entry", sid), EntryMsg(entry))
         if entry.body.state == State.LEFT:
             self.members.mark_left(sid, now)
@@ -389,11 +406,23 @@ class MeshCore:
         if not rec.verify(self.verifier):
             self._drop("bad_signature")
             return
-        if self.members.apply_alive(rec, now) == Change.UPDATED and self._spread:
+        spread = self._spread or m is not None
+        if self.members.apply_alive(rec, now) == Change.UPDATED and spread:
             self.broadcasts.put(("live", rec.session_id), rec)
 
     def _on_accusation(self, rec: Accusation, now: float) -> None:
         m = self.members.get(rec.target)
+        # Only the accused signs incarnations, so an accusation may only name one we have seen
+        # it sign: otherwise any member could pin a node dead at an incarnation it can never
+        # refute (e.g. 2**63 - 1).
+        signed_inc = (
+            self.incarnation
+            if rec.target == self.self_id
+            else (m.alive_record.incarnation if m is not None and m.alive_record is not None else 0)
+        )
+        if rec.incarnation > signed_inc:
+            self._drop("accusation_unknown_incarnation")
+            return
         if rec.target != self.self_id:
             if self.registry.is_tombstoned(rec.target):
                 return
@@ -419,10 +448,16 @@ class MeshCore:
             return
         entry = self.registry.get(rec.target)
         hint = entry.body.addresses.gossip if entry else ""
+        spread = self._spread or m is not None
         change = self.members.apply_accusation(rec, now, hint)
         if change == Change.REFUTE:
             self._refute(rec.incarnation, now)
-        elif change == Change.UPDATED and self._spread:
+            accuser = self.members.get(rec.accuser)
+            if accuser is not None and accuser.addr:
+                # Straight to the accuser: across a healing partition our gossip targets
+                # (members we believe alive) may not include anyone on its side.
+                self._send(accuser.addr, [self.alive], now)
+        elif change == Change.UPDATED and spread:
             self.broadcasts.put(("live", rec.target), rec)
         elif change == Change.CONFIRMED and self._spread:
             target = self.members.get(rec.target)
@@ -439,7 +474,7 @@ class MeshCore:
         if entry is None or entry.body.state == State.LEFT:
             return  # load only for members we know
         self.loads[rec.session_id] = rec
-        if self._spread:
+        if self._spread and not self._load_direct():
             self.load_broadcasts.put(("load", rec.session_id), rec)
 
     def _refute(self, accused_incarnation: int, now: float) -> None:
@@ -553,7 +588,7 @@ class MeshCore:
 
     def _rows(self) -> list[SyncRow]:
         rows: dict[str, SyncRow] = {}
-        for e in self.registry:
+        for e in [*self.registry.tombstones(), *self.registry]:
             state, version, digest = e.rank
             rows[e.session_id] = (e.session_id, state, version, digest, 0, 3)
         for sid, m in self.members.members.items():
@@ -565,7 +600,7 @@ class MeshCore:
 
     def _records_for(self, sid: str) -> list[Message]:
         out: list[Message] = []
-        entry = self.registry.get(sid)
+        entry = self.registry.get(sid) or self.registry.tombstone(sid)
         if entry is not None:
             out.append(EntryMsg(entry))
         if sid == self.self_id:
@@ -656,7 +691,7 @@ class MeshCore:
             if peers:
                 self._start_sync(peers[0].addr, now)
         if now >= self._next_reconnect_at:
-            self._next_reconnect_at = now + cfg.reconnect_interval_s
+            self._next_reconnect_at = now + cfg.reconnect_interval_s * self.rng.uniform(0.75, 1.25)
             dead = self.members.dead_members()
             if dead:
                 self._start_sync(self.rng.choice(dead).addr, now)
@@ -667,8 +702,14 @@ class MeshCore:
         if now >= self._refresh_at:
             self.update_self(now)
         if self._my_load is not None and now >= self._next_load_at:
-            self.load_broadcasts.put(("load", self.self_id), self._my_load)
-            self._next_load_at = now + cfg.load_refresh_s
+            mine = self._my_load
+            self.publish_load(
+                now,
+                waiting=mine.waiting,
+                running=mine.running,
+                kv_usage=mine.kv_usage,
+                inflight=mine.inflight,
+            )
         if now >= self._next_gc_at:
             self._gc(now)
 
@@ -680,12 +721,15 @@ class MeshCore:
         for m in targets:
             self._send(m.addr, [], now, piggyback=True)
 
+    def _forget(self, sid: str) -> None:
+        self.members.remove(sid)
+        self.loads.pop(sid, None)
+        self.broadcasts.discard(("entry", sid))
+        self.broadcasts.discard(("live", sid))
+
     def _gc(self, now: float) -> None:
         for sid in self.registry.gc(now):
-            self.members.remove(sid)
-            self.loads.pop(sid, None)
-            self.broadcasts.discard(("entry", sid))
-            self.broadcasts.discard(("live", sid))
+            self._forget(sid)
         hold = self.config.registry.terminal_hold_s
         if now >= self._next_member_sweep_at:
             # Members known only from liveness records (no entry ever arrived) and long dead.

@@ -309,6 +309,7 @@ class MergeOutcome(enum.Enum):
     STALE = "stale"  # older than or equal to what we hold (duplicates, replays, rollbacks)
     INVALID = "invalid"  # bad signature or id, or a lifetime the cluster does not allow
     EXPIRED = "expired"  # past its gc time, or rank covered by a tombstone
+    COLLECTED = "collected"  # newer than ours but already collectable: ours is dropped too
 
     @property
     def changed(self) -> bool:
@@ -337,7 +338,9 @@ class Registry:
         self.verifier = verifier
         self.limits = limits or RegistryLimits()
         self._entries: dict[str, SignedEntry] = {}
-        self._tombstones: dict[str, tuple[tuple[int, int, bytes], float]] = {}
+        # session id -> (the collected entry, when to forget it). The entry is kept, signed, so
+        # anti-entropy can show a replica that missed it why its older copy must go.
+        self._tombstones: dict[str, tuple[SignedEntry, float]] = {}
         # (time, session id): when an entry is due for collection or a tombstone for forgetting.
         # Lazy: stale items (entry since replaced, tombstone since renewed) are skipped.
         self._due: list[tuple[float, str]] = []
@@ -356,15 +359,22 @@ class Registry:
         if current is not None and entry.rank <= current.rank:
             return MergeOutcome.STALE  # cheap path: no signature check for what we have
         tomb = self._tombstones.get(sid)
-        if tomb is not None and entry.rank <= tomb[0]:
+        if tomb is not None and entry.rank <= tomb[0].rank:
             return MergeOutcome.EXPIRED
         if not self._lifetime_allowed(entry, now):
             return MergeOutcome.INVALID
         if now >= entry.gc_at(self.limits.terminal_hold_s):
-            return MergeOutcome.EXPIRED
+            if current is None or not entry.verify(self.verifier):
+                return MergeOutcome.EXPIRED
+            # The owner moved past our copy and that newer entry is itself collectable (e.g. a
+            # LEFT we missed while partitioned): collect ours as every other replica did.
+            del self._entries[sid]
+            self._bury(entry, now)
+            return MergeOutcome.COLLECTED
         if not entry.verify(self.verifier):
             return MergeOutcome.INVALID
         self._entries[sid] = entry
+        heapq.heappush(self._due, (entry.gc_at(self.limits.terminal_hold_s), sid))
         # A newer version outranks the tombstone, so it covers everything the tombstone did.
         self._tombstones.pop(sid, None)
         return MergeOutcome.NEW if current is None else MergeOutcome.UPDATED
@@ -390,19 +400,29 @@ class Registry:
             if entry is not None and now >= entry.gc_at(hold):
                 del self._entries[sid]
                 removed.append(sid)
-                forget_at = max(
-                    now,
-                    entry.body.updated_at
-                    + self.limits.max_entry_ttl_s
-                    + self.limits.max_clock_skew_s,
-                )
-                self._tombstones[sid] = (entry.rank, forget_at)
-                heapq.heappush(self._due, (forget_at, sid))
+                self._bury(entry, now)
             elif entry is None:
                 tomb = self._tombstones.get(sid)
                 if tomb is not None and now >= tomb[1]:
                     del self._tombstones[sid]
         return removed
+
+    def _bury(self, entry: SignedEntry, now: float) -> None:
+        """Tombstone until every older version of the session has certainly expired."""
+        limits = self.limits
+        forget_at = max(
+            now, entry.body.updated_at + limits.max_entry_ttl_s + limits.max_clock_skew_s
+        )
+        self._tombstones[entry.session_id] = (entry, forget_at)
+        heapq.heappush(self._due, (forget_at, entry.session_id))
+
+    def tombstone(self, session_id: str) -> SignedEntry | None:
+        """The collected entry behind a tombstone, if any."""
+        tomb = self._tombstones.get(session_id)
+        return None if tomb is None else tomb[0]
+
+    def tombstones(self) -> list[SignedEntry]:
+        return [entry for entry, _ in self._tombstones.values()]
 
     def next_gc_at(self) -> float | None:
         return self._due[0][0] if self._due else None

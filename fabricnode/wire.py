@@ -266,8 +266,9 @@ def decode_packet(data: bytes, *, max_bytes: int = codec.MAX_PACKET_BYTES) -> tu
     """Decode a packet; returns it and the number of messages skipped as unknown."""
     obj = codec.unpack(data, max_bytes=max_bytes, max_items=65536)
     top = codec.take_list(obj, min_len=5, max_len=5, what="packet")
-    if top[0] != WIRE_VERSION:
-        raise DecodeError(f"unsupported wire version {top[0]!r}")
+    version = top[0]
+    if isinstance(version, bool) or not isinstance(version, int) or version != WIRE_VERSION:
+        raise DecodeError(f"unsupported wire version {version!r}")
     sender = take_sid(top[1], "sender")
     seq = codec.take_int(top[2], what="seq")
     sent_at_ms = codec.take_int(top[3], what="sent_at")
@@ -353,40 +354,37 @@ def _decode_message(raw: Any) -> Message | None:
 
 
 class ReplayGuard:
-    """Drops stale and replayed packets: a sliding window of seen seqs per sender.
+    """Drops stale and replayed packets.
 
-    Bounded: at most ``max_senders`` windows are kept (least recently used evicted); an evicted
-    sender's next packet is accepted as if new, which the CRDTs make harmless.
+    A packet is *stale* when its ``sent_at`` is further than ``max_skew_s`` from our clock, and
+    a *replay* when its AEAD nonce (12 random bytes, authenticated with the packet) was seen
+    before. Keying on the nonce rather than on the (unauthenticated) sender id and seq means
+    one member cannot poison the window of another. A nonce need only be remembered for
+    ``2 * max_skew_s``: past that, any copy of its packet is stale. Memory is bounded by
+    ``capacity`` (oldest forgotten first); a forgotten packet that is replayed still has to be
+    fresh, and the CRDTs make a repeated record harmless anyway.
     """
 
-    def __init__(self, window: int = 4096, max_senders: int = 8192, max_skew_s: float = 60.0):
-        self.window = window
-        self.max_senders = max_senders
+    def __init__(self, max_skew_s: float = 60.0, capacity: int = 1 << 16) -> None:
         self.max_skew_ms = int(max_skew_s * 1000)
-        self._windows: dict[str, tuple[int, int]] = {}  # sender -> (highest seq, bitmask)
+        self.remember_s = 2 * max_skew_s
+        self.capacity = capacity
+        self._seen: dict[bytes, float] = {}  # nonce -> forget at (insertion order = time order)
 
-    def accept(self, sender: str, seq: int, sent_at_ms: int, now: float) -> str | None:
+    def __len__(self) -> int:
+        return len(self._seen)
+
+    def accept(self, packet_id: bytes, sent_at_ms: int, now: float) -> str | None:
         """None if the packet is fresh; otherwise why it must be dropped ("stale"/"replay")."""
         if abs(sent_at_ms - int(now * 1000)) > self.max_skew_ms:
             return "stale"
-        state = self._windows.pop(sender, None)
-        if state is None:
-            high, mask = seq, 1
-        else:
-            high, mask = state
-            if seq > high:
-                shift = seq - high
-                mask = (
-                    ((mask << shift) | 1) & ((1 << self.window) - 1) if shift < self.window else 1
-                )
-                high = seq
-            else:
-                offset = high - seq
-                if offset >= self.window or (mask >> offset) & 1:
-                    self._windows[sender] = (high, mask)
-                    return "replay"
-                mask |= 1 << offset
-        self._windows[sender] = (high, mask)
-        if len(self._windows) > self.max_senders:
-            del self._windows[next(iter(self._windows))]
+        seen = self._seen
+        while seen:
+            oldest = next(iter(seen))
+            if seen[oldest] > now and len(seen) < self.capacity:
+                break
+            del seen[oldest]
+        if packet_id in seen:
+            return "replay"
+        seen[packet_id] = now + self.remember_s
         return None
