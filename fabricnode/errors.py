@@ -3,6 +3,7 @@
 FabricError                 base of everything the library raises on purpose
 ├── ConfigError             bad flags, env or files given by a user (one clear line)
 ├── KeyFileError            a cluster/provider key file is missing, unreadable or malformed
+├── AgentApiError           talking to an agent's HTTP API failed (unreachable, or an error answer)
 └── WireError               bytes from the network that cannot be accepted
     ├── DecodeError         malformed, oversized or of the wrong type/version
     ├── CryptoError         undecryptable datagram or unknown cluster key id
@@ -23,6 +24,15 @@ class ConfigError(FabricError):
 
 class KeyFileError(FabricError):
     """A key file is missing, unreadable or malformed."""
+
+
+class AgentApiError(FabricError):
+    """An agent could not be reached, or answered with an error (``status`` is its HTTP status,
+    0 when there was no answer)."""
+
+    def __init__(self, message: str, status: int = 0) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class WireError(FabricError):

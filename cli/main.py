@@ -1,0 +1,518 @@
+"""The ``fabric`` command: parses, calls library code, renders. Nothing else lives here.
+
+Exit status: 0 success, 1 a failed operation (agent unreachable, key file missing, unknown
+node, ...), 2 bad usage (unknown option, malformed value). Errors are one line on stderr,
+``fabric: error: ...``; ``--debug`` shows the traceback instead.
+
+``fabric start -- ENGINE_CMD`` is refused for now (exit 2): engine supervision is a later issue,
+and silently starting an agent that never serves the engine the user asked for would be worse
+than a clear refusal.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+from collections.abc import Callable
+from contextvars import ContextVar
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, NoReturn, ParamSpec, TypeVar
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from fabricnode.client import AdminClient
+from fabricnode.config import default_cluster_key_path, default_provider_key_path
+from fabricnode.errors import ConfigError, FabricError, KeyFileError
+from fabricnode.identity import ProviderKey
+from fabricnode.keyring import KEY_ID_BYTES, Keyring, new_cluster_key
+
+DEFAULT_AGENT = "http://127.0.0.1:8080"
+STATES = ("join", "serving", "down", "left")
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+@dataclass
+class CliState:
+    agent_url: str = DEFAULT_AGENT
+    debug: bool = False
+
+
+# The global options of the command being run (set by the root callback, read by commands).
+_STATE: ContextVar[CliState] = ContextVar("fabric_cli_state")
+
+
+app = typer.Typer(
+    name="fabric",
+    help="Peer-to-peer OpenAI-compatible LLM serving mesh for Slurm clusters.",
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+keys_app = typer.Typer(
+    help="Cluster and provider keys (create, rotate).",
+    no_args_is_help=True,
+    rich_markup_mode=None,
+)
+app.add_typer(keys_app, name="keys")
+
+
+# -- plumbing ---------------------------------------------------------------------------------
+
+
+def _state() -> CliState:
+    return _STATE.get(CliState())
+
+
+def _error(message: str) -> None:
+    print(f"fabric: error: {message}", file=sys.stderr)
+
+
+def _usage_error(command: str, message: str) -> NoReturn:
+    print(f"fabric {command}: error: {message}", file=sys.stderr)
+    raise typer.Exit(2)
+
+
+def handled(fn: Callable[P, R]) -> Callable[P, R]:
+    """Turn expected failures into one line on stderr and exit status 1."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return fn(*args, **kwargs)
+        except (FabricError, OSError) as exc:
+            if _state().debug:
+                raise
+            if isinstance(exc, OSError) and not isinstance(exc, FabricError):
+                where = f"{exc.filename}: " if exc.filename else ""
+                _error(f"{where}{exc.strerror or exc}")
+            else:
+                _error(str(exc))
+            raise typer.Exit(1) from None
+
+    return wrapper
+
+
+def _console() -> Console:
+    # Wide when piped, so tables are not wrapped at 80 columns in logs and scripts.
+    return Console(width=None if sys.stdout.isatty() else 200, highlight=False)
+
+
+def _print_json(doc: Any) -> None:
+    print(json.dumps(doc, indent=2))
+
+
+def _client() -> AdminClient:
+    return AdminClient(_state().agent_url)
+
+
+def _check_labels(labels: list[str] | None) -> list[str]:
+    for label in labels or []:
+        key, sep, _ = label.partition("=")
+        if not sep or not key:
+            raise typer.BadParameter(f"{label!r}: expected KEY=VALUE", param_hint="--label")
+    return labels or []
+
+
+@app.callback()
+def _root(
+    ctx: typer.Context,
+    agent: Annotated[
+        str,
+        typer.Option(
+            "--agent",
+            metavar="URL",
+            envvar="FABRIC_AGENT",
+            help="Agent to talk to (default $FABRIC_AGENT, else http://127.0.0.1:8080).",
+            show_envvar=False,
+        ),
+    ] = DEFAULT_AGENT,
+    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks on errors.")] = False,
+) -> None:
+    state = ctx.obj if isinstance(ctx.obj, CliState) else CliState()
+    state.agent_url = agent
+    state.debug = debug
+    ctx.obj = state
+    _STATE.set(state)
+
+
+# -- fabric start -----------------------------------------------------------------------------
+
+
+@app.command(
+    context_settings={"allow_interspersed_args": False},
+    help="Run an agent: join the mesh and serve the agent API. SIGTERM/SIGINT leave gracefully.",
+)
+@handled
+def start(
+    engine_cmd: Annotated[
+        list[str] | None,
+        typer.Argument(metavar="-- ENGINE_CMD", help="Not available yet.", show_default=False),
+    ] = None,
+    http: Annotated[
+        str | None,
+        typer.Option(metavar="HOST:PORT", help="HTTP API (0.0.0.0:8080; port 0 = free)."),
+    ] = None,
+    gossip: Annotated[
+        str | None,
+        typer.Option(metavar="HOST:PORT", help="Gossip, UDP+TCP (0.0.0.0:7946; 0 = free)."),
+    ] = None,
+    admin: Annotated[
+        str | None, typer.Option(metavar="HOST:PORT", help="Serve the agent endpoints separately.")
+    ] = None,
+    advertise: Annotated[
+        str | None,
+        typer.Option(metavar="HOST", help="Host peers should use (default: primary address)."),
+    ] = None,
+    join: Annotated[
+        list[str] | None,
+        typer.Option(metavar="HOST:PORT", help="Gossip address of any member (repeatable)."),
+    ] = None,
+    rendezvous: Annotated[
+        str | None,
+        typer.Option(metavar="PATH", help="Shared rendezvous file ($FABRIC_HOME/rendezvous)."),
+    ] = None,
+    cluster_key: Annotated[
+        str | None, typer.Option(metavar="PATH", help="Cluster keyring ($FABRIC_CLUSTER_KEY).")
+    ] = None,
+    provider: Annotated[
+        str | None, typer.Option(metavar="NAME", help="Provider name (default $USER).")
+    ] = None,
+    label: Annotated[
+        list[str] | None, typer.Option(metavar="KEY=VALUE", help="Label (repeatable).")
+    ] = None,
+    log_level: Annotated[
+        str, typer.Option(metavar="LEVEL", help="debug|info|warning|error.")
+    ] = "info",
+) -> None:
+    if engine_cmd:
+        _usage_error(
+            "start",
+            "engine supervision is not available yet: run `fabric start` without "
+            f"`-- {' '.join(engine_cmd)}` (the agent then joins as JOIN)",
+        )
+    from fabricnode.config import load_config
+
+    try:
+        config = load_config(
+            http=http,
+            gossip=gossip,
+            admin=admin,
+            advertise=advertise,
+            join=join or (),
+            rendezvous=rendezvous,
+            cluster_key=cluster_key,
+            provider=provider,
+            labels=label or (),
+            log_level=log_level,
+        )
+    except ConfigError as exc:
+        _usage_error("start", str(exc))
+    from fabricnode.agent import run_agent  # trio and hypercorn: only when running an agent
+
+    raise typer.Exit(run_agent(config))
+
+
+# -- fabric keys ------------------------------------------------------------------------------
+
+ClusterKeyOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--cluster-key",
+        metavar="PATH",
+        help="Keyring file (default $FABRIC_CLUSTER_KEY, else $FABRIC_HOME/cluster.key).",
+        show_default=False,
+    ),
+]
+
+
+def _key_path(path: Path | None) -> Path:
+    return path if path is not None else default_cluster_key_path(os.environ)
+
+
+def _key_id(text: str) -> bytes:
+    try:
+        kid = bytes.fromhex(text)
+    except ValueError:
+        kid = b""
+    if len(kid) != KEY_ID_BYTES:
+        raise typer.BadParameter(
+            f"{text!r} is not a key id ({2 * KEY_ID_BYTES} hex digits, see `fabric keys list`)"
+        )
+    return kid
+
+
+@keys_app.command("new-cluster", help="Create a cluster keyring holding one new key.")
+@handled
+def keys_new_cluster(
+    path: Annotated[
+        Path | None,
+        typer.Argument(help="Where (default $FABRIC_CLUSTER_KEY, else $FABRIC_HOME/cluster.key)."),
+    ] = None,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite an existing file.")] = False,
+) -> None:
+    target = _key_path(path)
+    if target.exists() and not force:
+        raise KeyFileError(
+            f"{target} already exists (agents using it would lose the mesh); "
+            "pass --force to overwrite it, or rotate with `fabric keys add`"
+        )
+    ring = Keyring.with_key(new_cluster_key())
+    ring.save(target)
+    print(f"created cluster keyring {target} with key {ring.primary.hex()}")
+
+
+@keys_app.command("add", help="Add a new key to the keyring (not primary); prints its id.")
+@handled
+def keys_add(cluster_key: ClusterKeyOption = None) -> None:
+    path = _key_path(cluster_key)
+    ring = Keyring.load(path)
+    kid = ring.add(new_cluster_key())
+    ring.save(path)
+    print(kid.hex())
+
+
+@keys_app.command("use", help="Make KEYID the primary key (agents seal with it).")
+@handled
+def keys_use(keyid: str, cluster_key: ClusterKeyOption = None) -> None:
+    kid = _key_id(keyid)
+    path = _key_path(cluster_key)
+    ring = Keyring.load(path)
+    ring.use(kid)
+    ring.save(path)
+    print(f"primary key is now {kid.hex()}")
+
+
+@keys_app.command("remove", help="Remove KEYID (not the primary) from the keyring.")
+@handled
+def keys_remove(keyid: str, cluster_key: ClusterKeyOption = None) -> None:
+    kid = _key_id(keyid)
+    path = _key_path(cluster_key)
+    ring = Keyring.load(path)
+    ring.remove(kid)
+    ring.save(path)
+    print(f"removed key {kid.hex()}")
+
+
+@keys_app.command("list", help="Key ids in the keyring; the primary one is marked.")
+@handled
+def keys_list(
+    cluster_key: ClusterKeyOption = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+) -> None:
+    path = _key_path(cluster_key)
+    ring = Keyring.load(path)
+    primary = ring.primary.hex()
+    if as_json:
+        _print_json({"path": str(path), "primary": primary, "keys": ring.key_ids()})
+        return
+    for kid in ring.key_ids():
+        print(f"{kid} primary" if kid == primary else kid)
+
+
+@keys_app.command("new-provider", help="Create a long-lived provider key; prints its fingerprint.")
+@handled
+def keys_new_provider(
+    path: Annotated[
+        Path | None, typer.Argument(help="Where (default $FABRIC_HOME/provider.key).")
+    ] = None,
+    provider: Annotated[
+        str | None,
+        typer.Option(metavar="NAME", help="Provider name (default $USER).", show_default=False),
+    ] = None,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite an existing file.")] = False,
+) -> None:
+    name = provider or os.environ.get("USER", "")
+    if not name:
+        _usage_error("keys new-provider", "no provider name: pass --provider NAME")
+    target = path if path is not None else default_provider_key_path(os.environ)
+    if target.exists() and not force:
+        raise KeyFileError(f"{target} already exists; pass --force to overwrite it")
+    key = ProviderKey.generate(name)
+    key.save(target)
+    print(f"created provider key {target} for {name!r}, fingerprint {key.fingerprint}")
+
+
+# -- reading the registry ---------------------------------------------------------------------
+
+JsonOption = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
+
+
+@app.command(help="Registry entries as this agent sees them.")
+@handled
+def nodes(
+    state: Annotated[
+        str | None, typer.Option(metavar="STATE", help="join|serving|down|left.")
+    ] = None,
+    model: Annotated[
+        str | None, typer.Option(metavar="MODEL", help="Only nodes serving it.")
+    ] = None,
+    gpu: Annotated[str | None, typer.Option(metavar="TYPE", help="Only this GPU type.")] = None,
+    label: Annotated[
+        list[str] | None, typer.Option(metavar="KEY=VALUE", help="Label (repeatable).")
+    ] = None,
+    as_json: JsonOption = False,
+) -> None:
+    if state is not None and state.lower() not in STATES:
+        raise typer.BadParameter(f"{state!r}: choose {'|'.join(STATES)}", param_hint="--state")
+    labels = _check_labels(label)
+    with _client() as client:
+        found = client.nodes(
+            state=state.lower() if state else None, model=model, gpu=gpu, labels=labels
+        )
+    if as_json:
+        _print_json({"nodes": found})
+        return
+    table = Table(box=None, header_style="bold", pad_edge=False)
+    for column in ("SESSION", "PROVIDER", "STATE", "LIVENESS", "HOST", "GPUS", "MODELS", "LOAD"):
+        table.add_column(column, no_wrap=column != "MODELS")
+    for n in found:
+        table.add_row(
+            n["session_id"][:12],
+            n["provider"],
+            n["state"],
+            n["liveness"],
+            n["hardware"]["host"],
+            _gpus(n["hardware"]),
+            ", ".join(m["id"] for m in n["models"]) or "-",
+            _load(n["load"]),
+        )
+    _console().print(table)
+    print(f"{len(found)} node{'s' if len(found) != 1 else ''}")
+
+
+@app.command(help="One registry entry in full (a unique prefix of the session id is enough).")
+@handled
+def node(session_id: str, as_json: JsonOption = False) -> None:
+    with _client() as client:
+        entry = client.node(session_id)
+    if as_json:
+        _print_json(entry)
+        return
+    for key, value in _flatten(entry):
+        print(f"{key:<22} {value}")
+
+
+@app.command(help="Models served across the mesh, with node counts and aggregate load.")
+@handled
+def models(as_json: JsonOption = False) -> None:
+    with _client() as client:
+        found = client.models()
+    if as_json:
+        _print_json({"models": found})
+        return
+    if not found:
+        print("no models announced in the mesh yet")
+        return
+    table = Table(box=None, header_style="bold", pad_edge=False)
+    for column in ("MODEL", "NODES", "SERVING", "GPU TYPES", "GPUS", "WAITING", "RUNNING", "KV"):
+        table.add_column(column)
+    for m in found:
+        load = m["load"]
+        kv = load["kv_usage"]
+        table.add_row(
+            m["id"],
+            str(m["nodes"]),
+            str(m["serving"]),
+            ", ".join(m["gpu_types"]) or "-",
+            str(m["gpus"]),
+            str(load["waiting"]),
+            str(load["running"]),
+            "-" if kv is None else f"{kv:.0%}",
+        )
+    _console().print(table)
+
+
+def _gpus(hw: dict[str, Any]) -> str:
+    if not hw["gpu_count"]:
+        return "-"
+    return f"{hw['gpu_count']}x{hw['gpu_type'] or 'gpu'}"
+
+
+def _load(load: dict[str, Any] | None) -> str:
+    if load is None:
+        return "-"
+    return f"w{load['waiting']} r{load['running']} kv{load['kv_usage']:.0%}"
+
+
+def _flatten(doc: Any, prefix: str = "") -> list[tuple[str, str]]:
+    if isinstance(doc, dict):
+        if not doc:
+            return [(prefix, "-")] if prefix else []
+        rows: list[tuple[str, str]] = []
+        for key, value in doc.items():
+            rows.extend(_flatten(value, f"{prefix}.{key}" if prefix else key))
+        return rows
+    if isinstance(doc, list):
+        if not doc:
+            return [(prefix, "-")]
+        rows = []
+        for i, value in enumerate(doc):
+            rows.extend(_flatten(value, f"{prefix}[{i}]"))
+        return rows
+    return [(prefix, "-" if doc is None or doc == "" else str(doc))]
+
+
+# -- demo -------------------------------------------------------------------------------------
+
+
+@app.command(help="Start local agents, watch the registry converge, a node leave and one die.")
+@handled
+def demo(
+    nodes: Annotated[int, typer.Option("--nodes", min=3, max=32, help="How many agents.")] = 4,
+) -> None:
+    from fabricnode.demo import run_demo
+
+    raise typer.Exit(run_demo(nodes))
+
+
+# -- entry point ------------------------------------------------------------------------------
+
+
+def run(argv: list[str]) -> int:
+    """Run the CLI on ``argv``; returns the exit status (one-line errors, see module doc)."""
+    state = CliState()
+    command = typer.main.get_command(app)
+    try:
+        result = command.main(args=argv, prog_name="fabric", obj=state, standalone_mode=False)
+    except typer.Exit as exc:
+        return int(exc.exit_code)
+    except typer.Abort:
+        return 130
+    except Exception as exc:
+        code = getattr(exc, "exit_code", None)
+        if isinstance(code, int) and hasattr(exc, "format_message"):  # click's usage errors
+            return _show_click_error(exc, code)
+        if state.debug:
+            raise
+        _error(f"internal error: {type(exc).__name__}: {exc} (run with --debug for details)")
+        return 1
+    return int(result) if isinstance(result, int) else 0
+
+
+def _show_click_error(exc: Exception, code: int) -> int:
+    ctx = getattr(exc, "ctx", None)
+    where = getattr(ctx, "command_path", "") or "fabric"
+    if type(exc).__name__ == "NoArgsIsHelpError" and ctx is not None:
+        print(ctx.get_help(), file=sys.stderr)
+        return code
+    hint = f" (see `{where} --help`)" if code == 2 else ""
+    message = getattr(exc, "format_message", lambda: str(exc))()
+    print(f"{where}: error: {message}{hint}", file=sys.stderr)
+    return code
+
+
+def main() -> None:
+    """Console entry point of ``fabric``."""
+    sys.exit(run(sys.argv[1:]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,467 @@
+"""The agent: composition root of one ``fabric start`` process.
+
+It builds every service from one ``AgentConfig`` and owns them in one trio nursery:
+the UDP+TCP gossip transport, the ``GossipService`` driving the ``MeshCore`` (which re-reads the
+cluster keyring file when it changes, so rotation needs no restart), the admin API on hypercorn,
+a rendezvous watcher and a liveness logger. Services start with ``nursery.start`` and report
+ready through ``task_status``; cancellation of the nursery stops them all.
+
+Joining: the agent appends its gossip address to the rendezvous file *before* reading it, so of
+any two agents starting together the later one always sees the earlier one and they cannot form
+two separate meshes. Seeds are the ``--join`` addresses plus the addresses read from the file;
+while it knows no reachable member it re-reads the file every ``rendezvous_poll_s``.
+
+Ready lines. Once every listener is bound the entry point prints to stdout, flushed, exactly::
+
+    fabric: session <32 hex session id>
+    fabric: http http://<advertised host>:<port>
+    fabric: admin http://<advertised host>:<port>     (only with --admin)
+    fabric: gossip <advertised host>:<port>
+
+in that order: ``gossip`` is always the last line, so a reader can stop there
+(``parse_ready_lines`` is the matching parser). Nothing else is ever written to stdout; logs
+(stdlib ``logging``, each line tagged with the short session id) go to stderr.
+
+Leaving: SIGTERM or SIGINT → sign LEFT, push it directly to several members and gossip it for
+``leave_linger_s`` → stop the HTTP servers (in-flight requests get ``http_shutdown_grace_s``) →
+exit 0. A second signal while leaving stops at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, TextIO, cast
+
+import trio
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.trio import serve as hypercorn_serve
+
+from fabricnode.addr import join_hostport
+from fabricnode.admin import AdminApp
+from fabricnode.config import AgentConfig
+from fabricnode.errors import ConfigError, FabricError
+from fabricnode.gossip import GossipService, UdpTcpTransport
+from fabricnode.identity import Identity
+from fabricnode.keyring import Keyring
+from fabricnode.membership import Liveness
+from fabricnode.mesh import MeshCore
+from fabricnode.registry import Addresses, EngineInfo, EntryBody, Hardware, State
+from fabricnode.rendezvous import announce, read_peers
+from fabricnode.views import liveness_of
+
+if TYPE_CHECKING:
+    from hypercorn.typing import ASGIFramework
+
+log = logging.getLogger("fabricnode.agent")
+
+READY_PREFIX = "fabric: "
+LIVENESS_LOG_INTERVAL_S = 1.0
+
+
+# -- ready lines ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AgentAddresses:
+    """Where a running agent can be reached (advertised addresses, actual ports)."""
+
+    session_id: str
+    http_url: str
+    gossip_addr: str
+    admin_url: str | None = None
+
+
+def ready_lines(addrs: AgentAddresses) -> list[str]:
+    lines = [f"{READY_PREFIX}session {addrs.session_id}", f"{READY_PREFIX}http {addrs.http_url}"]
+    if addrs.admin_url:
+        lines.append(f"{READY_PREFIX}admin {addrs.admin_url}")
+    lines.append(f"{READY_PREFIX}gossip {addrs.gossip_addr}")
+    return lines
+
+
+def parse_ready_lines(text: str) -> AgentAddresses | None:
+    """The addresses printed by a ready agent, or None until its ``gossip`` line is there."""
+    found: dict[str, str] = {}
+    for line in text.splitlines():
+        if not line.startswith(READY_PREFIX):
+            continue
+        key, _, value = line[len(READY_PREFIX) :].partition(" ")
+        found[key] = value.strip()
+        if key == "gossip":
+            return AgentAddresses(
+                found.get("session", ""), found.get("http", ""), value.strip(), found.get("admin")
+            )
+    return None
+
+
+# -- readiness --------------------------------------------------------------------------------
+
+
+class JoinTracker:
+    """Decides when the agent counts as joined (``/ready``); once joined it stays joined.
+
+    Joined means: some other member answered (we know one alive), or there was nobody to join
+    (no seeds at start: we are the first), or ``timeout_s`` passed without an answer — every seed
+    was a stale rendezvous line, so we are the founder of a new mesh and should serve anyway.
+    """
+
+    def __init__(
+        self,
+        core: MeshCore,
+        *,
+        had_seeds: bool,
+        started_at: float,
+        timeout_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.core = core
+        self.had_seeds = had_seeds
+        self.started_at = started_at
+        self.timeout_s = timeout_s
+        self.clock = clock
+        self.reason = ""
+
+    def is_ready(self) -> bool:
+        if self.reason:
+            return True
+        if not self.had_seeds:
+            self.reason = "no peers to join: starting a new mesh"
+        elif any(m.status == Liveness.ALIVE for m in self.core.members.members.values()):
+            self.reason = "joined the mesh"
+        elif self.clock() - self.started_at >= self.timeout_s:
+            self.reason = f"no peer answered in {self.timeout_s:g} s: starting a new mesh"
+        return bool(self.reason)
+
+
+# -- HTTP -------------------------------------------------------------------------------------
+
+
+def bind_http_socket(host: str, port: int, flag: str) -> socket.socket:
+    """Bind (not listen) a TCP socket ourselves, so a busy port is a clear ``ConfigError`` and
+    port 0 tells us the port the kernel picked; hypercorn then serves it via ``fd://``."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        where = join_hostport(host, port)
+        raise ConfigError(f"{flag}: cannot listen on {where}: {exc.strerror or exc}") from None
+    return sock
+
+
+async def serve_http(
+    app: AdminApp,
+    sock: socket.socket,
+    shutdown: trio.Event,
+    grace_s: float,
+    done: trio.Event,
+    *,
+    task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve ``app`` on a bound socket with hypercorn's trio worker until ``shutdown`` is set
+    (then in-flight requests get ``grace_s``); ``done`` is set when the server has stopped."""
+    config = HypercornConfig()
+    config.bind = [f"fd://{sock.detach()}"]
+    config.accesslog = None
+    config.errorlog = logging.getLogger("hypercorn.error")
+    config.graceful_timeout = grace_s
+    config.include_server_header = False
+    try:
+        await hypercorn_serve(
+            cast("ASGIFramework", app),
+            config,
+            shutdown_trigger=shutdown.wait,
+            task_status=task_status,
+        )
+    finally:
+        done.set()
+
+
+# -- the agent --------------------------------------------------------------------------------
+
+
+class Agent:
+    """One agent process's services; ``run`` owns them all."""
+
+    def __init__(
+        self,
+        config: AgentConfig,
+        *,
+        identity: Identity | None = None,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.config = config
+        self.identity = identity or Identity.generate()
+        self.wall_clock = wall_clock
+        # Load the keyring now, before any socket exists: a missing key is the most common
+        # mistake and deserves one clear line (KeyFileError names `fabric keys new-cluster`).
+        self.keyring = Keyring.load(config.cluster_key_path)
+        self.core: MeshCore | None = None
+        self.gossip: GossipService | None = None
+        self.tracker: JoinTracker | None = None
+        self._stop = trio.Event()
+        self._finished = trio.Event()
+
+    @property
+    def session_id(self) -> str:
+        return self.identity.session_id
+
+    def request_stop(self) -> None:
+        """Begin a graceful leave (safe to call before ``run`` has started)."""
+        self._stop.set()
+
+    async def wait_finished(self) -> None:
+        """Return once ``run`` has returned (after the leave) or failed."""
+        await self._finished.wait()
+
+    def join_body(self, now: float, http_url: str, gossip_addr: str) -> EntryBody:
+        cfg = self.config
+        ttl = min(cfg.mesh.entry_ttl_s, cfg.mesh.registry.max_entry_ttl_s)
+        return EntryBody(
+            session_id=self.identity.session_id,
+            public_key=self.identity.public_key,
+            state=State.JOIN,
+            version=1,
+            provider=cfg.provider,
+            addresses=Addresses(http=http_url, gossip=gossip_addr),
+            hardware=Hardware(gpu_type="", gpu_count=0, gpu_memory_gb=0.0, host=_hostname()),
+            engine=EngineInfo(),
+            models=(),
+            labels=cfg.labels,
+            started_at=now,
+            updated_at=now,
+            expires_at=now + ttl,
+        )
+
+    async def run(
+        self, *, task_status: trio.TaskStatus[AgentAddresses] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        try:
+            await self._run(task_status)
+        finally:
+            self._finished.set()
+
+    async def _run(self, task_status: trio.TaskStatus[AgentAddresses]) -> None:
+        cfg = self.config
+        transport = await UdpTcpTransport.bind(cfg.gossip_host, cfg.gossip_port, cfg.advertise_host)
+        gossip_addr = transport.local_addr
+        http_sock = bind_http_socket(cfg.http_host, cfg.http_port, "--http")
+        http_url = _url(cfg.advertise_host, http_sock)
+        admin_sock: socket.socket | None = None
+        admin_url: str | None = None
+        if cfg.admin_host is not None and cfg.admin_port is not None:
+            admin_sock = bind_http_socket(cfg.admin_host, cfg.admin_port, "--admin")
+            admin_url = _url(cfg.advertise_host, admin_sock)
+
+        now = self.wall_clock()
+        core = MeshCore(
+            self.identity, self.keyring, self.join_body(now, http_url, gossip_addr), now, cfg.mesh
+        )
+        gossip = GossipService(
+            core,
+            transport,
+            wall_clock=self.wall_clock,
+            keyring_path=cfg.cluster_key_path,
+            keyring_poll_s=cfg.keyring_poll_s,
+        )
+        seeds = [*cfg.join, *await self._announce_and_read(gossip_addr)]
+        core.bootstrap(seeds)
+        tracker = JoinTracker(
+            core, had_seeds=bool(seeds), started_at=time.monotonic(), timeout_s=cfg.join_timeout_s
+        )
+        self.core, self.gossip, self.tracker = core, gossip, tracker
+        log.info(
+            "session %s provider %s gossip %s http %s seeds %d",
+            core.self_id,
+            cfg.provider,
+            gossip_addr,
+            http_url,
+            len(seeds),
+        )
+
+        def app(agent_endpoints: bool) -> AdminApp:
+            return AdminApp(
+                core,
+                is_ready=tracker.is_ready,
+                transport=transport,
+                keyring=gossip,
+                wall_clock=self.wall_clock,
+                agent_endpoints=agent_endpoints,
+            )
+
+        # With --admin the agent endpoints move there; the public port keeps health/ready.
+        servers = [(app(admin_sock is None), http_sock)]
+        if admin_sock is not None:
+            servers.append((app(True), admin_sock))
+        http_shutdown = trio.Event()
+        http_done = [trio.Event() for _ in servers]
+        async with trio.open_nursery() as nursery:
+            await nursery.start(transport.run)
+            await nursery.start(gossip.run)
+            for (server_app, sock), done in zip(servers, http_done, strict=True):
+                grace = cfg.http_shutdown_grace_s
+                await nursery.start(serve_http, server_app, sock, http_shutdown, grace, done)
+            nursery.start_soon(self._watch_rendezvous, core, gossip, gossip_addr)
+            nursery.start_soon(self._log_changes, core, tracker)
+            task_status.started(AgentAddresses(core.self_id, http_url, gossip_addr, admin_url))
+
+            await self._stop.wait()
+            # Order matters: LEFT first (peers stop routing to us), then close the doors.
+            log.info("leaving: signing LEFT and spreading it for %g s", cfg.leave_linger_s)
+            await gossip.leave(cfg.leave_linger_s)
+            http_shutdown.set()
+            with trio.move_on_after(cfg.http_shutdown_grace_s + 1.0):
+                for done in http_done:
+                    await done.wait()
+            nursery.cancel_scope.cancel()
+        log.info("left the mesh")
+
+    async def _announce_and_read(self, gossip_addr: str) -> list[str]:
+        path = self.config.rendezvous_path
+        if path is None:
+            return []
+        try:
+            await trio.to_thread.run_sync(announce, path, gossip_addr, self.identity.session_id)
+        except OSError as exc:
+            log.warning("cannot announce in rendezvous file %s: %s", path, exc)
+        return await trio.to_thread.run_sync(_read_peers, path, gossip_addr)
+
+    async def _watch_rendezvous(self, core: MeshCore, gossip: GossipService, own: str) -> None:
+        """While isolated, look for newly announced peers (agents that started after us)."""
+        path = self.config.rendezvous_path
+        if path is None:
+            return
+        while True:
+            await trio.sleep(self.config.rendezvous_poll_s)
+            if core.left or core.members.reachable():
+                continue
+            peers = await trio.to_thread.run_sync(_read_peers, path, own)
+            if peers:
+                core.bootstrap(peers)
+                gossip.poke()
+
+    async def _log_changes(self, core: MeshCore, tracker: JoinTracker) -> None:
+        """Log joins and every change of a member's lifecycle state or liveness."""
+        seen: dict[str, tuple[str, str]] = {}
+        was_ready = False
+        while True:
+            if not was_ready and tracker.is_ready():
+                was_ready = True
+                log.info("ready: %s", tracker.reason)
+            current: dict[str, tuple[str, str]] = {}
+            for entry in core.registry:
+                sid = entry.session_id
+                if sid == core.self_id:
+                    continue
+                current[sid] = (entry.body.state.label, liveness_of(core, entry).label)
+                if seen.get(sid) != current[sid]:
+                    state, liveness = current[sid]
+                    log.info("member %s %s: %s, %s", sid[:8], entry.body.provider, state, liveness)
+            for sid in seen.keys() - current.keys():
+                log.info("member %s forgotten", sid[:8])
+            seen = current
+            await trio.sleep(LIVENESS_LOG_INTERVAL_S)
+
+
+def _read_peers(path: Path, own: str) -> list[str]:
+    return read_peers(path, exclude=own)
+
+
+def _url(advertise_host: str, sock: socket.socket) -> str:
+    return f"http://{join_hostport(advertise_host, sock.getsockname()[1])}"
+
+
+def _hostname() -> str:
+    return socket.gethostname()[:255]
+
+
+# -- process entry ----------------------------------------------------------------------------
+
+
+class _SessionFilter(logging.Filter):
+    def __init__(self, session: str) -> None:
+        super().__init__()
+        self.session = session
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.session = self.session
+        return True
+
+
+def configure_logging(level: str, session_id: str, stream: TextIO | None = None) -> None:
+    """Log lines to stderr, each tagged with the short session id (``fabric start`` only)."""
+    handler = logging.StreamHandler(stream or sys.stderr)
+    handler.addFilter(_SessionFilter(session_id[:8]))
+    handler.setFormatter(
+        logging.Formatter("%(asctime)s %(levelname)s [%(session)s] %(name)s: %(message)s")
+    )
+    root = logging.getLogger()
+    root.handlers = [handler]
+    root.setLevel(level.upper())
+    logging.getLogger("hypercorn.error").setLevel(max(root.level, logging.WARNING))
+
+
+def run_agent(config: AgentConfig, *, out: TextIO | None = None) -> int:
+    """Run one agent until SIGTERM/SIGINT, then leave gracefully; returns the exit status.
+
+    Prints the ready lines (module docstring) to ``out`` (stdout). ``FabricError`` (bad key
+    file, port in use, ...) propagates for the caller to show as one line.
+    """
+    agent = Agent(config)  # a bad key file fails here, before logging is set up
+    configure_logging(config.log_level, agent.session_id)
+    try:
+        trio.run(_main, agent, out or sys.stdout)
+    except BaseExceptionGroup as group:
+        error = _first_fabric_error(group)
+        if error is not None:
+            raise error from None
+        raise
+    return 0
+
+
+async def _main(agent: Agent, out: TextIO) -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_handle_signals, signals, agent, nursery.cancel_scope)
+            addrs = await nursery.start(agent.run)
+            for line in ready_lines(addrs):
+                print(line, file=out)
+            out.flush()
+            await agent.wait_finished()
+            nursery.cancel_scope.cancel()  # the signal handler task
+
+
+async def _handle_signals(
+    signals: AsyncIterator[int], agent: Agent, scope: trio.CancelScope
+) -> None:
+    count = 0
+    async for signum in signals:
+        count += 1
+        if count == 1:
+            log.info("%s received: leaving the mesh", signal.Signals(signum).name)
+            agent.request_stop()
+        else:
+            log.warning("second signal: stopping without finishing the leave")
+            scope.cancel()
+            return
+
+
+def _first_fabric_error(group: BaseExceptionGroup[BaseException]) -> FabricError | None:
+    for exc in group.exceptions:
+        if isinstance(exc, FabricError):
+            return exc
+        if isinstance(exc, BaseExceptionGroup):
+            inner = _first_fabric_error(exc)
+            if inner is not None:
+                return inner
+    return None

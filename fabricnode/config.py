@@ -1,0 +1,227 @@
+"""The agent's configuration: one frozen object, built from CLI flags and environment in one place.
+
+``load_config`` is the only function that reads the environment for the agent, so every default
+is visible here and a test can pass its own ``env``. Precedence: a flag given on the command
+line wins over the environment, which wins over the built-in default. Invalid values raise
+``ConfigError`` with one line naming the flag or variable at fault.
+
+Environment: ``FABRIC_HOME`` (default ``~/.config/fabric``), ``FABRIC_JOIN`` (comma-separated
+gossip addresses), ``FABRIC_CLUSTER_KEY`` (path of the cluster keyring), ``USER`` (provider).
+
+Advertised address (what peers and clients are told to contact): ``--advertise`` if given; else
+the gossip bind host when it is a specific address (a loopback bind advertises the loopback
+address, so a laptop-local mesh never leaks onto the LAN); else the HTTP bind host when that is
+specific; else this host's primary address, found by "connecting" an unsent UDP socket towards a
+non-routable address and reading which local address the kernel picked (no packet leaves);
+else ``127.0.0.1``.
+"""
+
+from __future__ import annotations
+
+import getpass
+import ipaddress
+import os
+import socket
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fabricnode.addr import join_hostport, split_hostport
+from fabricnode.errors import ConfigError
+from fabricnode.mesh import MeshConfig
+
+DEFAULT_HTTP = "0.0.0.0:8080"
+DEFAULT_GOSSIP = "0.0.0.0:7946"
+LOG_LEVELS = ("debug", "info", "warning", "error")
+WILDCARD_HOSTS = ("", "0.0.0.0", "::")
+MAX_LABEL_KEY = 64
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """Everything one agent process needs to know before it starts."""
+
+    cluster_key_path: Path
+    rendezvous_path: Path | None  # None: no rendezvous file (only --join seeds)
+    provider: str
+    advertise_host: str
+    http_host: str = "0.0.0.0"
+    http_port: int = 8080
+    gossip_host: str = "0.0.0.0"
+    gossip_port: int = 7946
+    admin_host: str | None = None  # None: agent endpoints share the --http port
+    admin_port: int | None = None
+    join: tuple[str, ...] = ()
+    labels: tuple[tuple[str, str], ...] = ()
+    log_level: str = "info"
+    rendezvous_poll_s: float = 3.0  # re-read the rendezvous file this often while isolated
+    join_timeout_s: float = 10.0  # after this long with no answer we found a new mesh (ready)
+    leave_linger_s: float = 1.0  # keep gossiping our LEFT entry this long on shutdown
+    http_shutdown_grace_s: float = 2.0  # let in-flight HTTP requests finish on shutdown
+    keyring_poll_s: float = 1.0  # notice edits of the cluster keyring file this fast
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+
+    @property
+    def http_bind(self) -> str:
+        return join_hostport(self.http_host, self.http_port)
+
+    @property
+    def gossip_bind(self) -> str:
+        return join_hostport(self.gossip_host, self.gossip_port)
+
+    @property
+    def admin_bind(self) -> str | None:
+        if self.admin_host is None or self.admin_port is None:
+            return None
+        return join_hostport(self.admin_host, self.admin_port)
+
+
+def fabric_home(env: Mapping[str, str]) -> Path:
+    """``$FABRIC_HOME``, else ``~/.config/fabric``."""
+    home = env.get("FABRIC_HOME")
+    return Path(home).expanduser() if home else Path("~/.config/fabric").expanduser()
+
+
+def default_cluster_key_path(env: Mapping[str, str]) -> Path:
+    """``$FABRIC_CLUSTER_KEY``, else ``$FABRIC_HOME/cluster.key`` (shared with ``fabric keys``)."""
+    explicit = env.get("FABRIC_CLUSTER_KEY")
+    return Path(explicit).expanduser() if explicit else fabric_home(env) / "cluster.key"
+
+
+def default_provider_key_path(env: Mapping[str, str]) -> Path:
+    return fabric_home(env) / "provider.key"
+
+
+def load_config(
+    *,
+    http: str | None = None,
+    gossip: str | None = None,
+    admin: str | None = None,
+    advertise: str | None = None,
+    join: Iterable[str] = (),
+    rendezvous: str | None = None,
+    cluster_key: str | None = None,
+    provider: str | None = None,
+    labels: Iterable[str] = (),
+    log_level: str | None = None,
+    env: Mapping[str, str] | None = None,
+    mesh: MeshConfig | None = None,
+) -> AgentConfig:
+    """Build the agent configuration from flags (``None``/empty: not given) and environment.
+
+    ``rendezvous=""`` disables the rendezvous file.
+    """
+    env = os.environ if env is None else env
+    http_host, http_port = _bind("--http", http or DEFAULT_HTTP)
+    gossip_host, gossip_port = _bind("--gossip", gossip or DEFAULT_GOSSIP)
+    admin_host: str | None = None
+    admin_port: int | None = None
+    if admin:
+        admin_host, admin_port = _bind("--admin", admin)
+    seeds = list(join) or [s for s in env.get("FABRIC_JOIN", "").split(",") if s.strip()]
+    join_addrs = tuple(_join_addr(s, "--join" if join else "FABRIC_JOIN") for s in seeds)
+    if rendezvous is None:
+        rendezvous_path: Path | None = fabric_home(env) / "rendezvous"
+    else:
+        rendezvous_path = Path(rendezvous).expanduser() if rendezvous else None
+    key_path = Path(cluster_key).expanduser() if cluster_key else default_cluster_key_path(env)
+    level = (log_level or "info").lower()
+    if level not in LOG_LEVELS:
+        raise ConfigError(f"--log-level {log_level!r}: choose one of {', '.join(LOG_LEVELS)}")
+    return AgentConfig(
+        cluster_key_path=key_path,
+        rendezvous_path=rendezvous_path,
+        provider=_provider(provider, env),
+        advertise_host=_advertise_host(advertise, gossip_host, http_host),
+        http_host=http_host,
+        http_port=http_port,
+        gossip_host=gossip_host,
+        gossip_port=gossip_port,
+        admin_host=admin_host,
+        admin_port=admin_port,
+        join=join_addrs,
+        labels=parse_labels(labels),
+        log_level=level,
+        mesh=mesh or MeshConfig(),
+    )
+
+
+def parse_labels(items: Iterable[str]) -> tuple[tuple[str, str], ...]:
+    """``KEY=VALUE`` strings to sorted pairs (a repeated key keeps its last value)."""
+    out: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ConfigError(f"--label {item!r}: expected KEY=VALUE")
+        if len(key) > MAX_LABEL_KEY:
+            raise ConfigError(f"--label {item!r}: key longer than {MAX_LABEL_KEY} characters")
+        out[key] = value
+    return tuple(sorted(out.items()))
+
+
+def _bind(flag: str, text: str) -> tuple[str, int]:
+    try:
+        host, port = split_hostport(text)
+    except ConfigError as exc:
+        raise ConfigError(f"{flag}: {exc}") from None
+    return host or "0.0.0.0", port
+
+
+def _join_addr(text: str, source: str) -> str:
+    try:
+        host, port = split_hostport(text)
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+    if not host or port == 0:
+        raise ConfigError(f"{source}: {text!r} needs a host and a non-zero port")
+    return join_hostport(host, port)
+
+
+def _provider(flag: str | None, env: Mapping[str, str]) -> str:
+    name = flag or env.get("USER") or _login_name()
+    if not name:
+        raise ConfigError("no provider name: pass --provider NAME or set USER")
+    if len(name) > 64:
+        raise ConfigError(f"--provider {name!r}: longer than 64 characters")
+    return name
+
+
+def _login_name() -> str:
+    try:
+        return getpass.getuser()
+    except (OSError, KeyError):
+        return ""
+
+
+def _advertise_host(flag: str | None, gossip_host: str, http_host: str) -> str:
+    if flag:
+        if any(c in flag for c in " /[]") or (":" in flag and not _is_ip(flag)):
+            raise ConfigError(f"--advertise {flag!r}: expected a host name or IP address")
+        return flag
+    for host in (gossip_host, http_host):
+        if host not in WILDCARD_HOSTS:
+            return host
+    return primary_address()
+
+
+def primary_address() -> str:
+    """This host's address on its default route, or 127.0.0.1 when it has none.
+
+    ``connect`` on a UDP socket sends nothing; it only makes the kernel choose a source address.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        try:
+            sock.connect(("10.254.254.254", 1))
+            addr = str(sock.getsockname()[0])
+        except OSError:
+            return "127.0.0.1"
+    return addr if addr and addr != "0.0.0.0" else "127.0.0.1"
+
+
+def _is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
