@@ -185,6 +185,13 @@ def start(
     provider: Annotated[
         str | None, typer.Option(metavar="NAME", help="Provider name (default $USER).")
     ] = None,
+    provider_key: Annotated[
+        str | None,
+        typer.Option(
+            metavar="PATH",
+            help="Provider key that certifies this agent (see `fabric keys new-provider`).",
+        ),
+    ] = None,
     label: Annotated[
         list[str] | None, typer.Option(metavar="KEY=VALUE", help="Label (repeatable).")
     ] = None,
@@ -210,6 +217,7 @@ def start(
             rendezvous=rendezvous,
             cluster_key=cluster_key,
             provider=provider,
+            provider_key=provider_key,
             labels=label or (),
             log_level=log_level,
         )

@@ -48,7 +48,7 @@ from fabricnode.admin import AdminApp
 from fabricnode.config import AgentConfig
 from fabricnode.errors import ConfigError, FabricError
 from fabricnode.gossip import GossipService, UdpTcpTransport
-from fabricnode.identity import Identity
+from fabricnode.identity import Identity, ProviderKey
 from fabricnode.keyring import Keyring
 from fabricnode.membership import Liveness
 from fabricnode.mesh import MeshCore
@@ -206,6 +206,9 @@ class Agent:
         # Load the keyring now, before any socket exists: a missing key is the most common
         # mistake and deserves one clear line (KeyFileError names `fabric keys new-cluster`).
         self.keyring = Keyring.load(config.cluster_key_path)
+        self.provider_key = (
+            ProviderKey.load(config.provider_key_path) if config.provider_key_path else None
+        )
         self.core: MeshCore | None = None
         self.gossip: GossipService | None = None
         self.tracker: JoinTracker | None = None
@@ -227,12 +230,17 @@ class Agent:
     def join_body(self, now: float, http_url: str, gossip_addr: str) -> EntryBody:
         cfg = self.config
         ttl = min(cfg.mesh.entry_ttl_s, cfg.mesh.registry.max_entry_ttl_s)
+        provider, cert = cfg.provider, None
+        if self.provider_key is not None:
+            key = self.provider_key
+            provider = key.provider  # the certified name, whatever --provider said
+            cert = key.certify(self.identity.public_key, now + cfg.provider_cert_ttl_s)
         return EntryBody(
             session_id=self.identity.session_id,
             public_key=self.identity.public_key,
             state=State.JOIN,
             version=1,
-            provider=cfg.provider,
+            provider=provider,
             addresses=Addresses(http=http_url, gossip=gossip_addr),
             hardware=Hardware(gpu_type="", gpu_count=0, gpu_memory_gb=0.0, host=_hostname()),
             engine=EngineInfo(),
@@ -241,6 +249,7 @@ class Agent:
             started_at=now,
             updated_at=now,
             expires_at=now + ttl,
+            provider_cert=cert,
         )
 
     async def run(

@@ -45,6 +45,8 @@ class AgentConfig:
     rendezvous_path: Path | None  # None: no rendezvous file (only --join seeds)
     provider: str
     advertise_host: str
+    provider_key_path: Path | None = None  # certifies our session key (verified provider)
+    provider_cert_ttl_s: float = 30 * 86400.0  # certificate lifetime; far beyond any job
     http_host: str = "0.0.0.0"
     http_port: int = 8080
     gossip_host: str = "0.0.0.0"
@@ -102,6 +104,7 @@ def load_config(
     rendezvous: str | None = None,
     cluster_key: str | None = None,
     provider: str | None = None,
+    provider_key: str | None = None,
     labels: Iterable[str] = (),
     log_level: str | None = None,
     env: Mapping[str, str] | None = None,
@@ -132,6 +135,7 @@ def load_config(
         cluster_key_path=key_path,
         rendezvous_path=rendezvous_path,
         provider=_provider(provider, env),
+        provider_key_path=Path(provider_key).expanduser() if provider_key else None,
         advertise_host=_advertise_host(advertise, gossip_host, http_host),
         http_host=http_host,
         http_port=http_port,

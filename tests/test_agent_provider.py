@@ -1,0 +1,42 @@
+"""`fabric start --provider-key`: the agent's entry carries a certificate of its session key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fabricnode.agent import Agent
+from fabricnode.config import load_config
+from fabricnode.errors import KeyFileError
+from fabricnode.identity import ProviderKey, Verifier
+from fabricnode.keyring import Keyring, new_cluster_key
+
+NOW = 1_750_000_000.0
+
+
+def config_with(tmp_path: Path, provider_key: Path) -> Agent:
+    key = tmp_path / "cluster.key"
+    Keyring.with_key(new_cluster_key()).save(key)
+    cfg = load_config(
+        cluster_key=str(key),
+        provider="someone-else",
+        provider_key=str(provider_key),
+        env={"FABRIC_HOME": str(tmp_path), "USER": "u"},
+    )
+    return Agent(cfg)
+
+
+def test_provider_key_certifies_the_session_and_names_the_provider(tmp_path: Path) -> None:
+    pkey = ProviderKey.generate("nlp-lab")
+    pkey.save(tmp_path / "provider.key")
+    agent = config_with(tmp_path, tmp_path / "provider.key")
+    entry = agent.join_body(NOW, "http://127.0.0.1:1", "127.0.0.1:2").sign(agent.identity)
+    assert entry.body.provider == "nlp-lab"  # the certified name wins over --provider
+    assert entry.verify(Verifier())
+    assert entry.verified_provider(NOW, Verifier()) == pkey.fingerprint
+
+
+def test_missing_provider_key_is_one_clear_error_before_anything_starts(tmp_path: Path) -> None:
+    with pytest.raises(KeyFileError, match="provider key"):
+        config_with(tmp_path, tmp_path / "absent.key")
