@@ -97,10 +97,17 @@ def main() -> None:
     ap.add_argument("--minutes", type=float, default=10.0, help="steady-state window, virtual")
     ap.add_argument("--crashes", type=int, default=3)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--probe-interval", type=float, help="override MeshConfig.probe_interval_s")
+    ap.add_argument("--suspicion-mult", type=float, help="override MeshConfig.suspicion_mult")
     args = ap.parse_args()
 
     cpu0 = time.process_time()
-    config = MeshConfig()
+    overrides: dict[str, float] = {}
+    if args.probe_interval is not None:
+        overrides["probe_interval_s"] = args.probe_interval
+    if args.suspicion_mult is not None:
+        overrides["suspicion_mult"] = args.suspicion_mult
+    config = MeshConfig(**overrides)  # type: ignore[arg-type]
     net, obs = build(args.nodes, args.loss, args.seed, config)
     print(f"# {args.nodes} nodes, loss {args.loss:.0%}, duplicates 1%, seed {args.seed}")
     print(

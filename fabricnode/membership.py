@@ -102,9 +102,11 @@ class SuspicionTiming:
     suspicion_mult: float
     max_factor: float
     expected_confirmations: int
+    floor_s: float = 1.0  # never shorter: rides out a stalled process or a GC pause
 
     def bounds(self, members: int) -> tuple[float, float]:
         low = self.suspicion_mult * max(1.0, math.log10(max(members, 1))) * self.probe_interval_s
+        low = max(low, self.floor_s)
         return low, low * self.max_factor
 
     def timeout(self, members: int, confirmations: int) -> float:

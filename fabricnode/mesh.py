@@ -37,7 +37,7 @@ from fabricnode.broadcast import BroadcastQueue
 from fabricnode.errors import WireError
 from fabricnode.identity import Identity, Verifier
 from fabricnode.keyring import HEADER_BYTES, NONCE_BYTES, SEAL_OVERHEAD, Keyring
-from fabricnode.membership import Change, Liveness, MemberTable, SuspicionTiming
+from fabricnode.membership import Change, Liveness, Member, MemberTable, SuspicionTiming
 from fabricnode.registry import (
     EntryBody,
     MergeOutcome,
@@ -71,10 +71,11 @@ PACKET_ENVELOPE_BYTES = 64  # version, sender id, seq, timestamp and array heade
 
 @dataclass(frozen=True)
 class MeshConfig:
-    probe_interval_s: float = 0.5
+    probe_interval_s: float = 0.4
     probe_timeout_s: float = 0.2
     indirect_probes: int = 6
-    suspicion_mult: float = 1.0
+    suspicion_mult: float = 0.75
+    suspicion_floor_s: float = 1.0
     suspicion_max_factor: float = 4.0
     expected_confirmations: int = 3
     gossip_interval_s: float = 0.1
@@ -100,6 +101,7 @@ class MeshConfig:
             self.suspicion_mult,
             self.suspicion_max_factor,
             self.expected_confirmations,
+            self.suspicion_floor_s,
         )
 
 
@@ -406,7 +408,7 @@ class MeshCore:
         if not rec.verify(self.verifier):
             self._drop("bad_signature")
             return
-        spread = self._spread or m is not None
+        spread = self._spread or _has_liveness_record(m)
         if self.members.apply_alive(rec, now) == Change.UPDATED and spread:
             self.broadcasts.put(("live", rec.session_id), rec)
 
@@ -448,7 +450,7 @@ class MeshCore:
             return
         entry = self.registry.get(rec.target)
         hint = entry.body.addresses.gossip if entry else ""
-        spread = self._spread or m is not None
+        spread = self._spread or _has_liveness_record(m)
         change = self.members.apply_accusation(rec, now, hint)
         if change == Change.REFUTE:
             self._refute(rec.incarnation, now)
@@ -792,6 +794,11 @@ class MeshCore:
 
     def _drop(self, reason: str, count: int = 1) -> None:
         self.stats_dropped[reason] = self.stats_dropped.get(reason, 0) + count
+
+
+def _has_liveness_record(m: Member | None) -> bool:
+    """Whether we held a liveness record for ``m`` (not just an address from its entry)."""
+    return m is not None and (m.alive_record is not None or m.accusation is not None)
 
 
 def _live_key(row: SyncRow) -> tuple[int, int]:
