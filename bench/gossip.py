@@ -27,6 +27,25 @@ from fabricnode.mesh import MeshConfig
 from fabricnode.registry import State
 from fabricnode.testing.simnet import SimNetwork, SimNode
 
+# memberlist's DefaultLANConfig: ProbeInterval 1 s, ProbeTimeout 500 ms, IndirectChecks 3,
+# SuspicionMult 4, SuspicionMaxTimeoutMult 6, GossipInterval 200 ms, GossipNodes 3,
+# RetransmitMult 4, PushPullInterval 30 s. (Our core keeps its confirmation probe.)
+PROFILES: dict[str, dict[str, float]] = {
+    "fabric": {},
+    "memberlist-lan": {
+        "probe_interval_s": 1.0,
+        "probe_timeout_s": 0.5,
+        "indirect_probes": 3,
+        "suspicion_mult": 4.0,
+        "suspicion_max_factor": 6.0,
+        "suspicion_floor_s": 0.0,
+        "gossip_interval_s": 0.2,
+        "gossip_fanout": 3,
+        "retransmit_mult": 4,
+        "sync_interval_s": 30.0,
+    },
+}
+
 
 class Observer:
     """Counts liveness transitions that every node makes, via the member tables' hook."""
@@ -97,19 +116,28 @@ def main() -> None:
     ap.add_argument("--minutes", type=float, default=10.0, help="steady-state window, virtual")
     ap.add_argument("--crashes", type=int, default=3)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument(
+        "--profile",
+        choices=["fabric", "memberlist-lan"],
+        default="fabric",
+        help="fabric: our defaults; memberlist-lan: memberlist's DefaultLANConfig timings",
+    )
     ap.add_argument("--probe-interval", type=float, help="override MeshConfig.probe_interval_s")
     ap.add_argument("--suspicion-mult", type=float, help="override MeshConfig.suspicion_mult")
     args = ap.parse_args()
 
     cpu0 = time.process_time()
-    overrides: dict[str, float] = {}
+    overrides: dict[str, float] = dict(PROFILES[args.profile])
     if args.probe_interval is not None:
         overrides["probe_interval_s"] = args.probe_interval
     if args.suspicion_mult is not None:
         overrides["suspicion_mult"] = args.suspicion_mult
     config = MeshConfig(**overrides)  # type: ignore[arg-type]
     net, obs = build(args.nodes, args.loss, args.seed, config)
-    print(f"# {args.nodes} nodes, loss {args.loss:.0%}, duplicates 1%, seed {args.seed}")
+    print(
+        f"# profile {args.profile}: {args.nodes} nodes, loss {args.loss:.0%}, duplicates 1%, "
+        f"seed {args.seed}"
+    )
     print(
         f"# probe {config.probe_interval_s}s timeout {config.probe_timeout_s}s "
         f"indirect {config.indirect_probes}; gossip {config.gossip_interval_s}s "
