@@ -4,9 +4,7 @@ Exit status: 0 success, 1 a failed operation (agent unreachable, key file missin
 node, ...), 2 bad usage (unknown option, malformed value). Errors are one line on stderr,
 ``fabric: error: ...``; ``--debug`` shows the traceback instead.
 
-``fabric start -- ENGINE_CMD`` is refused for now (exit 2): engine supervision is a later issue,
-and silently starting an agent that never serves the engine the user asked for would be worse
-than a clear refusal.
+``fabric start -- ENGINE_CMD`` supervises the engine command (argv passed through exactly).
 """
 
 from __future__ import annotations
@@ -154,7 +152,11 @@ def _root(
 def start(
     engine_cmd: Annotated[
         list[str] | None,
-        typer.Argument(metavar="-- ENGINE_CMD", help="Not available yet.", show_default=False),
+        typer.Argument(
+            metavar="-- ENGINE_CMD",
+            help="Engine to supervise, e.g. -- vllm serve MODEL --port 8000.",
+            show_default=False,
+        ),
     ] = None,
     http: Annotated[
         str | None,
@@ -185,6 +187,14 @@ def start(
     provider: Annotated[
         str | None, typer.Option(metavar="NAME", help="Provider name (default $USER).")
     ] = None,
+    engine_url: Annotated[
+        str | None,
+        typer.Option(metavar="URL", help="Where the engine serves (default: from its --port)."),
+    ] = None,
+    sim_gpu: Annotated[
+        str | None,
+        typer.Option(metavar="TYPE[:N[:GB]]", help="Announce these GPUs instead of nvidia-smi's."),
+    ] = None,
     provider_key: Annotated[
         str | None,
         typer.Option(
@@ -199,12 +209,6 @@ def start(
         str, typer.Option(metavar="LEVEL", help="debug|info|warning|error.")
     ] = "info",
 ) -> None:
-    if engine_cmd:
-        _usage_error(
-            "start",
-            "engine supervision is not available yet: run `fabric start` without "
-            f"`-- {' '.join(engine_cmd)}` (the agent then joins as JOIN)",
-        )
     from fabricnode.config import load_config
 
     try:
@@ -218,6 +222,9 @@ def start(
             cluster_key=cluster_key,
             provider=provider,
             provider_key=provider_key,
+            engine_cmd=engine_cmd or (),
+            engine_url=engine_url,
+            sim_gpu=sim_gpu,
             labels=label or (),
             log_level=log_level,
         )

@@ -30,6 +30,7 @@ exit 0. A second signal while leaving stops at once.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import socket
 import sys
@@ -46,14 +47,18 @@ from hypercorn.trio import serve as hypercorn_serve
 from fabricnode.addr import join_hostport
 from fabricnode.admin import AdminApp
 from fabricnode.config import AgentConfig
+from fabricnode.engine import EngineService
 from fabricnode.errors import ConfigError, FabricError
 from fabricnode.gossip import GossipService, UdpTcpTransport
+from fabricnode.hardware import default_host
+from fabricnode.hardware import discover as discover_gpus
 from fabricnode.identity import Identity, ProviderKey
 from fabricnode.keyring import Keyring
 from fabricnode.membership import Liveness
 from fabricnode.mesh import MeshCore
 from fabricnode.registry import Addresses, EngineInfo, EntryBody, Hardware, State
 from fabricnode.rendezvous import announce, read_peers
+from fabricnode.slurm_env import SlurmJob, discover_job
 from fabricnode.views import liveness_of
 
 if TYPE_CHECKING:
@@ -212,6 +217,7 @@ class Agent:
         self.core: MeshCore | None = None
         self.gossip: GossipService | None = None
         self.tracker: JoinTracker | None = None
+        self.engine: EngineService | None = None
         self._stop = trio.Event()
         self._finished = trio.Event()
 
@@ -227,9 +233,23 @@ class Agent:
         """Return once ``run`` has returned (after the leave) or failed."""
         await self._finished.wait()
 
-    def join_body(self, now: float, http_url: str, gossip_addr: str) -> EntryBody:
+    def join_body(
+        self,
+        now: float,
+        http_url: str,
+        gossip_addr: str,
+        hardware: Hardware | None = None,
+        job: SlurmJob | None = None,
+    ) -> EntryBody:
         cfg = self.config
-        ttl = min(cfg.mesh.entry_ttl_s, cfg.mesh.registry.max_entry_ttl_s)
+        expires = now + min(cfg.mesh.entry_ttl_s, cfg.mesh.registry.max_entry_ttl_s)
+        labels = list(cfg.labels)
+        if job is not None:
+            labels += [("slurm.job_id", job.job_id), ("slurm.partition", job.partition)]
+            if job.end_time is not None and job.end_time > now:
+                # The lease never outlives the job; MeshCore renews it up to this cap.
+                labels.append(("fabric.job_end", f"{job.end_time:.0f}"))
+                expires = min(expires, job.end_time)
         provider, cert = cfg.provider, None
         if self.provider_key is not None:
             key = self.provider_key
@@ -242,15 +262,21 @@ class Agent:
             version=1,
             provider=provider,
             addresses=Addresses(http=http_url, gossip=gossip_addr),
-            hardware=Hardware(gpu_type="", gpu_count=0, gpu_memory_gb=0.0, host=_hostname()),
+            hardware=hardware or Hardware(host=_hostname()),
             engine=EngineInfo(),
             models=(),
-            labels=cfg.labels,
+            labels=tuple(labels),
             started_at=now,
             updated_at=now,
-            expires_at=now + ttl,
+            expires_at=expires,
             provider_cert=cert,
         )
+
+    def discover_host(self) -> tuple[Hardware, SlurmJob | None]:
+        """GPUs and Slurm job of this process (runs nvidia-smi/scontrol: call in a thread)."""
+        env = os.environ
+        gpus = discover_gpus(env, host=default_host(env), sim_gpu=self.config.sim_gpu)
+        return gpus.to_hardware(), discover_job(env)
 
     async def run(
         self, *, task_status: trio.TaskStatus[AgentAddresses] = trio.TASK_STATUS_IGNORED
@@ -272,10 +298,10 @@ class Agent:
             admin_sock = bind_http_socket(cfg.admin_host, cfg.admin_port, "--admin")
             admin_url = _url(cfg.advertise_host, admin_sock)
 
+        hardware, job = await trio.to_thread.run_sync(self.discover_host)
         now = self.wall_clock()
-        core = MeshCore(
-            self.identity, self.keyring, self.join_body(now, http_url, gossip_addr), now, cfg.mesh
-        )
+        body = self.join_body(now, http_url, gossip_addr, hardware, job)
+        core = MeshCore(self.identity, self.keyring, body, now, cfg.mesh)
         gossip = GossipService(
             core,
             transport,
@@ -298,10 +324,26 @@ class Agent:
             len(seeds),
         )
 
+        engine = (
+            EngineService(
+                cfg.engine,
+                core,
+                gossip,
+                log_path=self._engine_log_path(core.self_id),
+                wall_clock=self.wall_clock,
+            )
+            if cfg.engine is not None
+            else None
+        )
+        self.engine = engine
+
+        def ready() -> bool:
+            return tracker.is_ready() and (engine is None or engine.state == "serving")
+
         def app(agent_endpoints: bool) -> AdminApp:
             return AdminApp(
                 core,
-                is_ready=tracker.is_ready,
+                is_ready=ready,
                 transport=transport,
                 keyring=gossip,
                 wall_clock=self.wall_clock,
@@ -320,6 +362,8 @@ class Agent:
             for (server_app, sock), done in zip(servers, http_done, strict=True):
                 grace = cfg.http_shutdown_grace_s
                 await nursery.start(serve_http, server_app, sock, http_shutdown, grace, done)
+            if engine is not None:
+                await nursery.start(engine.run)
             nursery.start_soon(self._watch_rendezvous, core, gossip, gossip_addr)
             nursery.start_soon(self._log_changes, core, tracker)
             task_status.started(AgentAddresses(core.self_id, http_url, gossip_addr, admin_url))
@@ -328,12 +372,20 @@ class Agent:
             # Order matters: LEFT first (peers stop routing to us), then close the doors.
             log.info("leaving: signing LEFT and spreading it for %g s", cfg.leave_linger_s)
             await gossip.leave(cfg.leave_linger_s)
+            if engine is not None:
+                await engine.stop()  # after LEFT: nobody routes to it any more
             http_shutdown.set()
             with trio.move_on_after(cfg.http_shutdown_grace_s + 1.0):
                 for done in http_done:
                     await done.wait()
             nursery.cancel_scope.cancel()
         log.info("left the mesh")
+
+    def _engine_log_path(self, session_id: str) -> Path | None:
+        if self.config.log_dir is None:
+            return None
+        job = os.environ.get("SLURM_JOB_ID", "local")
+        return self.config.log_dir / f"{job}-{session_id[:8]}" / "engine.log"
 
     async def _announce_and_read(self, gossip_addr: str) -> list[str]:
         path = self.config.rendezvous_path

@@ -22,12 +22,14 @@ import getpass
 import ipaddress
 import os
 import socket
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from fabricnode.addr import join_hostport, split_hostport
+from fabricnode.engine_cmd import EngineCommand, inspect_engine_cmd
 from fabricnode.errors import ConfigError
+from fabricnode.hardware import parse_sim_gpu
 from fabricnode.mesh import MeshConfig
 
 DEFAULT_HTTP = "0.0.0.0:8080"
@@ -46,6 +48,9 @@ class AgentConfig:
     provider: str
     advertise_host: str
     provider_key_path: Path | None = None  # certifies our session key (verified provider)
+    engine: EngineCommand | None = None  # the supervised child; None: a JOIN-only node
+    log_dir: Path | None = None  # engine logs go to <log_dir>/<job>-<session>/engine.log
+    sim_gpu: str | None = None  # TYPE[:COUNT[:MEMORY_GB]] instead of nvidia-smi discovery
     provider_cert_ttl_s: float = 30 * 86400.0  # certificate lifetime; far beyond any job
     http_host: str = "0.0.0.0"
     http_port: int = 8080
@@ -105,6 +110,9 @@ def load_config(
     cluster_key: str | None = None,
     provider: str | None = None,
     provider_key: str | None = None,
+    engine_cmd: Sequence[str] = (),
+    engine_url: str | None = None,
+    sim_gpu: str | None = None,
     labels: Iterable[str] = (),
     log_level: str | None = None,
     env: Mapping[str, str] | None = None,
@@ -136,6 +144,9 @@ def load_config(
         rendezvous_path=rendezvous_path,
         provider=_provider(provider, env),
         provider_key_path=Path(provider_key).expanduser() if provider_key else None,
+        engine=inspect_engine_cmd(engine_cmd, engine_url) if engine_cmd else None,
+        log_dir=fabric_home(env) / "logs",
+        sim_gpu=_sim_gpu(sim_gpu),
         advertise_host=_advertise_host(advertise, gossip_host, http_host),
         http_host=http_host,
         http_port=http_port,
@@ -180,6 +191,12 @@ def _join_addr(text: str, source: str) -> str:
     if not host or port == 0:
         raise ConfigError(f"{source}: {text!r} needs a host and a non-zero port")
     return join_hostport(host, port)
+
+
+def _sim_gpu(spec: str | None) -> str | None:
+    if spec:
+        parse_sim_gpu(spec, host="check")  # fail at start-up with a clear line, not later
+    return spec or None
 
 
 def _provider(flag: str | None, env: Mapping[str, str]) -> str:

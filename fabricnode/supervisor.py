@@ -87,6 +87,7 @@ class EngineProcess:
         self._stdout: trio.lowlevel.FdStream | None = None
         self._log_file: IO[bytes] | None = None
         self.exited = trio.Event()
+        self._pumped = trio.Event()
         self.returncode: int | None = None
         self.lines = 0
 
@@ -121,13 +122,20 @@ class EngineProcess:
             log.info("engine started: pid %d: %s", self._process.pid, " ".join(self.argv))
             task_status.started(self._process.pid)
             try:
-                await self._pump_output()
-                code = await self._wait()
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._pump_output)
+                    code = await self._wait()
+                    self._finish(code)
+                    # The leader is gone; workers it forked must not outlive it (they also
+                    # hold our output pipe open). Then drain what is left of the output.
+                    self._kill_group()
+                    with trio.move_on_after(2.0):
+                        await self._pumped.wait()
+                    nursery.cancel_scope.cancel()
             except BaseException:
                 with trio.CancelScope(shield=True):
                     await self.stop()
                 raise
-            self._finish(code)
             return code
         finally:
             if self._stdout is not None:
@@ -180,6 +188,7 @@ class EngineProcess:
                 pending = b""
         if pending:
             self._log_line(pending)
+        self._pumped.set()
 
     def _log_line(self, line: bytes) -> None:
         self.lines += 1
@@ -193,6 +202,14 @@ class EngineProcess:
         except ProcessLookupError:
             pass
 
+    def _kill_group(self) -> None:
+        if self._process is None:
+            return
+        try:
+            os.killpg(self._process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
     async def stop(self) -> int | None:
         """SIGTERM the process group, SIGKILL it after ``kill_after_s``; returns the exit code."""
         proc = self._process
@@ -204,11 +221,7 @@ class EngineProcess:
                 await self._wait()
             if proc.returncode is None:
                 log.warning("engine ignored SIGTERM for %.0f s: SIGKILL", self.kill_after_s)
-        # Whatever the leader did, no member of its group may outlive it.
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        self._kill_group()  # whatever the leader did, no member of its group may outlive it
         with trio.CancelScope(shield=True):
             code = await self._wait()
         if not self.exited.is_set():

@@ -40,3 +40,22 @@ def test_provider_key_certifies_the_session_and_names_the_provider(tmp_path: Pat
 def test_missing_provider_key_is_one_clear_error_before_anything_starts(tmp_path: Path) -> None:
     with pytest.raises(KeyFileError, match="provider key"):
         config_with(tmp_path, tmp_path / "absent.key")
+
+
+def test_slurm_job_end_caps_the_lease_and_labels_the_entry(tmp_path: Path) -> None:
+    from fabricnode.registry import Hardware
+    from fabricnode.slurm_env import SlurmJob
+
+    key = tmp_path / "cluster.key"
+    Keyring.with_key(new_cluster_key()).save(key)
+    agent = Agent(
+        load_config(cluster_key=str(key), env={"FABRIC_HOME": str(tmp_path), "USER": "u"})
+    )
+    job = SlurmJob("4242", partition="gpu", end_time=NOW + 600)
+    hw = Hardware("H100", 4, 79.6, "gpu017")
+    body = agent.join_body(NOW, "http://h:1", "h:2", hw, job)
+    assert body.expires_at == NOW + 600  # never past the job's end
+    labels = dict(body.labels)
+    assert labels["slurm.job_id"] == "4242" and labels["slurm.partition"] == "gpu"
+    assert labels["fabric.job_end"] == f"{NOW + 600:.0f}"
+    assert body.hardware == hw

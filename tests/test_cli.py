@@ -146,12 +146,18 @@ def test_new_provider_key_is_loadable_and_not_overwritten(
 # -- start: refusals before anything runs ---------------------------------------------------------
 
 
-def test_start_refuses_an_engine_command_for_now(runner: CliRunner) -> None:
-    result = runner.invoke(app, ["start", "--", "vllm", "serve", "m", "--port", "8000"])
+def test_start_refuses_an_engine_command_whose_port_it_cannot_tell(runner: CliRunner) -> None:
+    result = runner.invoke(app, ["start", "--", "my-server", "--model", "m"])
     assert result.exit_code == 2
     line = one_error_line(result.stderr)
-    assert "engine supervision is not available yet" in line
-    assert "vllm serve m --port 8000" in line
+    assert "cannot tell which port the engine listens on" in line
+    assert "--engine-url" in line
+
+
+def test_start_refuses_a_malformed_sim_gpu(runner: CliRunner) -> None:
+    result = runner.invoke(app, ["start", "--sim-gpu", "H100:lots"])
+    assert result.exit_code == 2
+    assert "--sim-gpu" in one_error_line(result.stderr)
 
 
 def test_start_without_a_cluster_key_says_how_to_create_one(

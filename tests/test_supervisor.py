@@ -17,38 +17,7 @@ import trio
 
 from fabricnode.supervisor import EngineError, EngineProcess, ServedModel, parse_models, wait_ready
 
-# A stand-in engine: loads for a moment, then serves /health and /v1/models; it forks a
-# worker (as vLLM does) that would outlive it if we only signalled the leader.
-ENGINE = textwrap.dedent(
-    """
-    import http.server, json, os, sys, time, signal
-    port = int(sys.argv[1]); load_s = float(sys.argv[2]); ignore_term = sys.argv[3] == "1"
-    if ignore_term:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    worker = os.fork()
-    if worker == 0:
-        while True:
-            time.sleep(1)
-    print(f"worker {worker}", flush=True)
-    print("loading weights", flush=True)
-    time.sleep(load_s)
-    class H(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            if self.path == "/health":
-                body = b""
-            elif self.path == "/v1/models":
-                body = json.dumps({"object": "list", "data": [
-                    {"id": "tiny-llama", "object": "model", "max_model_len": 512}]}).encode()
-            else:
-                self.send_response(404); self.end_headers(); return
-            self.send_response(200); self.send_header("Content-Length", str(len(body)))
-            self.end_headers(); self.wfile.write(body)
-        def log_message(self, *a):
-            pass
-    print("serving", flush=True)
-    http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
-    """
-)
+STUB_ENGINE = Path(__file__).with_name("stub_engine.py")
 
 
 def free_port() -> int:
@@ -73,9 +42,7 @@ def alive(pid: int) -> bool:
 def engine_argv(
     tmp_path: Path, port: int, load_s: float = 0.3, ignore_term: bool = False
 ) -> list[str]:
-    script = tmp_path / "engine.py"
-    script.write_text(ENGINE)
-    return [sys.executable, str(script), str(port), str(load_s), "1" if ignore_term else "0"]
+    return [sys.executable, str(STUB_ENGINE), str(port), str(load_s), "1" if ignore_term else "0"]
 
 
 def worker_pid(log_path: Path) -> int:

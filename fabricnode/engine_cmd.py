@@ -1,0 +1,195 @@
+"""What an engine command line says about the engine: its kind, model and URL.
+
+Theory of operation
+-------------------
+The supervisor runs ENGINE_CMD exactly as given (an argv, never re-split); this module only
+reads it. The engine is found anywhere in the argv, so launchers in front of it (``srun``,
+``uv run``, ``apptainer exec IMAGE``, ``env VAR=1``) do not hide it:
+
+- vLLM: ``vllm serve MODEL ...`` or ``python -m vllm.entrypoints.openai.api_server --model M``
+- SGLang: ``python -m sglang.launch_server --model-path M ...``
+- anything else is an ``openai`` engine (an OpenAI-compatible server we know nothing about).
+
+Options are read after the engine's own start (for ``openai``, anywhere), in both ``--opt V``
+and ``--opt=V`` forms, the last occurrence winning as with argparse. ``--served-model-name``
+(its first name) is the model hint, else the model. The URL is ``engine_url`` when given, else
+``http://HOST:PORT`` from ``--host``/``--port`` with the engine's defaults (vLLM 8000, SGLang
+30000; an ``openai`` engine must say its port); wildcard hosts (``0.0.0.0``, ``::``) become
+``127.0.0.1`` since the URL is for connecting. Nonsense raises ``ConfigError``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from fabricnode.errors import ConfigError
+
+VLLM = "vllm"
+SGLANG = "sglang"
+OPENAI = "openai"
+DEFAULT_PORTS = {VLLM: 8000, SGLANG: 30000}
+WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::", "[::]", "*"})
+CONNECT_HOST = "127.0.0.1"
+
+_PYTHON = re.compile(r"python(\d+(\.\d+)?)?")
+_HOSTNAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9\-_.]*[A-Za-z0-9])?")
+
+
+@dataclass(frozen=True)
+class EngineCommand:
+    """What ENGINE_CMD says: kind, model, served names, and where to reach the engine."""
+
+    argv: tuple[str, ...]
+    kind: str
+    model: str | None
+    served_model_names: tuple[str, ...]
+    url: str
+
+    @property
+    def model_hint(self) -> str | None:
+        """The model id the engine should report: the first served name, else the model."""
+        return self.served_model_names[0] if self.served_model_names else self.model
+
+
+def detect_kind(argv: Sequence[str]) -> tuple[str, int]:
+    """The engine kind and the index in ``argv`` where the engine's own arguments start."""
+    for i, token in enumerate(argv):
+        name = os.path.basename(token)
+        if name == "vllm" and i + 1 < len(argv) and argv[i + 1] == "serve":
+            return VLLM, i + 2
+        module = None
+        if token == "-m" and i + 1 < len(argv) and _is_python(argv[:i]):
+            module = argv[i + 1]
+        elif token.startswith("-m") and len(token) > 2 and _is_python(argv[:i]):
+            module = token[2:]
+        if module is not None:
+            if module == "vllm" or module.startswith("vllm."):
+                return VLLM, i + 2 if token == "-m" else i + 1
+            if module == "sglang.launch_server":
+                return SGLANG, i + 2 if token == "-m" else i + 1
+    return OPENAI, 0
+
+
+def _is_python(before: Sequence[str]) -> bool:
+    """Whether a python interpreter appears before a ``-m`` (so ``-m`` is python's option)."""
+    return any(_PYTHON.fullmatch(os.path.basename(t)) for t in before)
+
+
+def option_values(args: Sequence[str], *names: str, nargs_plus: bool = False) -> list[str] | None:
+    """The values of the last occurrence of any of ``names`` (``--opt V`` or ``--opt=V``); with
+    ``nargs_plus`` every following token up to the next option. None when absent;
+    ConfigError when present without a value."""
+    found: list[str] | None = None
+    i = 0
+    while i < len(args):
+        token = args[i]
+        key, eq, inline = token.partition("=")
+        if token.startswith("--") and key in names:
+            if eq:
+                found = [inline]
+            else:
+                values = []
+                j = i + 1
+                while j < len(args) and not _is_option(args[j]):
+                    values.append(args[j])
+                    j += 1
+                    if not nargs_plus:
+                        break
+                if not values:
+                    raise ConfigError(f"engine command: {key} needs a value")
+                found = values
+                i = j - 1
+        i += 1
+    return found
+
+
+def _is_option(token: str) -> bool:
+    return token.startswith("-") and len(token) > 1 and not _looks_negative_number(token)
+
+
+def _looks_negative_number(token: str) -> bool:
+    return re.fullmatch(r"-\d+(\.\d+)?", token) is not None
+
+
+def _one(args: Sequence[str], *names: str) -> str | None:
+    values = option_values(args, *names)
+    return values[-1] if values else None
+
+
+def _spellings(name: str) -> tuple[str, str]:
+    """``--served-model-name`` and ``--served_model_name`` (vLLM accepts both)."""
+    return name, "--" + name[2:].replace("-", "_")
+
+
+def parse_port(text: str) -> int:
+    if not text.strip().isdigit():
+        raise ConfigError(f"engine command: --port {text!r} is not a port number")
+    port = int(text)
+    if not 1 <= port <= 65535:
+        raise ConfigError(f"engine command: --port {port} is outside 1-65535")
+    return port
+
+
+def connect_host(host: str) -> str:
+    """The host to connect to for a server bound to ``host``; IPv6 literals bracketed."""
+    host = host.strip()
+    if host in WILDCARD_HOSTS:
+        return CONNECT_HOST
+    bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if ":" in bare:
+        if not re.fullmatch(r"[0-9A-Fa-f:.]+(%[A-Za-z0-9_.\-]+)?", bare):
+            raise ConfigError(f"engine command: --host {host!r} is not a host name or address")
+        return f"[{bare}]"
+    if not _HOSTNAME.fullmatch(bare):
+        raise ConfigError(f"engine command: --host {host!r} is not a host name or address")
+    return bare
+
+
+def normalise_engine_url(url: str) -> str:
+    """An ``--engine-url`` checked and without a trailing slash."""
+    url = url.strip()
+    match = re.fullmatch(r"(https?)://([^/\s?#]+)(/[^\s?#]*)?", url)
+    if match is None:
+        raise ConfigError(f"--engine-url {url!r}: expected http://HOST:PORT or https://HOST:PORT")
+    return url.rstrip("/")
+
+
+def inspect_engine_cmd(argv: Sequence[str], engine_url: str | None = None) -> EngineCommand:
+    """What ``argv`` says about its engine; ``engine_url`` (``--engine-url``) overrides the URL."""
+    if not argv:
+        raise ConfigError("engine command is empty")
+    kind, start = detect_kind(argv)
+    args = list(argv[start:])
+
+    positional = kind == VLLM and argv[start - 1] == "serve"
+    if kind == VLLM and args[:1] == ["serve"]:  # python -m vllm.entrypoints.cli.main serve M
+        args, positional = args[1:], True
+    model = None
+    if positional and args and not args[0].startswith("-"):
+        model = args[0]
+    if model is None:
+        names = ("--model-path", "--model") if kind == SGLANG else ("--model",)
+        model = _one(args, *names)
+    served = tuple(
+        option_values(args, *_spellings("--served-model-name"), nargs_plus=kind == VLLM) or ()
+    )
+
+    port_text = _one(args, "--port")
+    port = parse_port(port_text) if port_text is not None else None
+    host_text = _one(args, "--host")
+    host = connect_host(host_text) if host_text is not None else CONNECT_HOST
+    if engine_url is not None:
+        url = normalise_engine_url(engine_url)
+    else:
+        if port is None:
+            port = DEFAULT_PORTS.get(kind)
+        if port is None:
+            raise ConfigError(
+                "cannot tell which port the engine listens on: "
+                "give it --port in the engine command, or pass --engine-url"
+            )
+        url = f"http://{host}:{port}"
+    return EngineCommand(tuple(argv), kind, model, served, url)

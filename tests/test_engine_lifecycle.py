@@ -1,0 +1,144 @@
+"""`fabric start -- ENGINE_CMD` with real processes: SERVING, load, crash/hang → DOWN, leave."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from fabricnode.client import AdminClient
+from fabricnode.errors import AgentApiError
+from fabricnode.localmesh import AgentProcess, LocalMesh, wait_until
+
+pytestmark = pytest.mark.slow
+
+STUB_ENGINE = Path(__file__).with_name("stub_engine.py")
+
+
+@pytest.fixture
+def mesh(tmp_path: Path) -> Iterator[LocalMesh]:
+    local = LocalMesh(tmp_path / "mesh")
+    try:
+        yield local
+    finally:
+        local.close()
+        for agent in local.agents:
+            print(f"--- {agent.name} (exit {agent.proc.returncode}) ---\n{agent.stderr_tail(20)}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def engine_args(port: int, *extra: str) -> list[str]:
+    url = f"http://127.0.0.1:{port}"
+    return [
+        "--engine-url",
+        url,
+        "--",
+        sys.executable,
+        str(STUB_ENGINE),
+        str(port),
+        "0.3",
+        "0",
+        *extra,
+    ]
+
+
+def entry(watcher: AgentProcess, sid: str) -> dict[str, Any] | None:
+    try:
+        with AdminClient(watcher.http_url, timeout_s=2.0) as client:
+            return {n["session_id"]: n for n in client.nodes()}.get(sid)
+    except AgentApiError:
+        return None
+
+
+def state_is(watcher: AgentProcess, sid: str, state: str) -> bool:
+    e = entry(watcher, sid)
+    return e is not None and e["state"] == state
+
+
+def engine_pids(mesh: LocalMesh, agent: AgentProcess) -> tuple[int, int]:
+    logs = list((mesh.workdir / "logs").glob(f"*-{agent.session_id[:8]}/engine.log"))
+    assert logs, "no engine log under $FABRIC_HOME/logs"
+    found = dict(line.split() for line in logs[0].read_text().splitlines() if line[:1] in "ew")
+    return int(found["engine"]), int(found["worker"])
+
+
+def gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_engine_node_serves_reports_load_and_leaves_without_orphans(mesh: LocalMesh) -> None:
+    watcher = mesh.start("watcher")
+    node = mesh.start("engine", args=["--sim-gpu", "H100:2", *engine_args(free_port())])
+    sid = node.session_id
+    assert wait_until(lambda: state_is(watcher, sid, "serving"), 20), entry(watcher, sid)
+    e = entry(watcher, sid)
+    assert e is not None
+    assert (e["hardware"]["gpu_type"], e["hardware"]["gpu_count"]) == ("H100", 2)
+    assert e["models"] == [{"id": "tiny-llama", "max_model_len": 512, "quantization": None}]
+    assert e["engine"]["kind"] == "openai" and e["engine"]["url"].startswith("http://127.0.0.1:")
+    assert httpx.get(f"{node.http_url}/ready", timeout=2).status_code == 200
+
+    def load_seen() -> bool:
+        got = entry(watcher, sid)
+        return got is not None and got["load"] is not None and got["load"]["running"] == 5
+
+    assert wait_until(load_seen, 10), entry(watcher, sid)
+    e = entry(watcher, sid)
+    assert e is not None and e["load"]["waiting"] == 2 and e["load"]["kv_usage"] == 0.25
+
+    engine, worker = engine_pids(mesh, node)
+    node.proc.send_signal(signal.SIGTERM)
+    assert node.proc.wait(15) == 0
+    assert state_is(watcher, sid, "left")
+    assert wait_until(lambda: gone(engine) and gone(worker), 5), "engine outlived its agent"
+
+
+def test_engine_crash_is_down_everywhere_within_a_second(mesh: LocalMesh) -> None:
+    watcher = mesh.start("watcher")
+    node = mesh.start("engine", args=engine_args(free_port()))
+    sid = node.session_id
+    assert wait_until(lambda: state_is(watcher, sid, "serving"), 20)
+    engine, worker = engine_pids(mesh, node)
+    os.kill(engine, signal.SIGKILL)
+    t0 = time.monotonic()
+    assert wait_until(lambda: state_is(watcher, sid, "down"), 5, interval_s=0.05)
+    assert time.monotonic() - t0 < 1.5
+    assert node.running  # the agent stays, announcing DOWN, until it is told to leave
+    assert httpx.get(f"{node.http_url}/ready", timeout=2).status_code == 503
+    assert wait_until(lambda: gone(worker), 5), "the engine's worker was left behind"
+
+
+def test_hung_engine_is_announced_down_and_stopped(mesh: LocalMesh) -> None:
+    watcher = mesh.start("watcher")
+    node = mesh.start("engine", args=engine_args(free_port(), "2"))
+    sid = node.session_id
+    assert wait_until(lambda: state_is(watcher, sid, "serving"), 20)
+    engine, _ = engine_pids(mesh, node)
+    assert wait_until(lambda: state_is(watcher, sid, "down"), 20)
+    assert wait_until(lambda: gone(engine), 15), "hung engine not stopped"
+
+
+def test_engine_that_never_starts_is_down_and_the_agent_survives(mesh: LocalMesh) -> None:
+    watcher = mesh.start("watcher")
+    args = ["--", sys.executable, "-c", "raise SystemExit(3)", "--port", str(free_port())]
+    node = mesh.start("engine", args=args)
+    sid = node.session_id
+    assert wait_until(lambda: state_is(watcher, sid, "down"), 10)
+    assert node.running
