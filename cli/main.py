@@ -191,6 +191,10 @@ def start(
         str | None,
         typer.Option(metavar="URL", help="Where the engine serves (default: from its --port)."),
     ] = None,
+    sim: Annotated[
+        str | None,
+        typer.Option(metavar="MODEL", help="Run the built-in simulated engine serving MODEL."),
+    ] = None,
     sim_gpu: Annotated[
         str | None,
         typer.Option(metavar="TYPE[:N[:GB]]", help="Announce these GPUs instead of nvidia-smi's."),
@@ -224,6 +228,7 @@ def start(
             provider_key=provider_key,
             engine_cmd=engine_cmd or (),
             engine_url=engine_url,
+            sim=sim,
             sim_gpu=sim_gpu,
             labels=label or (),
             log_level=log_level,
@@ -486,6 +491,21 @@ def demo(
     from fabricnode.demo import run_demo
 
     raise typer.Exit(run_demo(nodes))
+
+
+# -- sim-engine -------------------------------------------------------------------------------
+
+
+@app.command(
+    "sim-engine",
+    help="Run the simulated OpenAI-compatible engine (see `fabric sim-engine --help`).",
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+    add_help_option=False,
+)
+def sim_engine(ctx: typer.Context) -> None:
+    from fabricnode.simengine.__main__ import main as sim_main
+
+    raise typer.Exit(sim_main(list(ctx.args)))
 
 
 # -- entry point ------------------------------------------------------------------------------

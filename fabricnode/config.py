@@ -22,6 +22,7 @@ import getpass
 import ipaddress
 import os
 import socket
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -112,6 +113,7 @@ def load_config(
     provider_key: str | None = None,
     engine_cmd: Sequence[str] = (),
     engine_url: str | None = None,
+    sim: str | None = None,
     sim_gpu: str | None = None,
     labels: Iterable[str] = (),
     log_level: str | None = None,
@@ -144,7 +146,7 @@ def load_config(
         rendezvous_path=rendezvous_path,
         provider=_provider(provider, env),
         provider_key_path=Path(provider_key).expanduser() if provider_key else None,
-        engine=inspect_engine_cmd(engine_cmd, engine_url) if engine_cmd else None,
+        engine=_engine(engine_cmd, engine_url, sim, sim_gpu),
         log_dir=fabric_home(env) / "logs",
         sim_gpu=_sim_gpu(sim_gpu),
         advertise_host=_advertise_host(advertise, gossip_host, http_host),
@@ -191,6 +193,34 @@ def _join_addr(text: str, source: str) -> str:
     if not host or port == 0:
         raise ConfigError(f"{source}: {text!r} needs a host and a non-zero port")
     return join_hostport(host, port)
+
+
+def _engine(
+    argv: Sequence[str], url: str | None, sim: str | None, sim_gpu: str | None
+) -> EngineCommand | None:
+    if sim and argv:
+        raise ConfigError("give either --sim MODEL or an engine command after --, not both")
+    if argv:
+        return inspect_engine_cmd(argv, url)
+    if not sim:
+        return None
+    return sim_engine_command(sim, (sim_gpu or "H100").split(":")[0])
+
+
+def sim_engine_command(model: str, gpu_type: str, *extra: str) -> EngineCommand:
+    """The built-in simulated engine as a child, on a free loopback port."""
+    from fabricnode.simengine.model import GPU_PROFILES  # the profiles it can simulate
+
+    if gpu_type not in GPU_PROFILES:
+        raise ConfigError(
+            f"--sim-gpu {gpu_type!r}: the simulated engine knows {', '.join(GPU_PROFILES)}"
+        )
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    argv: tuple[str, ...] = (sys.executable, "-m", "fabricnode.simengine", "--model", model)
+    argv += ("--port", str(port), "--gpu", gpu_type, *extra)
+    return EngineCommand(argv, "sim", model, (), f"http://127.0.0.1:{port}")
 
 
 def _sim_gpu(spec: str | None) -> str | None:

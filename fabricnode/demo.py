@@ -22,6 +22,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from fabricnode.client import AdminClient
 from fabricnode.errors import AgentApiError, FabricError
@@ -80,7 +81,12 @@ class Demo:
     def run(self) -> None:
         n = self.nodes
         self.say(f"Starting {n} agents on 127.0.0.1 (key and rendezvous in {self.mesh.workdir})")
-        agents = self.mesh.start_many(n)
+        agents = [
+            self.mesh.start(wait=False, args=["--sim", model, "--sim-gpu", gpu])
+            for model, gpu in (DEMO_FLEET[i % len(DEMO_FLEET)] for i in range(n))
+        ]
+        for a in agents:
+            a.wait_ready(30.0)
         for a in agents:
             self.say(
                 f"  {a.name}  session {a.session_id[:8]}  http {a.http_url}  gossip {a.gossip_addr}"
@@ -97,6 +103,15 @@ class Demo:
             "convergence",
         )
         self.say(f"  every agent sees all {n} entries, all alive")
+
+        self.say("\n   Simulated engines loading; each node turns SERVING with its model and GPUs")
+        self.watch(
+            agents[:1],
+            lambda v: "?" if v is None else " ".join(_serving(e) for e in v.values()),
+            lambda v: v is not None and all(e["state"] == "serving" for e in v.values()),
+            CONVERGE_TIMEOUT_S,
+            "engines serving",
+        )
 
         leaver, victim, rest = agents[1], agents[2], [agents[0], *agents[3:]]
         sid = leaver.session_id
@@ -129,6 +144,21 @@ class Demo:
         codes = self.mesh.stop_all()
         self.say("  " + "  ".join(f"{a.name}: exit {codes[a.name]}" for a in rest))
         self.say(f"\nDone in {time.monotonic() - self.t0:.1f} s.")
+
+
+# (model, simulated GPU) per node, cycled: two models on mixed GPU types.
+DEMO_FLEET = [
+    ("llama-3-8b", "H100:2"),
+    ("llama-3-8b", "A100-80G"),
+    ("qwen2.5-7b", "L40S"),
+    ("qwen2.5-7b", "RTX-3090:2"),
+]
+
+
+def _serving(entry: dict[str, Any]) -> str:
+    hw = entry["hardware"]
+    models = ",".join(m["id"] for m in entry["models"]) or "-"
+    return f"[{entry['state']} {models} {hw['gpu_count']}x{hw['gpu_type'] or '?'}]"
 
 
 def _state_of(view: View, sid: str) -> str:

@@ -287,9 +287,12 @@ def _run_demo(*, interrupt_after: str | None = None) -> tuple[int, str, float]:
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="needs /proc to look for leftovers")
 def test_demo_runs_to_completion_and_leaves_no_process_behind() -> None:
+    engines_before = set(_processes_mentioning("fabricnode.simengine"))
     code, output, took = _run_demo()
     assert code == 0, output
     assert "every agent sees all 3 entries" in output
+    assert "[serving llama-3-8b 2xH100]" in output  # simulated engines on mixed GPUs
+    assert "[serving qwen2.5-7b 1xL40S]" in output
     assert "is LEFT everywhere; it exited with status 0" in output
     assert "is dead in every survivor's view" in output
     assert "Done in" in output
@@ -297,6 +300,9 @@ def test_demo_runs_to_completion_and_leaves_no_process_behind() -> None:
     workdir = re.search(r"(/\S*fabric-demo-\w+)", output)
     assert workdir, output
     assert _processes_mentioning(workdir.group(1)) == []
+    time.sleep(0.5)
+    leftover = set(_processes_mentioning("fabricnode.simengine")) - engines_before
+    assert not leftover, "simulated engines outlived the demo"
     assert not Path(workdir.group(1)).exists(), "the temporary FABRIC_HOME is removed"
 
 

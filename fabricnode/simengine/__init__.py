@@ -1,0 +1,1 @@
+"""A simulated OpenAI-compatible LLM engine: a pure scheduler (``model``) and a trio server."""

@@ -1,0 +1,159 @@
+"""``python -m fabricnode.simengine --model NAME --port PORT ...``: run the simulated engine.
+
+Prints one line ``simengine ready url=http://HOST:PORT model=NAME gpu=GPU`` to stdout once it
+listens (port 0 picks a free port; the line tells which), and exits 0 on SIGTERM or SIGINT after
+in-flight requests finish (bounded by ``--shutdown-grace-s``). Bad flags: one line on stderr and
+exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import socket
+import sys
+
+import trio
+
+from fabricnode.addr import join_hostport
+from fabricnode.errors import ConfigError
+from fabricnode.simengine.model import GPU_PROFILES, EngineConfig, gpu_profile
+from fabricnode.simengine.server import FaultConfig, SimConfig, serve
+
+log = logging.getLogger("fabricnode.simengine")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="fabric sim-engine",
+        description="A simulated OpenAI-compatible LLM engine (vLLM-like API and metrics).",
+    )
+    p.add_argument("--model", required=True, help="model id to serve")
+    p.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="listen port; 0 picks a free one")
+    p.add_argument(
+        "--gpu", default="H100", help=f"GPU profile: {', '.join(GPU_PROFILES)} (default H100)"
+    )
+    p.add_argument("--params-b", type=float, default=None, help="parameters in billions")
+    p.add_argument("--speed", type=float, default=1.0, help="time speed-up factor (default 1)")
+    p.add_argument("--max-model-len", type=int, default=8192, help="context length in tokens")
+    p.add_argument("--kv-tokens", type=int, default=None, help="KV-cache capacity in tokens")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="running batch size limit")
+    p.add_argument("--seed", type=int, default=0, help="seed for output text and faults")
+    p.add_argument("--crash-after-requests", type=int, default=None, metavar="N")
+    p.add_argument("--crash-after-s", type=float, default=None, metavar="T")
+    p.add_argument("--hang-after-s", type=float, default=None, metavar="T")
+    p.add_argument("--slowdown", type=float, default=1.0, metavar="X", help="step time factor")
+    p.add_argument("--error-rate", type=float, default=0.0, metavar="P", help="500 probability")
+    p.add_argument("--shutdown-grace-s", type=float, default=5.0)
+    p.add_argument("--log-level", default="WARNING")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> SimConfig:
+    """The ``SimConfig`` for parsed flags; ``ConfigError`` names the bad flag."""
+    try:
+        gpu = gpu_profile(args.gpu)
+    except ValueError as exc:
+        raise ConfigError(f"--gpu: {exc}") from None
+    positive = {
+        "--speed": args.speed,
+        "--slowdown": args.slowdown,
+        "--max-model-len": args.max_model_len,
+        "--max-num-seqs": args.max_num_seqs,
+    }
+    for flag, value in positive.items():
+        if value <= 0:
+            raise ConfigError(f"{flag}: must be positive, got {value}")
+    if args.params_b is not None and args.params_b <= 0:
+        raise ConfigError(f"--params-b: must be positive, got {args.params_b}")
+    if args.kv_tokens is not None and args.kv_tokens < 16:
+        raise ConfigError(f"--kv-tokens: must be at least 16, got {args.kv_tokens}")
+    if not 0.0 <= args.error_rate <= 1.0:
+        raise ConfigError(f"--error-rate: must be in 0..1, got {args.error_rate}")
+    if args.crash_after_requests is not None and args.crash_after_requests < 1:
+        raise ConfigError("--crash-after-requests: must be at least 1")
+    for flag, value in (
+        ("--crash-after-s", args.crash_after_s),
+        ("--hang-after-s", args.hang_after_s),
+    ):
+        if value is not None and value < 0:
+            raise ConfigError(f"{flag}: must not be negative")
+    if not 0 <= args.port <= 65535:
+        raise ConfigError(f"--port: {args.port} is not a port number")
+    engine = EngineConfig(
+        model=args.model,
+        gpu=gpu,
+        params_b=args.params_b,
+        speed=args.speed,
+        max_model_len=args.max_model_len,
+        kv_tokens=args.kv_tokens,
+        max_num_seqs=args.max_num_seqs,
+        seed=args.seed,
+    )
+    faults = FaultConfig(
+        crash_after_requests=args.crash_after_requests,
+        crash_after_s=args.crash_after_s,
+        hang_after_s=args.hang_after_s,
+        slowdown=args.slowdown,
+        error_rate=args.error_rate,
+    )
+    return SimConfig(engine, faults, shutdown_grace_s=args.shutdown_grace_s)
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        where = join_hostport(host, port)
+        raise ConfigError(f"--port: cannot listen on {where}: {exc.strerror or exc}") from None
+    return sock
+
+
+async def run(config: SimConfig, host: str, port: int) -> None:
+    sock = bind_socket(host, port)
+    url = f"http://{join_hostport(host, sock.getsockname()[1])}"
+    shutdown = trio.Event()
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async with trio.open_nursery() as nursery:
+
+            async def watch_signals() -> None:
+                async for signum in signals:
+                    log.info("signal %d: shutting down", signum)
+                    shutdown.set()
+
+            nursery.start_soon(watch_signals)
+            async with trio.open_nursery() as server:
+                await server.start(serve, config, sock, shutdown)
+                engine = config.engine
+                print(
+                    f"simengine ready url={url} model={engine.model} gpu={engine.gpu.name}",
+                    flush=True,
+                )
+            # serve() has returned: SIGTERM came and hypercorn drained the in-flight requests.
+            nursery.cancel_scope.cancel()
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, str(args.log_level).upper(), logging.WARNING),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        config = config_from_args(args)
+        trio.run(run, config, args.host, args.port)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

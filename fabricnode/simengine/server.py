@@ -1,0 +1,661 @@
+"""The simulated engine's shell: a trio driver for the pure ``Scheduler`` and a raw ASGI app with
+vLLM's OpenAI-compatible surface, served by hypercorn's trio worker.
+
+Endpoints:
+
+* ``GET /health`` — 200 with an empty body (as vLLM), unless hung.
+* ``GET /version`` — ``{"version": ...}``.
+* ``GET /v1/models`` — one model with ``max_model_len``.
+* ``POST /v1/chat/completions``, ``POST /v1/completions`` — non-stream JSON with ``usage``, or with
+  ``"stream": true`` server-sent events, one chunk per token as the scheduler produces it, ending
+  ``data: [DONE]`` (``stream_options.include_usage`` adds a usage chunk).
+* ``POST /v1/embeddings`` — deterministic unit vectors.
+* ``GET /metrics`` — Prometheus text with vLLM's names (``vllm:num_requests_waiting`` ...), each
+  labelled ``model_name``.
+
+Errors have the OpenAI shape: 400 bad JSON or fields, 404 unknown path or model, 405 wrong method,
+500 injected errors. Fault injection (``FaultConfig``): exit after N inference requests or T
+seconds (``os._exit``, no cleanup, like a crashed engine), hang after T seconds (nothing answers
+any more, ``/health`` included; in-flight requests stall), a slow-down factor, an error rate.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+import socket
+import sys
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, cast
+
+import trio
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.trio import serve as hypercorn_serve
+
+from fabricnode.prometheus import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from fabricnode.prometheus import MetricsText
+from fabricnode.simengine.model import (
+    EngineConfig,
+    Scheduler,
+    TokenEvent,
+    detokenize,
+    embedding,
+    tokenize,
+)
+
+if TYPE_CHECKING:
+    from hypercorn.typing import ASGIFramework
+
+log = logging.getLogger("fabricnode.simengine")
+
+Scope = Mapping[str, Any]
+Receive = Callable[[], Awaitable[Mapping[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+Json = dict[str, Any]
+
+VERSION = "fabricnode-sim/0.1.0"
+DEFAULT_MAX_TOKENS = 256
+CRASH_EXIT_CODE = 3
+
+
+@dataclass(frozen=True)
+class FaultConfig:
+    crash_after_requests: int | None = None
+    crash_after_s: float | None = None
+    hang_after_s: float | None = None
+    slowdown: float = 1.0
+    error_rate: float = 0.0
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    engine: EngineConfig
+    faults: FaultConfig = field(default_factory=FaultConfig)
+    embedding_dims: int = 64
+    max_body_bytes: int = 16 * 1024 * 1024
+    shutdown_grace_s: float = 5.0
+
+
+@dataclass(frozen=True)
+class EngineStatistics:
+    requests_total: int
+    errors_injected: int
+    hung: bool
+
+
+class HttpError(Exception):
+    def __init__(self, status: int, message: str, code: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.param = param
+
+
+class ClientGone(Exception):
+    """The client disconnected before its request was read; nothing to answer."""
+
+
+def error_doc(status: int, message: str, code: str, param: str | None = None) -> Json:
+    kind = {404: "NotFoundError", 405: "MethodNotAllowed"}.get(status, "BadRequestError")
+    if status >= 500:
+        kind = "InternalServerError"
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+# -- the driver -------------------------------------------------------------------------------
+
+
+class EngineDriver:
+    """Runs the scheduler in trio time: one task steps it, sleeping each step's duration, and
+    hands each request's tokens to the request's channel when the step ends."""
+
+    def __init__(self, config: EngineConfig, slowdown: float = 1.0) -> None:
+        self.config = replace(config, speed=config.speed / slowdown)
+        self.scheduler = Scheduler(self.config)
+        self._channels: dict[int, trio.MemorySendChannel[TokenEvent]] = {}
+        self._wake = trio.Event()
+        self.hung = False
+
+    def submit(
+        self, prompt: list[int], max_tokens: int
+    ) -> tuple[int, trio.MemoryReceiveChannel[TokenEvent]]:
+        """Queue a request (``ValueError`` if it can never be served); its tokens arrive on the
+        returned channel, which closes after the last one."""
+        rid = self.scheduler.submit(prompt, max_tokens, trio.current_time())
+        send, recv = trio.open_memory_channel[TokenEvent](math.inf)
+        self._channels[rid] = send
+        self._wake.set()
+        return rid, recv
+
+    def abort(self, rid: int) -> None:
+        self.scheduler.abort(rid)
+        channel = self._channels.pop(rid, None)
+        if channel is not None:
+            channel.close()
+
+    async def run(self) -> None:
+        while True:
+            if self.hung:
+                await trio.sleep_forever()
+            step = self.scheduler.step(trio.current_time())
+            if step is None:
+                self._wake = trio.Event()
+                await self._wake.wait()
+                continue
+            await trio.sleep_until(step.ends_at)
+            while self.hung:
+                await trio.sleep_forever()
+            for event in step.events:
+                channel = self._channels.get(event.request_id)
+                if channel is None:
+                    continue
+                channel.send_nowait(event)
+                if event.finish_reason is not None:
+                    channel.close()
+                    del self._channels[event.request_id]
+                    self.scheduler.release(event.request_id)
+
+
+# -- the app ----------------------------------------------------------------------------------
+
+
+class SimEngineApp:
+    """ASGI callable over one ``EngineDriver``."""
+
+    def __init__(
+        self,
+        config: SimConfig,
+        driver: EngineDriver,
+        *,
+        crash: Callable[[str], None] | None = None,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.config = config
+        self.model = config.engine.model
+        self.driver = driver
+        self.crash = crash or _crash
+        self.wall_clock = wall_clock
+        self.rng = random.Random(config.engine.seed)
+        self.requests = 0
+        self.inference_requests = 0
+        self.errors_injected = 0
+        self._ids = 0
+
+    def statistics(self) -> EngineStatistics:
+        return EngineStatistics(self.inference_requests, self.errors_injected, self.driver.hung)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await _lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        if self.driver.hung:
+            await trio.sleep_forever()
+        self.requests += 1
+        method, path = scope["method"], scope["path"]
+        try:
+            await self._dispatch(method, path, receive, send)
+        except ClientGone:
+            return
+        except HttpError as exc:
+            await _send_json(
+                send, error_doc(exc.status, exc.message, exc.code, exc.param), exc.status
+            )
+        limit = self.config.faults.crash_after_requests
+        if limit is not None and self.inference_requests >= limit:
+            with trio.CancelScope(shield=True):
+                await trio.sleep(0.05)  # let the last answer leave
+            self.crash(f"crashing after {self.inference_requests} requests (fault injection)")
+
+    async def _dispatch(self, method: str, path: str, receive: Receive, send: Send) -> None:
+        gets: dict[str, Callable[[], tuple[int, bytes, str]]] = {
+            "/health": lambda: (200, b"", "text/plain"),
+            "/version": lambda: (200, _dumps({"version": VERSION}), "application/json"),
+            "/v1/models": lambda: (200, _dumps(self.models_doc()), "application/json"),
+            "/metrics": lambda: (200, self.metrics_text().encode(), METRICS_CONTENT_TYPE),
+        }
+        posts = {
+            "/v1/chat/completions": self.chat,
+            "/v1/completions": self.completions,
+            "/v1/embeddings": self.embeddings,
+        }
+        if path in gets:
+            if method not in ("GET", "HEAD"):
+                raise HttpError(405, f"method {method} not allowed; use GET", "method_not_allowed")
+            status, body, ctype = gets[path]()
+            await _send_body(send, status, b"" if method == "HEAD" else body, ctype)
+            return
+        if path not in posts:
+            raise HttpError(404, f"no such endpoint: {path}", "not_found")
+        if method != "POST":
+            raise HttpError(405, f"method {method} not allowed; use POST", "method_not_allowed")
+        request = await self._read_json(receive)
+        self.inference_requests += 1
+        if self.rng.random() < self.config.faults.error_rate:
+            self.errors_injected += 1
+            raise HttpError(500, "simulated engine error (fault injection)", "internal_error")
+        # A client that goes away aborts its request, freeing its batch slot and KV tokens.
+        # The last body message is never cancelled: hypercorn reports the disconnect that ends
+        # every exchange from inside that very send, and interrupting it wedges the connection.
+        error: HttpError | None = None
+        finishing = False
+
+        async def guarded_send(message: dict[str, Any]) -> None:
+            nonlocal finishing
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                finishing = True
+            await send(message)
+
+        async def cancel_on_disconnect(scope: trio.CancelScope) -> None:
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    if not finishing:
+                        scope.cancel()
+                    return
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(cancel_on_disconnect, nursery.cancel_scope)
+            try:
+                await posts[path](request, guarded_send)
+            except HttpError as exc:
+                error = exc  # raised outside the nursery, so not wrapped in an ExceptionGroup
+            nursery.cancel_scope.cancel()
+        if error is not None:
+            raise error
+
+    async def _read_json(self, receive: Receive) -> Json:
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise ClientGone
+            body = message.get("body", b"")
+            size += len(body)
+            if size > self.config.max_body_bytes:
+                raise HttpError(400, "request body too large", "body_too_large")
+            chunks.append(body)
+            if not message.get("more_body", False):
+                break
+        try:
+            doc = json.loads(b"".join(chunks))
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise HttpError(400, f"invalid JSON body: {exc}", "invalid_json") from None
+        if not isinstance(doc, dict):
+            raise HttpError(400, "the request body must be a JSON object", "invalid_json")
+        return doc
+
+    # -- documents --
+
+    def models_doc(self) -> Json:
+        cfg = self.config.engine
+        card = {
+            "id": self.model,
+            "object": "model",
+            "created": int(self.wall_clock()),
+            "owned_by": "fabricnode-sim",
+            "root": self.model,
+            "parent": None,
+            "max_model_len": cfg.max_model_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    def metrics_text(self) -> str:
+        s = self.driver.scheduler.statistics()
+        labels = {"model_name": self.model}
+        m = MetricsText(prefix="vllm:")
+        m.gauge("num_requests_running", "Requests in the running batch", s.running, labels)
+        m.gauge("num_requests_waiting", "Requests waiting to be scheduled", s.waiting, labels)
+        m.gauge(
+            "kv_cache_usage_perc", "KV-cache usage (1 means 100 percent)", s.kv_cache_usage, labels
+        )
+        m.counter(
+            "prefix_cache_queries_total",
+            "Prefix cache queries, in tokens",
+            s.prefix_cache_queries,
+            labels,
+        )
+        m.counter(
+            "prefix_cache_hits_total", "Prefix cache hits, in tokens", s.prefix_cache_hits, labels
+        )
+        m.counter("prompt_tokens_total", "Prefill tokens processed", s.prompt_tokens, labels)
+        m.counter(
+            "generation_tokens_total", "Generation tokens processed", s.generation_tokens, labels
+        )
+        m.counter("request_success_total", "Finished requests", s.requests_finished, labels)
+        return m.render()
+
+    # -- inference --
+
+    def _next_id(self, prefix: str) -> str:
+        self._ids += 1
+        return f"{prefix}-sim{self._ids:08d}"
+
+    def _check_model(self, request: Json) -> None:
+        model = request.get("model")
+        if model is None:
+            return  # vLLM serves its one model when none is named
+        if not isinstance(model, str):
+            raise HttpError(400, "'model' must be a string", "invalid_parameter", "model")
+        if model != self.model:
+            raise HttpError(404, f"The model `{model}` does not exist.", "model_not_found", "model")
+
+    def _max_tokens(self, request: Json, prompt_len: int) -> int:
+        value = request.get("max_completion_tokens", request.get("max_tokens"))
+        if value is None:
+            room = self.config.engine.max_model_len - prompt_len
+            return max(1, min(DEFAULT_MAX_TOKENS, room))
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise HttpError(
+                400, "max_tokens must be a positive integer", "invalid_parameter", "max_tokens"
+            )
+        return value
+
+    def _stream_flags(self, request: Json) -> tuple[bool, bool]:
+        stream = request.get("stream", False)
+        if not isinstance(stream, bool):
+            raise HttpError(400, "'stream' must be a boolean", "invalid_parameter", "stream")
+        options = request.get("stream_options") or {}
+        if not isinstance(options, dict):
+            raise HttpError(400, "'stream_options' must be an object", "invalid_parameter")
+        n = request.get("n", 1)
+        if n != 1:
+            raise HttpError(400, "only n=1 is supported", "invalid_parameter", "n")
+        return stream, bool(options.get("include_usage", False))
+
+    def _submit(
+        self, prompt: list[int], max_tokens: int
+    ) -> tuple[int, trio.MemoryReceiveChannel[TokenEvent]]:
+        try:
+            return self.driver.submit(prompt, max_tokens)
+        except ValueError as exc:
+            raise HttpError(400, str(exc), "invalid_request") from None
+
+    async def chat(self, request: Json, send: Send) -> None:
+        self._check_model(request)
+        messages = request.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise HttpError(
+                400, "'messages' must be a non-empty list", "invalid_parameter", "messages"
+            )
+        prompt = tokenize(_render_chat(messages) + "\nassistant:")
+        await self._generate(request, send, prompt, chat=True)
+
+    async def completions(self, request: Json, send: Send) -> None:
+        self._check_model(request)
+        raw = request.get("prompt")
+        if isinstance(raw, list) and len(raw) == 1 and isinstance(raw[0], str):
+            raw = raw[0]
+        if isinstance(raw, str):
+            prompt = tokenize(raw)
+        elif (
+            isinstance(raw, list)
+            and raw
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in raw)
+        ):
+            prompt = [int(t) for t in raw]
+        else:
+            raise HttpError(
+                400,
+                "'prompt' must be a string or a list of token ids",
+                "invalid_parameter",
+                "prompt",
+            )
+        await self._generate(request, send, prompt, chat=False)
+
+    async def _generate(self, request: Json, send: Send, prompt: list[int], *, chat: bool) -> None:
+        stream, include_usage = self._stream_flags(request)
+        max_tokens = self._max_tokens(request, len(prompt))
+        rid, tokens = self._submit(prompt, max_tokens)
+        ident = self._next_id("chatcmpl" if chat else "cmpl")
+        created = int(self.wall_clock())
+        obj = "chat.completion" if chat else "text_completion"
+        finished = False
+        try:
+            if not stream:
+                pieces: list[str] = []
+                reason: str | None = None
+                async for event in tokens:
+                    pieces.append(detokenize(event.token))
+                    reason = event.finish_reason
+                finished = True
+                text = "".join(pieces).lstrip()
+                choice: Json = {"index": 0, "logprobs": None, "finish_reason": reason}
+                if chat:
+                    choice["message"] = {"role": "assistant", "content": text}
+                else:
+                    choice["text"] = text
+                doc = {
+                    "id": ident,
+                    "object": obj,
+                    "created": created,
+                    "model": self.model,
+                    "choices": [choice],
+                    "usage": _usage(len(prompt), len(pieces)),
+                }
+                await _send_json(send, doc)
+                return
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [
+                        (b"content-type", b"text/event-stream"),
+                        (b"cache-control", b"no-cache"),
+                    ],
+                }
+            )
+            chunk_obj = "chat.completion.chunk" if chat else "text_completion"
+
+            async def emit(choices: list[Json], usage: Json | None = None) -> None:
+                doc: Json = {
+                    "id": ident,
+                    "object": chunk_obj,
+                    "created": created,
+                    "model": self.model,
+                    "choices": choices,
+                }
+                if usage is not None:
+                    doc["usage"] = usage
+                data = b"data: " + _dumps(doc) + b"\n\n"
+                await send({"type": "http.response.body", "body": data, "more_body": True})
+
+            if chat:
+                await emit([_chunk_choice(chat, "", None, role=True)])
+            count = 0
+            first = True
+            async for event in tokens:
+                count += 1
+                piece = detokenize(event.token)
+                if first:
+                    piece, first = piece.lstrip(), False
+                await emit([_chunk_choice(chat, piece, event.finish_reason)])
+            finished = True
+            if include_usage:
+                await emit([], _usage(len(prompt), count))
+            await send(
+                {"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False}
+            )
+        finally:
+            if not finished:
+                self.driver.abort(rid)
+
+    async def embeddings(self, request: Json, send: Send) -> None:
+        self._check_model(request)
+        raw = request.get("input")
+        inputs = [raw] if isinstance(raw, str) else raw
+        if (
+            not isinstance(inputs, list)
+            or not inputs
+            or not all(isinstance(x, str) for x in inputs)
+        ):
+            raise HttpError(
+                400, "'input' must be a string or a list of strings", "invalid_parameter", "input"
+            )
+        dims = request.get("dimensions", self.config.embedding_dims)
+        if not isinstance(dims, int) or isinstance(dims, bool) or not 1 <= dims <= 8192:
+            raise HttpError(
+                400, "'dimensions' must be an integer in 1..8192", "invalid_parameter", "dimensions"
+            )
+        seed = self.config.engine.seed
+        data = [
+            {"object": "embedding", "index": i, "embedding": embedding(seed, text, dims)}
+            for i, text in enumerate(cast("list[str]", inputs))
+        ]
+        used = sum(len(tokenize(text)) for text in cast("list[str]", inputs))
+        doc = {
+            "object": "list",
+            "data": data,
+            "model": self.model,
+            "usage": {"prompt_tokens": used, "total_tokens": used},
+        }
+        await _send_json(send, doc)
+
+
+def _render_chat(messages: list[Any]) -> str:
+    lines: list[str] = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise HttpError(
+                400,
+                f"messages[{i}] must be an object with a 'role'",
+                "invalid_parameter",
+                "messages",
+            )
+        content = message.get("content")
+        if isinstance(content, list):
+            parts = [
+                p.get("text", "")
+                for p in content
+                if isinstance(p, dict) and p.get("type") == "text"
+            ]
+            content = "".join(str(p) for p in parts)
+        if content is None:
+            content = ""
+        if not isinstance(content, str):
+            raise HttpError(
+                400,
+                f"messages[{i}].content must be a string or a list of parts",
+                "invalid_parameter",
+                "messages",
+            )
+        lines.append(f"{message['role']}: {content}")
+    return "\n".join(lines)
+
+
+def _chunk_choice(chat: bool, text: str, reason: str | None, *, role: bool = False) -> Json:
+    choice: Json = {"index": 0, "logprobs": None, "finish_reason": reason}
+    if chat:
+        choice["delta"] = {"role": "assistant", "content": text} if role else {"content": text}
+    else:
+        choice["text"] = text
+    return choice
+
+
+def _usage(prompt: int, completion: int) -> Json:
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+
+
+def _dumps(doc: Json) -> bytes:
+    return json.dumps(doc, separators=(",", ":")).encode()
+
+
+async def _send_body(send: Send, status: int, body: bytes, content_type: str) -> None:
+    headers = [
+        (b"content-type", content_type.encode()),
+        (b"content-length", str(len(body)).encode()),
+    ]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def _send_json(send: Send, doc: Json, status: int = 200) -> None:
+    await _send_body(send, status, _dumps(doc), "application/json")
+
+
+async def _lifespan(receive: Receive, send: Send) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+
+
+def _crash(reason: str) -> None:
+    sys.stderr.write(f"simengine: {reason}\n")
+    sys.stderr.flush()
+    sys.stdout.flush()
+    os._exit(CRASH_EXIT_CODE)
+
+
+# -- serving ----------------------------------------------------------------------------------
+
+
+async def serve(
+    config: SimConfig,
+    sock: socket.socket,
+    shutdown: trio.Event,
+    *,
+    task_status: trio.TaskStatus[SimEngineApp] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve the simulated engine on a bound socket until ``shutdown`` is set (in-flight requests
+    then get ``shutdown_grace_s``). Fault timers run alongside; ``started`` gives the app."""
+    faults = config.faults
+    driver = EngineDriver(config.engine, faults.slowdown)
+    app = SimEngineApp(config, driver)
+    hconfig = HypercornConfig()
+    hconfig.bind = [f"fd://{sock.detach()}"]
+    hconfig.accesslog = None
+    hconfig.errorlog = logging.getLogger("hypercorn.error")
+    hconfig.graceful_timeout = config.shutdown_grace_s
+    hconfig.include_server_header = False
+    http_done = trio.Event()
+
+    async def run_http(
+        *, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        try:
+            await hypercorn_serve(
+                cast("ASGIFramework", app),
+                hconfig,
+                shutdown_trigger=shutdown.wait,
+                task_status=task_status,
+            )
+        finally:
+            http_done.set()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(driver.run)
+        if faults.crash_after_s is not None:
+            nursery.start_soon(_crash_after, faults.crash_after_s)
+        if faults.hang_after_s is not None:
+            nursery.start_soon(_hang_after, driver, faults.hang_after_s)
+        await nursery.start(run_http)
+        task_status.started(app)
+        await http_done.wait()  # hypercorn returns once in-flight requests finish or time out
+        nursery.cancel_scope.cancel()
+
+
+async def _crash_after(delay_s: float) -> None:
+    await trio.sleep(delay_s)
+    _crash(f"crashing after {delay_s:g} s (fault injection)")
+
+
+async def _hang_after(driver: EngineDriver, delay_s: float) -> None:
+    await trio.sleep(delay_s)
+    log.warning("hanging after %g s (fault injection)", delay_s)
+    driver.hung = True
