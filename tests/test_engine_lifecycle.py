@@ -142,3 +142,49 @@ def test_engine_that_never_starts_is_down_and_the_agent_survives(mesh: LocalMesh
     sid = node.session_id
     assert wait_until(lambda: state_is(watcher, sid, "down"), 10)
     assert node.running
+
+
+def sim_engine_args(port: int, *faults: str) -> list[str]:
+    cmd = [sys.executable, "-m", "fabricnode.simengine", "--model", "sim-llama-8b"]
+    cmd += ["--port", str(port), "--gpu", "H100", *faults]
+    return ["--engine-url", f"http://127.0.0.1:{port}", "--", *cmd]
+
+
+def test_simulated_engine_crash_is_down_everywhere(mesh: LocalMesh) -> None:
+    watcher = mesh.start("watcher")
+    node = mesh.start("engine", args=sim_engine_args(free_port(), "--crash-after-s", "2"))
+    sid = node.session_id
+    assert wait_until(lambda: state_is(watcher, sid, "serving"), 20), entry(watcher, sid)
+    assert wait_until(lambda: state_is(watcher, sid, "down"), 10), entry(watcher, sid)
+    assert node.running
+
+
+def test_sigterm_lets_in_flight_requests_finish_then_leaves(mesh: LocalMesh) -> None:
+    watcher = mesh.start("watcher")
+    port = free_port()
+    node = mesh.start("engine", args=sim_engine_args(port, "--slowdown", "3"))
+    sid = node.session_id
+    assert wait_until(lambda: state_is(watcher, sid, "serving"), 20), entry(watcher, sid)
+    result: dict[str, Any] = {}
+    finished: list[float] = []
+
+    def ask() -> None:
+        body = {"model": "sim-llama-8b", "prompt": "hello there", "max_tokens": 200}
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60)
+        result["status"] = r.status_code
+        result["tokens"] = r.json()["usage"]["completion_tokens"]
+        finished.append(time.monotonic())
+
+    import threading
+
+    asker = threading.Thread(target=ask)
+    asker.start()
+    time.sleep(0.5)  # the request is being decoded
+    t0 = time.monotonic()
+    node.proc.send_signal(signal.SIGTERM)
+    asker.join(30)
+    assert result == {"status": 200, "tokens": 200}  # finished, not cut off
+    assert finished and finished[0] > t0 + 0.2, "the request was not in flight at SIGTERM"
+    assert node.proc.wait(20) == 0
+    assert state_is(watcher, sid, "left")
+    assert time.monotonic() - t0 < 15
