@@ -191,6 +191,13 @@ def start(
         str | None,
         typer.Option(metavar="URL", help="Where the engine serves (default: from its --port)."),
     ] = None,
+    restart: Annotated[
+        str | None,
+        typer.Option(metavar="POLICY", help="Restart the engine: no|on-failure|always (no)."),
+    ] = None,
+    max_restarts: Annotated[
+        int | None, typer.Option(metavar="N", help="At most N engine restarts (3).")
+    ] = None,
     sim: Annotated[
         str | None,
         typer.Option(metavar="MODEL", help="Run the built-in simulated engine serving MODEL."),
@@ -230,6 +237,8 @@ def start(
             engine_url=engine_url,
             sim=sim,
             sim_gpu=sim_gpu,
+            restart=restart,
+            max_restarts=max_restarts,
             labels=label or (),
             log_level=log_level,
         )

@@ -324,6 +324,15 @@ class Agent:
             len(seeds),
         )
 
+        def new_session() -> None:
+            # A restarted engine is a new session: fresh key, fresh entry from JOIN.
+            self.identity = Identity.generate()
+            now = self.wall_clock()
+            body = self.join_body(now, http_url, gossip_addr, hardware, job)
+            core.new_session(self.identity, body, now)
+            gossip.poke()
+            log.info("new session %s for the restarted engine", self.identity.session_id)
+
         engine = (
             EngineService(
                 cfg.engine,
@@ -331,6 +340,9 @@ class Agent:
                 gossip,
                 log_path=self._engine_log_path(core.self_id),
                 wall_clock=self.wall_clock,
+                restart=cfg.restart,
+                max_restarts=cfg.max_restarts,
+                new_session=new_session,
             )
             if cfg.engine is not None
             else None

@@ -52,6 +52,8 @@ class AgentConfig:
     engine: EngineCommand | None = None  # the supervised child; None: a JOIN-only node
     log_dir: Path | None = None  # engine logs go to <log_dir>/<job>-<session>/engine.log
     sim_gpu: str | None = None  # TYPE[:COUNT[:MEMORY_GB]] instead of nvidia-smi discovery
+    restart: str = "no"  # engine restart policy: no | on-failure | always
+    max_restarts: int = 3
     provider_cert_ttl_s: float = 30 * 86400.0  # certificate lifetime; far beyond any job
     http_host: str = "0.0.0.0"
     http_port: int = 8080
@@ -115,6 +117,8 @@ def load_config(
     engine_url: str | None = None,
     sim: str | None = None,
     sim_gpu: str | None = None,
+    restart: str | None = None,
+    max_restarts: int | None = None,
     labels: Iterable[str] = (),
     log_level: str | None = None,
     env: Mapping[str, str] | None = None,
@@ -149,6 +153,8 @@ def load_config(
         engine=_engine(engine_cmd, engine_url, sim, sim_gpu),
         log_dir=fabric_home(env) / "logs",
         sim_gpu=_sim_gpu(sim_gpu),
+        restart=_restart(restart),
+        max_restarts=_max_restarts(max_restarts),
         advertise_host=_advertise_host(advertise, gossip_host, http_host),
         http_host=http_host,
         http_port=http_port,
@@ -221,6 +227,21 @@ def sim_engine_command(model: str, gpu_type: str, *extra: str) -> EngineCommand:
     argv: tuple[str, ...] = (sys.executable, "-m", "fabricnode.simengine", "--model", model)
     argv += ("--port", str(port), "--gpu", gpu_type, *extra)
     return EngineCommand(argv, "sim", model, (), f"http://127.0.0.1:{port}")
+
+
+def _restart(policy: str | None) -> str:
+    policy = (policy or "no").lower()
+    if policy not in ("no", "on-failure", "always"):
+        raise ConfigError(f"--restart {policy!r}: choose no, on-failure or always")
+    return policy
+
+
+def _max_restarts(n: int | None) -> int:
+    if n is None:
+        return 3
+    if not 0 <= n <= 1000:
+        raise ConfigError(f"--max-restarts {n}: expected 0..1000")
+    return n
 
 
 def _sim_gpu(spec: str | None) -> str | None:

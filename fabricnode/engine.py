@@ -8,6 +8,12 @@
 A child exit is noticed through its pidfd the moment it happens, so DOWN reaches the mesh in
 well under a second. A hang (no /health answer ``unhealthy_after`` times in a row) is DOWN too,
 and the hung child is stopped. On shutdown the agent signs LEFT first, then calls ``stop``.
+
+Restart policy (``restart``: ``no``, ``on-failure`` — a non-zero exit or a hang — or
+``always``; at most ``max_restarts`` times, waiting ``restart_backoff_s`` times the attempt
+number): a restarted engine is a new session. ``new_session`` (from the agent) retires the
+old session as LEFT and continues under a fresh key from JOIN, so nothing the old engine
+announced carries over.
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ from fabricnode.registry import EngineInfo, ModelInfo, State
 from fabricnode.supervisor import EngineError, EngineProcess, wait_ready
 
 log = logging.getLogger("fabricnode.engine")
+
+RESTART_POLICIES = ("no", "on-failure", "always")
 
 
 @dataclass(frozen=True)
@@ -53,7 +61,13 @@ class EngineService:
         health_interval_s: float = 1.0,
         unhealthy_after: int = 3,
         kill_after_s: float = 10.0,
+        restart: str = "no",
+        max_restarts: int = 3,
+        restart_backoff_s: float = 1.0,
+        new_session: Callable[[], None] | None = None,
     ) -> None:
+        if restart not in RESTART_POLICIES:
+            raise ValueError(f"restart policy {restart!r} not in {RESTART_POLICIES}")
         self.command = command
         self.core = core
         self.gossip = gossip
@@ -61,7 +75,14 @@ class EngineService:
         self.metrics_interval_s = metrics_interval_s
         self.health_interval_s = health_interval_s
         self.unhealthy_after = unhealthy_after
-        self.process = EngineProcess(command.argv, log_path=log_path, kill_after_s=kill_after_s)
+        self.log_path = log_path
+        self.kill_after_s = kill_after_s
+        self.restart = restart
+        self.max_restarts = max_restarts
+        self.restart_backoff_s = restart_backoff_s
+        self.new_session = new_session
+        self.restarts = 0
+        self.process = self._new_process()
         self.state = "loading"
         self.stopping = False
         self.scrapes = 0
@@ -72,15 +93,43 @@ class EngineService:
             self.state, self.process.pid, self.process.returncode, self.scrapes, self.scrape_errors
         )
 
+    def _new_process(self) -> EngineProcess:
+        return EngineProcess(
+            self.command.argv, log_path=self.log_path, kill_after_s=self.kill_after_s
+        )
+
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        async with trio.open_nursery() as nursery, httpx.AsyncClient() as client:
-            await nursery.start(self.process.run)
-            task_status.started()
-            nursery.start_soon(self._serve, client, nursery.cancel_scope)
-            await self.process.exited.wait()
-            if not self.stopping:
-                self._mark_down(f"engine exited with status {self.process.returncode}")
-            nursery.cancel_scope.cancel()
+        started = False
+        async with httpx.AsyncClient() as client:
+            while True:
+                async with trio.open_nursery() as nursery:
+                    await nursery.start(self.process.run)
+                    if not started:
+                        task_status.started()
+                        started = True
+                    nursery.start_soon(self._serve, client)
+                    await self.process.exited.wait()
+                    nursery.cancel_scope.cancel()
+                if self.stopping:
+                    return
+                code = self.process.returncode
+                self._mark_down(f"engine exited with status {code}")
+                if not self._should_restart(code):
+                    return
+                self.restarts += 1
+                await trio.sleep(self.restart_backoff_s * self.restarts)
+                if self.stopping:
+                    return
+                log.info("restarting the engine (%d of %d)", self.restarts, self.max_restarts)
+                if self.new_session is not None:
+                    self.new_session()
+                self.state = "loading"
+                self.process = self._new_process()
+
+    def _should_restart(self, code: int | None) -> bool:
+        if self.restarts >= self.max_restarts or self.restart == "no":
+            return False
+        return self.restart == "always" or code != 0
 
     async def stop(self) -> None:
         """Stop the child (after the agent signed LEFT): group SIGTERM, then SIGKILL."""
@@ -89,7 +138,7 @@ class EngineService:
         if self.state != "down":
             self.state = "stopped"
 
-    async def _serve(self, client: httpx.AsyncClient, scope: trio.CancelScope) -> None:
+    async def _serve(self, client: httpx.AsyncClient) -> None:
         url = self.command.url
         try:
             models = await wait_ready(url, client=client, exited=self.process.exited)
@@ -113,7 +162,6 @@ class EngineService:
         # Hung: DOWN first (routing stops at once), then stop the child; the exit watcher
         # will see it exit and leave DOWN as it is.
         self._mark_down(f"engine stopped answering {url}/health")
-        self.stopping = True
         await self.process.stop()
 
     async def _watch_health(self, client: httpx.AsyncClient) -> None:

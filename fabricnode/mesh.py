@@ -226,6 +226,32 @@ class MeshCore:
             self._send(m.addr, [msg], now, reliable=False)
             self._send(m.addr, [msg], now, reliable=True)
 
+    def new_session(self, identity: Identity, body: EntryBody, now: float) -> None:
+        """Retire our session (signed LEFT) and continue as a new one on the same sockets.
+
+        A restarted engine is a new session: a new key, a new entry from JOIN. The old
+        session's LEFT is final for everyone, so no peer probes it or mistakes its silence for
+        a crash; its entry is collected like any other LEFT entry.
+        """
+        if body.session_id != identity.session_id:
+            raise ValueError("the new entry must belong to the new identity")
+        old = self.self_id
+        if not self.left:
+            self.update_self(now, state=State.LEFT)
+        self.broadcasts.put(("entry", old), EntryMsg(self.self_entry))
+        self.loads.pop(old, None)
+        self.identity = identity
+        self.self_id = identity.session_id
+        self.members.self_id = identity.session_id
+        self.incarnation = 0
+        self.alive = Alive.make(identity, 0, self.gossip_addr)
+        self.left = False
+        self._my_load = None
+        self.self_entry = body.sign(identity)
+        self.registry.merge(self.self_entry, now)
+        self._refresh_at = self._refresh_time(now)
+        self._queue_self(now)
+
     def publish_load(
         self, now: float, *, waiting: int, running: int, kv_usage: float, inflight: int
     ) -> None:
@@ -403,8 +429,8 @@ class MeshCore:
         m = self.members.get(rec.session_id)
         if m is not None and m.alive_record is not None and rec.incarnation <= m.incarnation:
             return  # old news: skip the signature check
-        if self.registry.is_tombstoned(rec.session_id):
-            return
+        if self.registry.is_tombstoned(rec.session_id) or self._has_left(rec.session_id):
+            return  # a session that left never comes back, whatever liveness news arrives
         if not rec.verify(self.verifier):
             self._drop("bad_signature")
             return
@@ -426,7 +452,7 @@ class MeshCore:
             self._drop("accusation_unknown_incarnation")
             return
         if rec.target != self.self_id:
-            if self.registry.is_tombstoned(rec.target):
+            if self.registry.is_tombstoned(rec.target) or self._has_left(rec.target):
                 return
             if m is not None and (rec.incarnation < m.incarnation or m.status == Liveness.LEFT):
                 return
@@ -478,6 +504,10 @@ class MeshCore:
         self.loads[rec.session_id] = rec
         if self._spread and not self._load_direct():
             self.load_broadcasts.put(("load", rec.session_id), rec)
+
+    def _has_left(self, sid: str) -> bool:
+        entry = self.registry.get(sid)
+        return entry is not None and entry.body.state == State.LEFT
 
     def _refute(self, accused_incarnation: int, now: float) -> None:
         if self.left:

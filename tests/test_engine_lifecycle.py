@@ -188,3 +188,36 @@ def test_sigterm_lets_in_flight_requests_finish_then_leaves(mesh: LocalMesh) -> 
     assert node.proc.wait(20) == 0
     assert state_is(watcher, sid, "left")
     assert time.monotonic() - t0 < 15
+
+
+def test_restarted_engine_is_a_new_serving_session_and_the_old_one_left(mesh: LocalMesh) -> None:
+    watcher = mesh.start("watcher")
+    port = free_port()
+    args = ["--restart", "on-failure", "--max-restarts", "1"]
+    node = mesh.start("engine", args=args + sim_engine_args(port, "--crash-after-s", "2"))
+    first = node.session_id
+    assert wait_until(lambda: state_is(watcher, first, "serving"), 20), entry(watcher, first)
+
+    def new_sessions() -> list[dict[str, Any]]:
+        try:
+            with AdminClient(watcher.http_url, timeout_s=2.0) as client:
+                nodes = client.nodes()
+        except AgentApiError:
+            return []
+        return [
+            n
+            for n in nodes
+            if n["addresses"]["gossip"] == node.gossip_addr and n["session_id"] != first
+        ]
+
+    assert wait_until(lambda: [n["state"] for n in new_sessions()] == ["serving"], 30), (
+        entry(watcher, first),
+        new_sessions(),
+    )
+    assert state_is(watcher, first, "left")  # retired, not merely dead
+    assert node.running
+    # The restarted engine crashes again after 2 s; with one restart allowed it stays DOWN.
+    second = new_sessions()[0]["session_id"]
+    assert wait_until(lambda: state_is(watcher, second, "down"), 15)
+    time.sleep(3)
+    assert [n["session_id"] for n in new_sessions()] == [second]

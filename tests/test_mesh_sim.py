@@ -151,3 +151,30 @@ def test_load_reports_reach_peers_without_touching_signed_entries() -> None:
         load = n.core.loads.get(node.core.self_id)
         assert load is not None and (load.waiting, load.running, load.inflight) == (3, 7, 2)
         assert n.core.registry.get(node.core.self_id) == before[n.addr]
+
+
+def test_new_session_retires_the_old_one_as_left_without_a_false_death() -> None:
+    from fabricnode.identity import Identity
+    from fabricnode.testing.simnet import make_body
+
+    net = formed_cluster(12, seed=10, loss=0.05)
+    net.run_for(15)
+    node = list(net.nodes.values())[4]
+    old = node.core.self_id
+    fresh = Identity.from_seed(b"restarted engine")
+    node.core.new_session(fresh, make_body(fresh, node.addr, net.wall), net.wall)
+    net.poke(node)
+    deaths: list[str] = []
+    for n in net.nodes.values():
+        n.core.members.on_status = lambda sid, st, since: (
+            deaths.append(sid) if st == Liveness.DEAD else None
+        )
+    net.run_for(20)
+    for n in net.alive_nodes():
+        if n is node:
+            continue
+        old_entry = n.core.registry.get(old)
+        assert old_entry is not None and old_entry.body.state == State.LEFT
+        assert n.core.liveness(old) == Liveness.LEFT
+        assert n.core.liveness(fresh.session_id) == Liveness.ALIVE
+    assert deaths == [], (old, fresh.session_id, deaths)
