@@ -24,11 +24,12 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 from urllib.parse import parse_qsl, unquote
 
+from fabricnode.asgi_serving import Receive, Send, lifespan
 from fabricnode.gossip import TransportStatistics
 from fabricnode.mesh import MeshCore
 from fabricnode.prometheus import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -39,8 +40,6 @@ from fabricnode.views import Json, entry_view, match_sessions, models_view, node
 log = logging.getLogger("fabricnode.admin")
 
 Scope = Mapping[str, Any]
-Receive = Callable[[], Awaitable[Mapping[str, Any]]]
-Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 NODES_PREFIX = "/fabric/v1/nodes/"
 NODE_FILTERS = ("state", "model", "gpu", "label")
@@ -109,7 +108,7 @@ class AdminApp:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
-            await self._lifespan(receive, send)
+            await lifespan(receive, send)
             return
         if scope["type"] != "http":
             return  # websockets are not served; hypercorn closes the connection
@@ -135,15 +134,6 @@ class AdminApp:
         await send({"type": "http.response.start", "status": response.status, "headers": headers})
         body = b"" if method == "HEAD" else response.body
         await send({"type": "http.response.body", "body": body, "more_body": False})
-
-    async def _lifespan(self, receive: Receive, send: Send) -> None:
-        while True:
-            message = await receive()
-            if message["type"] == "lifespan.startup":
-                await send({"type": "lifespan.startup.complete"})
-            elif message["type"] == "lifespan.shutdown":
-                await send({"type": "lifespan.shutdown.complete"})
-                return
 
     # -- routing ----------------------------------------------------------------------------
 

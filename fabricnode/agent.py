@@ -38,17 +38,16 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, TextIO, cast
+from typing import TYPE_CHECKING, TextIO
 
 import trio
-from hypercorn.config import Config as HypercornConfig
-from hypercorn.trio import serve as hypercorn_serve
 
 from fabricnode.addr import join_hostport
 from fabricnode.admin import AdminApp
+from fabricnode.asgi_serving import bind_http_socket, serve_http
 from fabricnode.config import AgentConfig
 from fabricnode.engine import EngineService
-from fabricnode.errors import ConfigError, FabricError
+from fabricnode.errors import FabricError
 from fabricnode.gossip import GossipService, UdpTcpTransport
 from fabricnode.hardware import default_host
 from fabricnode.hardware import discover as discover_gpus
@@ -62,7 +61,7 @@ from fabricnode.slurm_env import SlurmJob, discover_job
 from fabricnode.views import liveness_of
 
 if TYPE_CHECKING:
-    from hypercorn.typing import ASGIFramework
+    pass
 
 log = logging.getLogger("fabricnode.agent")
 
@@ -146,50 +145,6 @@ class JoinTracker:
 
 
 # -- HTTP -------------------------------------------------------------------------------------
-
-
-def bind_http_socket(host: str, port: int, flag: str) -> socket.socket:
-    """Bind (not listen) a TCP socket ourselves, so a busy port is a clear ``ConfigError`` and
-    port 0 tells us the port the kernel picked; hypercorn then serves it via ``fd://``."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        where = join_hostport(host, port)
-        raise ConfigError(f"{flag}: cannot listen on {where}: {exc.strerror or exc}") from None
-    return sock
-
-
-async def serve_http(
-    app: AdminApp,
-    sock: socket.socket,
-    shutdown: trio.Event,
-    grace_s: float,
-    done: trio.Event,
-    *,
-    task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    """Serve ``app`` on a bound socket with hypercorn's trio worker until ``shutdown`` is set
-    (then in-flight requests get ``grace_s``); ``done`` is set when the server has stopped."""
-    config = HypercornConfig()
-    config.bind = [f"fd://{sock.detach()}"]
-    config.accesslog = None
-    config.errorlog = logging.getLogger("hypercorn.error")
-    config.graceful_timeout = grace_s
-    config.include_server_header = False
-    try:
-        await hypercorn_serve(
-            cast("ASGIFramework", app),
-            config,
-            shutdown_trigger=shutdown.wait,
-            task_status=task_status,
-        )
-    finally:
-        done.set()
 
 
 # -- the agent --------------------------------------------------------------------------------

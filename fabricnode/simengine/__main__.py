@@ -11,12 +11,12 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
-import socket
 import sys
 
 import trio
 
 from fabricnode.addr import join_hostport
+from fabricnode.asgi_serving import bind_http_socket
 from fabricnode.errors import ConfigError
 from fabricnode.simengine.model import GPU_PROFILES, EngineConfig, gpu_profile
 from fabricnode.simengine.server import FaultConfig, SimConfig, serve
@@ -102,21 +102,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
     return SimConfig(engine, faults, shutdown_grace_s=args.shutdown_grace_s)
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        where = join_hostport(host, port)
-        raise ConfigError(f"--port: cannot listen on {where}: {exc.strerror or exc}") from None
-    return sock
-
-
 async def run(config: SimConfig, host: str, port: int) -> None:
-    sock = bind_socket(host, port)
+    sock = bind_http_socket(host, port, "--port")
     url = f"http://{join_hostport(host, sock.getsockname()[1])}"
     shutdown = trio.Event()
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:

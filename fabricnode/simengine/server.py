@@ -29,14 +29,13 @@ import random
 import socket
 import sys
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, cast
 
 import trio
-from hypercorn.config import Config as HypercornConfig
-from hypercorn.trio import serve as hypercorn_serve
 
+from fabricnode.asgi_serving import Receive, Send, lifespan, serve_http
 from fabricnode.prometheus import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from fabricnode.prometheus import MetricsText
 from fabricnode.simengine.model import (
@@ -49,13 +48,11 @@ from fabricnode.simengine.model import (
 )
 
 if TYPE_CHECKING:
-    from hypercorn.typing import ASGIFramework
+    pass
 
 log = logging.getLogger("fabricnode.simengine")
 
 Scope = Mapping[str, Any]
-Receive = Callable[[], Awaitable[Mapping[str, Any]]]
-Send = Callable[[dict[str, Any]], Awaitable[None]]
 Json = dict[str, Any]
 
 VERSION = "fabricnode-sim/0.1.0"
@@ -192,7 +189,7 @@ class SimEngineApp:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
-            await _lifespan(receive, send)
+            await lifespan(receive, send)
             return
         if scope["type"] != "http":
             return
@@ -585,16 +582,6 @@ async def _send_json(send: Send, doc: Json, status: int = 200) -> None:
     await _send_body(send, status, _dumps(doc), "application/json")
 
 
-async def _lifespan(receive: Receive, send: Send) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "lifespan.startup":
-            await send({"type": "lifespan.startup.complete"})
-        elif message["type"] == "lifespan.shutdown":
-            await send({"type": "lifespan.shutdown.complete"})
-            return
-
-
 def _crash(reason: str) -> None:
     sys.stderr.write(f"simengine: {reason}\n")
     sys.stderr.flush()
@@ -617,26 +604,7 @@ async def serve(
     faults = config.faults
     driver = EngineDriver(config.engine, faults.slowdown)
     app = SimEngineApp(config, driver)
-    hconfig = HypercornConfig()
-    hconfig.bind = [f"fd://{sock.detach()}"]
-    hconfig.accesslog = None
-    hconfig.errorlog = logging.getLogger("hypercorn.error")
-    hconfig.graceful_timeout = config.shutdown_grace_s
-    hconfig.include_server_header = False
     http_done = trio.Event()
-
-    async def run_http(
-        *, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED
-    ) -> None:
-        try:
-            await hypercorn_serve(
-                cast("ASGIFramework", app),
-                hconfig,
-                shutdown_trigger=shutdown.wait,
-                task_status=task_status,
-            )
-        finally:
-            http_done.set()
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(driver.run)
@@ -644,7 +612,7 @@ async def serve(
             nursery.start_soon(_crash_after, faults.crash_after_s)
         if faults.hang_after_s is not None:
             nursery.start_soon(_hang_after, driver, faults.hang_after_s)
-        await nursery.start(run_http)
+        await nursery.start(serve_http, app, sock, shutdown, config.shutdown_grace_s, http_done)
         task_status.started(app)
         await http_done.wait()  # hypercorn returns once in-flight requests finish or time out
         nursery.cancel_scope.cancel()
