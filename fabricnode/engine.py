@@ -27,7 +27,7 @@ from pathlib import Path
 import httpx
 import trio
 
-from fabricnode.engine_cmd import EngineCommand
+from fabricnode.engine_cmd import EngineCommand, option_values
 from fabricnode.engine_metrics import engine_load, parse_samples
 from fabricnode.gossip import GossipService
 from fabricnode.mesh import MeshCore
@@ -146,11 +146,14 @@ class EngineService:
             return  # the exit watcher marks DOWN
         if self.stopping:
             return
+        version = await self._engine_version(client)
+        quant = option_values(self.command.argv, "--quantization", "-q")
+        quantization = quant[-1][:64] if quant else None
         self.core.update_self(
             self.wall_clock(),
             state=State.SERVING,
-            models=tuple(ModelInfo(m.id, m.max_model_len) for m in models),
-            engine=EngineInfo(self.command.kind, "", url),
+            models=tuple(ModelInfo(m.id, m.max_model_len, quantization) for m in models),
+            engine=EngineInfo(self.command.kind, version, url),
         )
         self.gossip.poke()
         self.state = "serving"
@@ -163,6 +166,15 @@ class EngineService:
         # will see it exit and leave DOWN as it is.
         self._mark_down(f"engine stopped answering {url}/health")
         await self.process.stop()
+
+    async def _engine_version(self, client: httpx.AsyncClient) -> str:
+        """``/version`` as vLLM (and the simulated engine) answer it; "" when not offered."""
+        try:
+            r = await client.get(f"{self.command.url}/version", timeout=2.0)
+            version = r.json().get("version") if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return ""
+        return version[:64] if isinstance(version, str) else ""
 
     async def _watch_health(self, client: httpx.AsyncClient) -> None:
         failures = 0

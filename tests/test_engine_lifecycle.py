@@ -155,7 +155,30 @@ def test_simulated_engine_crash_is_down_everywhere(mesh: LocalMesh) -> None:
     node = mesh.start("engine", args=sim_engine_args(free_port(), "--crash-after-s", "2"))
     sid = node.session_id
     assert wait_until(lambda: state_is(watcher, sid, "serving"), 20), entry(watcher, sid)
+    e = entry(watcher, sid)
+    assert e is not None and e["engine"]["version"]  # read from the engine's /version
     assert wait_until(lambda: state_is(watcher, sid, "down"), 10), entry(watcher, sid)
+    assert node.running
+
+
+def test_simulated_engine_hang_is_down_and_the_engine_is_stopped(mesh: LocalMesh) -> None:
+    watcher = mesh.start("watcher")
+    port = free_port()
+    node = mesh.start("engine", args=sim_engine_args(port, "--hang-after-s", "2"))
+    sid = node.session_id
+    assert wait_until(lambda: state_is(watcher, sid, "serving"), 20), entry(watcher, sid)
+    assert wait_until(lambda: state_is(watcher, sid, "down"), 20), entry(watcher, sid)
+
+    def engine_gone() -> bool:
+        try:
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=0.5)
+        except httpx.ConnectError:
+            return True
+        except httpx.HTTPError:
+            return False
+        return False
+
+    assert wait_until(engine_gone, 20), "hung engine still listening"
     assert node.running
 
 
