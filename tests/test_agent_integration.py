@@ -10,7 +10,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,17 +32,6 @@ DEAD_WITHIN_S = 15.0
 LEFT_WITHIN_S = 10.0
 
 View = dict[str, dict[str, Any]]
-
-
-@pytest.fixture
-def mesh(tmp_path: Path) -> Iterator[LocalMesh]:
-    local = LocalMesh(tmp_path / "mesh")
-    try:
-        yield local
-    finally:
-        local.close()
-        for agent in local.agents:  # shown by pytest only when the test failed
-            print(f"--- {agent.name} (exit {agent.proc.returncode}) ---\n{agent.stderr_tail(15)}")
 
 
 def view(agent: AgentProcess) -> View | None:

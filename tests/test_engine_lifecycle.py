@@ -7,7 +7,6 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,17 +20,6 @@ from fabricnode.localmesh import AgentProcess, LocalMesh, wait_until
 pytestmark = pytest.mark.slow
 
 STUB_ENGINE = Path(__file__).with_name("stub_engine.py")
-
-
-@pytest.fixture
-def mesh(tmp_path: Path) -> Iterator[LocalMesh]:
-    local = LocalMesh(tmp_path / "mesh")
-    try:
-        yield local
-    finally:
-        local.close()
-        for agent in local.agents:
-            print(f"--- {agent.name} (exit {agent.proc.returncode}) ---\n{agent.stderr_tail(20)}")
 
 
 def free_port() -> int:

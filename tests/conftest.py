@@ -1,0 +1,28 @@
+"""Fixtures shared by the tests that run real agent processes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from fabricnode.localmesh import LocalMesh
+
+
+@pytest.fixture
+def mesh(tmp_path: Path) -> Iterator[LocalMesh]:
+    """Agents under one temporary FABRIC_HOME; every process is killed and reaped afterwards.
+
+    Their last log lines (and engine logs) are printed, which pytest shows when a test failed.
+    """
+    local = LocalMesh(tmp_path / "mesh")
+    try:
+        yield local
+    finally:
+        local.close()
+        for agent in local.agents:
+            print(f"--- {agent.name} (exit {agent.proc.returncode}) ---\n{agent.stderr_tail(20)}")
+        for log in sorted((local.workdir / "logs").glob("*/engine.log")):
+            tail = "\n".join(log.read_text(errors="replace").splitlines()[-20:])
+            print(f"--- {log} ---\n{tail}")
