@@ -217,7 +217,7 @@ class Agent:
             version=1,
             provider=provider,
             addresses=Addresses(http=http_url, gossip=gossip_addr),
-            hardware=hardware or Hardware(host=_hostname()),
+            hardware=hardware or Hardware(host=default_host(os.environ)),
             engine=EngineInfo(),
             models=(),
             labels=tuple(labels),
@@ -407,10 +407,6 @@ def _read_peers(path: Path, own: str) -> list[str]:
 
 def _url(advertise_host: str, sock: socket.socket) -> str:
     return f"http://{join_hostport(advertise_host, sock.getsockname()[1])}"
-
-
-def _hostname() -> str:
-    return socket.gethostname()[:255]
 
 
 # -- process entry ----------------------------------------------------------------------------

@@ -69,12 +69,6 @@ class Member:
     confirming: bool = False
     cleared_suspect_inc: int = -1  # we probed it ourselves and got an answer at this incarnation
 
-    @property
-    def order_key(self) -> tuple[int, int]:
-        if self.status == Liveness.ALIVE and self.alive_record is None:
-            return (-1, 0)
-        return (self.incarnation, min(int(self.status), int(Liveness.DEAD)))
-
     def liveness_record(self) -> Alive | Accusation | None:
         if self.status in (Liveness.SUSPECT, Liveness.DEAD):
             return self.accusation

@@ -32,7 +32,6 @@ import random
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from fabricnode import codec
 from fabricnode.broadcast import BroadcastQueue
 from fabricnode.errors import WireError
 from fabricnode.identity import Identity, Verifier
@@ -63,6 +62,7 @@ from fabricnode.wire import (
     SyncRequest,
     SyncRow,
     decode_packet,
+    encode_messages,
     encode_packet,
 )
 
@@ -804,13 +804,14 @@ class MeshCore:
     ) -> None:
         msgs = list(messages)
         if piggyback:
-            used = sum(len(codec.pack(m.to_wire())) for m in msgs)
+            used = sum(len(b) for b in encode_messages(msgs))
             budget = self.config.max_datagram_bytes - SEAL_OVERHEAD - PACKET_ENVELOPE_BYTES - used
-            n = self.members.live_count()
-            limit = self.config.retransmit_mult * max(1, math.ceil(math.log10(n + 1)))
-            extra, extra_bytes = self.broadcasts.take(budget, limit)
-            load_limit = self.config.load_retransmit_mult * max(1, math.ceil(math.log10(n + 1)))
-            loads, _ = self.load_broadcasts.take(budget - extra_bytes, load_limit)
+            extra, extra_bytes = self.broadcasts.take(
+                budget, self._transmit_limit(self.config.retransmit_mult)
+            )
+            loads, _ = self.load_broadcasts.take(
+                budget - extra_bytes, self._transmit_limit(self.config.load_retransmit_mult)
+            )
             msgs.extend(extra)
             msgs.extend(loads)
             if not msgs:
@@ -821,6 +822,10 @@ class MeshCore:
         self.packets_out += 1
         self.bytes_out += len(data)
         self._out.append(Outbound(addr, data, reliable))
+
+    def _transmit_limit(self, mult: int) -> int:
+        """Transmissions before a record retires: ``mult * ceil(log10(N + 1))``."""
+        return mult * max(1, math.ceil(math.log10(self.members.live_count() + 1)))
 
     def _drop(self, reason: str, count: int = 1) -> None:
         self.stats_dropped[reason] = self.stats_dropped.get(reason, 0) + count

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import heapq
 import random
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from fabricnode.identity import Identity, Verifier
@@ -75,7 +75,6 @@ class SimNetwork:
         self._groups: dict[str, int] | None = None
         self.delivered = 0
         self.dropped = 0
-        self.observers: list[Callable[[SimNetwork], None]] = []
 
     @property
     def wall(self) -> float:
@@ -145,16 +144,10 @@ class SimNetwork:
         if self.duplicate and self.rng.random() < self.duplicate:
             self._push(self.now + self.rng.uniform(*self.delay_s), "recv", dst, data)
 
-    def run_until(self, t: float, *, every: float = 0.0) -> None:
-        """Advance virtual time to ``t``; observers run every ``every`` seconds if set."""
-        next_obs = self.now + every if every else float("inf")
+    def run_until(self, t: float) -> None:
+        """Advance virtual time to ``t``, delivering packets and running timers on the way."""
         while self._heap and self._heap[0][0] <= t:
             when, _, kind, addr, data = heapq.heappop(self._heap)
-            while when >= next_obs:
-                self.now = next_obs
-                for obs in self.observers:
-                    obs(self)
-                next_obs += every
             self.now = when
             node = self.nodes.get(addr)
             if node is None or node.crashed:
@@ -169,15 +162,10 @@ class SimNetwork:
                 self.delivered += 1
                 node.core.receive(data, self.wall, None, stream=kind == "stream")
             self._flush(node)
-        while every and next_obs <= t:
-            self.now = next_obs
-            for obs in self.observers:
-                obs(self)
-            next_obs += every
         self.now = max(self.now, t)
 
-    def run_for(self, seconds: float, *, every: float = 0.0) -> None:
-        self.run_until(self.now + seconds, every=every)
+    def run_for(self, seconds: float) -> None:
+        self.run_until(self.now + seconds)
 
     # -- helpers for tests --------------------------------------------------------------------
 
