@@ -219,6 +219,27 @@ def start(
     log_level: Annotated[
         str, typer.Option(metavar="LEVEL", help="debug|info|warning|error.")
     ] = "info",
+    policy: Annotated[
+        str | None,
+        typer.Option(metavar="NAME", help="Routing policy (default prefix-pending)."),
+    ] = None,
+    api_keys: Annotated[
+        str | None,
+        typer.Option(
+            metavar="PATH", help="API keys file ($FABRIC_HOME/api-keys.json; absent = open)."
+        ),
+    ] = None,
+    request_log: Annotated[
+        str | None,
+        typer.Option(metavar="PATH", help="Request log, JSON lines ('' = off)."),
+    ] = None,
+    max_body_mb: Annotated[
+        float | None, typer.Option(metavar="MB", help="Largest request body (16).")
+    ] = None,
+    drain_timeout: Annotated[
+        float | None,
+        typer.Option(metavar="SECONDS", help="On leave, let accepted requests finish (30)."),
+    ] = None,
 ) -> None:
     from fabricnode.config import load_config
 
@@ -241,6 +262,11 @@ def start(
             max_restarts=max_restarts,
             labels=label or (),
             log_level=log_level,
+            policy=policy,
+            api_keys=api_keys,
+            request_log=request_log,
+            max_body_mb=max_body_mb,
+            drain_timeout_s=drain_timeout,
         )
     except ConfigError as exc:
         _usage_error("start", str(exc))
@@ -367,6 +393,134 @@ def keys_new_provider(
     key = ProviderKey.generate(name)
     key.save(target)
     print(f"created provider key {target} for {name!r}, fingerprint {key.fingerprint}")
+
+
+# -- fabric keys api-* (ingress API keys) -------------------------------------------------------
+
+ApiKeysFileOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--keys-file",
+        metavar="PATH",
+        help="API keys file (default $FABRIC_HOME/api-keys.json).",
+        show_default=False,
+    ),
+]
+
+
+def _api_keys_path(path: Path | None) -> Path:
+    from fabricnode.apikeys import default_api_keys_path
+
+    return path if path is not None else default_api_keys_path(os.environ)
+
+
+@keys_app.command(
+    "api-new",
+    help="Create an ingress API key for NAME. The token goes to stdout, once: it is not stored "
+    "(the file keeps only its hash). Creating the first key turns auth on.",
+)
+@handled
+def keys_api_new(
+    name: str,
+    providers: Annotated[
+        str | None,
+        typer.Option(metavar="P1,P2", help="Only these providers (names or fingerprints) serve."),
+    ] = None,
+    rate: Annotated[
+        float | None, typer.Option(metavar="R", help="Rate limit, requests per second.")
+    ] = None,
+    burst: Annotated[
+        int | None, typer.Option(metavar="B", help="Burst size (default: one second's worth).")
+    ] = None,
+    keys_file: ApiKeysFileOption = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+) -> None:
+    from fabricnode.apikeys import ApiKeyStore, RateLimit, check_key_name
+
+    allow: list[str] | None = None
+    try:
+        check_key_name(name)
+        if providers is not None:
+            allow = [p.strip() for p in providers.split(",")]
+            if not all(allow):
+                raise ConfigError(f"--providers {providers!r}: expected NAME[,NAME...]")
+        if rate is not None:
+            RateLimit.of(rate, burst)
+        elif burst is not None:
+            raise ConfigError("--burst needs --rate")
+    except ConfigError as exc:
+        _usage_error("keys api-new", str(exc))
+    path = _api_keys_path(keys_file)
+    store = ApiKeyStore.load(path)
+    try:
+        token, key = store.new_key(name, allow, rate, burst)
+    except ConfigError as exc:
+        _usage_error("keys api-new", str(exc))
+    if as_json:
+        _print_json({"path": str(path), "token": token, **key.public()})
+        return
+    print(token)
+    print(
+        f"created API key {key.key_id} for {name!r} in {path}; the token above is shown only "
+        "this once and cannot be recovered: store it now",
+        file=sys.stderr,
+    )
+
+
+@keys_app.command("api-list", help="Ingress API keys (never their secrets or hashes).")
+@handled
+def keys_api_list(
+    keys_file: ApiKeysFileOption = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+) -> None:
+    import time as _time
+
+    from fabricnode.apikeys import ApiKeyStore
+
+    path = _api_keys_path(keys_file)
+    store = ApiKeyStore.load(path)
+    found = store.list()
+    if as_json:
+        _print_json(
+            {"path": str(path), "enabled": store.enabled, "keys": [k.public() for k in found]}
+        )
+        return
+    if not store.enabled:
+        print(f"no API keys file at {path}: the ingress runs open (no auth)")
+        return
+    table = Table(box=None, header_style="bold", pad_edge=False)
+    for column in ("KEY ID", "NAME", "STATUS", "CREATED", "PROVIDERS", "RATE"):
+        table.add_column(column, no_wrap=column != "PROVIDERS")
+    for k in found:
+        table.add_row(
+            k.key_id,
+            k.name,
+            "revoked" if k.disabled else "active",
+            _time.strftime("%Y-%m-%d %H:%M UTC", _time.gmtime(k.created_at)),
+            ", ".join(k.providers) if k.providers is not None else "any",
+            f"{k.rate.rate_per_s:g}/s burst {k.rate.burst}" if k.rate else "-",
+        )
+    _console().print(table)
+    active = sum(1 for k in found if not k.disabled)
+    print(f"{active} active key{'s' if active != 1 else ''} of {len(found)}")
+
+
+@keys_app.command(
+    "api-revoke", help="Revoke an ingress API key by key id, or by name if it has one active key."
+)
+@handled
+def keys_api_revoke(key_id_or_name: str, keys_file: ApiKeysFileOption = None) -> None:
+    from fabricnode.apikeys import ApiKeyStore
+
+    path = _api_keys_path(keys_file)
+    store = ApiKeyStore.load(path)
+    if not store.enabled:
+        raise KeyFileError(f"no API keys file at {path} (nothing to revoke)")
+    key, changed = store.revoke(key_id_or_name)
+    if changed:
+        print(f"revoked API key {key.key_id} ({key.name}); agents drop it within a second or two")
+    else:
+        print(f"API key {key.key_id} ({key.name}) was already revoked")
 
 
 # -- reading the registry ---------------------------------------------------------------------

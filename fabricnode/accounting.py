@@ -1,0 +1,580 @@
+"""Accounting at the ingress: token usage per request, totals per key and model, a request log.
+
+Theory of operation
+-------------------
+Everything here is sync and cheap enough for the request hot path of the trio data plane.
+
+* ``usage_from_json`` reads ``usage`` from a non-streamed OpenAI response body.
+* ``StreamUsage`` is fed the raw bytes of a streamed (SSE) response as they are relayed, split
+  anywhere. It frames lines and events itself and never parses JSON just to look: an event is
+  parsed only if its bytes contain ``"usage": {`` (a literal quote cannot occur unescaped inside
+  a JSON string, so this is exact up to the cost of one parse). Engines report usage in a last
+  chunk when asked (``stream_options.include_usage``), and some in every chunk (cumulative; the
+  last one wins). Without any usage, completion tokens are estimated as the number of events
+  carrying non-empty ``content``/``text``/``reasoning_content``/``arguments`` -- one event per
+  token for vLLM and SGLang without speculative decoding -- and prompt tokens are unknown.
+* ``UsageLedger`` keeps totals per (key name or ``anonymous``, model) for /metrics and the
+  admin view, in bounded memory: model names come from clients.
+* ``RequestLog`` buffers one ``TraceRecord`` per request in memory (bounded: when full, records
+  are dropped and counted rather than growing without limit) and ``flush`` appends them as JSON
+  lines, meant to run periodically in a worker thread. The file is rotated by size
+  (``log.jsonl`` -> ``log.jsonl.1`` -> ...). A full disk costs log lines, never the ingress.
+
+Request log format (one JSON object per line, the LLMFabric trace schema plus ingress fields)::
+
+    {"v": 1, "T": 1732270000.123, "M": "llama-3.3-70b", "I": 512, "O": 128,
+     "latency_s": 2.41, "ttft_s": 0.18, "status": 200, "node": "<session id>",
+     "key": "alice", "stream": true, "max_tokens": 256, "temperature": 0.7}
+
+``T`` is the arrival time (Unix seconds), ``M`` the requested model, ``I``/``O`` input/output
+tokens (null when unknown). There is deliberately no field that could hold prompt or output
+text: the trace is shareable the way the paper's is.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import statistics as stats
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeGuard
+
+from fabricnode.errors import ConfigError
+
+try:
+    import orjson
+
+    def _loads(data: bytes) -> Any:
+        return orjson.loads(data)
+
+    def _dumps_line(doc: dict[str, Any]) -> bytes:
+        return orjson.dumps(doc) + b"\n"
+
+except ImportError:  # pragma: no cover - orjson is a dependency; stay correct without it
+
+    def _loads(data: bytes) -> Any:
+        return json.loads(data)
+
+    def _dumps_line(doc: dict[str, Any]) -> bytes:
+        return json.dumps(doc, separators=(",", ":")).encode() + b"\n"
+
+
+_JSON_ERRORS = (ValueError, TypeError, RecursionError)
+ANONYMOUS = "anonymous"
+OTHER_MODELS = "(other)"
+MAX_MODEL_CHARS = 128
+TRACE_VERSION = 1
+
+
+def _usage_pair(usage: Any) -> tuple[int, int] | None:
+    if not isinstance(usage, dict):
+        return None
+    prompt = usage.get("prompt_tokens")
+    completion = usage.get("completion_tokens", 0)  # embeddings report no completion
+    if completion is None:
+        completion = 0
+    if (
+        isinstance(prompt, bool)
+        or not isinstance(prompt, int)
+        or isinstance(completion, bool)
+        or not isinstance(completion, int)
+        or prompt < 0
+        or completion < 0
+    ):
+        return None
+    return prompt, completion
+
+
+def usage_from_json(body: bytes) -> tuple[int, int] | None:
+    """(prompt_tokens, completion_tokens) of a non-streamed OpenAI response, else None."""
+    if b'"usage"' not in body:
+        return None
+    try:
+        doc = _loads(body)
+    except _JSON_ERRORS:
+        return None
+    return _usage_pair(doc.get("usage")) if isinstance(doc, dict) else None
+
+
+# -- streamed responses -----------------------------------------------------------------------
+
+_USAGE_OBJECT = re.compile(rb'"usage"\s*:\s*\{')
+_CONTENT = re.compile(rb'"(?:content|text|reasoning_content|arguments)"\s*:\s*"(?!")')
+_ERROR = re.compile(rb'^\s*\{\s*"error"\s*:')
+MAX_LINE_BYTES = 1 << 20
+
+
+class StreamUsage:
+    """Token usage of one streamed response, from its SSE bytes (fed in any split)."""
+
+    __slots__ = (
+        "_content_events",
+        "_data",
+        "_done",
+        "_error",
+        "_events",
+        "_overlong",
+        "_partial",
+        "_usage",
+    )
+
+    def __init__(self) -> None:
+        self._partial = bytearray()  # an incomplete line
+        self._overlong = False  # the incomplete line passed MAX_LINE_BYTES: drop it
+        self._data: list[bytes] = []  # data lines of the event being read
+        self._usage: tuple[int, int] | None = None
+        self._content_events = 0
+        self._events = 0
+        self._done = False
+        self._error = False
+
+    def feed(self, chunk: bytes) -> None:
+        nl = chunk.find(b"\n")
+        if nl < 0:
+            self._extend_partial(chunk)
+            return
+        if self._partial or self._overlong:
+            self._extend_partial(chunk[:nl])
+            if not self._overlong:
+                self._line(bytes(self._partial))
+            self._partial.clear()
+            self._overlong = False
+        else:
+            self._line(chunk[:nl])
+        start = nl + 1
+        while (nl := chunk.find(b"\n", start)) >= 0:
+            self._line(chunk[start:nl])
+            start = nl + 1
+        if start < len(chunk):
+            self._extend_partial(chunk[start:])
+
+    def _extend_partial(self, data: bytes) -> None:
+        if self._overlong:
+            return
+        if len(self._partial) + len(data) > MAX_LINE_BYTES:
+            self._overlong = True
+            self._partial.clear()
+            return
+        self._partial += data
+
+    def _line(self, line: bytes) -> None:
+        if line.endswith(b"\r"):
+            line = line[:-1]
+        if not line:
+            if self._data:
+                self._dispatch(self._data[0] if len(self._data) == 1 else b"\n".join(self._data))
+                self._data = []
+        elif line.startswith(b"data:"):
+            self._data.append(line[6:] if line[5:6] == b" " else line[5:])
+        # other fields (event:, id:, retry:) and comments (":") carry no usage
+
+    def _dispatch(self, data: bytes) -> None:
+        if data == b"[DONE]":
+            self._done = True
+            return
+        self._events += 1
+        usage, content, error = _examine(data)
+        if usage is not None:
+            self._usage = usage
+        if content:
+            self._content_events += 1
+        if error:
+            self._error = True
+
+    def _pending(self) -> bytes | None:
+        """The data of an event cut off by the end of the stream (no closing blank line)."""
+        data = list(self._data)
+        tail = bytes(self._partial)
+        if tail.endswith(b"\r"):
+            tail = tail[:-1]
+        if tail.startswith(b"data:") and not self._overlong:
+            data.append(tail[6:] if tail[5:6] == b" " else tail[5:])
+        if not data:
+            return None
+        joined = b"\n".join(data)
+        return None if joined == b"[DONE]" else joined
+
+    def result(self) -> tuple[int | None, int]:
+        """(prompt_tokens or None if unreported, completion_tokens) for what was fed so far."""
+        usage, content_events = self._usage, self._content_events
+        pending = self._pending()
+        if pending is not None:
+            more_usage, content, _ = _examine(pending)
+            usage = more_usage or usage
+            content_events += content
+        if usage is not None:
+            return usage
+        return None, content_events
+
+    @property
+    def reported(self) -> bool:
+        """Did the engine report usage (rather than completion tokens being counted)?"""
+        return self._usage is not None
+
+    @property
+    def done(self) -> bool:
+        """Was ``data: [DONE]`` seen (the stream ended normally)?"""
+        return self._done
+
+    @property
+    def error(self) -> bool:
+        """Did an event carry an OpenAI-shaped ``error`` (a failure after the 200 header)?"""
+        return self._error
+
+
+def _examine(data: bytes) -> tuple[tuple[int, int] | None, bool, bool]:
+    """(usage if reported, carries content, is an error) of one event's data."""
+    usage = None
+    if b'"usage"' in data and _USAGE_OBJECT.search(data):
+        try:
+            doc = _loads(data)
+        except _JSON_ERRORS:
+            doc = None
+        if isinstance(doc, dict):
+            usage = _usage_pair(doc.get("usage"))
+    return usage, _CONTENT.search(data) is not None, _ERROR.match(data) is not None
+
+
+# -- totals -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class UsageTotals:
+    key: str
+    model: str
+    requests: int
+    prompt_tokens: int
+    completion_tokens: int
+    errors: int
+
+
+class UsageLedger:
+    """Totals per (key name, model) since the agent started.
+
+    At most ``max_rows`` rows: once full, new models are added up under ``(other)`` for their
+    key (clients choose model names, and an ingress must not grow without bound).
+    """
+
+    def __init__(self, max_rows: int = 10_000) -> None:
+        self.max_rows = max_rows
+        self._rows: dict[tuple[str, str], list[int]] = {}
+
+    def record(
+        self,
+        key: str | None,
+        model: str,
+        prompt_tokens: int | None,
+        completion_tokens: int | None,
+        *,
+        error: bool = False,
+    ) -> None:
+        """Count one request (``key`` None = no auth: ``anonymous``; unknown tokens = 0)."""
+        row_key = (key or ANONYMOUS, model[:MAX_MODEL_CHARS])
+        row = self._rows.get(row_key)
+        if row is None:
+            if len(self._rows) >= self.max_rows:
+                row_key = (row_key[0], OTHER_MODELS)
+                row = self._rows.get(row_key)
+            if row is None:
+                row = self._rows[row_key] = [0, 0, 0, 0]
+        row[0] += 1
+        row[1] += prompt_tokens or 0
+        row[2] += completion_tokens or 0
+        row[3] += error
+
+    def snapshot(self) -> list[UsageTotals]:
+        """All rows, sorted by key then model."""
+        return [
+            UsageTotals(key, model, *row)
+            for (key, model), row in sorted(self._rows.items(), key=lambda item: item[0])
+        ]
+
+
+# -- request log ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRecord:
+    """One request as logged: the paper's trace fields (T, M, I, O) plus ingress fields."""
+
+    t: float  # arrival, Unix seconds
+    model: str
+    input_tokens: int | None
+    output_tokens: int | None
+    latency_s: float
+    ttft_s: float | None = None
+    status: int = 200
+    node: str = ""  # session id of the node that served ("" if none did)
+    key: str = ANONYMOUS  # API key name
+    stream: bool = False
+    max_tokens: int | None = None
+    temperature: float | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The JSON object of one log line (see the module docstring).
+
+        Every field is coerced to its type: ``max_tokens`` and ``temperature`` come from the
+        client's request, and a string smuggled into them must not put text in the log.
+        """
+        return {
+            "v": TRACE_VERSION,
+            "T": _opt_float(self.t) or 0.0,
+            "M": str(self.model)[:MAX_MODEL_CHARS],
+            "I": _opt_int(self.input_tokens),
+            "O": _opt_int(self.output_tokens),
+            "latency_s": _opt_float(self.latency_s) or 0.0,
+            "ttft_s": _opt_float(self.ttft_s),
+            "status": _opt_int(self.status) or 0,
+            "node": str(self.node)[:MAX_MODEL_CHARS],
+            "key": str(self.key)[:MAX_MODEL_CHARS],
+            "stream": self.stream is True,
+            "max_tokens": _opt_int(self.max_tokens),
+            "temperature": _opt_float(self.temperature),
+        }
+
+    @classmethod
+    def from_dict(cls, doc: Any) -> TraceRecord:
+        """Parse one log line's object; ValueError if it is not a trace record."""
+        if not isinstance(doc, dict):
+            raise ValueError("not an object")
+        t, model = doc.get("T"), doc.get("M")
+        if not _is_number(t) or not isinstance(model, str):
+            raise ValueError("missing T or M")
+        return cls(
+            t=float(t),
+            model=model,
+            input_tokens=_opt_int(doc.get("I")),
+            output_tokens=_opt_int(doc.get("O")),
+            latency_s=float(doc["latency_s"]) if _is_number(doc.get("latency_s")) else 0.0,
+            ttft_s=float(doc["ttft_s"]) if _is_number(doc.get("ttft_s")) else None,
+            status=_opt_int(doc.get("status")) or 0,
+            node=doc["node"] if isinstance(doc.get("node"), str) else "",
+            key=doc["key"] if isinstance(doc.get("key"), str) else ANONYMOUS,
+            stream=doc.get("stream") is True,
+            max_tokens=_opt_int(doc.get("max_tokens")),
+            temperature=float(doc["temperature"]) if _is_number(doc.get("temperature")) else None,
+        )
+
+
+def _is_number(value: Any) -> TypeGuard[int | float]:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _opt_int(value: Any) -> int | None:
+    """An int that fits any JSON reader (64-bit), else None."""
+    if isinstance(value, int) and not isinstance(value, bool) and -(2**63) <= value < 2**63:
+        return value
+    return None
+
+
+def _opt_float(value: Any) -> float | None:
+    return round(float(value), 6) if _is_number(value) else None
+
+
+@dataclass(frozen=True)
+class RequestLogStats:
+    buffered: int
+    written: int
+    dropped: int
+    rotations: int
+    write_errors: int
+    last_error: str
+
+
+class RequestLog:
+    """Append-only JSON-lines request log: ``append`` on the hot path, ``flush`` in a thread.
+
+    ``append`` only puts the record in a bounded in-memory buffer (``max_buffer`` records);
+    ``flush`` serializes and appends the buffer to ``path`` (mode 0600), rotating first when
+    the file would pass ``rotate_bytes``: ``path`` -> ``path.1`` -> ... -> ``path.<keep>``.
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        *,
+        max_buffer: int = 10_000,
+        rotate_bytes: int = 64 * 1024 * 1024,
+        keep: int = 1,
+    ) -> None:
+        if max_buffer < 1 or rotate_bytes < 1 or keep < 1:
+            raise ValueError("max_buffer, rotate_bytes and keep must be >= 1")
+        self.path = path
+        self.max_buffer = max_buffer
+        self.rotate_bytes = rotate_bytes
+        self.keep = keep
+        self._buffer: list[TraceRecord] = []
+        self._lock = threading.Lock()  # append (event loop) vs flush (worker thread)
+        self._flush_lock = threading.Lock()  # one flush at a time
+        self._written = 0
+        self._dropped = 0
+        self._rotations = 0
+        self._write_errors = 0
+        self._last_error = ""
+
+    def append(self, record: TraceRecord) -> bool:
+        """Buffer one record; False (and counted) if the buffer is full."""
+        with self._lock:
+            if len(self._buffer) >= self.max_buffer:
+                self._dropped += 1
+                return False
+            self._buffer.append(record)
+            return True
+
+    def flush(self) -> int:
+        """Write what is buffered; returns how many records were written.
+
+        Blocking file I/O: call it from a worker thread. An OSError (disk full, directory
+        gone) loses this batch, is counted in ``write_errors``/``dropped`` and is not raised.
+        """
+        with self._flush_lock:
+            with self._lock:
+                batch, self._buffer = self._buffer, []
+            if not batch:
+                return 0
+            lines = []
+            for record in batch:
+                try:
+                    lines.append(_dumps_line(record.as_dict()))
+                except (TypeError, ValueError):  # cannot happen after coercion; never fatal
+                    with self._lock:
+                        self._dropped += 1
+            data = b"".join(lines)
+            try:
+                self._write(data)
+            except OSError as exc:
+                with self._lock:
+                    self._write_errors += 1
+                    self._dropped += len(batch)
+                    self._last_error = f"{exc.filename or self.path}: {exc.strerror or exc}"
+                return 0
+            with self._lock:
+                self._written += len(batch)
+            return len(batch)
+
+    def _write(self, data: bytes) -> None:
+        try:
+            size = os.stat(self.path).st_size
+        except FileNotFoundError:
+            size = 0
+        if size and size + len(data) > self.rotate_bytes:
+            self._rotate()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+        finally:
+            os.close(fd)
+
+    def _rotate(self) -> None:
+        for n in range(self.keep - 1, 0, -1):
+            older = self.path.with_name(f"{self.path.name}.{n}")
+            if older.exists():
+                os.replace(older, self.path.with_name(f"{self.path.name}.{n + 1}"))
+        os.replace(self.path, self.path.with_name(f"{self.path.name}.1"))
+        self._rotations += 1
+
+    def statistics(self) -> RequestLogStats:
+        with self._lock:
+            return RequestLogStats(
+                buffered=len(self._buffer),
+                written=self._written,
+                dropped=self._dropped,
+                rotations=self._rotations,
+                write_errors=self._write_errors,
+                last_error=self._last_error,
+            )
+
+
+def request_log_files(path: Path) -> list[Path]:
+    """``path`` and its rotated predecessors that exist, oldest first."""
+    rotated: list[tuple[int, Path]] = []
+    for candidate in path.parent.glob(f"{path.name}.*"):
+        suffix = candidate.name[len(path.name) + 1 :]
+        if suffix.isdigit():
+            rotated.append((int(suffix), candidate))
+    files = [p for _, p in sorted(rotated, reverse=True)]
+    if path.exists():
+        files.append(path)
+    return files
+
+
+def read_request_log(path: Path, *, include_rotated: bool = False) -> list[TraceRecord]:
+    """The records of a request log (and, if asked, of its rotated files, oldest first).
+
+    Lines that are not trace records (a line cut short by a crash) are skipped; a file with
+    lines but no record at all is refused with one ConfigError line, since it is most likely
+    not a request log.
+    """
+    files = request_log_files(path) if include_rotated else [path]
+    if not files:
+        raise ConfigError(f"request log {path} does not exist")
+    records: list[TraceRecord] = []
+    lines = 0
+    for file in files:
+        try:
+            raw = file.read_bytes()
+        except FileNotFoundError as exc:
+            raise ConfigError(f"request log {file} does not exist") from exc
+        except OSError as exc:
+            raise ConfigError(f"cannot read request log {file}: {exc.strerror}") from exc
+        for line in raw.splitlines():
+            if not line.strip():
+                continue
+            lines += 1
+            try:
+                records.append(TraceRecord.from_dict(_loads(line)))
+            except (*_JSON_ERRORS, KeyError):
+                continue
+    if lines and not records:
+        raise ConfigError(f"{path} is not a fabric request log (no trace record in it)")
+    return records
+
+
+def workload_summary(
+    records: Iterable[TraceRecord], *, duration_s: float | None = None
+) -> dict[str, dict[str, float]]:
+    """Per model: arrival ``rate`` (req/s) and token means/std -- the planner's workload.
+
+    The rate counts every request that was not refused as a client error (4xx): 5xx and 503
+    "no eligible node" are demand the mesh failed to serve. It is over ``duration_s`` if given,
+    else over the span of all the records' arrival times (at least 1 s). Token statistics use
+    the requests whose input and output counts are known; std is the population std (0 for
+    one sample); a model with no such request gets 0.0.
+    """
+    arrivals: dict[str, int] = {}
+    inputs: dict[str, list[int]] = {}
+    outputs: dict[str, list[int]] = {}
+    first, last = math.inf, -math.inf
+    for r in records:
+        first, last = min(first, r.t), max(last, r.t)
+        if 400 <= r.status < 500:
+            continue
+        arrivals[r.model] = arrivals.get(r.model, 0) + 1
+        if r.input_tokens is not None and r.output_tokens is not None:
+            inputs.setdefault(r.model, []).append(r.input_tokens)
+            outputs.setdefault(r.model, []).append(r.output_tokens)
+    if duration_s is not None:
+        if duration_s <= 0:
+            raise ValueError("duration_s must be positive")
+        span = duration_s
+    else:
+        span = max(1.0, last - first) if math.isfinite(first) else 1.0
+    summary: dict[str, dict[str, float]] = {}
+    for model in sorted(arrivals):
+        ins, outs = inputs.get(model, []), outputs.get(model, [])
+        summary[model] = {
+            "rate": arrivals[model] / span,
+            "input_mean": stats.fmean(ins) if ins else 0.0,
+            "output_mean": stats.fmean(outs) if outs else 0.0,
+            "input_std": stats.pstdev(ins) if ins else 0.0,
+            "output_std": stats.pstdev(outs) if outs else 0.0,
+        }
+    return summary
