@@ -96,6 +96,7 @@ class AdminApp:
         keyring: KeyringReloads | None = None,
         wall_clock: Callable[[], float] = time.time,
         agent_endpoints: bool = True,
+        extra_metrics: Callable[[], bytes] | None = None,
     ) -> None:
         self.core = core
         self.is_ready = is_ready
@@ -103,6 +104,7 @@ class AdminApp:
         self.keyring = keyring
         self.wall_clock = wall_clock
         self.agent_endpoints = agent_endpoints
+        self.extra_metrics = extra_metrics  # the data plane's prometheus-client registry
         self.started_at = wall_clock()
         self.requests = 0
 
@@ -223,8 +225,10 @@ class AdminApp:
         return json_response({"models": models_view(self.core, self.wall_clock())})
 
     def metrics(self, query: list[tuple[str, str]]) -> Response:
-        text = render_metrics(self)
-        return Response(200, text.encode(), METRICS_CONTENT_TYPE)
+        body = render_metrics(self).encode()
+        if self.extra_metrics is not None:
+            body += self.extra_metrics()
+        return Response(200, body, METRICS_CONTENT_TYPE)
 
 
 def render_metrics(app: AdminApp) -> str:

@@ -42,8 +42,10 @@ from typing import TYPE_CHECKING, TextIO
 
 import trio
 
+from fabricnode.accounting import RequestLog
 from fabricnode.addr import join_hostport
 from fabricnode.admin import AdminApp
+from fabricnode.apikeys import ApiKeyStore
 from fabricnode.asgi_serving import bind_http_socket, serve_http
 from fabricnode.config import AgentConfig
 from fabricnode.engine import EngineService
@@ -52,6 +54,7 @@ from fabricnode.gossip import GossipService, UdpTcpTransport
 from fabricnode.hardware import default_host
 from fabricnode.hardware import discover as discover_gpus
 from fabricnode.identity import Identity, ProviderKey
+from fabricnode.ingress import Ingress
 from fabricnode.keyring import Keyring
 from fabricnode.membership import Liveness
 from fabricnode.mesh import MeshCore
@@ -169,12 +172,16 @@ class Agent:
         self.provider_key = (
             ProviderKey.load(config.provider_key_path) if config.provider_key_path else None
         )
+        # A malformed API keys file stops the start: an ingress must not run open by mistake.
+        self.api_keys = ApiKeyStore.load(config.api_keys_path) if config.api_keys_path else None
+        self.ingress: Ingress | None = None
         self.core: MeshCore | None = None
         self.gossip: GossipService | None = None
         self.tracker: JoinTracker | None = None
         self.engine: EngineService | None = None
         self._stop = trio.Event()
         self._finished = trio.Event()
+        self._ingress_done = trio.Event()
 
     @property
     def session_id(self) -> str:
@@ -288,6 +295,7 @@ class Agent:
             gossip.poke()
             log.info("new session %s for the restarted engine", self.identity.session_id)
 
+        ingress_box: list[Ingress] = []  # the engine reports the ingress's local in-flight count
         engine = (
             EngineService(
                 cfg.engine,
@@ -298,6 +306,7 @@ class Agent:
                 restart=cfg.restart,
                 max_restarts=cfg.max_restarts,
                 new_session=new_session,
+                inflight=lambda: ingress_box[0].local_inflight if ingress_box else 0,
             )
             if cfg.engine is not None
             else None
@@ -307,6 +316,25 @@ class Agent:
         def ready() -> bool:
             return tracker.is_ready() and (engine is None or engine.state == "serving")
 
+        def engine_url() -> str | None:
+            return cfg.engine.url if cfg.engine is not None else None
+
+        def engine_serving() -> bool:
+            return engine is not None and engine.state == "serving" and not core.left
+
+        request_log = RequestLog(cfg.request_log_path) if cfg.request_log_path else None
+        ingress = Ingress(
+            core,
+            config=cfg.ingress,
+            wall_clock=self.wall_clock,
+            local_engine_url=engine_url,
+            local_serving=engine_serving,
+            api_keys=self.api_keys,
+            request_log=request_log,
+        )
+        ingress_box.append(ingress)
+        self.ingress = ingress
+
         def app(agent_endpoints: bool) -> AdminApp:
             return AdminApp(
                 core,
@@ -315,20 +343,30 @@ class Agent:
                 keyring=gossip,
                 wall_clock=self.wall_clock,
                 agent_endpoints=agent_endpoints,
+                extra_metrics=ingress.render_metrics,
             )
 
-        # With --admin the agent endpoints move there; the public port keeps health/ready.
-        servers = [(app(admin_sock is None), http_sock)]
-        if admin_sock is not None:
-            servers.append((app(True), admin_sock))
+        # The public port is the data plane; paths outside /v1 go to the control app inline.
+        # With --admin the agent endpoints move to a hypercorn port of their own and the public
+        # port keeps only health/ready.
+        ingress.control_app = app(admin_sock is None)
         http_shutdown = trio.Event()
-        http_done = [trio.Event() for _ in servers]
+        admin_done = trio.Event()
         async with trio.open_nursery() as nursery:
             await nursery.start(transport.run)
             await nursery.start(gossip.run)
-            for (server_app, sock), done in zip(servers, http_done, strict=True):
-                grace = cfg.http_shutdown_grace_s
-                await nursery.start(serve_http, server_app, sock, http_shutdown, grace, done)
+            grace = cfg.http_shutdown_grace_s
+            nursery.start_soon(self._serve_ingress, ingress, http_sock, http_shutdown, grace)
+            if admin_sock is not None:
+                await nursery.start(
+                    serve_http, app(True), admin_sock, http_shutdown, grace, admin_done
+                )
+            else:
+                admin_done.set()
+            if self.api_keys is not None:
+                nursery.start_soon(self._reload_api_keys, self.api_keys)
+            if request_log is not None:
+                nursery.start_soon(self._flush_request_log, request_log)
             if engine is not None:
                 await nursery.start(engine.run)
             nursery.start_soon(self._watch_rendezvous, core, gossip, gossip_addr)
@@ -336,17 +374,50 @@ class Agent:
             task_status.started(AgentAddresses(core.self_id, http_url, gossip_addr, admin_url))
 
             await self._stop.wait()
-            # Order matters: LEFT first (peers stop routing to us), then close the doors.
+            # Order matters: refuse new forwards (ingresses fail over, invisibly to clients),
+            # sign LEFT (peers stop routing to us), let what our engine accepted finish, stop
+            # the engine, then close the doors.
+            ingress.leaving = True
             log.info("leaving: signing LEFT and spreading it for %g s", cfg.leave_linger_s)
             await gossip.leave(cfg.leave_linger_s)
             if engine is not None:
-                await engine.stop()  # after LEFT: nobody routes to it any more
+                with trio.move_on_after(cfg.drain_timeout_s) as drain:
+                    await ingress.wait_local_idle()
+                if drain.cancelled_caught:
+                    log.warning(
+                        "%d requests still running after %g s: stopping the engine anyway",
+                        ingress.local_inflight,
+                        cfg.drain_timeout_s,
+                    )
+                await engine.stop()
             http_shutdown.set()
             with trio.move_on_after(cfg.http_shutdown_grace_s + 1.0):
-                for done in http_done:
-                    await done.wait()
+                await self._ingress_done.wait()
+                await admin_done.wait()
+            if request_log is not None:
+                await trio.to_thread.run_sync(request_log.flush)
             nursery.cancel_scope.cancel()
         log.info("left the mesh")
+
+    async def _serve_ingress(
+        self, ingress: Ingress, sock: socket.socket, shutdown: trio.Event, grace_s: float
+    ) -> None:
+        try:
+            await ingress.serve(sock, shutdown, grace_s)
+        finally:
+            self._ingress_done.set()
+
+    async def _reload_api_keys(self, store: ApiKeyStore) -> None:
+        """Pick up ``fabric keys api-*`` edits of the keys file without a restart."""
+        while True:
+            await trio.sleep(self.config.keyring_poll_s)
+            if await trio.to_thread.run_sync(store.maybe_reload):
+                log.info("API keys reloaded from %s", store.path)
+
+    async def _flush_request_log(self, request_log: RequestLog) -> None:
+        while True:
+            await trio.sleep(self.config.request_log_flush_s)
+            await trio.to_thread.run_sync(request_log.flush)
 
     def _engine_log_path(self, session_id: str) -> Path | None:
         if self.config.log_dir is None:
@@ -433,6 +504,8 @@ def configure_logging(level: str, session_id: str, stream: TextIO | None = None)
     root.handlers = [handler]
     root.setLevel(level.upper())
     logging.getLogger("hypercorn.error").setLevel(max(root.level, logging.WARNING))
+    # httpx logs every engine health/metrics poll at INFO: twice a second of noise.
+    logging.getLogger("httpx").setLevel(max(root.level, logging.WARNING))
 
 
 def run_agent(config: AgentConfig, *, out: TextIO | None = None) -> int:

@@ -31,7 +31,9 @@ from fabricnode.addr import join_hostport, split_hostport
 from fabricnode.engine_cmd import EngineCommand, inspect_engine_cmd
 from fabricnode.errors import ConfigError
 from fabricnode.hardware import parse_sim_gpu
+from fabricnode.ingress_config import IngressConfig
 from fabricnode.mesh import MeshConfig
+from fabricnode.routing import POLICY_NAMES
 
 DEFAULT_HTTP = "0.0.0.0:8080"
 DEFAULT_GOSSIP = "0.0.0.0:7946"
@@ -69,7 +71,13 @@ class AgentConfig:
     leave_linger_s: float = 1.0  # keep gossiping our LEFT entry this long on shutdown
     http_shutdown_grace_s: float = 2.0  # let in-flight HTTP requests finish on shutdown
     keyring_poll_s: float = 1.0  # notice edits of the cluster keyring file this fast
+    # On leave, requests our engine accepted get this long to finish before it is stopped.
+    drain_timeout_s: float = 30.0
+    api_keys_path: Path | None = None  # hashed API keys; no file = the ingress runs open
+    request_log_path: Path | None = None  # trace-schema request log (JSON lines); None = off
+    request_log_flush_s: float = 1.0
     mesh: MeshConfig = field(default_factory=MeshConfig)
+    ingress: IngressConfig = field(default_factory=IngressConfig)
 
     @property
     def http_bind(self) -> str:
@@ -121,12 +129,19 @@ def load_config(
     max_restarts: int | None = None,
     labels: Iterable[str] = (),
     log_level: str | None = None,
+    policy: str | None = None,
+    api_keys: str | None = None,
+    request_log: str | None = None,
+    max_body_mb: float | None = None,
+    drain_timeout_s: float | None = None,
     env: Mapping[str, str] | None = None,
     mesh: MeshConfig | None = None,
 ) -> AgentConfig:
     """Build the agent configuration from flags (``None``/empty: not given) and environment.
 
-    ``rendezvous=""`` disables the rendezvous file.
+    ``rendezvous=""`` disables the rendezvous file; ``request_log=""`` disables the request log.
+    Defaults: API keys from ``$FABRIC_HOME/api-keys.json`` (auth is on once that file exists),
+    request log ``$FABRIC_HOME/logs/requests-<job>-<pid>.jsonl``.
     """
     env = os.environ if env is None else env
     http_host, http_port = _bind("--http", http or DEFAULT_HTTP)
@@ -145,7 +160,18 @@ def load_config(
     level = (log_level or "info").lower()
     if level not in LOG_LEVELS:
         raise ConfigError(f"--log-level {log_level!r}: choose one of {', '.join(LOG_LEVELS)}")
+    home = fabric_home(env)
+    keys_path = Path(api_keys).expanduser() if api_keys else home / "api-keys.json"
+    if request_log is None:
+        job = env.get("SLURM_JOB_ID", "local")
+        log_path: Path | None = home / "logs" / f"requests-{job}-{os.getpid()}.jsonl"
+    else:
+        log_path = Path(request_log).expanduser() if request_log else None
     return AgentConfig(
+        api_keys_path=keys_path,
+        request_log_path=log_path,
+        drain_timeout_s=_drain(drain_timeout_s),
+        ingress=_ingress(policy, max_body_mb),
         cluster_key_path=key_path,
         rendezvous_path=rendezvous_path,
         provider=_provider(provider, env),
@@ -167,6 +193,27 @@ def load_config(
         log_level=level,
         mesh=mesh or MeshConfig(),
     )
+
+
+def _ingress(policy: str | None, max_body_mb: float | None) -> IngressConfig:
+    defaults = IngressConfig()
+    name = (policy or defaults.policy).lower()
+    if name not in POLICY_NAMES:
+        raise ConfigError(f"--policy {policy!r}: choose one of {', '.join(POLICY_NAMES)}")
+    max_body = defaults.max_body_bytes
+    if max_body_mb is not None:
+        if not 0 < max_body_mb <= 1024:
+            raise ConfigError(f"--max-body-mb {max_body_mb:g}: expected more than 0, at most 1024")
+        max_body = int(max_body_mb * 1024 * 1024)
+    return IngressConfig(policy=name, max_body_bytes=max_body)
+
+
+def _drain(value: float | None) -> float:
+    if value is None:
+        return 30.0
+    if not 0 <= value <= 3600:
+        raise ConfigError(f"--drain-timeout {value:g}: expected 0..3600 seconds")
+    return value
 
 
 def parse_labels(items: Iterable[str]) -> tuple[tuple[str, str], ...]:

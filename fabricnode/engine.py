@@ -65,6 +65,7 @@ class EngineService:
         max_restarts: int = 3,
         restart_backoff_s: float = 1.0,
         new_session: Callable[[], None] | None = None,
+        inflight: Callable[[], int] = lambda: 0,
     ) -> None:
         if restart not in RESTART_POLICIES:
             raise ValueError(f"restart policy {restart!r} not in {RESTART_POLICIES}")
@@ -81,6 +82,7 @@ class EngineService:
         self.max_restarts = max_restarts
         self.restart_backoff_s = restart_backoff_s
         self.new_session = new_session
+        self.inflight = inflight  # requests the agent has in flight to the engine
         self.restarts = 0
         self.process = self._new_process()
         self.state = "loading"
@@ -193,13 +195,12 @@ class EngineService:
                 r.raise_for_status()
                 load = engine_load(parse_samples(r.text))
                 self.scrapes += 1
-                inflight = self.core.loads.get(self.core.self_id)
                 self.core.publish_load(
                     self.wall_clock(),
                     waiting=load.waiting,
                     running=load.running,
                     kv_usage=min(1.0, max(0.0, load.kv_usage)),
-                    inflight=inflight.inflight if inflight is not None else 0,
+                    inflight=self.inflight(),
                 )
                 self.gossip.poke()
             except httpx.HTTPError:

@@ -345,12 +345,17 @@ class Registry:
         # Lazy: stale items (entry since replaced, tombstone since renewed) are skipped.
         self._due: list[tuple[float, str]] = []
         self._merges: dict[str, int] = {o.value: 0 for o in MergeOutcome}
+        # Bumped on every change of the entry set, so readers (the ingress route table) can
+        # cache what they derive from it and rebuild only when it moved.
+        self.generation = 0
 
     # -- merge ------------------------------------------------------------------------------
 
     def merge(self, entry: SignedEntry, now: float) -> MergeOutcome:
         outcome = self._merge(entry, now)
         self._merges[outcome.value] += 1
+        if outcome.changed or outcome is MergeOutcome.COLLECTED:
+            self.generation += 1
         return outcome
 
     def _merge(self, entry: SignedEntry, now: float) -> MergeOutcome:
@@ -401,6 +406,7 @@ class Registry:
                 del self._entries[sid]
                 removed.append(sid)
                 self._bury(entry, now)
+                self.generation += 1
             elif entry is None:
                 tomb = self._tombstones.get(sid)
                 if tomb is not None and now >= tomb[1]:

@@ -1,0 +1,1071 @@
+"""The ``/v1`` data plane: every agent's OpenAI-compatible ingress, on trio + httptools.
+
+    client ──HTTP/1.1──► Ingress (this agent) ──pooled keep-alive──► serving agent ──► engine
+                          parse (httptools), read only          (X-Fabric-Forward: HMAC
+                          the routing fields, filter,            with the cluster key)
+                          policy, fail over before the
+                          first byte, relay unbuffered
+
+One task per client connection, none per request; requests on a connection are handled in
+order (pipelined ones queue in the parser). Bodies are forwarded as received, never
+re-encoded: the body is parsed once (orjson) only to read ``model``, ``stream`` and the prompt
+for cache-aware routing. Responses are relayed piece by piece as they arrive.
+
+Paths outside ``/v1/`` go to the agent's ASGI control app (``admin.AdminApp``) through a small
+inline adapter, so one public port serves both (SPEC). With ``--admin`` that app is also served
+on its own port by hypercorn.
+
+Request outcomes (OpenAI error shape ``{"error": {"message", "type", "code"}}``):
+
+* 400 malformed HTTP, JSON, ``model`` or a bad ``X-Fabric-*`` header; 401 missing/unknown API
+  key (only when a keys file exists); 403 forward header that does not verify; 404 unknown
+  path or a model no SERVING node announces; 405 wrong method; 413 body over
+  ``max_body_bytes``; 429 rate limited (``Retry-After``); 431 header block too large; 503 no
+  eligible node, or every attempt failed before the first byte (``Retry-After``).
+* Failover: a connection error, a timeout before the response head, or a 502/503/504 answer is
+  retried on the next candidate, at most ``max_attempts`` nodes within ``retry_budget_s``; the
+  failed node is ejected by the circuit breaker. Once the first byte went to the client nothing
+  is retried: a broken SSE stream ends with a well-formed ``data: {"error": ...}`` event and the
+  terminating chunk; any other broken body closes the connection.
+* Served locally (this agent's own engine, chosen by the policy or asked by a verified
+  forward): counted in ``local_inflight``, which the engine service publishes as the node's
+  ``inflight`` load. While leaving, forwards are refused with 503 so the ingress fails over.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import socket
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import unquote_to_bytes
+
+import orjson
+import trio
+
+from fabricnode import routing
+from fabricnode.accounting import RequestLog, StreamUsage, TraceRecord, UsageLedger, usage_from_json
+from fabricnode.apikeys import ApiKey, ApiKeyStore, RateLimiter
+from fabricnode.forward_auth import HEADER as FORWARD_HEADER
+from fabricnode.forward_auth import ForwardRejected, ForwardVerifier, sign_forward
+from fabricnode.http1 import CONTINUE_RESPONSE, Request, RequestParser, full_response
+from fabricnode.http1 import response_head as build_head
+from fabricnode.ingress_config import IngressConfig
+from fabricnode.ingress_metrics import IngressMetrics
+from fabricnode.membership import Liveness
+from fabricnode.mesh import MeshCore
+from fabricnode.registry import State
+from fabricnode.routetable import CircuitBreaker, Origin, Route, RouteTable
+from fabricnode.sockio import SocketClosed, Watchdog, Watched, close, recv_some, send_all
+from fabricnode.upstream import BrokenResponse, Exchange, UpstreamError, UpstreamPool
+
+log = logging.getLogger("fabricnode.ingress")
+
+ENDPOINTS = {
+    b"/v1/chat/completions": "chat",
+    b"/v1/completions": "completions",
+    b"/v1/embeddings": "embeddings",
+}
+RETRYABLE_STATUS = (502, 503, 504)
+# Response headers that describe the upstream hop, not the response: we set our own.
+HOP_HEADERS = frozenset(
+    (
+        b"connection",
+        b"keep-alive",
+        b"transfer-encoding",
+        b"content-length",
+        b"x-fabric-node",
+        b"server",
+        b"date",
+        b"proxy-connection",
+        b"trailer",
+        b"upgrade",
+    )
+)
+# Request headers passed on to the upstream (anything else stays at the ingress).
+FORWARDED_REQUEST_HEADERS = (b"accept", b"x-request-id", b"openai-organization")
+JSON = b"application/json"
+SSE = b"text/event-stream"
+
+AsgiApp = Callable[[Mapping[str, Any], Any, Any], Awaitable[None]]
+
+
+@dataclass
+class IngressStatistics:
+    connections: int
+    requests: int
+    local_inflight: int
+    remote_inflight: int
+    retries: int
+    ejections: int
+    broken_streams: int
+    watchdog_expired: int
+    pool_connects: int
+    pool_reuses: int
+    route_rebuilds: int
+
+
+class _Conn:
+    """One client connection."""
+
+    __slots__ = ("closing", "sock", "watch")
+
+    def __init__(self, sock: socket.socket, watch: Watched) -> None:
+        self.sock = sock
+        self.watch = watch
+        self.closing = False
+
+
+@dataclass
+class _Job:
+    """What the data plane knows of one routed request."""
+
+    kind: str
+    model: str
+    stream: bool
+    body: bytes
+    path: bytes
+    headers: Mapping[bytes, bytes]
+    key: ApiKey | None
+    started: float
+    head_only: bool = False
+    served_by: str = ""
+    status: int = 0
+    ttft_s: float | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class ClientGone(Exception):
+    """The client went away while we were answering it."""
+
+
+class Ingress:
+    def __init__(
+        self,
+        core: MeshCore,
+        *,
+        config: IngressConfig | None = None,
+        wall_clock: Callable[[], float],
+        local_engine_url: Callable[[], str | None] = lambda: None,
+        local_serving: Callable[[], bool] = lambda: False,
+        control_app: AsgiApp | None = None,
+        api_keys: ApiKeyStore | None = None,
+        request_log: RequestLog | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.core = core
+        self.config = cfg = config or IngressConfig()
+        self.wall_clock = wall_clock
+        self.local_engine_url = local_engine_url
+        self.local_serving = local_serving
+        self.control_app = control_app
+        self.api_keys = api_keys
+        self.rate_limiter = RateLimiter()
+        self.request_log = request_log
+        self.ledger = UsageLedger()
+        self.table = RouteTable(core, wall_clock)
+        self.policy = routing.make_policy(cfg.policy, rng=rng or random.Random())
+        self.breaker = CircuitBreaker(base_s=cfg.eject_base_s, max_s=cfg.eject_max_s)
+        self.pool = UpstreamPool()
+        self.watchdog = Watchdog(cfg.watchdog_interval_s)
+        self.forwards = ForwardVerifier(core.keyring, max_skew_s=cfg.forward_max_skew_s)
+        self.metrics = IngressMetrics()
+        self.remote_inflight: dict[str, int] = {}  # session id -> our requests in flight to it
+        self.local_inflight = 0  # requests in flight to our own engine
+        self.leaving = False  # refuse forwards (503) so ingresses fail over
+        self.connections = 0
+        self.requests = 0
+        self.retries = 0
+        self.broken_streams = 0
+        self._holders = 0
+        self._released = trio.Event()
+        self._local_idle = trio.Event()
+        self._local_idle.set()
+        self._conns: set[_Conn] = set()
+        self._accepting = True
+
+    # == statistics ==========================================================================
+
+    def statistics(self) -> IngressStatistics:
+        pool = self.pool.statistics()
+        return IngressStatistics(
+            connections=self.connections,
+            requests=self.requests,
+            local_inflight=self.local_inflight,
+            remote_inflight=sum(self.remote_inflight.values()),
+            retries=self.retries,
+            ejections=self.breaker.ejections,
+            broken_streams=self.broken_streams,
+            watchdog_expired=self.watchdog.expired_total,
+            pool_connects=pool.connects,
+            pool_reuses=pool.reuses,
+            route_rebuilds=self.table.rebuilds,
+        )
+
+    def render_metrics(self) -> bytes:
+        m = self.metrics
+        m.inflight.labels("ingress").set(sum(self.remote_inflight.values()))
+        m.inflight.labels("local").set(self.local_inflight)
+        m.connections.set(self.connections)
+        return m.render()
+
+    # == serving =============================================================================
+
+    async def serve(
+        self,
+        sock: socket.socket,
+        shutdown: trio.Event,
+        grace_s: float,
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Accept on a bound socket until ``shutdown``; then let requests finish for ``grace_s``."""
+        sock.setblocking(False)
+        sock.listen(1024)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(self.watchdog.run)
+            async with trio.open_nursery() as conn_nursery:
+                accept_scope = trio.CancelScope()
+                conn_nursery.start_soon(self._accept_loop, sock, conn_nursery, accept_scope)
+                task_status.started()
+                await shutdown.wait()
+                self._accepting = False
+                accept_scope.cancel()
+                close(sock)
+                for conn in list(self._conns):
+                    conn.closing = True  # finish the current request, then close
+                    if conn.watch.deadline != math.inf:  # idle between requests: close now
+                        close(conn.sock)
+                with trio.move_on_after(grace_s):
+                    while self._conns:
+                        await trio.sleep(0.05)
+                conn_nursery.cancel_scope.cancel()
+            self.pool.close_all()
+            nursery.cancel_scope.cancel()
+
+    async def _accept_loop(
+        self, sock: socket.socket, nursery: trio.Nursery, scope: trio.CancelScope
+    ) -> None:
+        with scope:
+            while True:
+                try:
+                    client, _ = sock.accept()
+                except BlockingIOError:
+                    await trio.lowlevel.wait_readable(sock)
+                    continue
+                except OSError as exc:  # EMFILE and friends: back off, do not spin
+                    log.warning("accept failed: %s", exc)
+                    await trio.sleep(0.1)
+                    continue
+                if self.connections >= self.config.max_connections:
+                    client.close()
+                    continue
+                client.setblocking(False)
+                client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                nursery.start_soon(self._connection, client)
+
+    async def _connection(self, sock: socket.socket) -> None:
+        cfg = self.config
+        watch = Watched(sock, trio.current_time() + cfg.keepalive_timeout_s)
+        conn = _Conn(sock, watch)
+        self._conns.add(conn)
+        self.watchdog.watched.add(watch)
+        self.connections += 1
+        parser = RequestParser(
+            max_head_bytes=cfg.max_head_bytes,
+            max_headers=cfg.max_headers,
+            max_body_bytes=cfg.max_body_bytes,
+        )
+        sent_continue = False
+        try:
+            while not conn.closing:
+                if parser.ready:
+                    req = parser.ready.popleft()
+                    watch.deadline = math.inf  # our turn: no client timeout while we answer
+                    keep = await self._handle(conn, req)
+                    if not keep or not req.keep_alive:
+                        break
+                    sent_continue = False
+                    watch.deadline = trio.current_time() + (
+                        cfg.request_timeout_s if parser.mid_request else cfg.keepalive_timeout_s
+                    )
+                    continue
+                if parser.error is not None:
+                    status, message = parser.error
+                    self.metrics.malformed.labels(str(status)).inc()
+                    await self._send_error(conn, status, message, _error_code(status), close=True)
+                    break
+                if parser.head_complete and not sent_continue:
+                    pending = parser.pending
+                    if pending is not None and pending.expect_continue:
+                        await send_all(sock, CONTINUE_RESPONSE)
+                    sent_continue = True
+                data = await recv_some(sock)
+                if not data:
+                    break  # the client closed (or half-closed: we cannot answer a request it
+                    # did not finish sending; a complete one was already queued and answered)
+                if not parser.mid_request:
+                    watch.deadline = trio.current_time() + cfg.request_timeout_s
+                parser.feed(data)
+        except (SocketClosed, ClientGone):
+            pass
+        finally:
+            self.watchdog.watched.discard(watch)
+            self._conns.discard(conn)
+            self.connections -= 1
+            close(sock)
+
+    async def _send_error(
+        self,
+        conn: _Conn,
+        status: int,
+        message: str,
+        code: str,
+        *,
+        close: bool = False,
+        extra: list[tuple[bytes, bytes]] | None = None,
+        head_only: bool = False,
+    ) -> None:
+        await send_all(
+            conn.sock,
+            full_response(
+                status,
+                error_body(status, message, code),
+                extra=extra,
+                keep_alive=not close,
+                head_only=head_only,
+            ),
+        )
+
+    async def _reject(
+        self,
+        conn: _Conn,
+        status: int,
+        message: str,
+        code: str,
+        *,
+        extra: list[tuple[bytes, bytes]] | None = None,
+    ) -> None:
+        """An error answer to a request that was refused before routing (counted as such)."""
+        self.metrics.done("-", status, 0.0)
+        await self._send_error(conn, status, message, code, extra=extra)
+
+    # == dispatch ============================================================================
+
+    async def _handle(self, conn: _Conn, req: Request) -> bool:
+        """Answer one request; False closes the connection."""
+        self.requests += 1
+        path = req.path
+        if path.startswith(b"/v1/"):
+            return await self._handle_v1(conn, req, path)
+        return await self._handle_control(conn, req)
+
+    async def _handle_control(self, conn: _Conn, req: Request) -> bool:
+        if self.control_app is None:
+            await self._send_error(conn, 404, "no such endpoint", "not_found")
+            return True
+        status, headers, body = await call_asgi(self.control_app, req)
+        head_only = req.method == b"HEAD"
+        await send_all(
+            conn.sock,
+            full_response(status, body, _content_type(headers), head_only=head_only),
+        )
+        return True
+
+    async def _handle_v1(self, conn: _Conn, req: Request, path: bytes) -> bool:
+        if path == b"/v1/models":
+            if req.method not in (b"GET", b"HEAD"):
+                await self._method_not_allowed(conn, b"GET, HEAD")
+                return True
+            await send_all(
+                conn.sock,
+                full_response(200, self.models_body(), head_only=req.method == b"HEAD"),
+            )
+            return True
+        kind = ENDPOINTS.get(path)
+        if kind is None:
+            await self._send_error(conn, 404, f"no such endpoint: {_text(path)}", "not_found")
+            return True
+        if req.method != b"POST":
+            await self._method_not_allowed(conn, b"POST")
+            return True
+        forward = req.headers.get(FORWARD_HEADER)
+        if forward is not None:
+            return await self._serve_forward(conn, req, path, forward)
+        return await self._route(conn, req, path, kind)
+
+    async def _method_not_allowed(self, conn: _Conn, allow: bytes) -> None:
+        await self._send_error(
+            conn,
+            405,
+            f"method not allowed; use {allow.decode()}",
+            "method_not_allowed",
+            extra=[(b"allow", allow)],
+        )
+
+    def models_body(self) -> bytes:
+        data = [
+            {
+                "id": m.id,
+                "object": "model",
+                "created": m.created,
+                "owned_by": "fabric",
+                "max_model_len": m.max_model_len,
+                "fabric_nodes": m.nodes,
+            }
+            for m in self.table.listing()
+        ]
+        return orjson.dumps({"object": "list", "data": data})
+
+    # == routing =============================================================================
+
+    async def _route(self, conn: _Conn, req: Request, path: bytes, kind: str) -> bool:
+        started = trio.current_time()
+        key: ApiKey | None = None
+        store = self.api_keys
+        if store is not None and store.enabled:
+            key = store.lookup(_bearer(req.headers.get(b"authorization")))
+            if key is None:
+                await self._reject(
+                    conn,
+                    401,
+                    "missing or invalid API key (Authorization: Bearer KEY)",
+                    "invalid_api_key",
+                )
+                return True
+            rate = key.rate
+            if rate is not None:
+                wait_s = self.rate_limiter.check(key.key_id, rate.rate_per_s, rate.burst, started)
+                if wait_s > 0:
+                    await self._reject(
+                        conn,
+                        429,
+                        f"rate limit of {rate.rate_per_s:g} requests/s exceeded",
+                        "rate_limit_exceeded",
+                        extra=[(b"retry-after", b"%d" % max(1, math.ceil(wait_s)))],
+                    )
+                    return True
+        body = req.body
+        try:
+            doc = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            await self._reject(conn, 400, "request body is not valid JSON", "invalid_json")
+            return True
+        if not isinstance(doc, dict):
+            await self._reject(conn, 400, "request body must be a JSON object", "invalid_json")
+            return True
+        model = doc.get("model")
+        if not isinstance(model, str) or not model:
+            await self._reject(
+                conn, 400, "'model' is required and must be a string", "invalid_model"
+            )
+            return True
+        stream = doc.get("stream") is True and kind != "embeddings"
+        try:
+            providers = _providers(req.headers, key)
+            requirements = _requirements(req.headers)
+        except ValueError as exc:
+            await self._reject(conn, 400, str(exc), "invalid_header")
+            return True
+        routes = self.table.routes(model)
+        self._forget_removed()
+        if not routes:
+            await self._reject(
+                conn, 404, f"model {model!r} is not served by any node", "model_not_found"
+            )
+            return True
+        job = _Job(kind, model, stream, body, path, req.headers, key, started)
+        if req.http_version == "1.0":
+            job.extra["http10"] = True
+        if self.request_log is not None:
+            max_tokens = doc.get("max_tokens") or doc.get("max_completion_tokens")
+            job.extra["max_tokens"] = _opt_int(max_tokens)
+            temperature = doc.get("temperature")
+            if isinstance(temperature, int | float) and not isinstance(temperature, bool):
+                job.extra["temperature"] = float(temperature)
+        rreq = routing.RouteRequest(
+            model,
+            self._prefix_blocks(doc, kind),
+            _session_key(req.headers, doc),
+            len(body) // 4,
+        )
+        try:
+            keep = await self._dispatch(conn, job, rreq, routes, providers, requirements)
+        except ClientGone:
+            job.status = job.status or 499
+            self._account(job)
+            raise
+        self._account(job)
+        return keep and not conn.closing
+
+    def _prefix_blocks(self, doc: dict[str, Any], kind: str) -> tuple[int, ...]:
+        if not self.policy.name.startswith("prefix"):
+            return ()
+        return routing.prompt_blocks(_prompt_text(doc, kind))
+
+    def _forget_removed(self) -> None:
+        for sid in self.table.take_removed():
+            self.policy.on_removed(sid)
+            self.breaker.forget(sid)
+            self.remote_inflight.pop(sid, None)
+
+    async def _dispatch(
+        self,
+        conn: _Conn,
+        job: _Job,
+        rreq: routing.RouteRequest,
+        routes: list[Route],
+        providers: frozenset[str],
+        requirements: routing.Requirements | None,
+    ) -> bool:
+        cfg = self.config
+        tried: set[str] = set()
+        last_error = "no eligible node"
+        deadline = job.started + cfg.retry_budget_s
+        policy = self.policy
+        by_sid = {r.info.session_id: r for r in routes}
+        while len(tried) < cfg.max_attempts:
+            now = trio.current_time()
+            if tried and now >= deadline:
+                break
+            pairs = self.table.eligible(
+                routes,
+                now=now,
+                wall_now=self.wall_clock(),
+                inflight=self.remote_inflight,
+                breaker=self.breaker,
+                providers=providers,
+                requirements=requirements,
+            )
+            pairs = [p for p in pairs if p[0].node.session_id not in tried]
+            if not tried:
+                self.metrics.candidates.observe(len(pairs))
+            if not pairs:
+                break
+            wall = self.wall_clock()  # load reports carry wall-clock times
+            ranked = policy.rank(rreq, [c for c, _ in pairs], wall)
+            if ranked is None:
+                ranked = await self._hold(rreq, routes, providers, requirements, tried)
+                if not ranked:
+                    break
+            pick = ranked[0].node.session_id
+            route = by_sid[pick]
+            tried.add(pick)
+            self.metrics.decisions.labels(
+                policy.name, "first" if len(tried) == 1 else "retry"
+            ).inc()
+            policy.on_routed(rreq, pick, wall)
+            outcome = await self._attempt(conn, job, route)
+            if outcome is None:
+                self.breaker.succeeded(pick)
+                return job.status != 0 and not job.extra.get("close")
+            last_error = outcome
+            self.breaker.failed(pick, trio.current_time())
+            self.metrics.ejections.inc()
+            self.retries += 1
+            self.metrics.retries.labels(_reason_label(outcome)).inc()
+            log.info("attempt on %s failed before the first byte: %s", pick[:8], outcome)
+        job.status = 503
+        await self._send_error(
+            conn,
+            503,
+            f"no node could take the request for {job.model!r}: {last_error}",
+            "no_eligible_node",
+            extra=[(b"retry-after", b"%d" % cfg.retry_after_s)],
+        )
+        return True
+
+    async def _hold(
+        self,
+        rreq: routing.RouteRequest,
+        routes: list[Route],
+        providers: frozenset[str],
+        requirements: routing.Requirements | None,
+        tried: set[str],
+    ) -> list[routing.Candidate] | None:
+        """Pending-aware pushing: wait (bounded) until some node has room, then rank again."""
+        cfg = self.config
+        give_up = trio.current_time() + cfg.hold_max_s
+        self.metrics.decisions.labels(self.policy.name, "hold").inc()
+        self._holders += 1
+        try:
+            while True:
+                now = trio.current_time()
+                with trio.move_on_after(min(0.05, max(0.0, give_up - now))):
+                    await self._released.wait()
+                now = trio.current_time()
+                pairs = self.table.eligible(
+                    routes,
+                    now=now,
+                    wall_now=self.wall_clock(),
+                    inflight=self.remote_inflight,
+                    breaker=self.breaker,
+                    providers=providers,
+                    requirements=requirements,
+                )
+                cands = [c for c, _ in pairs if c.node.session_id not in tried]
+                if not cands:
+                    return None
+                wall = self.wall_clock()
+                ranked = self.policy.rank(rreq, cands, wall)
+                if ranked is not None:
+                    return ranked
+                if now >= give_up:
+                    # Held long enough: push to the least loaded rather than wait forever.
+                    cfg_r = routing.DEFAULT_CONFIG
+                    return sorted(cands, key=lambda c: routing.load_score(c, wall, cfg_r))
+        finally:
+            self._holders -= 1
+
+    def _release(self) -> None:
+        if self._holders:
+            released, self._released = self._released, trio.Event()
+            released.set()
+
+    # == one attempt =========================================================================
+
+    async def _attempt(self, conn: _Conn, job: _Job, route: Route) -> str | None:
+        """Try one node: None when the client got an answer (any status), else why not."""
+        sid = route.info.session_id
+        if route.is_self:
+            url = self.local_engine_url()
+            if url is None or not self.local_serving():
+                return "local engine not serving"
+            origin = _origin_of(url)
+            request = self._upstream_request(job, origin, forward=None)
+            return await self._relay_counted_local(conn, job, origin, request, sid)
+        forward = sign_forward(
+            self.core.keyring,
+            sender=self.core.self_id,
+            target=sid,
+            method=b"POST",
+            path=job.path,
+            body=job.body,
+            now=self.wall_clock(),
+        )
+        request = self._upstream_request(job, route.origin, forward=forward)
+        inflight = self.remote_inflight
+        inflight[sid] = inflight.get(sid, 0) + 1
+        try:
+            return await self._relay(conn, job, route.origin, request, sid, self._node_ok(sid))
+        finally:
+            n = inflight.get(sid, 1) - 1
+            if n > 0:
+                inflight[sid] = n
+            else:
+                inflight.pop(sid, None)
+            self._release()
+
+    def _node_ok(self, sid: str) -> Callable[[], bool]:
+        core = self.core
+
+        def still_ok() -> bool:
+            # DOWN or dead: the answer will never come, fail over now. LEFT is fine: a leaving
+            # node finishes what it accepted before it stops its engine.
+            entry = core.registry.get(sid)
+            if entry is None or entry.body.state == State.DOWN:
+                return False
+            return core.members.status(sid) is not Liveness.DEAD
+
+        return still_ok
+
+    async def _relay_counted_local(
+        self, conn: _Conn, job: _Job, origin: Origin, request: bytes, sid: str
+    ) -> str | None:
+        self.local_inflight += 1
+        self._local_idle = trio.Event() if self._local_idle.is_set() else self._local_idle
+        try:
+            return await self._relay(conn, job, origin, request, sid, None)
+        finally:
+            self.local_inflight -= 1
+            if self.local_inflight == 0:
+                self._local_idle.set()
+            self._release()
+
+    async def wait_local_idle(self) -> None:
+        """Return once no request is in flight to our own engine."""
+        await self._local_idle.wait()
+
+    def _upstream_request(self, job: _Job, origin: Origin, *, forward: bytes | None) -> bytes:
+        host = b"%s:%d" % (origin[0].encode(), origin[1])
+        lines = [
+            b"POST " + job.path + b" HTTP/1.1\r\nhost: " + host + b"\r\n"
+            b"content-type: application/json\r\ncontent-length: %d\r\n" % len(job.body)
+        ]
+        headers = job.headers
+        for name in FORWARDED_REQUEST_HEADERS:
+            value = headers.get(name)
+            if value is not None:
+                lines.append(name + b": " + value + b"\r\n")
+        if forward is not None:
+            lines.append(FORWARD_HEADER + b": " + forward + b"\r\n")
+            session = headers.get(b"x-session-id")
+            if session is not None:
+                lines.append(b"x-session-id: " + session + b"\r\n")
+        lines.append(b"\r\n")
+        lines.append(job.body)
+        return b"".join(lines)
+
+    async def _relay(
+        self,
+        conn: _Conn,
+        job: _Job,
+        origin: Origin,
+        request: bytes,
+        sid: str,
+        still_wanted: Callable[[], bool] | None,
+    ) -> str | None:
+        cfg = self.config
+        ex = Exchange(self.pool, self.watchdog, origin)
+        try:
+            await ex.start(
+                request,
+                connect_timeout_s=cfg.connect_timeout_s,
+                first_byte_timeout_s=cfg.first_byte_timeout_s,
+                still_wanted=still_wanted,
+            )
+        except UpstreamError as exc:
+            return str(exc)
+        try:
+            status = ex.status
+            if status in RETRYABLE_STATUS:
+                return f"node answered {status}"
+            job.status = status
+            job.served_by = sid
+            await self._relay_body(conn, job, ex, sid)
+            return None
+        finally:
+            ex.finish()
+
+    async def _relay_body(self, conn: _Conn, job: _Job, ex: Exchange, sid: str) -> None:
+        cfg = self.config
+        headers: list[tuple[bytes, bytes]] = [
+            (n, v) for n, v in ex.headers if n.lower() not in HOP_HEADERS
+        ]
+        headers.append((b"x-fabric-node", sid.encode()))
+        sse = _is_sse(ex.headers)
+        chunked = ex.content_length is None
+        if not chunked:
+            headers.append((b"content-length", b"%d" % (ex.content_length or 0)))
+        elif job.extra.get("http10"):
+            # HTTP/1.0 has no chunked coding: send the body as it comes, end it by closing.
+            chunked = False
+            conn.closing = True
+        else:
+            headers.append((b"transfer-encoding", b"chunked"))
+        head = build_head(job.status, headers, keep_alive=not conn.closing)
+        sock = conn.sock
+        pieces = ex.take_pieces()
+        usage = StreamUsage() if sse else None
+        collected: list[bytes] | None = None if sse else []
+        first = True
+        while True:
+            if pieces:
+                if first and job.stream:
+                    job.ttft_s = trio.current_time() - job.started
+                first = False
+                if usage is not None:
+                    for piece in pieces:
+                        usage.feed(piece)
+                elif collected is not None:
+                    collected.extend(pieces)
+                out = _frame(pieces, chunked)
+            else:
+                out = b""
+            if ex.complete:
+                if chunked:
+                    out += b"0\r\n\r\n"
+                await _client_send(sock, head + out if head else out)
+                break
+            if head or out:
+                await _client_send(sock, head + out if head else out)
+                head = b""
+            try:
+                await ex.read_more(cfg.stream_idle_timeout_s)
+            except BrokenResponse as exc:
+                self.broken_streams += 1
+                self.metrics.broken_streams.inc()
+                log.warning("response from %s broke mid-stream: %s", sid[:8], exc)
+                job.extra["close"] = True
+                job.status = 502 if job.status < 400 else job.status
+                if sse and chunked:
+                    event = (
+                        b"data: "
+                        + error_body(
+                            502, f"the serving node failed mid-stream: {exc}", "upstream_broken"
+                        )
+                        + b"\n\n"
+                    )
+                    await _client_send(sock, _frame([event], True) + b"0\r\n\r\n")
+                conn.closing = True
+                return
+            pieces = ex.take_pieces()
+        if usage is not None:
+            prompt, completion = usage.result()
+            job.prompt_tokens, job.completion_tokens = prompt or 0, completion
+        elif collected is not None and job.status == 200:
+            found = usage_from_json(b"".join(collected))
+            if found is not None:
+                job.prompt_tokens, job.completion_tokens = found
+
+    # == forwarded requests (we are the serving node) ========================================
+
+    async def _serve_forward(self, conn: _Conn, req: Request, path: bytes, forward: bytes) -> bool:
+        try:
+            sender = self.forwards.verify(
+                forward,
+                own_session=self.core.self_id,
+                method=req.method,
+                path=path,
+                body=req.body,
+                now=self.wall_clock(),
+            )
+        except ForwardRejected as exc:
+            self.metrics.forwards_served.labels("refused").inc()
+            await self._send_error(conn, 403, f"forward refused: {exc}", "forward_refused")
+            return True
+        url = self.local_engine_url()
+        if self.leaving or url is None or not self.local_serving():
+            self.metrics.forwards_served.labels("unavailable").inc()
+            why = "node is leaving" if self.leaving else "no serving engine on this node"
+            await self._send_error(
+                conn,
+                503,
+                why,
+                "node_unavailable",
+                extra=[(b"retry-after", b"%d" % self.config.retry_after_s)],
+            )
+            return True
+        started = trio.current_time()
+        job = _Job("forward", "", False, req.body, path, req.headers, None, started)
+        job.extra["from"] = sender
+        origin = _origin_of(url)
+        request = self._upstream_request(job, origin, forward=None)
+        outcome = await self._relay_counted_local(conn, job, origin, request, self.core.self_id)
+        if outcome is not None:
+            # Our own engine failed before answering: tell the ingress to fail over.
+            self.metrics.forwards_served.labels("failed").inc()
+            await self._send_error(conn, 502, f"engine failed: {outcome}", "engine_unavailable")
+            return True
+        self.metrics.forwards_served.labels("served").inc()
+        return not job.extra.get("close")
+
+    # == accounting ==========================================================================
+
+    def _account(self, job: _Job) -> None:
+        end = trio.current_time()
+        latency = end - job.started
+        status = job.status or 499
+        self.metrics.done(job.model, status, latency)
+        if job.ttft_s is not None:
+            self.metrics.first_token(job.model, job.ttft_s)
+        self.metrics.count_tokens(job.model, job.prompt_tokens, job.completion_tokens)
+        name = job.key.name if job.key is not None else "anonymous"
+        self.ledger.record(
+            name, job.model, job.prompt_tokens, job.completion_tokens, error=status >= 400
+        )
+        if self.request_log is not None:
+            self.request_log.append(
+                TraceRecord(
+                    t=self.wall_clock() - latency,
+                    model=job.model,
+                    input_tokens=job.prompt_tokens or None,
+                    output_tokens=job.completion_tokens if status == 200 else None,
+                    latency_s=latency,
+                    ttft_s=job.ttft_s,
+                    status=status,
+                    node=job.served_by,
+                    key=name,
+                    stream=job.stream,
+                    max_tokens=job.extra.get("max_tokens"),
+                    temperature=job.extra.get("temperature"),
+                )
+            )
+
+
+# == helpers =================================================================================
+
+
+def error_body(status: int, message: str, code: str) -> bytes:
+    kind = {
+        401: "authentication_error",
+        403: "permission_error",
+        404: "not_found_error",
+        429: "rate_limit_error",
+    }.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return orjson.dumps({"error": {"message": message, "type": kind, "code": code}})
+
+
+def _error_code(status: int) -> str:
+    return {
+        400: "bad_request",
+        408: "request_timeout",
+        413: "request_too_large",
+        414: "uri_too_long",
+        431: "headers_too_large",
+        505: "http_version_not_supported",
+    }.get(status, "bad_request")
+
+
+async def _client_send(sock: socket.socket, data: bytes) -> None:
+    try:
+        await send_all(sock, data)
+    except SocketClosed:
+        raise ClientGone from None
+
+
+def _frame(pieces: list[bytes], chunked: bool) -> bytes:
+    if not chunked:
+        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+    out = []
+    for piece in pieces:
+        if piece:
+            out.append(b"%x\r\n" % len(piece))
+            out.append(piece)
+            out.append(b"\r\n")
+    return b"".join(out)
+
+
+def _is_sse(headers: list[tuple[bytes, bytes]]) -> bool:
+    for name, value in headers:
+        if name.lower() == b"content-type":
+            return value.startswith(SSE)
+    return False
+
+
+def _content_type(headers: list[tuple[bytes, bytes]]) -> bytes:
+    for name, value in headers:
+        if name.lower() == b"content-type":
+            return value
+    return JSON
+
+
+def _bearer(value: bytes | None) -> str:
+    if not value:
+        return ""
+    scheme, _, token = value.partition(b" ")
+    if scheme.lower() != b"bearer":
+        return ""
+    return token.strip().decode("latin-1")
+
+
+def _providers(headers: Mapping[bytes, bytes], key: ApiKey | None) -> frozenset[str]:
+    raw = headers.get(b"x-fabric-providers")
+    allowed = routing.parse_providers(raw.decode("latin-1")) if raw else frozenset()
+    if key is not None and key.providers is not None:
+        # The key's allowlist always applies; a header can only narrow it.
+        own = frozenset(key.providers)
+        allowed = allowed & own if allowed else own
+        if not allowed:
+            raise ValueError("X-Fabric-Providers names no provider this API key may use")
+    return allowed
+
+
+def _requirements(headers: Mapping[bytes, bytes]) -> routing.Requirements | None:
+    raw = headers.get(b"x-fabric-require")
+    return routing.parse_require(raw.decode("latin-1")) if raw else None
+
+
+def _session_key(headers: Mapping[bytes, bytes], doc: dict[str, Any]) -> str | None:
+    raw = headers.get(b"x-session-id")
+    if raw:
+        return raw.decode("latin-1")[:256]
+    user = doc.get("user")
+    return user[:256] if isinstance(user, str) and user else None
+
+
+def _prompt_text(doc: dict[str, Any], kind: str) -> str:
+    if kind == "chat":
+        messages = doc.get("messages")
+        if not isinstance(messages, list):
+            return ""
+        parts: list[str] = []
+        for m in messages:
+            if not isinstance(m, dict):
+                continue
+            content = m.get("content")
+            role = m.get("role")
+            parts.append(role if isinstance(role, str) else "")
+            if isinstance(content, str):
+                parts.append(content)
+            elif isinstance(content, list):
+                for c in content:
+                    if isinstance(c, dict) and isinstance(c.get("text"), str):
+                        parts.append(c["text"])
+        return "\x1e".join(parts)
+    prompt = doc.get("prompt") if kind == "completions" else doc.get("input")
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        return str(prompt[0])
+    return ""
+
+
+def _opt_int(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _origin_of(url: str) -> Origin:
+    rest = url.split("://", 1)[-1].split("/", 1)[0]
+    host, _, port = rest.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def _reason_label(outcome: str) -> str:
+    if "answered" in outcome:
+        return "status"
+    if "no response" in outcome or "timed out" in outcome:
+        return "timeout"
+    if "eligible" in outcome:
+        return "ineligible"
+    return "connect"
+
+
+def _text(raw: bytes) -> str:
+    return raw[:200].decode("latin-1")
+
+
+async def call_asgi(app: AsgiApp, req: Request) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    """Run one request through an ASGI app in this task (no hypercorn on the public port)."""
+    raw_path, _, query = req.target.partition(b"?")
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": req.method.decode("latin-1"),
+        "scheme": "http",
+        "path": unquote_to_bytes(raw_path).decode("utf-8", "replace"),
+        "raw_path": raw_path,
+        "query_string": query,
+        "root_path": "",
+        "headers": list(req.headers.items()),
+        "server": None,
+        "client": None,
+    }
+    body_sent = False
+    status = 500
+    headers: list[tuple[bytes, bytes]] = []
+    chunks: list[bytes] = []
+
+    async def receive() -> dict[str, Any]:
+        nonlocal body_sent
+        if body_sent:
+            await trio.sleep_forever()
+        body_sent = True
+        return {"type": "http.request", "body": req.body, "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        nonlocal status, headers
+        if message["type"] == "http.response.start":
+            status = int(message["status"])
+            headers = [(bytes(k), bytes(v)) for k, v in message.get("headers", [])]
+        elif message["type"] == "http.response.body":
+            chunks.append(bytes(message.get("body", b"")))
+
+    await app(scope, receive, send)
+    return status, headers, b"".join(chunks)

@@ -1,0 +1,265 @@
+"""Pooled keep-alive HTTP/1.1 connections from the data plane to agents and engines.
+
+One LIFO idle list per origin: the most recently used connection is the one most likely still
+open and warm. A pooled connection is checked before reuse (a non-blocking peek: a server that
+closed an idle connection shows EOF) and dropped once idle longer than ``max_idle_s`` — uvicorn
+(vLLM) and hypercorn close idle connections after 5 s, so reusing an older one would race the
+server's close.
+
+``Exchange`` sends one request and parses its response with ``http1.ResponseParser``. A reused
+connection that fails before any response byte arrived is retried once on a fresh connection
+(the server closed it between our peek and our send; it cannot have processed the request).
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import httptools
+import trio
+
+from fabricnode.http1 import ResponseParser
+from fabricnode.sockio import (
+    SocketClosed,
+    Watchdog,
+    Watched,
+    close,
+    connect,
+    peer_closed,
+    recv_some,
+    send_all,
+)
+
+Origin = tuple[str, int]
+
+
+@dataclass(frozen=True)
+class PoolStatistics:
+    connects: int
+    reuses: int
+    stale_dropped: int
+    idle: int
+
+
+class UpstreamPool:
+    def __init__(self, *, max_idle_per_origin: int = 256, max_idle_s: float = 4.0) -> None:
+        self.max_idle_per_origin = max_idle_per_origin
+        self.max_idle_s = max_idle_s
+        self._idle: dict[Origin, list[tuple[socket.socket, float]]] = {}
+        self.connects = 0
+        self.reuses = 0
+        self.stale_dropped = 0
+
+    def statistics(self) -> PoolStatistics:
+        idle = sum(len(v) for v in self._idle.values())
+        return PoolStatistics(self.connects, self.reuses, self.stale_dropped, idle)
+
+    def take_idle(self, origin: Origin) -> socket.socket | None:
+        idle = self._idle.get(origin)
+        if not idle:
+            return None
+        oldest_ok = trio.current_time() - self.max_idle_s
+        while idle:
+            sock, since = idle.pop()
+            if since >= oldest_ok and not peer_closed(sock):
+                self.reuses += 1
+                return sock
+            self.stale_dropped += 1
+            sock.close()
+        return None
+
+    async def new_connection(self, origin: Origin) -> socket.socket:
+        sock = await connect(origin[0], origin[1])
+        self.connects += 1
+        return sock
+
+    def release(self, origin: Origin, sock: socket.socket) -> None:
+        idle = self._idle.setdefault(origin, [])
+        if len(idle) >= self.max_idle_per_origin:
+            sock.close()
+            return
+        idle.append((sock, trio.current_time()))
+
+    def close_origin(self, origin: Origin) -> None:
+        for sock, _ in self._idle.pop(origin, []):
+            sock.close()
+
+    def close_all(self) -> None:
+        for origin in list(self._idle):
+            self.close_origin(origin)
+
+
+class UpstreamError(Exception):
+    """The exchange failed before a complete response head arrived (safe to fail over)."""
+
+    def __init__(self, message: str, *, timeout: bool = False) -> None:
+        super().__init__(message)
+        self.timeout = timeout
+
+
+class BrokenResponse(Exception):
+    """The upstream connection broke after the response had started."""
+
+
+class Exchange:
+    """One request on a pooled connection; read the head, then pull body pieces.
+
+    Timeouts are deadlines on the watchdog: ``connect_timeout_s`` to connect,
+    ``first_byte_timeout_s`` until the response head, ``idle_timeout_s`` between body reads.
+    ``still_wanted`` is checked by the watchdog while we wait for the head (a node that went
+    DOWN or dead: give up on it and fail over).
+    """
+
+    __slots__ = ("_parser", "_pieces", "origin", "pool", "sock", "watch", "watchdog")
+
+    def __init__(self, pool: UpstreamPool, watchdog: Watchdog, origin: Origin) -> None:
+        self.pool = pool
+        self.watchdog = watchdog
+        self.origin = origin
+        self.sock: socket.socket | None = None
+        self.watch: Watched | None = None
+        self._pieces: list[bytes] = []
+        self._parser = ResponseParser(self._pieces.append)
+
+    @property
+    def status(self) -> int:
+        return self._parser.status
+
+    @property
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        return self._parser.headers
+
+    @property
+    def chunked(self) -> bool:
+        return self._parser.chunked
+
+    @property
+    def content_length(self) -> int | None:
+        return self._parser.content_length
+
+    @property
+    def complete(self) -> bool:
+        return self._parser.complete
+
+    async def start(
+        self,
+        request: bytes,
+        *,
+        connect_timeout_s: float,
+        first_byte_timeout_s: float,
+        still_wanted: Callable[[], bool] | None = None,
+    ) -> None:
+        """Send ``request`` and wait for the response head (``UpstreamError`` if none)."""
+        sock = self.pool.take_idle(self.origin)
+        reused = sock is not None
+        for _ in range(2):
+            try:
+                await self._attempt(
+                    sock, request, connect_timeout_s, first_byte_timeout_s, still_wanted
+                )
+                return
+            except _Stale:
+                if not reused:  # pragma: no cover - a fresh connection is never stale
+                    raise UpstreamError("connection closed before the response") from None
+                sock, reused = None, False
+        raise UpstreamError("connection closed before the response")  # pragma: no cover
+
+    async def _attempt(
+        self,
+        sock: socket.socket | None,
+        request: bytes,
+        connect_timeout_s: float,
+        first_byte_timeout_s: float,
+        still_wanted: Callable[[], bool] | None,
+    ) -> None:
+        now = trio.current_time()
+        reused = sock is not None
+        if sock is None:
+            # Only new connections pay for a timeout scope; the hot path reuses pooled ones.
+            with trio.move_on_after(connect_timeout_s):
+                try:
+                    sock = await self.pool.new_connection(self.origin)
+                except OSError as exc:
+                    raise UpstreamError(f"cannot connect: {exc.strerror or exc}") from None
+            if sock is None:
+                raise UpstreamError("connect timed out", timeout=True)
+        self.sock = sock
+        self.watch = watch = Watched(sock, now + first_byte_timeout_s, still_wanted)
+        self.watchdog.watched.add(watch)
+        parser = self._parser
+        try:
+            await send_all(sock, request)
+            while not parser.head_complete:
+                data = await recv_some(sock)
+                if not data:
+                    if reused and not parser.headers and parser.status == 0:
+                        raise _Stale
+                    raise UpstreamError("connection closed before the response head")
+                reused = False  # bytes arrived: this is the real answer, no retry
+                try:
+                    parser.feed(data)
+                except httptools.HttpParserError as exc:
+                    raise UpstreamError(f"malformed response: {exc}") from None
+        except SocketClosed as exc:
+            if watch.expired:
+                why = "no response" if watch.expired == "timeout" else "node no longer eligible"
+                raise UpstreamError(why, timeout=watch.expired == "timeout") from None
+            if reused:
+                raise _Stale from None
+            raise UpstreamError(f"connection failed: {exc}") from None
+        except BaseException:
+            self._drop()
+            raise
+        finally:
+            if not parser.head_complete:
+                self._drop()
+        watch.still_wanted = None
+
+    def take_pieces(self) -> list[bytes]:
+        """Body pieces parsed so far (decoded: chunked framing removed)."""
+        pieces = self._pieces[:]
+        self._pieces.clear()
+        return pieces
+
+    async def read_more(self, idle_timeout_s: float) -> None:
+        """Read and parse more of the body (``BrokenResponse`` if the connection broke)."""
+        sock, watch = self.sock, self.watch
+        assert sock is not None and watch is not None
+        watch.deadline = trio.current_time() + idle_timeout_s
+        try:
+            data = await recv_some(sock)
+        except SocketClosed as exc:
+            raise BrokenResponse(watch.expired or str(exc)) from None
+        if not data:
+            raise BrokenResponse("upstream closed the connection mid-response")
+        try:
+            self._parser.feed(data)
+        except httptools.HttpParserError as exc:
+            raise BrokenResponse(f"malformed response body: {exc}") from None
+
+    def finish(self) -> None:
+        """Return the connection to the pool if the response ended cleanly, else close it."""
+        sock, watch = self.sock, self.watch
+        self.sock = None
+        if watch is not None:
+            self.watchdog.watched.discard(watch)
+        if sock is None:
+            return
+        if self._parser.complete and self._parser.keep_alive and not (watch and watch.expired):
+            self.pool.release(self.origin, sock)
+        else:
+            close(sock)
+
+    def _drop(self) -> None:
+        sock, watch = self.sock, self.watch
+        self.sock = None
+        if watch is not None:
+            self.watchdog.watched.discard(watch)
+        if sock is not None:
+            close(sock)
+
+
+class _Stale(Exception):
+    """A reused pooled connection turned out to be closed: retry on a fresh one."""
