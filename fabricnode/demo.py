@@ -3,11 +3,15 @@
 It runs N real ``fabric start`` processes (127.0.0.1, free ports, a fresh cluster key and
 rendezvous file in a temporary ``FABRIC_HOME``) and, polling every agent's admin API:
 
-1. shows the registry converge (how many entries each agent sees);
-2. SIGTERMs one agent and shows its signed LEFT reach every other agent;
-3. SIGKILLs another and shows the survivors' failure detectors declare it dead (no one can sign
-   a crashed node's death but its accusers: suspect first, then dead);
-4. stops the rest gracefully.
+1. shows the registry converge (how many entries each agent sees) and the simulated engines
+   turn SERVING;
+2. sends real chat requests through every agent (any agent is an ingress) and shows which node
+   served each one;
+3. SIGKILLs a node whose model another node also serves, sends requests for that model at once
+   (they fail over, invisibly to the client) and shows the survivors' failure detectors declare
+   it dead (no one can sign a crashed node's death but its accusers: suspect first, then dead);
+4. SIGTERMs another and shows its signed LEFT reach every other agent;
+5. stops the rest gracefully.
 
 Every process is reaped on the way out, on success, error or Ctrl-C (``LocalMesh``). The temporary
 directory is removed on success and kept, with each agent's log, when something went wrong.
@@ -23,6 +27,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import httpx
 
 from fabricnode.client import AdminClient
 from fabricnode.errors import AgentApiError, FabricError
@@ -78,6 +84,27 @@ class Demo:
                 raise FabricError(f"{what} did not happen within {timeout_s:g} s")
             time.sleep(POLL_INTERVAL_S)
 
+    def request(self, ingress: AgentProcess, model: str, names: dict[str, str]) -> None:
+        """One chat request through ``ingress``; prints who served it and the answer."""
+        body = {
+            "model": model,
+            "messages": [{"role": "user", "content": "Say something about HPC."}],
+            "max_tokens": 6,
+        }
+        t0 = time.monotonic()
+        try:
+            r = httpx.post(ingress.http_url + "/v1/chat/completions", json=body, timeout=30)
+        except httpx.HTTPError as exc:
+            raise FabricError(f"request through {ingress.name} failed: {exc}") from None
+        ms = (time.monotonic() - t0) * 1000
+        if r.status_code != 200:
+            raise FabricError(f"request through {ingress.name} answered {r.status_code}: {r.text}")
+        served = names.get(r.headers.get("x-fabric-node", ""), "?")
+        text = r.json()["choices"][0]["message"]["content"].strip()
+        self.say(
+            f"  via {ingress.name:6} {model:11} -> served by {served:18} {ms:5.0f} ms  {text!r}"
+        )
+
     def run(self) -> None:
         n = self.nodes
         self.say(f"Starting {n} agents on 127.0.0.1 (key and rendezvous in {self.mesh.workdir})")
@@ -113,24 +140,26 @@ class Demo:
             "engines serving",
         )
 
-        leaver, victim, rest = agents[1], agents[2], [agents[0], *agents[3:]]
-        sid = leaver.session_id
-        self.say(f"\n2. SIGTERM {leaver.name} ({sid[:8]}): it signs LEFT, gossips it, exits")
-        leaver.terminate()
-        watchers = [victim, *rest]
-        self.watch(
-            watchers,
-            lambda v: _state_of(v, sid),
-            lambda v: v is not None and sid in v and v[sid]["state"] == "left",
-            LEAVE_TIMEOUT_S,
-            f"{leaver.name}'s LEFT spreading",
-        )
-        code = _exit_code(leaver)
-        self.say(f"  {leaver.name} is LEFT everywhere; it exited with status {code}")
+        fleet = {a.name: DEMO_FLEET[i % len(DEMO_FLEET)] for i, a in enumerate(agents)}
+        names = {a.session_id: f"{a.name} ({fleet[a.name][1].split(':')[0]})" for a in agents}
+        models = sorted({m for m, _ in fleet.values()})
+        self.say("\n2. Requests through every agent (each one is an OpenAI endpoint)")
+        for ingress in agents:
+            for model in models:
+                self.request(ingress, model, names)
 
+        # The victim's model must be served by someone else, so its requests can fail over.
+        victim = agents[1]
+        leaver = next(a for a in agents[2:])
+        rest = [a for a in agents if a not in (victim, leaver)]
         sid = victim.session_id
-        self.say(f"\n3. kill -9 {victim.name} ({sid[:8]}): a crash; the others must find out")
+        model = fleet[victim.name][0]
+        self.say(f"\n3. kill -9 {victim.name} ({sid[:8]}): a crash; requests for {model} go on")
         victim.kill()
+        # Through an agent that does not serve the model itself: the answer comes from a peer.
+        via = next((a for a in rest if fleet[a.name][0] != model), rest[0])
+        for _ in range(3):
+            self.request(via, model, names)
         self.watch(
             rest,
             lambda v: _liveness_of(v, sid),
@@ -140,7 +169,20 @@ class Demo:
         )
         self.say(f"  {victim.name} is dead in every survivor's view")
 
-        self.say(f"\n4. Stopping the remaining {len(rest)} agents (SIGTERM)")
+        sid = leaver.session_id
+        self.say(f"\n4. SIGTERM {leaver.name} ({sid[:8]}): it signs LEFT, gossips it, exits")
+        leaver.terminate()
+        self.watch(
+            rest,
+            lambda v: _state_of(v, sid),
+            lambda v: v is not None and sid in v and v[sid]["state"] == "left",
+            LEAVE_TIMEOUT_S,
+            f"{leaver.name}'s LEFT spreading",
+        )
+        code = _exit_code(leaver)
+        self.say(f"  {leaver.name} is LEFT everywhere; it exited with status {code}")
+
+        self.say(f"\n5. Stopping the remaining {len(rest)} agents (SIGTERM)")
         codes = self.mesh.stop_all()
         self.say("  " + "  ".join(f"{a.name}: exit {codes[a.name]}" for a in rest))
         self.say(f"\nDone in {time.monotonic() - self.t0:.1f} s.")

@@ -284,6 +284,12 @@ def test_demo_runs_to_completion_and_leaves_no_process_behind() -> None:
     assert "[serving qwen2.5-7b 1xL40S]" in output
     assert "is LEFT everywhere; it exited with status 0" in output
     assert "is dead in every survivor's view" in output
+    # Real requests through every agent, each answer naming the node that served it; after the
+    # crash the victim's model is still answered (by the other node serving it).
+    served = re.findall(r"via (node\d) +(\S+) +-> served by (node\d)", output)
+    assert {via for via, _, _ in served} == {"node1", "node2", "node3"}, output
+    after_crash = output.split("3. kill -9")[1].split("is dead in every")[0]
+    assert len(re.findall(r"served by node1 ", after_crash)) == 3, output
     assert "Done in" in output
     assert took < 60, output
     workdir = re.search(r"(/\S*fabric-demo-\w+)", output)
