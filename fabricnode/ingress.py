@@ -764,7 +764,11 @@ class Ingress:
         usage = StreamUsage() if sse else None
         collected: list[bytes] | None = None if sse else []
         first = True
+        watch = conn.watch
         while True:
+            # A client that stops reading must not hold the connection (and the upstream) for
+            # ever: its socket gets the same idle deadline as the upstream, refreshed per piece.
+            watch.deadline = trio.current_time() + cfg.stream_idle_timeout_s
             if pieces:
                 if first and job.stream:
                     job.ttft_s = trio.current_time() - job.started
