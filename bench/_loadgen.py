@@ -1,0 +1,271 @@
+"""Closed-loop HTTP load generator for bench/router.py, run in a process of its own.
+
+Reads one JSON cell spec per line on stdin, runs it, writes one JSON result per line on stdout.
+Each of ``concurrency`` keep-alive connections sends a request, waits for the whole response,
+and sends the next at once. The client is asyncio protocols plus httptools' response parser:
+no coroutine, task or buffer copy per request, so its own CPU stays small next to the router's.
+
+A cell: ``warmup_s`` of load that is not recorded, then ``seconds`` of recorded load (requests
+that complete inside the window), framed by readings of /proc/PID/stat for the process groups
+named in ``cpu_groups`` (so CPU and requests cover exactly the same window), then a drain.
+
+Spec keys: host, port, path, model, stream, concurrency, warmup_s, seconds, prompt_bytes,
+headers (dict), cpu_groups (name -> [pid]), drain_s.
+Result keys: completed, errors, connections (opened), error_samples, window_s, latencies_us,
+ttft_us, cpu_ticks (name -> ticks), client_ticks, host_busy_ticks and host_total_ticks (all
+CPUs, /proc/stat), clk_tck.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import os
+import socket
+import sys
+import time
+from typing import Any
+
+import httptools
+import orjson
+
+PROMPT_WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "routers", "count"]
+
+
+def prompt_text(size: int) -> str:
+    words: list[str] = []
+    length = 0
+    i = 0
+    while length < size:
+        word = PROMPT_WORDS[i % len(PROMPT_WORDS)]
+        words.append(word)
+        length += len(word) + 1
+        i += 1
+    return " ".join(words)[:size]
+
+
+def build_request(spec: dict[str, Any]) -> bytes:
+    payload: dict[str, Any] = {
+        "model": spec["model"],
+        "messages": [{"role": "user", "content": prompt_text(int(spec["prompt_bytes"]))}],
+        "max_tokens": 16,
+        "stream": bool(spec["stream"]),
+    }
+    if spec["stream"]:
+        payload["stream_options"] = {"include_usage": True}
+    body = orjson.dumps(payload)
+    lines = [
+        f"POST {spec['path']} HTTP/1.1",
+        f"Host: {spec['host']}:{spec['port']}",
+        "Content-Type: application/json",
+        "Accept: */*",
+        f"Content-Length: {len(body)}",
+        *(f"{k}: {v}" for k, v in spec.get("headers", {}).items()),
+    ]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+
+
+def cpu_ticks(pids: list[int]) -> int:
+    """utime + stime of these processes (clock ticks); a process that is gone counts 0."""
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        total += int(fields[11]) + int(fields[12])
+    return total
+
+
+def host_ticks() -> tuple[int, int]:
+    """(busy, total) clock ticks of all CPUs from /proc/stat (idle and iowait are not busy)."""
+    with open("/proc/stat", "rb") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    total = sum(fields[:8])  # guest time is already inside user/nice
+    return total - fields[3] - fields[4], total
+
+
+class Run:
+    """One cell: its connections, its counters and its recorded samples."""
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        self.spec = spec
+        self.host = spec["host"]
+        self.port = int(spec["port"])
+        self.stream = bool(spec["stream"])
+        self.request = build_request(spec)
+        self.running = True
+        self.measuring = False
+        self.latencies: list[float] = []
+        self.ttfts: list[float] = []
+        self.errors = 0
+        self.error_samples: list[str] = []
+        self.open: set[Client] = set()
+        self.connections = 0
+        self.all_closed = asyncio.Event()
+
+    def error(self, what: str) -> None:
+        if self.measuring:
+            self.errors += 1
+        if len(self.error_samples) < 5:
+            self.error_samples.append(what[:300])
+
+    def record(self, client: Client, now: float) -> None:
+        status = client.parser.get_status_code()
+        if status != 200:
+            self.error(f"HTTP {status}: {client.tail[-200:]!r}")
+            return
+        if self.stream and b"[DONE]" not in client.tail:
+            self.error(f"stream without [DONE]: {client.tail[-200:]!r}")
+            return
+        if self.measuring:
+            self.latencies.append(now - client.t_start)
+            self.ttfts.append(client.t_first - client.t_start)
+
+    async def connect(self) -> None:
+        loop = asyncio.get_running_loop()
+        while self.running:
+            try:
+                await loop.create_connection(lambda: Client(self), self.host, self.port)
+                self.connections += 1
+                return
+            except OSError as exc:
+                self.error(f"connect: {exc}")
+                await asyncio.sleep(0.05)
+
+    def closed(self, client: Client) -> None:
+        self.open.discard(client)
+        if self.running:
+            asyncio.get_running_loop().create_task(self.connect())
+        elif not self.open:
+            self.all_closed.set()
+
+
+class Client(asyncio.Protocol):
+    def __init__(self, run: Run) -> None:
+        self.run = run
+        self.parser = httptools.HttpResponseParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.t_start = 0.0
+        self.t_first = 0.0
+        self.tail = b""
+        self.inflight = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.run.open.add(self)
+        self.send()
+
+    def send(self) -> None:
+        assert self.transport is not None
+        if not self.run.running:
+            self.transport.close()
+            return
+        self.tail = b""
+        self.t_first = 0.0
+        self.inflight = True
+        self.t_start = time.perf_counter()
+        self.transport.write(self.run.request)
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self.run.error(f"parse error: {exc}")
+            self.inflight = False
+            if self.transport is not None:
+                self.transport.abort()
+
+    def on_body(self, body: bytes) -> None:
+        if not self.t_first:
+            self.t_first = time.perf_counter()
+        self.tail = body[-256:] if len(body) >= 256 else (self.tail + body)[-256:]
+
+    def on_message_complete(self) -> None:
+        now = time.perf_counter()
+        self.inflight = False
+        keep_alive = self.parser.should_keep_alive()  # only valid inside this callback
+        if not self.t_first:
+            self.t_first = now
+        self.run.record(self, now)
+        if keep_alive:
+            self.send()
+        elif self.transport is not None:
+            self.transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.inflight:
+            self.run.error(f"connection lost mid-request: {exc}")
+        self.transport = None
+        self.run.closed(self)
+
+
+async def run_cell(spec: dict[str, Any]) -> dict[str, Any]:
+    run = Run(spec)
+    groups: dict[str, list[int]] = spec.get("cpu_groups", {})
+    for _ in range(int(spec["concurrency"])):
+        asyncio.get_running_loop().create_task(run.connect())
+    await asyncio.sleep(float(spec["warmup_s"]))
+    before = {name: cpu_ticks(pids) for name, pids in groups.items()}
+    client_before = cpu_ticks([os.getpid()])
+    host_before = host_ticks()
+    t0 = time.perf_counter()
+    run.measuring = True
+    await asyncio.sleep(float(spec["seconds"]))
+    run.measuring = False
+    t1 = time.perf_counter()
+    after = {name: cpu_ticks(pids) for name, pids in groups.items()}
+    client_after = cpu_ticks([os.getpid()])
+    host_after = host_ticks()
+    run.running = False
+    if run.open:
+        try:
+            await asyncio.wait_for(run.all_closed.wait(), float(spec.get("drain_s", 2.0)))
+        except TimeoutError:
+            pass
+    for client in list(run.open):
+        if client.transport is not None:
+            client.transport.abort()
+    await asyncio.sleep(0)
+    return {
+        "completed": len(run.latencies),
+        "errors": run.errors,
+        "connections": run.connections,  # > concurrency: the target closed connections
+        "error_samples": run.error_samples,
+        "window_s": t1 - t0,
+        "latencies_us": [round(x * 1e6) for x in run.latencies],
+        "ttft_us": [round(x * 1e6) for x in run.ttfts],
+        "cpu_ticks": {name: after[name] - before[name] for name in groups},
+        "client_ticks": client_after - client_before,
+        "host_busy_ticks": host_after[0] - host_before[0],
+        "host_total_ticks": host_after[1] - host_before[1],
+        "clk_tck": os.sysconf("SC_CLK_TCK"),
+    }
+
+
+def main() -> None:
+    gc.freeze()
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        spec = json.loads(line)
+        gc.collect()
+        gc.disable()  # no collector pauses inside a measured window
+        try:
+            result = asyncio.run(run_cell(spec))
+        except Exception as exc:  # report, do not die: the next cell may work
+            result = {"fatal": f"{type(exc).__name__}: {exc}"}
+        finally:
+            gc.enable()
+        sys.stdout.write(json.dumps(result) + "\n")
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

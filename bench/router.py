@@ -1,0 +1,1040 @@
+"""Router overhead, side by side in one run: added latency and CPU of a router in front of the
+same fake backend, for fabric's ingress and for the routers it is measured against.
+
+Targets (all in front of ONE fake backend process, ``bench/fake_backend.py``):
+
+  direct        the client talks to the backend itself: the baseline every "added" is against
+  vllm-router   the Rust router from PyPI (policy round_robin), in its own venv (bench/_venvs.py)
+  litellm       ``litellm[proxy]`` from PyPI, the backend as an ``openai/`` model, no telemetry,
+                no database, no UI
+  fabric-1hop   one ``fabric start`` agent supervising the backend as its engine child; the
+                client talks to that agent's ``/v1`` (ingress = serving node)
+  fabric-2hop   a second agent without an engine in the same mesh is the ingress:
+                client → ingress agent → serving agent → backend
+
+When a fabric target is asked for, the backend IS the serving agent's engine child, and every
+other target uses that same process; otherwise the bench starts the backend itself.
+
+Method (shared/notes/data-plane-measurements.md): closed-loop clients on keep-alive connections
+(bench/_loadgen.py, a process of its own: asyncio protocols + httptools, cheap next to any
+router), 2000-byte prompts, cells = concurrency x {json, sse}, ``--seconds`` per cell after a
+short warm-up, ``--rounds`` rounds. Within a round every cell runs every target back to back (the
+order rotates each round), so host noise hits all targets alike. Reported per target and cell:
+
+  mean / p50 / p99   latency of whole requests (last byte), pooled over rounds, ms
+  +mean              target mean minus direct mean in the same round and cell; median of rounds
+  x vllm             +mean divided by vllm-router's +mean in the same cell
+  CPU/req            utime+stime of the router's processes (/proc/PID/stat) over the recorded
+                     window / requests completed in it, ms. fabric: the agent process(es) only
+                     (both agents for 2hop), never the engine; litellm: all its processes
+  req/s              completed requests per second (median of rounds); at c=32 the throughput
+  TTFT               time to the first body bytes of a stream, mean, ms
+  +us/chunk          (+mean of the sse cell - +mean of the json cell at the same concurrency)
+                     / 18 SSE events (16 content chunks, the usage chunk, [DONE]): the latency
+                     relaying a stream adds per chunk beyond one JSON response (median of
+                     rounds; at c=32 it also carries the queueing of a saturated router)
+  CPU us/chunk       the same difference for router CPU per request: CPU per relayed chunk
+  err                failed requests (non-200, broken stream, connection errors) in the windows
+
+The 2 cores are shared by load generator, router(s) and backend, as in the notes' setup. A noisy
+host moves absolute numbers (not rankings), so the header shows steal time over the run and the
+share of CPU that other processes took during the recorded windows (the fabric agents of other
+targets idle in the background; anything else running on the machine shows here).
+
+    python bench/router.py                                   # all targets, 5 rounds x 2 s cells
+    python bench/router.py --targets direct,vllm-router,litellm --rounds 5 --json out.json
+    python bench/router.py --quick --targets direct,fabric-1hop   # smoke run, a few seconds
+
+Every process it starts is in a process group of its own with a parent-death signal and is
+killed (the group) on exit, Ctrl-C or failure. Work files (configs, logs) live in a temporary
+directory, kept with ``--keep-workdir``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import http.client
+import json
+import math
+import os
+import platform
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+BENCH_DIR = Path(__file__).resolve().parent
+REPO = BENCH_DIR.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))  # `python bench/router.py` from anywhere finds fabricnode
+if str(BENCH_DIR) not in sys.path:
+    sys.path.insert(0, str(BENCH_DIR))
+
+import _venvs  # noqa: E402
+
+MODEL = "bench-model"
+CHAT_PATH = "/v1/chat/completions"
+SSE_EVENTS = 18  # 16 content chunks + usage chunk + [DONE], as bench/fake_backend.py sends
+ALL_TARGETS = ("direct", "vllm-router", "litellm", "fabric-1hop", "fabric-2hop")
+FABRIC_TARGETS = ("fabric-1hop", "fabric-2hop")
+
+
+class Unavailable(Exception):
+    """A target cannot be measured; the message is the one-line reason shown in the report."""
+
+
+def log(msg: str) -> None:
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+# -- processes ----------------------------------------------------------------------------------
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    if sys.platform == "linux":
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PDEATHSIG
+        except OSError:
+            pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def process_tree() -> dict[int, list[int]]:
+    """Children of every process, from /proc (ppid is field 4 of /proc/PID/stat)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    return children
+
+
+def descendants(pid: int, *, skip: Callable[[int], bool] = lambda _pid: False) -> list[int]:
+    """``pid`` and every process below it, leaving out the subtrees of pids where ``skip``."""
+    tree = process_tree()
+    out: list[int] = []
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        if skip(p):
+            continue
+        out.append(p)
+        todo.extend(tree.get(p, []))
+    return out
+
+
+def argv_of(pid: int) -> list[str]:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().decode(errors="replace").split("\0")
+    except OSError:
+        return []
+
+
+def rss_mb(pids: list[int]) -> float:
+    total_kb = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                for line in f:
+                    if line.startswith("VmRSS:"):
+                        total_kb += int(line.split()[1])
+                        break
+        except (OSError, ValueError):
+            continue
+    return total_kb / 1024
+
+
+def cpu_steal() -> tuple[int, int]:
+    """(steal, total) jiffies from /proc/stat."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    return (fields[7] if len(fields) > 7 else 0), sum(fields)
+
+
+class Processes:
+    """Every process group this bench started; ``close`` kills them all (TERM, then KILL)."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.extra_groups: list[int] = []  # groups started by our children (fabric's engine)
+        self.cleanups: list[Callable[[], None]] = []
+
+    def spawn(
+        self, name: str, argv: list[str], *, env: dict[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
+        out = open(self.workdir / f"{name}.out", "wb")  # noqa: SIM115 - closed right below
+        err = open(self.workdir / f"{name}.log", "wb")  # noqa: SIM115
+        try:
+            proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=err,
+                env=env,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
+        finally:
+            out.close()
+            err.close()
+        self.procs.append(proc)
+        return proc
+
+    def log_tail(self, name: str, lines: int = 3) -> str:
+        try:
+            text = (self.workdir / f"{name}.log").read_text(errors="replace")
+        except OSError:
+            return ""
+        return " | ".join(text.strip().splitlines()[-lines:])
+
+    def close(self) -> None:
+        for cleanup in reversed(self.cleanups):
+            try:
+                cleanup()
+            except Exception as exc:  # keep cleaning up whatever else there is
+                log(f"cleanup: {exc}")
+        groups = [p.pid for p in self.procs if p.poll() is None] + self.extra_groups
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for pgid in groups:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(pgid, sig)
+            deadline = time.monotonic() + 3.0
+            while time.monotonic() < deadline and any(p.poll() is None for p in self.procs):
+                time.sleep(0.05)
+            if sig == signal.SIGTERM:
+                groups = [p.pid for p in self.procs if p.poll() is None] + [
+                    g for g in self.extra_groups if _alive(g)
+                ]
+                if not groups:
+                    break
+        for proc in self.procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(5.0)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# -- HTTP probes (control path only; the load goes through bench/_loadgen.py) ----------------
+
+
+def http_request(
+    port: int, method: str, path: str, body: bytes | None = None, timeout_s: float = 5.0
+) -> tuple[int, dict[str, str], bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
+    try:
+        headers = {"Content-Type": "application/json"} if body is not None else {}
+        conn.request(method, path, body=body, headers=headers)
+        resp = conn.getresponse()
+        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
+    finally:
+        conn.close()
+
+
+def wait_until(check: Callable[[], str | None], timeout_s: float, what: str) -> None:
+    """Poll ``check`` (None = done, else why not yet) until done; Unavailable on timeout."""
+    deadline = time.monotonic() + timeout_s
+    why = "no answer"
+    while True:
+        try:
+            result = check()
+        except (OSError, http.client.HTTPException) as exc:
+            result = f"{type(exc).__name__}: {exc}"
+        if result is None:
+            return
+        why = result
+        if time.monotonic() > deadline:
+            raise Unavailable(f"{what} not ready after {timeout_s:g} s ({why})")
+        time.sleep(0.2)
+
+
+def probe_completions(port: int, path: str = CHAT_PATH) -> dict[str, str]:
+    """One JSON and one streamed chat completion through a target; Unavailable if either fails."""
+    info: dict[str, str] = {}
+    for stream in (False, True):
+        body = json.dumps(
+            {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "probe"}],
+                "max_tokens": 16,
+                "stream": stream,
+            }
+        ).encode()
+        status, headers, data = http_request(port, "POST", path, body, timeout_s=30.0)
+        kind = "stream" if stream else "json"
+        if status != 200:
+            raise Unavailable(f"probe {kind} request: HTTP {status} {data[:160]!r}")
+        if stream and b"[DONE]" not in data:
+            raise Unavailable(f"probe stream without [DONE]: {data[-160:]!r}")
+        if not stream and b'"usage"' not in data:
+            raise Unavailable(f"probe response without usage: {data[:160]!r}")
+        if "x-fabric-node" in headers:
+            info["x-fabric-node"] = headers["x-fabric-node"]
+    return info
+
+
+def models_listed(port: int) -> str | None:
+    status, _, data = http_request(port, "GET", "/v1/models", timeout_s=2.0)
+    if status != 200:
+        return f"GET /v1/models: HTTP {status}"
+    try:
+        ids = [m.get("id") for m in json.loads(data).get("data", [])]
+    except (ValueError, AttributeError):
+        return f"GET /v1/models: not a model list: {data[:100]!r}"
+    return None if MODEL in ids else f"GET /v1/models lists {ids}"
+
+
+# -- targets ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Target:
+    name: str
+    port: int = 0
+    router_pids: Callable[[], list[int]] = list
+    info: dict[str, Any] = field(default_factory=dict)
+    unavailable: str | None = None
+
+
+@dataclass
+class Backend:
+    port: int
+    pid: int
+    owner: str  # "bench" or "fabric agent"
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace, workdir: Path, procs: Processes) -> None:
+        self.args = args
+        self.workdir = workdir
+        self.procs = procs
+        self.backend: Backend | None = None
+        self.mesh: Any = None  # fabricnode.localmesh.LocalMesh, imported only when needed
+        self.serving_agent: Any = None
+        self.targets: dict[str, Target] = {}
+        self.fabric_error: str | None = None
+
+    # -- backend -----------------------------------------------------------------------------
+    def backend_argv(self, port: int) -> list[str]:
+        script = str(BENCH_DIR / "fake_backend.py")
+        return [sys.executable, script, "--port", str(port), "--model", MODEL]
+
+    def wait_backend(self, port: int, timeout_s: float = 20.0) -> None:
+        def check() -> str | None:
+            status, _, _ = http_request(port, "GET", "/health", timeout_s=1.0)
+            return None if status == 200 else f"/health: HTTP {status}"
+
+        wait_until(check, timeout_s, f"backend on port {port}")
+
+    def start_backend(self) -> None:
+        wanted = [t for t in self.args.targets if t in FABRIC_TARGETS]
+        if wanted:
+            try:
+                self.start_serving_agent()
+                return
+            except Unavailable as exc:
+                self.fabric_error = str(exc)
+                log(f"fabric: unavailable: {exc}; the bench starts the backend itself")
+                self.stop_mesh()
+        port = free_port()
+        proc = self.procs.spawn("backend", self.backend_argv(port))
+        try:
+            self.wait_backend(port)
+        except Unavailable as exc:
+            tail = self.procs.log_tail("backend")
+            raise SystemExit(f"bench: fake backend failed: {exc}: {tail}") from exc
+        self.backend = Backend(port, proc.pid, "bench")
+        log(f"backend: pid {proc.pid} on port {port}")
+
+    def start_serving_agent(self) -> None:
+        try:
+            from fabricnode.localmesh import LocalMesh
+        except Exception as exc:
+            raise Unavailable(f"cannot import fabricnode.localmesh: {exc}") from exc
+        self.mesh = LocalMesh(
+            self.workdir / "mesh", provider="bench", log_level=self.args.fabric_log_level
+        )
+        self.procs.cleanups.append(self.stop_mesh)
+        port = free_port()
+        engine_url = f"http://127.0.0.1:{port}"
+        args = ["--engine-url", engine_url, "--", *self.backend_argv(port)]
+        try:
+            agent = self.mesh.start("serving", args=args, timeout_s=30.0)
+        except Exception as exc:
+            raise Unavailable(f"serving agent did not start: {exc}") from exc
+        self.serving_agent = agent
+        self.wait_backend(port, 30.0)
+        engine = [  # the agent's own argv names the script too: look below it only
+            p
+            for p in descendants(agent.pid)[1:]
+            if any(a.endswith("fake_backend.py") for a in argv_of(p)[1:2])
+        ]
+        if not engine:
+            raise Unavailable("serving agent started no engine process")
+        self.procs.extra_groups.append(engine[0])  # its own session: kill its group too
+        self.backend = Backend(port, engine[0], "fabric agent")
+        log(f"backend: pid {engine[0]} on port {port}, engine child of agent pid {agent.pid}")
+
+    def stop_mesh(self) -> None:
+        if self.mesh is None:
+            return
+        mesh, self.mesh, self.serving_agent = self.mesh, None, None
+        with contextlib.suppress(Exception):
+            mesh.stop_all(timeout_s=5.0)
+        mesh.close()
+
+    def agent_pids(self, *agents: Any) -> Callable[[], list[int]]:
+        """The agents' processes and their helpers, never the engine (nor anything below it)."""
+        backend_pid = self.backend.pid if self.backend else -1
+
+        def pids() -> list[int]:
+            out: list[int] = []
+            for agent in agents:
+                out += descendants(agent.pid, skip=lambda p: p == backend_pid)
+            return out
+
+        return pids
+
+    # -- targets -----------------------------------------------------------------------------
+    def setup(self, name: str) -> Target:
+        target = Target(name)
+        started = time.monotonic()
+        try:
+            if name == "direct":
+                assert self.backend is not None
+                target.port = self.backend.port
+            elif name == "vllm-router":
+                self.setup_vllm_router(target)
+            elif name == "litellm":
+                self.setup_litellm(target)
+            elif name == "fabric-1hop":
+                self.setup_fabric_1hop(target)
+            elif name == "fabric-2hop":
+                self.setup_fabric_2hop(target)
+            else:
+                raise Unavailable("unknown target")
+            target.info.update(probe_completions(target.port))
+        except Unavailable as exc:
+            target.unavailable = str(exc)
+        except (OSError, http.client.HTTPException) as exc:
+            target.unavailable = f"{type(exc).__name__}: {exc}"
+        target.info["setup_s"] = round(time.monotonic() - started, 1)
+        if target.unavailable:
+            log(f"{name}: unavailable: {target.unavailable}")
+        else:
+            pids = target.router_pids()
+            log(f"{name}: ready on port {target.port} (router pids {pids}) {target.info}")
+        return target
+
+    def venv(self, name: str, target: Target) -> _venvs.ToolVenv:
+        try:
+            venv = _venvs.ensure(name, install=not self.args.no_install)
+        except _venvs.VenvUnavailable as exc:
+            raise Unavailable(str(exc)) from exc
+        target.info["version"] = venv.version
+        target.info["venv"] = str(venv.path)
+        target.info["venv_install_s"] = venv.install_s
+        target.info["installed_now"] = venv.installed_now
+        return venv
+
+    def setup_vllm_router(self, target: Target) -> None:
+        venv = self.venv("vllm-router", target)
+        assert self.backend is not None
+        target.port = free_port()
+        argv = [
+            str(venv.executable),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(target.port),
+            "--worker-urls",
+            f"http://127.0.0.1:{self.backend.port}",
+            "--policy",
+            "round_robin",
+            "--prometheus-host",
+            "127.0.0.1",
+            "--prometheus-port",
+            str(free_port()),
+            "--log-level",
+            "warning",
+        ]
+        proc = self.procs.spawn("vllm-router", argv)
+        target.router_pids = lambda: descendants(proc.pid)
+        self.wait_ready(target, proc, "vllm-router", 60.0)
+
+    def setup_litellm(self, target: Target) -> None:
+        venv = self.venv("litellm", target)
+        assert self.backend is not None
+        target.port = free_port()
+        config = self.workdir / "litellm.yaml"
+        config.write_text(
+            "model_list:\n"
+            f"  - model_name: {MODEL}\n"
+            "    litellm_params:\n"
+            f"      model: openai/{MODEL}\n"
+            f"      api_base: http://127.0.0.1:{self.backend.port}/v1\n"
+            "      api_key: sk-bench\n"
+            "litellm_settings:\n"
+            "  telemetry: false\n"
+            "  drop_params: true\n"
+            "  set_verbose: false\n"
+            "general_settings:\n"
+            "  disable_spend_logs: true\n"
+        )
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("LITELLM_", "DATABASE"))}
+        env.update(
+            {
+                "LITELLM_TELEMETRY": "False",
+                "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+                "LITELLM_LOCAL_POLICY_TEMPLATES": "true",
+                "LITELLM_LOCAL_BLOG_POSTS": "true",
+                "LITELLM_LOCAL_AUTOROUTER_PRESETS": "true",
+                "LITELLM_LOCAL_ANTHROPIC_BETA_HEADERS": "true",
+                "LITELLM_DONT_SHOW_FEEDBACK_BOX": "true",
+                "LITELLM_LOG": "ERROR",
+                # no master key, like the other targets (no auth on the hot path)
+                "LITELLM_DANGEROUSLY_PERMIT_WEAK_OR_UNSET_MASTER_KEY": "true",
+                "DISABLE_ADMIN_UI": "True",
+                "DISABLE_SCHEMA_UPDATE": "true",
+                "NO_DOCS": "True",
+                "NO_REDOC": "True",
+                "HOME": str(self.workdir),  # anything it caches stays in the work dir
+            }
+        )
+        argv = [
+            str(venv.executable),
+            "--config",
+            str(config),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(target.port),
+            "--num_workers",
+            "1",
+            "--telemetry",
+            "False",
+        ]
+        proc = self.procs.spawn("litellm", argv, env=env)
+        target.router_pids = lambda: descendants(proc.pid)
+        self.wait_ready(target, proc, "litellm", 120.0)
+
+    def wait_ready(
+        self, target: Target, proc: subprocess.Popen[bytes], name: str, timeout_s: float
+    ) -> None:
+        def check() -> str | None:
+            if proc.poll() is not None:
+                tail = self.procs.log_tail(name)
+                raise Unavailable(f"{name} exited with status {proc.returncode}: {tail}")
+            status, _, _ = http_request(target.port, "GET", "/v1/models", timeout_s=2.0)
+            return None if status == 200 else f"GET /v1/models: HTTP {status}"
+
+        wait_until(check, timeout_s, name)
+
+    def wait_fabric_models(self, agent: Any, timeout_s: float) -> None:
+        """Until the agent's /v1/models lists the model. A /v1 answering 404 for 3 s is no
+        data plane at all (a data plane answers /v1/models, possibly empty, from the start)."""
+        port = int(agent.http_url.rsplit(":", 1)[1])
+        first_404: list[float] = []
+
+        def check() -> str | None:
+            if not agent.running:
+                raise Unavailable(f"agent {agent.name} exited: {agent.stderr_tail(1)}")
+            why = models_listed(port)
+            if why is not None and "HTTP 404" in why:
+                first_404.append(time.monotonic())
+                if first_404[-1] - first_404[0] > 3.0:
+                    raise Unavailable(f"agent has no /v1 data plane ({why})")
+            return why
+
+        wait_until(check, timeout_s, f"agent {agent.name} /v1/models")
+
+    def setup_fabric_1hop(self, target: Target) -> None:
+        if self.serving_agent is None:
+            raise Unavailable(self.fabric_error or "no serving agent")
+        agent = self.serving_agent
+        target.port = int(agent.http_url.rsplit(":", 1)[1])
+        target.router_pids = self.agent_pids(agent)
+        target.info["agents"] = 1
+        self.wait_fabric_models(agent, self.args.fabric_timeout)
+
+    def setup_fabric_2hop(self, target: Target) -> None:
+        if self.serving_agent is None or self.mesh is None:
+            raise Unavailable(self.fabric_error or "no serving agent")
+        if "fabric-1hop" in self.targets and self.targets["fabric-1hop"].unavailable:
+            raise Unavailable(f"serving agent: {self.targets['fabric-1hop'].unavailable}")
+        try:
+            ingress = self.mesh.start("ingress", timeout_s=30.0)
+        except Exception as exc:
+            raise Unavailable(f"ingress agent did not start: {exc}") from exc
+        target.port = int(ingress.http_url.rsplit(":", 1)[1])
+        target.router_pids = self.agent_pids(ingress, self.serving_agent)
+        target.info["agents"] = 2
+        self.wait_fabric_models(ingress, self.args.fabric_timeout)
+
+
+# -- measurement --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Cell:
+    concurrency: int
+    stream: bool
+
+    @property
+    def label(self) -> str:
+        return f"c={self.concurrency} {'sse' if self.stream else 'json'}"
+
+
+class LoadGen:
+    """The load generator process: one JSON spec in, one JSON result out, per cell."""
+
+    def __init__(self, procs: Processes) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, str(BENCH_DIR / "_loadgen.py")],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=open(procs.workdir / "loadgen.log", "wb"),  # noqa: SIM115
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
+        procs.procs.append(self.proc)
+
+    def run(self, spec: dict[str, Any]) -> dict[str, Any]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write((json.dumps(spec) + "\n").encode())
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise SystemExit(f"bench: load generator exited ({self.proc.poll()})")
+        result: dict[str, Any] = json.loads(line)
+        return result
+
+
+def percentile(sorted_values: list[int], q: float) -> float:
+    if not sorted_values:
+        return math.nan
+    k = min(len(sorted_values) - 1, max(0, math.ceil(q * len(sorted_values)) - 1))
+    return float(sorted_values[k])
+
+
+def mean(values: list[float]) -> float:
+    return statistics.fmean(values) if values else math.nan
+
+
+def median(values: list[float]) -> float:
+    values = [v for v in values if not math.isnan(v)]
+    return statistics.median(values) if values else math.nan
+
+
+def measure(
+    bench: Bench, loadgen: LoadGen, targets: list[Target], cells: list[Cell]
+) -> dict[tuple[str, str], list[dict[str, Any]]]:
+    """Every round: every cell, every target in turn. Returns per (target, cell) round results."""
+    args = bench.args
+    backend = bench.backend
+    assert backend is not None
+    results: dict[tuple[str, str], list[dict[str, Any]]] = {}
+
+    def bystanders(target: Target) -> list[int]:
+        mine = set(target.router_pids())
+        pids = {p for t in targets if t is not target for p in t.router_pids()}
+        return sorted(pids - mine)
+
+    for rnd in range(args.rounds):
+        shift = rnd % len(targets)
+        order = targets[shift:] + targets[:shift]
+        for cell in cells:
+            for target in order:
+                spec = {
+                    "host": "127.0.0.1",
+                    "port": target.port,
+                    "path": CHAT_PATH,
+                    "model": MODEL,
+                    "stream": cell.stream,
+                    "concurrency": cell.concurrency,
+                    "warmup_s": args.warmup,
+                    "seconds": args.seconds,
+                    "prompt_bytes": args.prompt_bytes,
+                    "drain_s": 3.0,
+                    "cpu_groups": {
+                        "router": target.router_pids(),
+                        "backend": [backend.pid],
+                        # the other targets' routers, idle meanwhile: do they burn CPU?
+                        "bystanders": bystanders(target),
+                    },
+                }
+                res = loadgen.run(spec)
+                res["round"] = rnd
+                results.setdefault((target.name, cell.label), []).append(res)
+                lat = res.get("latencies_us") or []
+                log(
+                    f"round {rnd + 1}/{args.rounds} {cell.label:<9} {target.name:<12} "
+                    f"{res.get('completed', 0):>6} req, mean {mean(lat) / 1000:.3f} ms, "
+                    f"errors {res.get('errors', res.get('fatal'))}"
+                )
+    return results
+
+
+def others_pct(run: dict[str, Any]) -> float:
+    """Share of all CPUs busy with anything but this bench's processes (router, backend,
+    client, idle routers of other targets), in %: other work on the machine, kernel softirq."""
+    total = run.get("host_total_ticks", 0)
+    if not total:
+        return math.nan
+    ours = sum(run.get("cpu_ticks", {}).values()) + run.get("client_ticks", 0)
+    return max(0.0, 100.0 * (run.get("host_busy_ticks", 0) - ours) / total)
+
+
+def bystanders_pct(run: dict[str, Any]) -> float:
+    """Share of all CPUs that the other targets' idle routers used during the window, in %."""
+    total = run.get("host_total_ticks", 0)
+    ticks = run.get("cpu_ticks", {}).get("bystanders", 0)
+    return 100.0 * ticks / total if total else math.nan
+
+
+def summarize(
+    targets: list[Target],
+    cells: list[Cell],
+    raw: dict[tuple[str, str], list[dict[str, Any]]],
+) -> dict[str, dict[str, dict[str, Any]]]:
+    """Per target, per cell: the figures of the table (see the module docstring)."""
+
+    def round_means(name: str, label: str) -> dict[int, float]:
+        runs = raw.get((name, label), [])
+        return {r["round"]: mean(r.get("latencies_us") or []) / 1000.0 for r in runs}
+
+    def per_req(ticks: int, clk: int, completed: int) -> float:
+        return ticks * 1000.0 / clk / completed if completed else math.nan
+
+    direct = {c.label: round_means("direct", c.label) for c in cells}
+    added: dict[tuple[str, str], dict[int, float]] = {}
+    summary: dict[str, dict[str, dict[str, Any]]] = {}
+    for target in targets:
+        per_cell: dict[str, dict[str, Any]] = {}
+        for cell in cells:
+            runs = raw.get((target.name, cell.label), [])
+            lat = sorted(x for r in runs for x in r.get("latencies_us") or [])
+            ttft = [x for r in runs for x in r.get("ttft_us") or []]
+            completed = sum(r.get("completed", 0) for r in runs)
+            clk = runs[0].get("clk_tck", 100) if runs else 100
+
+            def ticks(key: str, runs: list[dict[str, Any]] = runs) -> int:
+                return sum(r.get("cpu_ticks", {}).get(key, 0) for r in runs)
+
+            base = direct[cell.label]
+            by_round = {
+                rnd: m - base[rnd]
+                for rnd, m in round_means(target.name, cell.label).items()
+                if rnd in base
+            }
+            added[(target.name, cell.label)] = by_round
+            is_router = target.name != "direct"
+            per_cell[cell.label] = {
+                "requests": completed,
+                "errors": sum(r.get("errors", 0) for r in runs),
+                "error_samples": [s for r in runs for s in r.get("error_samples", [])][:3],
+                "fatal": [r["fatal"] for r in runs if "fatal" in r],
+                "mean_ms": mean(lat) / 1000.0,
+                "p50_ms": percentile(lat, 0.50) / 1000.0,
+                "p99_ms": percentile(lat, 0.99) / 1000.0,
+                "ttft_mean_ms": mean(ttft) / 1000.0 if cell.stream else math.nan,
+                "added_mean_ms": median(list(by_round.values())) if is_router else math.nan,
+                "added_mean_ms_by_round": by_round if is_router else {},
+                "cpu_ms_per_req": per_req(ticks("router"), clk, completed)
+                if is_router
+                else math.nan,
+                "backend_cpu_ms_per_req": per_req(ticks("backend"), clk, completed),
+                "client_cpu_ms_per_req": per_req(
+                    sum(r.get("client_ticks", 0) for r in runs), clk, completed
+                ),
+                "others_cpu_pct": median([others_pct(r) for r in runs]),
+                "bystanders_cpu_pct": median([bystanders_pct(r) for r in runs]),
+                "req_per_s": median(
+                    [r["completed"] / r["window_s"] for r in runs if r.get("window_s")]
+                ),
+            }
+        summary[target.name] = per_cell
+    for cell in cells:
+        vr = summary.get("vllm-router", {}).get(cell.label, {}).get("added_mean_ms", math.nan)
+        json_label = Cell(cell.concurrency, False).label
+        for name, per_cell in summary.items():
+            s = per_cell[cell.label]
+            ok = vr > 0 and not math.isnan(s["added_mean_ms"])
+            s["ratio_vs_vllm_router"] = s["added_mean_ms"] / vr if ok else math.nan
+            if cell.stream and name != "direct" and json_label in per_cell:
+                sse, plain = added[(name, cell.label)], added[(name, json_label)]
+                per_chunk = [(sse[r] - plain[r]) * 1000.0 / SSE_EVENTS for r in sse if r in plain]
+                s["added_us_per_chunk"] = median(per_chunk)
+                cpu_sse, cpu_json = s["cpu_ms_per_req"], per_cell[json_label]["cpu_ms_per_req"]
+                s["cpu_us_per_chunk"] = (cpu_sse - cpu_json) * 1000.0 / SSE_EVENTS
+    return summary
+
+
+def finite(value: Any) -> Any:
+    """The document with NaN as null (JSON has no NaN)."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {str(k): finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite(v) for v in value]
+    return value
+
+
+def fmt(value: float, digits: int = 3) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return f"{value:.{digits}f}"
+
+
+def render(
+    targets: list[Target],
+    cells: list[Cell],
+    summary: dict[str, dict[str, dict[str, Any]]],
+    header: list[str],
+) -> str:
+    cols = [
+        ("cell", 9),
+        ("target", 12),
+        ("mean ms", 8),
+        ("p50 ms", 8),
+        ("p99 ms", 8),
+        ("+mean ms", 9),
+        ("x vllm", 7),
+        ("CPU/req ms", 10),
+        ("req/s", 8),
+        ("TTFT ms", 8),
+        ("+us/chunk", 9),
+        ("CPU us/chunk", 12),
+        ("err", 5),
+    ]
+    lines = [*header, ""]
+    lines.append(
+        "  ".join(f"{name:>{w}}" if i > 1 else f"{name:<{w}}" for i, (name, w) in enumerate(cols))
+    )
+    lines.append("  ".join("-" * w for _, w in cols))
+    for cell in cells:
+        for target in targets:
+            if target.unavailable:
+                continue
+            s = summary[target.name][cell.label]
+            row = [
+                cell.label,
+                target.name,
+                fmt(s["mean_ms"]),
+                fmt(s["p50_ms"]),
+                fmt(s["p99_ms"]),
+                fmt(s["added_mean_ms"]) if target.name != "direct" else "",
+                fmt(s["ratio_vs_vllm_router"], 2) if target.name != "direct" else "",
+                fmt(s["cpu_ms_per_req"]) if target.name != "direct" else "",
+                fmt(s["req_per_s"], 0),
+                fmt(s["ttft_mean_ms"]) if cell.stream else "",
+                fmt(s.get("added_us_per_chunk", math.nan), 1)
+                if cell.stream and target.name != "direct"
+                else "",
+                fmt(s.get("cpu_us_per_chunk", math.nan), 1)
+                if cell.stream and target.name != "direct"
+                else "",
+                str(s["errors"]),
+            ]
+            lines.append(
+                "  ".join(
+                    f"{v:>{w}}" if i > 1 else f"{v:<{w}}"
+                    for i, (v, (_, w)) in enumerate(zip(row, cols, strict=True))
+                )
+            )
+        lines.append("")
+    for target in targets:
+        if target.unavailable:
+            lines.append(f"{target.name}: unavailable: {target.unavailable}")
+    for target in targets:
+        for cell in cells:
+            if target.unavailable:
+                continue
+            s = summary[target.name][cell.label]
+            if s["error_samples"] or s["fatal"]:
+                lines.append(
+                    f"{target.name} {cell.label}: {s['errors']} errors, e.g. "
+                    f"{(s['fatal'] or s['error_samples'])[0]}"
+                )
+    return "\n".join(lines).rstrip() + "\n"
+
+
+# -- main ---------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description="Added latency and CPU of routers in front of one fake backend.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__,
+    )
+    p.add_argument("--targets", default=",".join(ALL_TARGETS), help="comma-separated targets")
+    p.add_argument("--seconds", type=float, default=2.0, help="recorded seconds per cell")
+    p.add_argument("--warmup", type=float, default=0.5, help="unrecorded seconds before each")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--concurrency", default="1,32", help="comma-separated client counts")
+    p.add_argument("--modes", default="json,sse", help="json (non-stream), sse (stream)")
+    p.add_argument("--prompt-bytes", type=int, default=2000)
+    p.add_argument("--quick", action="store_true", help="tiny smoke run (1 round, short cells)")
+    p.add_argument("--json", metavar="PATH", help="write every figure (and raw rounds) here")
+    p.add_argument("--no-install", action="store_true", help="never install a router's venv")
+    p.add_argument("--fabric-timeout", type=float, default=30.0, help="s for agents to serve")
+    p.add_argument("--fabric-log-level", default="warning")
+    p.add_argument("--keep-workdir", action="store_true")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.seconds = min(args.seconds, 0.4)
+        args.warmup = min(args.warmup, 0.15)
+        args.rounds = 1
+        args.fabric_timeout = min(args.fabric_timeout, 15.0)
+    targets = [t.strip() for t in args.targets.split(",") if t.strip()]
+    unknown = [t for t in targets if t not in ALL_TARGETS]
+    if unknown:
+        p.error(f"unknown targets {unknown}; choose from {', '.join(ALL_TARGETS)}")
+    if "direct" not in targets:
+        targets.insert(0, "direct")  # the baseline every "added" figure needs
+    args.targets = targets
+    args.concurrency = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not modes or any(m not in ("json", "sse") for m in modes):
+        p.error("--modes takes json and/or sse")
+    args.modes = modes
+    return args
+
+
+@contextlib.contextmanager
+def signals_raise() -> Iterator[None]:
+    """SIGTERM and SIGHUP end the bench like Ctrl-C does, so every cleanup runs. SIGINT is
+    handled too, even where it was inherited as ignored (a background job of a script)."""
+
+    def handler(signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    old = {
+        sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    }
+    try:
+        yield
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    cells = [Cell(c, mode == "sse") for c in args.concurrency for mode in args.modes]
+    workdir = Path(tempfile.mkdtemp(prefix="fabric-bench-router-"))
+    procs = Processes(workdir)
+    started = time.monotonic()
+    try:
+        with signals_raise():
+            bench = Bench(args, workdir, procs)
+            bench.start_backend()
+            targets = []
+            for name in args.targets:
+                target = bench.setup(name)
+                bench.targets[name] = target
+                targets.append(target)
+            live = [t for t in targets if not t.unavailable]
+            if not any(t.name == "direct" for t in live):
+                raise SystemExit("bench: the direct baseline is not available")
+            loadgen = LoadGen(procs)
+            steal0 = cpu_steal()
+            raw = measure(bench, loadgen, live, cells)
+            steal1 = cpu_steal()
+            rss = {t.name: round(rss_mb(t.router_pids()), 1) for t in live if t.name != "direct"}
+            summary = summarize(live, cells, raw)
+            steal_pct = 100.0 * (steal1[0] - steal0[0]) / max(1, steal1[1] - steal0[1])
+            others = median([others_pct(r) for runs in raw.values() for r in runs])
+            idle = median([bystanders_pct(r) for runs in raw.values() for r in runs])
+            assert bench.backend is not None
+            header = [
+                f"bench/router: {len(live)} targets, cells {', '.join(c.label for c in cells)}, "
+                f"{args.rounds} round(s) x {args.seconds:g} s (+{args.warmup:g} s warm-up), "
+                f"{args.prompt_bytes}-byte prompts",
+                f"host: {os.cpu_count()} cpus, {platform.python_implementation()} "
+                f"{platform.python_version()}, steal {steal_pct:.1f}% during the run, "
+                f"other processes {fmt(others, 0)}% and idle targets {fmt(idle, 0)}% of all "
+                f"CPUs in a median window; "
+                f"backend pid {bench.backend.pid} (started by {bench.backend.owner})",
+            ]
+            for t in live:
+                if t.name == "direct":
+                    continue
+                bits = [f"{k}={v}" for k, v in t.info.items() if k in ("version", "agents")]
+                if "venv_install_s" in t.info:
+                    bits.append(f"venv install {t.info['venv_install_s']:.0f} s")
+                bits.append(f"RSS {rss.get(t.name, 0):.0f} MB")
+                header.append(f"{t.name}: {', '.join(bits)}")
+            print(render(targets, cells, summary, header), end="", flush=True)
+            if args.json:
+                doc = {
+                    "args": {k: v for k, v in vars(args).items()},
+                    "cells": [c.label for c in cells],
+                    "steal_pct": steal_pct,
+                    "others_cpu_pct_median": others,
+                    "idle_targets_cpu_pct_median": idle,
+                    "duration_s": time.monotonic() - started,
+                    "targets": {
+                        t.name: {
+                            "unavailable": t.unavailable,
+                            "info": t.info,
+                            "rss_mb": rss.get(t.name),
+                            "cells": summary.get(t.name),
+                        }
+                        for t in targets
+                    },
+                    "raw": {
+                        f"{name} {label}": [
+                            {k: v for k, v in r.items() if k not in ("latencies_us", "ttft_us")}
+                            for r in runs
+                        ]
+                        for (name, label), runs in raw.items()
+                    },
+                }
+                Path(args.json).write_text(json.dumps(finite(doc), indent=1, default=str) + "\n")
+                log(f"wrote {args.json}")
+            return 0
+    except KeyboardInterrupt:
+        log("interrupted; stopping every process it started")
+        return 130
+    finally:
+        procs.close()
+        if args.keep_workdir:
+            log(f"work files kept in {workdir}")
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
