@@ -533,22 +533,13 @@ class Ingress:
             now = trio.current_time()
             if tried and now >= deadline:
                 break
-            pairs = self.table.eligible(
-                routes,
-                now=now,
-                wall_now=self.wall_clock(),
-                inflight=self.remote_inflight,
-                breaker=self.breaker,
-                providers=providers,
-                requirements=requirements,
-            )
-            pairs = [p for p in pairs if p[0].node.session_id not in tried]
+            candidates = self._candidates(routes, providers, requirements, tried, now)
             if not tried:
-                self.metrics.candidates.observe(len(pairs))
-            if not pairs:
+                self.metrics.candidates.observe(len(candidates))
+            if not candidates:
                 break
             wall = self.wall_clock()  # load reports carry wall-clock times
-            ranked = policy.rank(rreq, [c for c, _ in pairs], wall)
+            ranked = policy.rank(rreq, candidates, wall)
             if ranked is None:
                 ranked = await self._hold(rreq, routes, providers, requirements, tried)
                 if not ranked:
@@ -580,6 +571,26 @@ class Ingress:
         )
         return True
 
+    def _candidates(
+        self,
+        routes: list[Route],
+        providers: frozenset[str],
+        requirements: routing.Requirements | None,
+        tried: set[str],
+        now: float,
+    ) -> list[routing.Candidate]:
+        """Eligible nodes (``RouteTable.eligible``) this request has not tried yet."""
+        eligible = self.table.eligible(
+            routes,
+            now=now,
+            wall_now=self.wall_clock(),
+            inflight=self.remote_inflight,
+            breaker=self.breaker,
+            providers=providers,
+            requirements=requirements,
+        )
+        return [c for c in eligible if c.node.session_id not in tried]
+
     async def _hold(
         self,
         rreq: routing.RouteRequest,
@@ -599,16 +610,7 @@ class Ingress:
                 with trio.move_on_after(min(0.05, max(0.0, give_up - now))):
                     await self._released.wait()
                 now = trio.current_time()
-                pairs = self.table.eligible(
-                    routes,
-                    now=now,
-                    wall_now=self.wall_clock(),
-                    inflight=self.remote_inflight,
-                    breaker=self.breaker,
-                    providers=providers,
-                    requirements=requirements,
-                )
-                cands = [c for c, _ in pairs if c.node.session_id not in tried]
+                cands = self._candidates(routes, providers, requirements, tried, now)
                 if not cands:
                     return None
                 wall = self.wall_clock()

@@ -174,12 +174,12 @@ class RouteTable:
         providers: frozenset[str],
         requirements: Requirements | None,
         exclude: str | None = None,
-    ) -> list[tuple[Candidate, Route]]:
+    ) -> list[Candidate]:
         """Candidates that pass every filter, ALIVE ones before SUSPECT ones."""
         core = self.core
-        alive: list[tuple[Candidate, Route]] = []
-        suspect: list[tuple[Candidate, Route]] = []
-        ejected: list[tuple[Candidate, Route]] = []
+        alive: list[Candidate] = []
+        suspect: list[Candidate] = []
+        ejected: list[Candidate] = []
         for r in routes:
             info = r.info
             sid = info.session_id
@@ -197,7 +197,7 @@ class RouteTable:
                 continue
             if requirements is not None and not meets(info, requirements):
                 continue
-            cand = (Candidate(info, self.load_of(sid), inflight.get(sid, 0)), r)
+            cand = Candidate(info, self.load_of(sid), inflight.get(sid, 0))
             if breaker.ejected(sid, now):
                 ejected.append(cand)
             elif status is Liveness.SUSPECT:
