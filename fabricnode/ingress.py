@@ -490,7 +490,7 @@ class Ingress:
                 job.extra["temperature"] = float(temperature)
         rreq = routing.RouteRequest(
             model,
-            self._prefix_blocks(doc, kind),
+            self._prefix_blocks(doc, kind) if len(routes) > 1 else (),
             _session_key(req.headers, doc),
             len(body) // 4,
         )
@@ -539,7 +539,9 @@ class Ingress:
             if not candidates:
                 break
             wall = self.wall_clock()  # load reports carry wall-clock times
-            ranked = policy.rank(rreq, candidates, wall)
+            # One candidate: nothing to choose and no use holding (the request would wait for
+            # the same node either way); the policy is skipped, as prompt hashing was.
+            ranked = candidates if len(candidates) == 1 else policy.rank(rreq, candidates, wall)
             if ranked is None:
                 ranked = await self._hold(rreq, routes, providers, requirements, tried)
                 if not ranked:
@@ -613,14 +615,10 @@ class Ingress:
                 cands = self._candidates(routes, providers, requirements, tried, now)
                 if not cands:
                     return None
-                wall = self.wall_clock()
-                ranked = self.policy.rank(rreq, cands, wall)
+                # Held long enough: the policy's best push (affinity kept) rather than wait on.
+                ranked = self.policy.rank(rreq, cands, self.wall_clock(), allow_hold=now < give_up)
                 if ranked is not None:
                     return ranked
-                if now >= give_up:
-                    # Held long enough: push to the least loaded rather than wait forever.
-                    cfg_r = routing.DEFAULT_CONFIG
-                    return sorted(cands, key=lambda c: routing.load_score(c, wall, cfg_r))
         finally:
             self._holders -= 1
 

@@ -51,17 +51,23 @@ load guard: a score above both ``min + overload_abs_margin`` and ``min * overloa
 ``min`` is the best score among the candidates. Among nodes holding the same matched prefix the
 least loaded wins, so a popular system prompt spreads over every node that has it cached.
 
-The pending-aware policy (SkyLB's selective pushing, SP-P, §3.3) is the prefix policy restricted
-to *open* nodes, and it HOLDs (returns ``None``) when no node is open. A node is *backlogged*
-(not open) only on a fresh report, when it has more than ``pending_waiting_threshold`` waiting
-requests (default 0: any queue means the batch is full) or when this ingress already has
-``max(pending_min_local_inflight, pending_local_per_running * running)`` requests in flight to
-it (the report cannot see what we pushed since it was taken; the cap doubles per report while
-the node keeps admitting, so it follows an unknown batch size without a fixed limit). A node
-whose load is unknown or stale is always open, so a HOLD always resolves: a fresh report
-showing room, one of our requests finishing, or the reports ageing out within
-``load_stale_after_s``. The ingress must still bound how long it holds one request: under
-overload sustained from elsewhere, fresh reports may keep showing queues.
+The pending-aware policy (SkyLB's selective pushing, SP-P, §3.3) is the prefix policy with one
+change in step (c): when no node has affinity, the least loaded is chosen among *open* nodes only,
+and the request is HELD (``rank`` returns ``None``) when no node is open. Affinity comes first,
+even to a backlogged node, as long as it passes the load guard: measured on
+``bench/routing.py`` (docs/benchmarks.md), holding or diverting a request whose prefix is cached
+on a node with a short queue costs more (a full prefill elsewhere, and the cache entry on the
+other node then splits the tree's later requests) than waiting in that node's queue. A node is
+*backlogged* (not open) only on a fresh report, when it has more than
+``pending_waiting_threshold`` waiting requests (default 0: any queue means the batch is full) or
+when this ingress already has ``max(pending_min_local_inflight, pending_local_per_running *
+running)`` requests in flight to it (the report cannot see what we pushed since it was taken; the
+cap doubles per report while the node keeps admitting, so it follows an unknown batch size
+without a fixed limit). A node whose load is unknown or stale is always open, so a HOLD always
+resolves: a fresh report showing room, one of our requests finishing, or the reports ageing out
+within ``load_stale_after_s``. The ingress must still bound how long it holds one request: under
+overload sustained from elsewhere, fresh reports may keep showing queues; it then asks again with
+``allow_hold=False`` and pushes to the policy's least-loaded pick.
 """
 
 from __future__ import annotations
@@ -301,12 +307,18 @@ class Policy(Protocol):
     name: str
 
     def rank(
-        self, req: RouteRequest, candidates: Sequence[Candidate], now: float
+        self,
+        req: RouteRequest,
+        candidates: Sequence[Candidate],
+        now: float,
+        *,
+        allow_hold: bool = True,
     ) -> list[Candidate] | None:
         """Candidates in the order to try them (first = the pick; the rest = failover order,
         every candidate exactly once). None = HOLD: keep the request queued at the ingress and
-        ask again later (only the pending-aware policy returns None). Never called with an
-        empty sequence."""
+        ask again later (only the pending-aware policy returns None, and never with
+        ``allow_hold=False``: the ingress passes that once a request has been held long
+        enough, to get the policy's own best push). Never called with an empty sequence."""
         ...
 
     def on_routed(self, req: RouteRequest, session_id: str, now: float) -> None:
@@ -350,7 +362,12 @@ class RoundRobinPolicy:
         self._ranked = 0
 
     def rank(
-        self, req: RouteRequest, candidates: Sequence[Candidate], now: float
+        self,
+        req: RouteRequest,
+        candidates: Sequence[Candidate],
+        now: float,
+        *,
+        allow_hold: bool = True,
     ) -> list[Candidate] | None:
         start = self._turn % len(candidates)
         self._turn += 1
@@ -381,7 +398,12 @@ class LeastLoadPolicy:
         self._ranked = 0
 
     def rank(
-        self, req: RouteRequest, candidates: Sequence[Candidate], now: float
+        self,
+        req: RouteRequest,
+        candidates: Sequence[Candidate],
+        now: float,
+        *,
+        allow_hold: bool = True,
     ) -> list[Candidate] | None:
         cfg = self._cfg
         scores = [load_score(c, now, cfg) for c in candidates]
@@ -416,7 +438,12 @@ class PowerOfTwoPolicy:
         self._ranked = 0
 
     def rank(
-        self, req: RouteRequest, candidates: Sequence[Candidate], now: float
+        self,
+        req: RouteRequest,
+        candidates: Sequence[Candidate],
+        now: float,
+        *,
+        allow_hold: bool = True,
     ) -> list[Candidate] | None:
         cfg = self._cfg
         self._ranked += 1
@@ -484,45 +511,52 @@ class PrefixPolicy:
         self._misses = self._weak = self._overloaded = 0
 
     def rank(
-        self, req: RouteRequest, candidates: Sequence[Candidate], now: float
+        self,
+        req: RouteRequest,
+        candidates: Sequence[Candidate],
+        now: float,
+        *,
+        allow_hold: bool = True,
     ) -> list[Candidate] | None:
         cfg = self._cfg
         n = len(candidates)
         scores = [load_score(c, now, cfg) for c in candidates]
-        pool: Sequence[int]
-        if self._pending_aware:
-            closed = [_backlogged(c, now, cfg) for c in candidates]
-            pool = [i for i in range(n) if not closed[i]]
-            if not pool:
-                self._holds += 1
-                return None
-        else:
-            closed = []
-            pool = range(n)
+        everyone = range(n)
+        pick = self._affinity(req, candidates, scores)
+        closed: list[bool] = []
+        if pick < 0:
+            pool: Sequence[int] = everyone
+            if self._pending_aware:
+                closed = [_backlogged(c, now, cfg) for c in candidates]
+                pool = [i for i in everyone if not closed[i]]
+                if not pool:
+                    if allow_hold:
+                        self._holds += 1
+                        return None
+                    pool = everyone
+            pick = _least(scores, pool, self._turn)
+            self._turn += 1
         self._ranked += 1
-        pick = self._choose(req, candidates, scores, pool)
         if not closed or not any(closed):
             return _by_score(candidates, scores, pick)
         # Failover prefers open nodes too: pushing into a queue is what SP-P avoids.
-        order = sorted(range(n), key=lambda i: (closed[i], scores[i]))
+        order = sorted(everyone, key=lambda i: (closed[i], scores[i]))
         out = [candidates[pick]]
         out.extend(candidates[i] for i in order if i != pick)
         return out
 
-    def _choose(
-        self,
-        req: RouteRequest,
-        candidates: Sequence[Candidate],
-        scores: list[float],
-        pool: Sequence[int],
+    def _affinity(
+        self, req: RouteRequest, candidates: Sequence[Candidate], scores: list[float]
     ) -> int:
+        """The sticky or strong-prefix node under the load guard, else -1 (counted as a miss,
+        a weak match or an overloaded match)."""
         cfg = self._cfg
-        best = min(scores[i] for i in pool)
+        best = min(scores)
         limit = max(best + cfg.overload_abs_margin, best * cfg.overload_ratio)
         slot_of = self._slot_of
-        known: dict[int, int] = {}  # slot -> candidate index, every pool candidate with a slot
-        for i in pool:
-            slot = slot_of.get(candidates[i].node.session_id)
+        known: dict[int, int] = {}  # slot -> candidate index, every candidate with a slot
+        for i, c in enumerate(candidates):
+            slot = slot_of.get(c.node.session_id)
             if slot is not None:
                 known[slot] = i
 
@@ -553,9 +587,7 @@ class PrefixPolicy:
                     self._weak += 1
         if not matched:
             self._misses += 1
-        pick = _least(scores, pool, self._turn)
-        self._turn += 1
-        return pick
+        return -1
 
     def _longest(
         self,

@@ -137,13 +137,17 @@ def test_every_policy_ranks_each_candidate_exactly_once(
 ) -> None:
     policy = make_policy(name, rng=random.Random(7))
     for cands, req, routed_to in rounds:
+        before = policy.statistics()
         ranked = policy.rank(req, cands, NOW)
+        after = policy.statistics()
+        affinity = after.sticky_hits + after.prefix_hits > before.sticky_hits + before.prefix_hits
         if ranked is None:
             assert name == "prefix-pending"
             assert all(backlogged(c, NOW) for c in cands)
+            assert not affinity
             continue
         assert sorted(map(id, ranked)) == sorted(map(id, cands))
-        if name == "prefix-pending":
+        if name == "prefix-pending" and not affinity:
             assert not backlogged(ranked[0], NOW)
         policy.on_routed(req, cands[routed_to % len(cands)].node.session_id, NOW)
         if routed_to == 7:
@@ -157,7 +161,8 @@ def test_every_policy_ranks_each_candidate_exactly_once(
         stats.fallbacks_overloaded,
     )
     assert stats.ranked + stats.holds == len(rounds)
-    assert sum(outcomes) == (stats.ranked if name.startswith("prefix") else 0)
+    # One affinity outcome per call, held or not.
+    assert sum(outcomes) == (len(rounds) if name.startswith("prefix") else 0)
 
 
 def test_policy_names_and_default() -> None:
@@ -430,13 +435,33 @@ def test_pending_holds_only_when_every_candidate_is_backlogged() -> None:
     assert pick(policy, request(SYSTEM), some_room) == "c"
 
 
-def test_pending_pushes_to_an_open_node_over_a_backlogged_prefix_match() -> None:
+def test_pending_keeps_affinity_to_a_backlogged_node_under_the_load_guard() -> None:
     policy = make_policy("prefix-pending")
     routed(policy, SYSTEM + "q1", "b")
+    # b has a short queue (score 5) but holds the prefix; the guard allows up to 2 + 8.
     cands = [cand("a", running=2), cand("b", waiting=1, running=1), cand("c", waiting=2)]
-    ranked = ids(policy.rank(request(SYSTEM + "q2"), cands, NOW))
-    assert ranked[0] == "a"
-    assert ranked == ["a", "b", "c"]  # then the backlogged ones, by score
+    assert ids(policy.rank(request(SYSTEM + "q2"), cands, NOW)) == ["b", "a", "c"]
+    # Even when every node is backlogged: affinity is a pick, not a HOLD.
+    full = [cand("a", waiting=1), cand("b", waiting=1, running=1)]
+    assert pick(policy, request(SYSTEM + "q3"), full) == "b"
+    assert policy.statistics().holds == 0
+
+
+def test_pending_pushes_to_an_open_node_over_an_overloaded_prefix_match() -> None:
+    policy = make_policy("prefix-pending")
+    routed(policy, SYSTEM + "q1", "b")
+    # b's queue puts it over the guard (4 * 4 + 1 > 2 + 8): the open node wins, b goes last
+    # among... the backlogged ones are tried after every open one.
+    cands = [cand("a", running=2), cand("b", waiting=4, running=1), cand("c", waiting=2)]
+    assert ids(policy.rank(request(SYSTEM + "q2"), cands, NOW)) == ["a", "c", "b"]
+    assert policy.statistics().fallbacks_overloaded == 1
+
+
+def test_pending_without_hold_pushes_to_the_least_loaded() -> None:
+    policy = make_policy("prefix-pending")
+    full = [cand("a", waiting=3), cand("b", waiting=1, running=2)]
+    assert policy.rank(request(), full, NOW) is None
+    assert ids(policy.rank(request(), full, NOW, allow_hold=False)) == ["b", "a"]
 
 
 def test_pending_caps_what_we_push_between_reports() -> None:

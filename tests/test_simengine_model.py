@@ -16,6 +16,7 @@ from fabricnode.simengine.model import (
     EngineConfig,
     PrefixCache,
     Scheduler,
+    block_hashes,
     detokenize,
     embedding,
     gpu_profile,
@@ -178,6 +179,178 @@ def test_abort_frees_the_reservation() -> None:
     assert s.statistics().running == 1 and s.requests[b].admitted_at == 1.0
     s.abort(b)
     assert s.step(2.0) is None
+
+
+# A 1,000-token shared prefix: its first 62 blocks (992 tokens) are full; block 62 mixes the
+# prefix's last 8 tokens with each request's own suffix, so it is not shared.
+SYSTEM = prompt(1000, 5)
+SHARED = 992
+
+
+def with_system(i: int) -> list[int]:
+    """A 1,024-token prompt: the shared system prefix and a suffix of its own."""
+    return [*SYSTEM, *prompt(24, 20_000 + 100 * i)]
+
+
+def recomputed_reservation(s: Scheduler) -> int:
+    """Distinct KV tokens the running set reserves, from scratch."""
+    blocks = {h for r in s.running.values() for h in block_hashes(r.prompt)}
+    private = sum(len(r.prompt) % BLOCK_TOKENS + r.max_tokens for r in s.running.values())
+    return BLOCK_TOKENS * len(blocks) + private
+
+
+def test_requests_sharing_a_prefix_run_together_where_unshared_copies_would_not_fit() -> None:
+    # Each request alone needs 1,024 + 100 = 1,124 tokens; two unshared copies need 2,248.
+    shared = Scheduler(config(kv_tokens=1500))
+    shared.submit(with_system(0), 100, 0.0)
+    shared.submit(with_system(1), 100, 0.0)
+    shared.step(0.0)
+    stats = shared.statistics()
+    assert stats.running == 2 and stats.waiting == 0
+    # The prefix once, then each request's prompt tail (32) and max_tokens (100).
+    assert stats.kv_tokens_reserved == SHARED + 2 * (32 + 100) == recomputed_reservation(shared)
+
+    distinct = Scheduler(config(kv_tokens=1500))
+    distinct.submit(prompt(1024, 0), 100, 0.0)
+    distinct.submit(prompt(1024, 5000), 100, 0.0)
+    distinct.step(0.0)
+    assert distinct.statistics().running == 1 and distinct.statistics().waiting == 1
+    assert distinct.statistics().kv_tokens_reserved == 1124
+
+
+def test_a_shared_prefix_lets_more_requests_run_at_once() -> None:
+    shared, distinct = Scheduler(config(kv_tokens=4000)), Scheduler(config(kv_tokens=4000))
+    for i in range(10):
+        shared.submit(with_system(i), 100, 0.0)
+        distinct.submit(prompt(1024, 1500 * i), 100, 0.0)
+    for now in (0.0, 1.0):  # the per-step token budget admits 8 uncached prompts at a time
+        shared.step(now)
+        distinct.step(now)
+    assert shared.statistics().running == 10
+    assert distinct.statistics().running == 4000 // 1124
+    run_until_idle(shared, 0.0)
+    run_until_idle(distinct, 0.0)
+    assert max(ttfts(shared)) < max(ttfts(distinct)) / 2
+
+
+def test_only_a_shared_prefix_shares_kv_blocks() -> None:
+    # The same 1,000 tokens after a different first token share no block (the hash chain).
+    s = Scheduler(config(kv_tokens=1500))
+    s.submit(with_system(0), 100, 0.0)
+    s.submit([31_999, *with_system(1)[1:]], 100, 0.0)
+    s.step(0.0)
+    assert s.statistics().running == 1 and s.statistics().waiting == 1
+
+
+def test_kv_cache_usage_counts_shared_blocks_once() -> None:
+    s = Scheduler(config(kv_tokens=1500))
+    s.submit(with_system(0), 100, 0.0)
+    s.submit(with_system(1), 100, 0.0)
+    s.step(0.0)
+    # One output token each: prompt tail 32 + 1 rounds up to 48 private tokens per request.
+    assert s.statistics().kv_cache_usage == pytest.approx((SHARED + 2 * 48) / 1500)
+
+
+def test_shared_blocks_stay_reserved_until_the_last_sharer_goes() -> None:
+    s = Scheduler(config(kv_tokens=1300))
+    a = s.submit(with_system(0), 100, 0.0)
+    b = s.submit(with_system(1), 100, 0.0)
+    s.step(0.0)
+    assert s.statistics().kv_tokens_reserved == SHARED + 2 * 132
+    s.abort(a)
+    assert s.statistics().kv_tokens_reserved == SHARED + 132 == recomputed_reservation(s)
+    # The prefix is still pinned by b: another sharer costs only its private 132 tokens, while
+    # a request with no common prefix (1,124 tokens) does not fit beside b.
+    c = s.submit(with_system(2), 100, 1.0)
+    d = s.submit(prompt(1024, 9000), 100, 1.0)
+    s.step(1.0)
+    assert set(s.running) == {b, c} and [r.id for r in s.waiting] == [d]
+    s.abort(b)
+    s.abort(c)
+    assert s.statistics().kv_tokens_reserved == 0
+    assert s.statistics().kv_cache_usage == 0.0
+    s.step(2.0)
+    assert set(s.running) == {d}
+    s.abort(d)
+    assert s.statistics().kv_tokens_reserved == 0
+
+
+def test_reservation_returns_to_zero_when_sharers_finish() -> None:
+    s = Scheduler(config(kv_tokens=2000, max_batched_tokens=2048))
+    arrivals = [(0.1 * i, with_system(i % 4), 20 + 10 * i) for i in range(12)]
+    arrivals += [(0.05, prompt(700, 12_000), 30), (0.3, [*SYSTEM[:500], 7, 8], 40)]
+    now = 0.0
+    pending = sorted(arrivals, key=lambda a: a[0])
+    while pending or s.has_work():
+        while pending and pending[0][0] <= now:
+            at, tokens, max_tokens = pending.pop(0)
+            s.submit(tokens, max_tokens, at)
+        step = s.step(now)
+        assert s.statistics().kv_tokens_reserved == recomputed_reservation(s) <= 2000
+        now = step.ends_at if step is not None else pending[0][0]
+    stats = s.statistics()
+    assert stats.requests_finished == 14
+    assert stats.kv_tokens_reserved == 0 and stats.kv_cache_usage == 0.0
+
+
+def test_aborting_a_finished_request_before_delivery_is_harmless() -> None:
+    s = Scheduler(config())
+    rid = s.submit(prompt(20), 1, 0.0)
+    step = s.step(0.0)
+    assert step is not None and step.events[0].finish_reason == "length"
+    s.abort(rid)  # the client left while the driver waited for step.ends_at
+    assert rid not in s.requests and s.statistics().kv_tokens_reserved == 0
+
+
+_PREFIXES = [prompt(200, 0), prompt(200, 5000), prompt(200, 9000)]
+# (what, prefix or abort index, prefix length, suffix length, max_tokens)
+_OP = st.tuples(
+    st.sampled_from(["submit", "step", "abort"]),
+    st.integers(0, 40),
+    st.integers(0, 200),
+    st.integers(0, 40),
+    st.integers(1, 80),
+)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(_OP, max_size=60), st.integers(150, 1500))
+def test_shared_reservation_never_exceeds_capacity_and_matches_the_running_set(
+    ops: list[tuple[str, int, int, int, int]], kv_tokens: int
+) -> None:
+    s = Scheduler(config(kv_tokens=kv_tokens, max_batched_tokens=256))
+    submitted: list[int] = []
+    now = 0.0
+
+    def check_invariants() -> None:
+        stats = s.statistics()
+        assert stats.kv_tokens_reserved == recomputed_reservation(s) <= kv_tokens
+        held = {h for r in s.running.values() for h in block_hashes(r.prompt)}
+        private = sum(
+            -(-(len(r.prompt) % BLOCK_TOKENS + len(r.output)) // BLOCK_TOKENS) * BLOCK_TOKENS
+            for r in s.running.values()
+        )
+        usage = min(1.0, (BLOCK_TOKENS * len(held) + private) / kv_tokens)
+        assert stats.kv_cache_usage == pytest.approx(usage)
+
+    for i, (what, which, prefix_len, suffix_len, max_tokens) in enumerate(ops):
+        if what == "submit":
+            # Suffixes are distinct; an empty one repeats a prefix exactly.
+            tokens = [*_PREFIXES[which % 3][:prefix_len], *prompt(suffix_len, 20_000 + 50 * i)]
+            if tokens and len(tokens) + max_tokens <= kv_tokens:
+                submitted.append(s.submit(tokens, max_tokens, now))
+        elif what == "step":
+            step = s.step(now)
+            if step is not None:
+                now = step.ends_at
+        elif submitted:
+            s.abort(submitted[which % len(submitted)])
+        check_invariants()
+    while (step := s.step(now)) is not None:
+        now = step.ends_at
+        check_invariants()
+    stats = s.statistics()
+    assert stats.running == stats.waiting == stats.kv_tokens_reserved == 0
 
 
 @settings(max_examples=50, deadline=None)

@@ -174,8 +174,9 @@ def test_stream_tokens_arrive_as_they_are_produced() -> None:
 
 
 def test_metrics_use_vllm_names_and_move_under_load() -> None:
-    # 256 KV tokens hold one 100+60 request at a time: the rest wait.
-    with engine("--speed", "2", "--kv-tokens", "256") as e, e.client() as c:
+    # 200 KV tokens hold one 100+60 request at a time, even though identical prompts share their
+    # six full blocks (two would need 96 + 2 * (4 + 60) = 224): the rest wait.
+    with engine("--speed", "2", "--kv-tokens", "200") as e, e.client() as c:
         text = c.get("/metrics").text
         for name in (
             "vllm:num_requests_waiting",

@@ -5,19 +5,32 @@ Rules:
 
 * Every method that moves time takes ``now`` (seconds, any monotonic origin). Nothing here
   sleeps, reads a clock or draws unseeded randomness; the same calls give the same results.
-* A request reserves ``prompt + max_tokens`` KV tokens when it is admitted and frees them when it
-  finishes, so the running set never exceeds ``kv_tokens`` and nothing is ever preempted.
-  ``kv_cache_usage`` reports the tokens actually held (prompt + generated so far, rounded up to
-  whole blocks) over the capacity, as vLLM does.
+* KV memory is counted in 16-token blocks, and running requests share their common *prefix*, as
+  vLLM's block manager does. A request's full prompt blocks are pinned by their chained hash (the
+  prefix cache's key), ref-counted across the running set, so a block shared by several running
+  requests is counted once. The rest of a request is private: its partial last prompt block and,
+  at admission, its whole ``max_tokens``.
+* A request is admitted only if the distinct tokens already reserved, plus its private
+  reservation, plus 16 per full prompt block not yet pinned, fit ``kv_tokens``. Finishing or
+  aborting releases its private part and one reference to each of its blocks; a block is freed
+  when its last holder goes. So the reservation never exceeds ``kv_tokens`` and nothing is ever
+  preempted. ``check`` still refuses only what could never fit alone (``prompt + max_tokens``).
+* ``kv_cache_usage`` reports the tokens actually held over the capacity, as vLLM does: the pinned
+  blocks once each, plus every running request's prompt tail and generated tokens so far, rounded
+  up to whole blocks.
 
-Theory of operation. ``submit`` puts a request on the FIFO waiting queue. ``step(now)`` plans and
-executes one engine iteration: it admits waiting requests in order while their reservations fit
-(and the per-step token budget allows), looks each admitted prompt up in the prefix cache (full
-16-token blocks, hash-chained, so only a shared *prefix* hits), prefills the uncached rest, and
-decodes one token for every running request, including the ones just admitted (prefill yields the
-first token, as in vLLM). The step's duration is the roofline time of that work: ``overhead +
-max(compute, memory)`` where compute is ``2 * params * tokens / flops`` and memory is
-``(weight bytes + KV bytes read) / bandwidth``, divided by ``speed``. The returned ``Step`` lists
+Theory of operation. ``submit`` hashes the prompt's full blocks once and puts the request on the
+FIFO waiting queue. ``step(now)`` plans and executes one engine iteration: it admits waiting
+requests in order while their reservations fit (and the per-step token budget allows), pinning
+their blocks; looks each admitted prompt up in the prefix cache (full 16-token blocks,
+hash-chained, so only a shared *prefix* hits), prefills the uncached rest, and decodes one token
+for every running request, including the ones just admitted (prefill yields the first token, as in
+vLLM); requests that reach ``max_tokens`` finish and unpin. A step costs O(running requests) plus
+O(blocks) of the requests it considers for admission or finishes. The step's duration is the
+roofline time of that work: ``overhead + max(compute, memory)`` where compute is
+``2 * params * tokens / flops`` and memory is ``(weight bytes + KV bytes read) / bandwidth``,
+divided by ``speed``. KV reads are per request: each sequence's attention reads its whole context,
+shared blocks included, so sharing memory does not share bandwidth. The returned ``Step`` lists
 the tokens it produced; a driver makes them visible at ``step.ends_at`` and steps again then.
 """
 
@@ -200,10 +213,11 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._blocks)
 
-    def lookup(self, tokens: Sequence[int]) -> int:
-        """Tokens of ``tokens`` already cached (a whole-block prefix); counts the query."""
+    def lookup(self, tokens: Sequence[int], hashes: Sequence[bytes] | None = None) -> int:
+        """Tokens of ``tokens`` already cached (a whole-block prefix); counts the query.
+        ``hashes`` is ``block_hashes(tokens)`` when the caller already has it."""
         cached = 0
-        for h in block_hashes(tokens):
+        for h in block_hashes(tokens) if hashes is None else hashes:
             if h not in self._blocks:
                 break
             self._blocks.move_to_end(h)
@@ -214,8 +228,8 @@ class PrefixCache:
         self.hit_tokens += cached
         return cached
 
-    def insert(self, tokens: Sequence[int]) -> None:
-        for h in block_hashes(tokens):
+    def insert(self, tokens: Sequence[int], hashes: Sequence[bytes] | None = None) -> None:
+        for h in block_hashes(tokens) if hashes is None else hashes:
             self._blocks[h] = None
             self._blocks.move_to_end(h)
         while len(self._blocks) > self.capacity_blocks:
@@ -232,6 +246,7 @@ class Request:
     max_tokens: int
     arrived_at: float
     prompt_key: bytes = b""
+    block_hashes: list[bytes] = field(default_factory=list)  # of the full prompt blocks
     output: list[int] = field(default_factory=list)
     cached_tokens: int = 0
     admitted_at: float | None = None
@@ -240,11 +255,20 @@ class Request:
     finish_reason: str | None = None
 
     @property
-    def reserved(self) -> int:
-        return len(self.prompt) + self.max_tokens
+    def private_reservation(self) -> int:
+        """KV tokens reserved beside its (shareable) full prompt blocks: the partial last prompt
+        block and room for all ``max_tokens``."""
+        return len(self.prompt) % BLOCK_TOKENS + self.max_tokens
 
     @property
-    def held_tokens(self) -> int:
+    def private_held(self) -> int:
+        """KV tokens held beside its full prompt blocks: prompt tail + output, in whole blocks."""
+        n = len(self.prompt) % BLOCK_TOKENS + len(self.output)
+        return -(-n // BLOCK_TOKENS) * BLOCK_TOKENS
+
+    @property
+    def context_tokens(self) -> int:
+        """Its whole context (prompt + output) in whole blocks: what its attention reads."""
         n = len(self.prompt) + len(self.output)
         return -(-n // BLOCK_TOKENS) * BLOCK_TOKENS
 
@@ -276,7 +300,7 @@ class SchedulerStatistics:
     waiting: int
     running: int
     kv_cache_usage: float  # 0..1
-    kv_tokens_reserved: int
+    kv_tokens_reserved: int  # distinct tokens: a block shared by running requests counts once
     kv_capacity: int
     prefix_cache_hits: int
     prefix_cache_queries: int
@@ -299,7 +323,8 @@ class Scheduler:
         self.running: dict[int, Request] = {}
         self.requests: dict[int, Request] = {}
         self._next_id = 0
-        self._reserved = 0
+        self._reserved = 0  # distinct KV tokens reserved by the running set
+        self._pinned: dict[bytes, int] = {}  # full prompt block hash -> running requests holding it
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.finished = 0
@@ -327,7 +352,8 @@ class Scheduler:
         self.check(len(prompt), max_tokens)
         rid = self._next_id
         self._next_id += 1
-        req = Request(rid, list(prompt), max_tokens, now, _prompt_key(prompt))
+        tokens = list(prompt)
+        req = Request(rid, tokens, max_tokens, now, _prompt_key(tokens), block_hashes(tokens))
         self.waiting.append(req)
         self.requests[rid] = req
         return rid
@@ -339,9 +365,10 @@ class Scheduler:
             return
         if rid in self.running:
             del self.running[rid]
-            self._reserved -= req.reserved
-        else:
+            self._unpin(req)
+        elif req.finished_at is None:
             self.waiting.remove(req)
+        # else it finished already (its tokens not yet delivered): nothing is reserved
 
     def release(self, rid: int) -> None:
         """Drop a finished request's record (the driver has delivered its tokens)."""
@@ -364,9 +391,9 @@ class Scheduler:
         prefill = 0
         while self.waiting and len(self.running) < cfg.max_num_seqs:
             req = self.waiting[0]
-            if self._reserved + req.reserved > self.kv_capacity:
+            if self._reserved + self._admission_cost(req) > self.kv_capacity:
                 break
-            cached = self.cache.lookup(req.prompt)
+            cached = self.cache.lookup(req.prompt, req.block_hashes)
             uncached = len(req.prompt) - cached
             if admitted and uncached > budget - prefill:
                 # Over the per-step token budget: undo the query, admit it next step.
@@ -377,15 +404,17 @@ class Scheduler:
             req.cached_tokens = cached
             req.admitted_at = now
             self.running[req.id] = req
-            self._reserved += req.reserved
+            self._pin(req)
             self.prompt_tokens += len(req.prompt)
             prefill += uncached
             admitted.append(req)
         if not self.running:
             return None  # the head of the queue can never fit; check() prevents this
         decode = len(self.running)
+        # Each sequence reads its own whole context, shared blocks included: sharing memory does
+        # not share bandwidth.
         duration = self.step_time(
-            prefill, decode, sum(r.held_tokens for r in self.running.values())
+            prefill, decode, sum(r.context_tokens for r in self.running.values())
         )
         ends_at = now + duration
         events: list[TokenEvent] = []
@@ -402,16 +431,45 @@ class Scheduler:
                 req.finished_at = ends_at
                 req.finish_reason = finish
                 del self.running[req.id]
-                self._reserved -= req.reserved
+                self._unpin(req)
                 self.finished += 1
         for req in admitted:
-            self.cache.insert(req.prompt)
+            self.cache.insert(req.prompt, req.block_hashes)
         self.steps += 1
         self.busy_s += duration
         return Step(now, duration, tuple(r.id for r in admitted), prefill, decode, tuple(events))
 
+    def _admission_cost(self, req: Request) -> int:
+        """Tokens admitting ``req`` would add: its private part and its blocks not yet pinned."""
+        pinned = self._pinned
+        new_blocks = sum(1 for h in req.block_hashes if h not in pinned)
+        return req.private_reservation + BLOCK_TOKENS * new_blocks
+
+    def _pin(self, req: Request) -> None:
+        pinned = self._pinned
+        new_blocks = 0
+        for h in req.block_hashes:
+            refs = pinned.get(h, 0)
+            pinned[h] = refs + 1
+            if refs == 0:
+                new_blocks += 1
+        self._reserved += req.private_reservation + BLOCK_TOKENS * new_blocks
+
+    def _unpin(self, req: Request) -> None:
+        pinned = self._pinned
+        freed_blocks = 0
+        for h in req.block_hashes:
+            refs = pinned[h] - 1
+            if refs:
+                pinned[h] = refs
+            else:
+                del pinned[h]
+                freed_blocks += 1
+        self._reserved -= req.private_reservation + BLOCK_TOKENS * freed_blocks
+
     def step_time(self, prefill_tokens: int, decode_tokens: int, kv_tokens_read: int) -> float:
-        """Roofline time of one iteration, divided by ``speed``."""
+        """Roofline time of one iteration, divided by ``speed``. ``kv_tokens_read`` sums every
+        sequence's own context: a block shared in memory is still read once per sequence."""
         cfg, gpu = self.config, self.config.gpu
         flops = gpu.tflops * 1e12 * gpu.compute_efficiency
         bandwidth = gpu.bandwidth_gbs * 1e9 * gpu.bandwidth_efficiency
@@ -420,7 +478,7 @@ class Scheduler:
         return (gpu.step_overhead_s + max(compute_s, memory_s)) / cfg.speed
 
     def statistics(self) -> SchedulerStatistics:
-        held = sum(r.held_tokens for r in self.running.values())
+        held = BLOCK_TOKENS * len(self._pinned) + sum(r.private_held for r in self.running.values())
         return SchedulerStatistics(
             waiting=len(self.waiting),
             running=len(self.running),
