@@ -10,7 +10,8 @@ that complete inside the window), framed by readings of /proc/PID/stat for the p
 named in ``cpu_groups`` (so CPU and requests cover exactly the same window), then a drain.
 
 Spec keys: host, port, path, model, stream, concurrency, warmup_s, seconds, prompt_bytes,
-headers (dict), cpu_groups (name -> [pid]), drain_s.
+headers (dict), cpu_groups (name -> [pid]), drain_s, client ("protocol", the default, or
+"aiohttp": closed-loop aiohttp.ClientSession clients, run from the aiohttp-backend venv).
 Result keys: completed, errors, connections (opened), error_samples, window_s, latencies_us,
 ttft_us, cpu_ticks (name -> ticks), client_ticks, host_busy_ticks and host_total_ticks (all
 CPUs, /proc/stat), clk_tck.
@@ -206,11 +207,52 @@ class Client(asyncio.Protocol):
         self.run.closed(self)
 
 
+async def aiohttp_client(run: Run) -> None:
+    """One closed-loop client on aiohttp's keep-alive pool: a typical Python client's cost per
+    request (the notes' setup), where the protocol client above is nearly free."""
+    import aiohttp  # only in the aiohttp-backend venv (bench/_venvs.py)
+
+    spec = run.spec
+    url = f"http://{run.host}:{run.port}{spec['path']}"
+    body = run.request.split(b"\r\n\r\n", 1)[1]
+    headers = {"content-type": "application/json", **spec.get("headers", {})}
+    connector = aiohttp.TCPConnector(limit=1)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        run.connections += 1
+        while run.running:
+            t_start = time.perf_counter()
+            t_first = 0.0
+            tail = b""
+            try:
+                async with session.post(url, data=body, headers=headers) as resp:
+                    async for piece in resp.content.iter_any():
+                        if not t_first:
+                            t_first = time.perf_counter()
+                        tail = (tail + piece)[-256:]
+                    status = resp.status
+            except (aiohttp.ClientError, OSError) as exc:
+                run.error(f"{type(exc).__name__}: {exc}")
+                await asyncio.sleep(0.01)
+                continue
+            now = time.perf_counter()
+            if status != 200:
+                run.error(f"HTTP {status}: {tail[-200:]!r}")
+            elif run.stream and b"[DONE]" not in tail:
+                run.error(f"stream without [DONE]: {tail[-200:]!r}")
+            elif run.measuring:
+                run.latencies.append(now - t_start)
+                run.ttfts.append((t_first or now) - t_start)
+
+
 async def run_cell(spec: dict[str, Any]) -> dict[str, Any]:
     run = Run(spec)
     groups: dict[str, list[int]] = spec.get("cpu_groups", {})
+    tasks = []
     for _ in range(int(spec["concurrency"])):
-        asyncio.get_running_loop().create_task(run.connect())
+        if spec.get("client") == "aiohttp":
+            tasks.append(asyncio.get_running_loop().create_task(aiohttp_client(run)))
+        else:
+            asyncio.get_running_loop().create_task(run.connect())
     await asyncio.sleep(float(spec["warmup_s"]))
     before = {name: cpu_ticks(pids) for name, pids in groups.items()}
     client_before = cpu_ticks([os.getpid()])
@@ -224,6 +266,10 @@ async def run_cell(spec: dict[str, Any]) -> dict[str, Any]:
     client_after = cpu_ticks([os.getpid()])
     host_after = host_ticks()
     run.running = False
+    if tasks:
+        await asyncio.wait(tasks, timeout=float(spec.get("drain_s", 2.0)))
+        for task in tasks:
+            task.cancel()
     if run.open:
         try:
             await asyncio.wait_for(run.all_closed.wait(), float(spec.get("drain_s", 2.0)))

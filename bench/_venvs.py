@@ -32,6 +32,8 @@ FAILURE_TTL_S = 3600.0
 TOOLS: dict[str, tuple[list[str], str]] = {
     "vllm-router": (["vllm-router"], "vllm-router"),
     "litellm": (["litellm[proxy]"], "litellm"),
+    # bench/aiohttp_backend.py, the notes' fake backend (bench/router.py --backend aiohttp)
+    "aiohttp-backend": (["aiohttp", "orjson", "httptools"], "python"),
 }
 
 

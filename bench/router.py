@@ -1,7 +1,8 @@
 """Router overhead, side by side in one run: added latency and CPU of a router in front of the
 same fake backend, for fabric's ingress and for the routers it is measured against.
 
-Targets (all in front of ONE fake backend process, ``bench/fake_backend.py``):
+Targets (all in front of ONE fake backend process: ``bench/fake_backend.py``, or with
+``--backend aiohttp`` ``bench/aiohttp_backend.py``, the notes' setup):
 
   direct        the client talks to the backend itself: the baseline every "added" is against
   vllm-router   the Rust router from PyPI (policy round_robin), in its own venv (bench/_venvs.py)
@@ -344,9 +345,19 @@ class Bench:
         self.fabric_error: str | None = None
 
     # -- backend -----------------------------------------------------------------------------
+    def backend_script(self) -> str:
+        return "aiohttp_backend.py" if self.args.backend == "aiohttp" else "fake_backend.py"
+
     def backend_argv(self, port: int) -> list[str]:
-        script = str(BENCH_DIR / "fake_backend.py")
-        return [sys.executable, script, "--port", str(port), "--model", MODEL]
+        python = sys.executable
+        if self.args.backend == "aiohttp":
+            try:
+                venv = _venvs.ensure("aiohttp-backend", install=not self.args.no_install)
+            except _venvs.VenvUnavailable as exc:
+                raise SystemExit(f"bench: aiohttp backend unavailable: {exc}") from exc
+            python = str(venv.python)
+        script = str(BENCH_DIR / self.backend_script())
+        return [python, script, "--port", str(port), "--model", MODEL]
 
     def wait_backend(self, port: int, timeout_s: float = 20.0) -> None:
         def check() -> str | None:
@@ -396,7 +407,7 @@ class Bench:
         engine = [  # the agent's own argv names the script too: look below it only
             p
             for p in descendants(agent.pid)[1:]
-            if any(a.endswith("fake_backend.py") for a in argv_of(p)[1:2])
+            if any(a.endswith(self.backend_script()) for a in argv_of(p)[1:2])
         ]
         if not engine:
             raise Unavailable("serving agent started no engine process")
@@ -617,9 +628,9 @@ class Cell:
 class LoadGen:
     """The load generator process: one JSON spec in, one JSON result out, per cell."""
 
-    def __init__(self, procs: Processes) -> None:
+    def __init__(self, procs: Processes, python: str = sys.executable) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, str(BENCH_DIR / "_loadgen.py")],
+            [python, str(BENCH_DIR / "_loadgen.py")],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=open(procs.workdir / "loadgen.log", "wb"),  # noqa: SIM115
@@ -637,6 +648,16 @@ class LoadGen:
             raise SystemExit(f"bench: load generator exited ({self.proc.poll()})")
         result: dict[str, Any] = json.loads(line)
         return result
+
+
+def loadgen_python(args: argparse.Namespace) -> str:
+    """The aiohttp client runs in the aiohttp-backend venv (httptools and orjson are there too)."""
+    if args.client != "aiohttp":
+        return sys.executable
+    try:
+        return str(_venvs.ensure("aiohttp-backend", install=not args.no_install).python)
+    except _venvs.VenvUnavailable as exc:
+        raise SystemExit(f"bench: aiohttp client unavailable: {exc}") from exc
 
 
 def percentile(sorted_values: list[int], q: float) -> float:
@@ -684,6 +705,7 @@ def measure(
                     "warmup_s": args.warmup,
                     "seconds": args.seconds,
                     "prompt_bytes": args.prompt_bytes,
+                    "client": args.client,
                     "drain_s": 3.0,
                     "cpu_groups": {
                         "router": target.router_pids(),
@@ -905,6 +927,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--concurrency", default="1,32", help="comma-separated client counts")
     p.add_argument("--modes", default="json,sse", help="json (non-stream), sse (stream)")
     p.add_argument("--prompt-bytes", type=int, default=2000)
+    p.add_argument(
+        "--client",
+        choices=("protocol", "aiohttp"),
+        default="protocol",
+        help="protocol: asyncio protocols + httptools, nearly free; aiohttp: closed-loop "
+        "aiohttp.ClientSession clients (with --backend aiohttp: the notes' setup)",
+    )
+    p.add_argument(
+        "--backend",
+        choices=("fast", "aiohttp"),
+        default="fast",
+        help="fast: bench/fake_backend.py (0.03 ms/request, router CPU is everything); aiohttp: "
+        "bench/aiohttp_backend.py, the notes' and the issue's reference setup",
+    )
     p.add_argument("--quick", action="store_true", help="tiny smoke run (1 round, short cells)")
     p.add_argument("--json", metavar="PATH", help="write every figure (and raw rounds) here")
     p.add_argument("--no-install", action="store_true", help="never install a router's venv")
@@ -968,7 +1004,7 @@ def main(argv: list[str] | None = None) -> int:
             live = [t for t in targets if not t.unavailable]
             if not any(t.name == "direct" for t in live):
                 raise SystemExit("bench: the direct baseline is not available")
-            loadgen = LoadGen(procs)
+            loadgen = LoadGen(procs, loadgen_python(args))
             steal0 = cpu_steal()
             raw = measure(bench, loadgen, live, cells)
             steal1 = cpu_steal()
@@ -986,7 +1022,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"{platform.python_version()}, steal {steal_pct:.1f}% during the run, "
                 f"other processes {fmt(others, 0)}% and idle targets {fmt(idle, 0)}% of all "
                 f"CPUs in a median window; "
-                f"backend pid {bench.backend.pid} (started by {bench.backend.owner})",
+                f"client {args.client}, "
+                f"backend {args.backend} ({bench.backend_script()}) pid {bench.backend.pid} "
+                f"(started by {bench.backend.owner})",
             ]
             for t in live:
                 if t.name == "direct":

@@ -1,8 +1,9 @@
 """Pooled keep-alive HTTP/1.1 connections from the data plane to agents and engines.
 
 One LIFO idle list per origin: the most recently used connection is the one most likely still
-open and warm. A pooled connection is checked before reuse (a non-blocking peek: a server that
-closed an idle connection shows EOF) and dropped once idle longer than ``max_idle_s`` — uvicorn
+open and warm. A pooled connection idle longer than ``trust_recent_s`` is checked before reuse (a
+non-blocking peek: a server that closed an idle connection shows EOF) and dropped once idle
+longer than ``max_idle_s`` — uvicorn
 (vLLM) and hypercorn close idle connections after 5 s, so reusing an older one would race the
 server's close.
 
@@ -44,9 +45,16 @@ class PoolStatistics:
 
 
 class UpstreamPool:
-    def __init__(self, *, max_idle_per_origin: int = 256, max_idle_s: float = 4.0) -> None:
+    def __init__(
+        self,
+        *,
+        max_idle_per_origin: int = 256,
+        max_idle_s: float = 4.0,
+        trust_recent_s: float = 0.5,
+    ) -> None:
         self.max_idle_per_origin = max_idle_per_origin
         self.max_idle_s = max_idle_s
+        self.trust_recent_s = trust_recent_s
         self._idle: dict[Origin, list[tuple[socket.socket, float]]] = {}
         self.connects = 0
         self.reuses = 0
@@ -60,10 +68,15 @@ class UpstreamPool:
         idle = self._idle.get(origin)
         if not idle:
             return None
-        oldest_ok = trio.current_time() - self.max_idle_s
+        now = trio.current_time()
+        oldest_ok = now - self.max_idle_s
+        recent = now - self.trust_recent_s
         while idle:
             sock, since = idle.pop()
-            if since >= oldest_ok and not peer_closed(sock):
+            # A connection that answered a moment ago skips the peek (a system call per
+            # request): servers close idle keep-alive connections after seconds, and a close
+            # that races us anyway is caught as stale and retried.
+            if since >= recent or (since >= oldest_ok and not peer_closed(sock)):
                 self.reuses += 1
                 return sock
             self.stale_dropped += 1
