@@ -1,0 +1,96 @@
+"""Placement scheduler: which GPUs each model gets, and with what DP x TP (paper §3.3).
+
+Importable without OR-Tools. The pieces, in the order data flows through them:
+
+* ``catalog``   GPU types and model architectures, shipped as TOML data, extended by files.
+* ``workload``  per-model Poisson workloads with normal lengths; inventory/workload files.
+* ``roofline``  per-operator FLOPs/bytes -> time of one engine iteration; memory feasibility.
+* ``replica``   one (model, GPU type, TP) replica with its engine limits; feasible TP degrees.
+* ``analytic``  steady state of a replica vs arrival rate -> the solver's tables; a
+                placement's analytic prediction.
+* ``des``       discrete-event simulation of continuous batching to evaluate a placement.
+* ``placement`` the decision (allocation matrix with DP x TP) and its constraints C1-C3.
+
+docs/scheduler.md describes the model; errors are in ``scheduler.errors``.
+"""
+
+from scheduler.analytic import (
+    ModelEstimate,
+    PlacementEstimate,
+    ReplicaTable,
+    SteadyState,
+    estimate_model,
+    estimate_placement,
+    max_rate,
+    replica_table,
+    replica_tables,
+    steady_state,
+)
+from scheduler.catalog import Catalog, GpuSpec, ModelSpec, builtin_catalog, load_catalog
+from scheduler.des import (
+    ModelResult,
+    Request,
+    SimConfig,
+    SimResult,
+    generate_requests,
+    simulate,
+    simulate_requests,
+)
+from scheduler.errors import CatalogError, SchedulerError, WorkloadError
+from scheduler.placement import Allocation, Placement, check_placement
+from scheduler.replica import ReplicaPerf, ServingConfig, tp_options
+from scheduler.roofline import Batch, MemoryFit, OpCost, RooflineConfig, StepModel, memory_fit
+from scheduler.workload import (
+    LengthStats,
+    Workload,
+    load_inventory,
+    load_workloads,
+    parse_inventory,
+    parse_workloads,
+)
+
+__all__ = [
+    "Allocation",
+    "Batch",
+    "Catalog",
+    "CatalogError",
+    "GpuSpec",
+    "LengthStats",
+    "MemoryFit",
+    "ModelEstimate",
+    "ModelResult",
+    "ModelSpec",
+    "OpCost",
+    "Placement",
+    "PlacementEstimate",
+    "ReplicaPerf",
+    "ReplicaTable",
+    "Request",
+    "RooflineConfig",
+    "SchedulerError",
+    "ServingConfig",
+    "SimConfig",
+    "SimResult",
+    "SteadyState",
+    "StepModel",
+    "Workload",
+    "WorkloadError",
+    "builtin_catalog",
+    "check_placement",
+    "estimate_model",
+    "estimate_placement",
+    "generate_requests",
+    "load_catalog",
+    "load_inventory",
+    "load_workloads",
+    "max_rate",
+    "memory_fit",
+    "parse_inventory",
+    "parse_workloads",
+    "replica_table",
+    "replica_tables",
+    "simulate",
+    "simulate_requests",
+    "steady_state",
+    "tp_options",
+]

@@ -1,0 +1,390 @@
+"""GPU and model catalogs: shipped as TOML data (scheduler/data/), extended by users' files.
+
+Rules:
+
+* The built-in catalogs are package data read with ``tomllib``; nothing is fetched from a hub.
+  Every built-in entry names its datasheet or config.json in ``source``.
+* A user file has the same shape: ``[gpus."NAME"]`` and/or ``[models."NAME"]`` tables (see the
+  comments at the top of data/gpus.toml and data/models.toml for every field and its unit).
+  A table whose name is already in the catalog *merges* into that entry: the fields it gives
+  replace the old ones, the rest are kept (so ``[gpus.H100-SXM] bandwidth_efficiency = 0.8`` is a
+  complete file). A new name must give every required field.
+* Unknown fields, wrong types, non-positive numbers, inconsistent shapes (``heads`` not a
+  multiple of ``kv_heads``) and names or aliases claimed by two entries are ``CatalogError``s
+  that name the file and the table.
+* Names are looked up case-insensitively, with spaces and underscores read as ``-``; model
+  lookups also ignore an ``org/`` prefix and the suffixes ``-hf``, ``-instruct`` and ``-chat``.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, fields
+from functools import cache
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from scheduler.errors import CatalogError
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    """One GPU type, per device as a job gets it (see data/gpus.toml for units)."""
+
+    name: str
+    vendor: str
+    memory_gb: float
+    bf16_tflops: float
+    memory_bw_gbs: float
+    link: str
+    link_gbs: float
+    link_latency_us: float
+    gpus_per_node: int
+    compute_efficiency: float | None = None
+    bandwidth_efficiency: float | None = None
+    aliases: tuple[str, ...] = ()
+    source: str = ""
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.memory_gb * GIB
+
+    @property
+    def peak_flops(self) -> float:
+        return self.bf16_tflops * 1e12
+
+    @property
+    def memory_bw_bytes_s(self) -> float:
+        return self.memory_bw_gbs * 1e9
+
+    @property
+    def link_bw_bytes_s(self) -> float:
+        return self.link_gbs * 1e9
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One decoder-only transformer with a gated (SwiGLU) MLP or MoE of gated experts."""
+
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    max_context: int
+    tie_embeddings: bool = False
+    experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate: int = 0
+    shared_expert_intermediate: int = 0
+    aliases: tuple[str, ...] = ()
+    source: str = ""
+
+    @property
+    def is_moe(self) -> bool:
+        return self.experts > 1
+
+    @property
+    def attention_params_per_layer(self) -> int:
+        """q, k, v and o projections."""
+        d = self.head_dim
+        return self.hidden * (self.heads + 2 * self.kv_heads) * d + self.heads * d * self.hidden
+
+    @property
+    def mlp_params_per_layer(self) -> int:
+        """All MLP weights of one layer (every expert, the router and any shared expert)."""
+        if not self.is_moe:
+            return 3 * self.hidden * self.intermediate
+        return (
+            self.experts * 3 * self.hidden * self.expert_intermediate
+            + self.hidden * self.experts
+            + 3 * self.hidden * self.shared_expert_intermediate
+        )
+
+    @property
+    def active_mlp_params_per_layer(self) -> int:
+        """MLP weights one token goes through (its top-k experts, router, shared expert)."""
+        if not self.is_moe:
+            return self.mlp_params_per_layer
+        return (
+            self.experts_per_token * 3 * self.hidden * self.expert_intermediate
+            + self.hidden * self.experts
+            + 3 * self.hidden * self.shared_expert_intermediate
+        )
+
+    @property
+    def embedding_params(self) -> int:
+        """Input embedding plus the lm_head (counted once when they are tied)."""
+        return self.vocab * self.hidden * (1 if self.tie_embeddings else 2)
+
+    @property
+    def params(self) -> int:
+        layer = self.attention_params_per_layer + self.mlp_params_per_layer
+        return self.layers * layer + self.embedding_params
+
+    @property
+    def active_params(self) -> int:
+        layer = self.attention_params_per_layer + self.active_mlp_params_per_layer
+        return self.layers * layer + self.embedding_params
+
+    def kv_bytes_per_token(self, kv_bits: int = 16) -> float:
+        """K and V of every layer for one token, whole model (not per TP shard)."""
+        return 2.0 * self.layers * self.kv_heads * self.head_dim * kv_bits / 8
+
+
+# -- schema -----------------------------------------------------------------------------------
+
+_NUM = (int, float)
+
+
+@dataclass(frozen=True)
+class _Field:
+    kind: str  # "str", "int", "float", "bool", "strs", "fraction"
+    required: bool
+
+
+_GPU_FIELDS: dict[str, _Field] = {
+    "vendor": _Field("str", True),
+    "memory_gb": _Field("float", True),
+    "bf16_tflops": _Field("float", True),
+    "memory_bw_gbs": _Field("float", True),
+    "link": _Field("str", True),
+    "link_gbs": _Field("float", True),
+    "link_latency_us": _Field("float", True),
+    "gpus_per_node": _Field("int", True),
+    "compute_efficiency": _Field("fraction", False),
+    "bandwidth_efficiency": _Field("fraction", False),
+    "aliases": _Field("strs", False),
+    "source": _Field("str", False),
+}
+
+_MODEL_FIELDS: dict[str, _Field] = {
+    "layers": _Field("int", True),
+    "hidden": _Field("int", True),
+    "heads": _Field("int", True),
+    "kv_heads": _Field("int", True),
+    "head_dim": _Field("int", False),
+    "intermediate": _Field("int", True),
+    "vocab": _Field("int", True),
+    "max_context": _Field("int", True),
+    "tie_embeddings": _Field("bool", False),
+    "experts": _Field("int0", False),
+    "experts_per_token": _Field("int0", False),
+    "expert_intermediate": _Field("int0", False),
+    "shared_expert_intermediate": _Field("int0", False),
+    "aliases": _Field("strs", False),
+    "source": _Field("str", False),
+}
+
+
+def _check_value(where: str, key: str, kind: str, value: object) -> object:
+    bad = f"{where} field {key!r}"
+    if kind == "str":
+        if not isinstance(value, str) or not value.strip():
+            raise CatalogError(f"{bad} must be a non-empty string, got {value!r}")
+        return value
+    if kind == "bool":
+        if not isinstance(value, bool):
+            raise CatalogError(f"{bad} must be true or false, got {value!r}")
+        return value
+    if kind == "strs":
+        if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+            raise CatalogError(f"{bad} must be a list of non-empty strings, got {value!r}")
+        return tuple(value)
+    if kind in ("int", "int0"):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise CatalogError(f"{bad} must be an integer, got {value!r}")
+        if value < (1 if kind == "int" else 0):
+            limit = "positive" if kind == "int" else "zero or more"
+            raise CatalogError(f"{bad} must be {limit}, got {value}")
+        return value
+    if isinstance(value, bool) or not isinstance(value, _NUM):
+        raise CatalogError(f"{bad} must be a number, got {value!r}")
+    number = float(value)
+    if not number > 0 or number == float("inf"):
+        raise CatalogError(f"{bad} must be a positive number, got {value!r}")
+    if kind == "fraction" and number > 1:
+        raise CatalogError(f"{bad} must be a fraction in (0, 1], got {value!r}")
+    return number
+
+
+def _parse_table(
+    where: str, table: object, schema: Mapping[str, _Field], base: Mapping[str, object] | None
+) -> dict[str, object]:
+    if not isinstance(table, dict):
+        raise CatalogError(f"{where} must be a table of fields, got {table!r}")
+    unknown = sorted(set(table) - set(schema))
+    if unknown:
+        raise CatalogError(
+            f"{where} unknown field {unknown[0]!r} (known: {', '.join(sorted(schema))})"
+        )
+    values: dict[str, object] = dict(base or {})
+    for key, value in table.items():
+        values[key] = _check_value(where, key, schema[key].kind, value)
+    missing = [k for k, f in schema.items() if f.required and k not in values]
+    if missing:
+        raise CatalogError(f"{where} missing required field {missing[0]!r}")
+    return values
+
+
+def _gpu_from(name: str, values: Mapping[str, object]) -> GpuSpec:
+    return GpuSpec(name=name, **values)  # type: ignore[arg-type]
+
+
+def _model_from(name: str, where: str, values: Mapping[str, object]) -> ModelSpec:
+    v: dict[str, Any] = dict(values)
+    if "head_dim" not in v:
+        if v["hidden"] % v["heads"]:
+            raise CatalogError(
+                f"{where} hidden {v['hidden']} is not a multiple of heads "
+                f"{v['heads']}: give head_dim"
+            )
+        v["head_dim"] = v["hidden"] // v["heads"]
+    if v["heads"] % v["kv_heads"]:
+        raise CatalogError(
+            f"{where} heads {v['heads']} is not a multiple of kv_heads {v['kv_heads']}"
+        )
+    experts = v.get("experts", 0)
+    if experts > 1:
+        k = v.get("experts_per_token", 0)
+        if not 1 <= k <= experts:
+            raise CatalogError(f"{where} experts_per_token must be from 1 to experts ({experts})")
+        v.setdefault("expert_intermediate", v["intermediate"])
+        if v["expert_intermediate"] < 1:
+            raise CatalogError(f"{where} expert_intermediate must be positive")
+    return ModelSpec(name=name, **v)
+
+
+# -- names ------------------------------------------------------------------------------------
+
+_MODEL_SUFFIXES = ("-hf", "-instruct", "-chat")
+
+
+def _norm(name: str) -> str:
+    return re.sub(r"[\s_]+", "-", name.strip().lower())
+
+
+def _model_norm(name: str) -> str:
+    key = _norm(name).rsplit("/", 1)[-1]
+    stripped = True
+    while stripped:
+        stripped = False
+        for suffix in _MODEL_SUFFIXES:
+            if key.endswith(suffix) and len(key) > len(suffix):
+                key, stripped = key[: -len(suffix)], True
+    return key
+
+
+class Catalog:
+    """GPU types and models by name. Immutable; ``merged`` returns a new catalog."""
+
+    def __init__(self, gpus: Mapping[str, GpuSpec], models: Mapping[str, ModelSpec]) -> None:
+        self.gpus: Mapping[str, GpuSpec] = dict(gpus)
+        self.models: Mapping[str, ModelSpec] = dict(models)
+        self._gpu_index = _index(self.gpus.values(), _norm, "GPU type")
+        self._model_index = _index(self.models.values(), _model_norm, "model")
+
+    def gpu(self, name: str) -> GpuSpec:
+        """The GPU type called ``name`` (or one of its aliases); ``CatalogError`` if unknown."""
+        found = self._gpu_index.get(_norm(name))
+        if found is None:
+            raise CatalogError(
+                f"unknown GPU type {name!r} (known: {', '.join(sorted(self.gpus))}; "
+                "add your own with a catalog file)"
+            )
+        return self.gpus[found]
+
+    def model(self, name: str) -> ModelSpec:
+        """The model called ``name`` (or one of its aliases); ``CatalogError`` if unknown."""
+        found = self._model_index.get(_model_norm(name))
+        if found is None:
+            raise CatalogError(
+                f"unknown model {name!r} (known: {', '.join(sorted(self.models))}; "
+                "add your own with a catalog file)"
+            )
+        return self.models[found]
+
+    def merged(self, text: str, origin: str) -> Catalog:
+        """This catalog with the entries of one TOML document merged in (module docstring)."""
+        try:
+            doc = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise CatalogError(f"{origin}: not valid TOML: {exc}") from None
+        unknown = sorted(set(doc) - {"gpus", "models"})
+        if unknown:
+            raise CatalogError(
+                f"{origin}: unknown top-level key {unknown[0]!r} (expected [gpus.NAME] and "
+                "[models.NAME] tables)"
+            )
+        gpus = dict(self.gpus)
+        models = dict(self.models)
+        for section, target, schema in (
+            ("gpus", gpus, _GPU_FIELDS),
+            ("models", models, _MODEL_FIELDS),
+        ):
+            tables = doc.get(section, {})
+            if not isinstance(tables, dict):
+                raise CatalogError(f"{origin}: {section} must be tables like [{section}.NAME]")
+            for name, table in tables.items():
+                where = f"{origin}: [{section}.{name!r}]"
+                old = target.get(name)
+                base = None if old is None else _as_fields(old)
+                values = _parse_table(where, table, schema, base)
+                if section == "gpus":
+                    gpus[name] = _gpu_from(name, values)
+                else:
+                    models[name] = _model_from(name, where, values)
+        try:
+            return Catalog(gpus, models)
+        except CatalogError as exc:
+            raise CatalogError(f"{origin}: {exc}") from None
+
+
+def _as_fields(spec: GpuSpec | ModelSpec) -> dict[str, object]:
+    return {f.name: getattr(spec, f.name) for f in fields(spec) if f.name != "name"}
+
+
+def _index(
+    entries: Iterable[GpuSpec | ModelSpec], norm: Callable[[str], str], what: str
+) -> dict[str, str]:
+    index: dict[str, str] = {}
+    for entry in entries:
+        for name in (entry.name, *entry.aliases):
+            key = norm(name)
+            other = index.get(key)
+            if other is not None and other != entry.name:
+                raise CatalogError(
+                    f"{what} name {name!r} is claimed by both {other!r} and {entry.name!r}"
+                )
+            index[key] = entry.name
+    return index
+
+
+@cache
+def builtin_catalog() -> Catalog:
+    """The catalogs shipped in scheduler/data."""
+    catalog = Catalog({}, {})
+    data = resources.files("scheduler") / "data"
+    for filename in ("gpus.toml", "models.toml"):
+        catalog = catalog.merged((data / filename).read_text(encoding="utf-8"), filename)
+    return catalog
+
+
+def load_catalog(extra: Iterable[str | Path] = ()) -> Catalog:
+    """The built-in catalog with each file of ``extra`` merged in, in order."""
+    catalog = builtin_catalog()
+    for path in extra:
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise CatalogError(f"{path}: cannot read catalog file: {exc.strerror}") from None
+        catalog = catalog.merged(text, str(path))
+    return catalog
