@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from fabricnode.simengine.__main__ import main
+from fabricnode.simengine.__main__ import build_parser, config_from_args, main
 
 pytestmark = pytest.mark.slow
 
@@ -174,9 +174,11 @@ def test_stream_tokens_arrive_as_they_are_produced() -> None:
 
 
 def test_metrics_use_vllm_names_and_move_under_load() -> None:
-    # 200 KV tokens hold one 100+60 request at a time, even though identical prompts share their
-    # six full blocks (two would need 96 + 2 * (4 + 60) = 224): the rest wait.
-    with engine("--speed", "2", "--kv-tokens", "200") as e, e.client() as c:
+    # Reserve mode: 200 KV tokens hold one 100+60 request at a time, even though identical
+    # prompts share their six full blocks (two would need 96 + 2 * (4 + 60) = 224): the rest
+    # wait. (Optimistic admission would run all three and preempt: see the test below.)
+    flags = ("--speed", "2", "--kv-tokens", "200", "--admission", "reserve")
+    with engine(*flags) as e, e.client() as c:
         text = c.get("/metrics").text
         for name in (
             "vllm:num_requests_waiting",
@@ -184,6 +186,7 @@ def test_metrics_use_vllm_names_and_move_under_load() -> None:
             "vllm:kv_cache_usage_perc",
             "vllm:prefix_cache_hits_total",
             "vllm:prefix_cache_queries_total",
+            "vllm:num_preemptions_total",
         ):
             assert metric(text, name) == 0.0
         prompt = " ".join(f"w{i}" for i in range(100))
@@ -205,6 +208,43 @@ def test_metrics_use_vllm_names_and_move_under_load() -> None:
         assert metric(text, "vllm:num_requests_running") == 0
         assert metric(text, "vllm:prefix_cache_queries_total") == 300
         assert metric(text, "vllm:prefix_cache_hits_total") == 2 * 96  # six whole blocks, twice
+        assert metric(text, "vllm:num_preemptions_total") == 0
+
+
+def test_a_preempted_stream_sends_each_token_once_and_metrics_count_the_preemption() -> None:
+    # 256 KV tokens (16 blocks). a (100 prompt tokens, 150 to generate) is admitted first; b (50
+    # and 100) joins it while a has fewer than 92 tokens. Together they outgrow the cache before
+    # either finishes, so b, the newer, is preempted, waits for a, then resumes.
+    a_body = {"prompt": list(range(1000, 1100)), "max_tokens": 150}
+    b_body = {"prompt": list(range(5000, 5050)), "max_tokens": 100}
+    with engine("--speed", "1", "--kv-tokens", "256") as e, e.client() as c:
+        with ThreadPoolExecutor(1) as pool, e.client() as worker:
+            a = pool.submit(worker.post, "/v1/completions", json=a_body)
+            deadline = time.monotonic() + 5.0
+            while metric(c.get("/metrics").text, "vllm:num_requests_running") < 1:
+                assert time.monotonic() < deadline and not a.done()
+                time.sleep(0.005)
+            body = {**b_body, "stream": True, "stream_options": {"include_usage": True}}
+            with c.stream("POST", "/v1/completions", json=body) as response:
+                events = sse_events(response)
+            assert a.result().json()["usage"]["completion_tokens"] == 150
+        assert events[-1] == "[DONE]"
+        token_chunks = [ev for ev in events[:-1] if ev["choices"]]
+        assert len(token_chunks) == 100
+        reasons = [ch["choices"][0]["finish_reason"] for ch in token_chunks]
+        assert reasons == [None] * 99 + ["length"]
+        assert events[-2]["usage"]["completion_tokens"] == 100
+        text = c.get("/metrics").text
+        assert metric(text, "vllm:num_preemptions_total") >= 1
+        assert metric(text, "vllm:num_requests_waiting") == 0
+        # The same request alone (no preemption now) gives the same text: every token exactly
+        # once, in order.
+        streamed = "".join(ch["choices"][0]["text"] for ch in token_chunks)
+        alone = c.post("/v1/completions", json=b_body).json()
+        assert streamed == alone["choices"][0]["text"]
+        assert metric(c.get("/metrics").text, "vllm:num_preemptions_total") == metric(
+            text, "vllm:num_preemptions_total"
+        )
 
 
 def test_a_client_that_disconnects_frees_its_batch_slot() -> None:
@@ -309,6 +349,17 @@ def test_bad_flags_are_one_line_and_exit_2(capsys: pytest.CaptureFixture[str]) -
     assert main(["--model", "m", "--gpu", "TPU"]) == 2
     assert "unknown GPU type 'TPU'" in capsys.readouterr().err
     assert main(["--model", "m", "--error-rate", "2"]) == 2
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--model", "m", "--admission", "eager"])
+    assert exit_info.value.code == 2
+    assert "--admission: invalid choice" in capsys.readouterr().err
+
+
+def test_admission_flag_selects_the_mode() -> None:
+    parser = build_parser()
+    assert config_from_args(parser.parse_args(["--model", "m"])).engine.admission == "optimistic"
+    args = parser.parse_args(["--model", "m", "--admission", "reserve"])
+    assert config_from_args(args).engine.admission == "reserve"
 
 
 def test_openai_client_works_against_the_engine() -> None:

@@ -18,7 +18,7 @@ import trio
 from fabricnode.addr import join_hostport
 from fabricnode.asgi_serving import bind_http_socket
 from fabricnode.errors import ConfigError
-from fabricnode.simengine.model import GPU_PROFILES, EngineConfig, gpu_profile
+from fabricnode.simengine.model import ADMISSION_MODES, GPU_PROFILES, EngineConfig, gpu_profile
 from fabricnode.simengine.server import FaultConfig, SimConfig, serve
 
 log = logging.getLogger("fabricnode.simengine")
@@ -40,6 +40,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=8192, help="context length in tokens")
     p.add_argument("--kv-tokens", type=int, default=None, help="KV-cache capacity in tokens")
     p.add_argument("--max-num-seqs", type=int, default=256, help="running batch size limit")
+    p.add_argument(
+        "--admission",
+        choices=ADMISSION_MODES,
+        default="optimistic",
+        help="optimistic: admit when the prompt's KV blocks fit, grow on demand and preempt the "
+        "newest request when blocks run out (vLLM); reserve: reserve prompt + max_tokens at "
+        "admission, never preempt (default optimistic)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed for output text and faults")
     p.add_argument("--crash-after-requests", type=int, default=None, metavar="N")
     p.add_argument("--crash-after-s", type=float, default=None, metavar="T")
@@ -91,6 +99,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         kv_tokens=args.kv_tokens,
         max_num_seqs=args.max_num_seqs,
         seed=args.seed,
+        admission=args.admission,
     )
     faults = FaultConfig(
         crash_after_requests=args.crash_after_requests,

@@ -1,4 +1,4 @@
-"""The simulated engine's core: a continuous-batching scheduler with a KV-token budget and a
+"""The simulated engine's core: a continuous-batching scheduler with a paged KV cache and a
 block-level prefix cache, timed by a roofline model of one GPU type. Pure: no I/O, no clock.
 
 Rules:
@@ -8,30 +8,54 @@ Rules:
 * KV memory is counted in 16-token blocks, and running requests share their common *prefix*, as
   vLLM's block manager does. A request's full prompt blocks are pinned by their chained hash (the
   prefix cache's key), ref-counted across the running set, so a block shared by several running
-  requests is counted once. The rest of a request is private: its partial last prompt block and,
-  at admission, its whole ``max_tokens``.
-* A request is admitted only if the distinct tokens already reserved, plus its private
-  reservation, plus 16 per full prompt block not yet pinned, fit ``kv_tokens``. Finishing or
-  aborting releases its private part and one reference to each of its blocks; a block is freed
-  when its last holder goes. So the reservation never exceeds ``kv_tokens`` and nothing is ever
-  preempted. ``check`` still refuses only what could never fit alone (``prompt + max_tokens``).
+  requests is counted once. The rest of a request is private: its partial last prompt block and
+  its output. Finishing, aborting or being preempted releases the private part and one reference
+  to each pinned block; a block is freed when its last holder goes.
+* ``EngineConfig.admission`` picks one of two admission rules:
+
+  - ``"optimistic"`` (the default; vLLM's): the engine has ``kv_capacity // 16`` blocks. A
+    waiting request is admitted when the blocks for its context (its prompt, plus the output it
+    already has if it was preempted, plus the one token this step samples; pinned blocks it
+    shares with the running set counted once) fit in the free blocks minus a watermark of
+    ``kv_watermark_fraction`` of all blocks (default 1%, the ``watermark=0.01`` of vLLM's block
+    managers), waived when nothing runs. ``max_tokens`` is not reserved: a running request takes
+    one more block each time its context crosses a block boundary. When a step's growth does not
+    fit, the most recently admitted running requests are *preempted* (recompute mode) until it
+    does, and that step admits nobody. A lone running request is never preempted: ``check``
+    guarantees it fits.
+  - ``"reserve"``: a request is admitted only if the distinct tokens already reserved, plus its
+    private part (partial last prompt block and its whole ``max_tokens``), plus 16 per full
+    prompt block not yet pinned, fit ``kv_tokens``. The reservation never exceeds ``kv_tokens``
+    and nothing is ever preempted.
+
+* Either way the distinct blocks held never exceed the capacity, and ``check`` refuses only what
+  could never fit alone (``prompt + max_tokens``; in optimistic mode rounded up to whole blocks).
+* A preempted request goes back to the *head* of the waiting queue, keeping its output. Its
+  computed full blocks (prompt and output) are put into the prefix cache, as vLLM's freed blocks
+  stay cached until reused. Re-admitted, it prefills prompt + output (the prefix cache may hit)
+  and continues: its next token has the next index, and no token is produced twice. (The prefix
+  cache is an LRU of ``cache_blocks`` apart from the blocks in use; vLLM's lives in the free
+  blocks, so under KV pressure its hits, a resumed request's included, can be fewer.)
 * ``kv_cache_usage`` reports the tokens actually held over the capacity, as vLLM does: the pinned
   blocks once each, plus every running request's prompt tail and generated tokens so far, rounded
-  up to whole blocks.
+  up to whole blocks. ``kv_tokens_reserved`` is the accounting the admission rule uses: in
+  optimistic mode the same blocks in tokens, in reserve mode the reservation.
 
 Theory of operation. ``submit`` hashes the prompt's full blocks once and puts the request on the
-FIFO waiting queue. ``step(now)`` plans and executes one engine iteration: it admits waiting
-requests in order while their reservations fit (and the per-step token budget allows), pinning
-their blocks; looks each admitted prompt up in the prefix cache (full 16-token blocks,
-hash-chained, so only a shared *prefix* hits), prefills the uncached rest, and decodes one token
-for every running request, including the ones just admitted (prefill yields the first token, as in
-vLLM); requests that reach ``max_tokens`` finish and unpin. A step costs O(running requests) plus
-O(blocks) of the requests it considers for admission or finishes. The step's duration is the
-roofline time of that work: ``overhead + max(compute, memory)`` where compute is
-``2 * params * tokens / flops`` and memory is ``(weight bytes + KV bytes read) / bandwidth``,
-divided by ``speed``. KV reads are per request: each sequence's attention reads its whole context,
-shared blocks included, so sharing memory does not share bandwidth. The returned ``Step`` lists
-the tokens it produced; a driver makes them visible at ``step.ends_at`` and steps again then.
+FIFO waiting queue. ``step(now)`` plans and executes one engine iteration, as vLLM's v1 scheduler
+does: in optimistic mode it first makes room for the running requests' growth, preempting the
+newest if it must; then (if nothing was preempted) it admits waiting requests in order while
+their blocks (or reservations) fit and the per-step token budget allows, pinning their blocks;
+looks each admitted context up in the prefix cache (full 16-token blocks, hash-chained, so only a
+shared *prefix* hits), prefills the uncached rest, and decodes one token for every running
+request, including the ones just admitted (prefill yields the next token, as in vLLM); requests
+that reach ``max_tokens`` finish and unpin. A step costs O(running requests) plus O(blocks) of
+the requests it admits, preempts or finishes. The step's duration is the roofline time of that
+work: ``overhead + max(compute, memory)`` where compute is ``2 * params * tokens / flops`` and
+memory is ``(weight bytes + KV bytes read) / bandwidth``, divided by ``speed``. KV reads are per
+request: each sequence's attention reads its whole context, shared blocks included, so sharing
+memory does not share bandwidth. The returned ``Step`` lists the tokens it produced and the
+requests it preempted; a driver makes the tokens visible at ``step.ends_at`` and steps again then.
 """
 
 from __future__ import annotations
@@ -41,6 +65,7 @@ import re
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 BLOCK_TOKENS = 16
 VOCAB_SIZE = 32_000
@@ -64,11 +89,25 @@ class GpuProfile:
 GPU_PROFILES: dict[str, GpuProfile] = {
     p.name: p
     for p in (
+        # NVIDIA H100 Tensor Core GPU datasheet, H100 SXM column (1,979 TFLOPS with sparsity):
+        # https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet
         GpuProfile("H100", 989.0, 3350.0, 80.0),
+        # NVIDIA A100 Tensor Core GPU datasheet (nvidia-a100-datasheet-us-nvidia-1758950-r4),
+        # SXM 80GB and 40GB columns: https://www.nvidia.com/content/dam/en-zz/Solutions/
+        # Data-Center/a100/pdf/nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf
         GpuProfile("A100-80G", 312.0, 2039.0, 80.0),
         GpuProfile("A100-40G", 312.0, 1555.0, 40.0),
+        # NVIDIA L40S datasheet (733 TFLOPS with sparsity):
+        # https://resources.nvidia.com/en-us-l40s/l40s-datasheet-28413
         GpuProfile("L40S", 362.0, 864.0, 48.0),
+        # NVIDIA L4 Tensor Core GPU datasheet: FP16 tensor 121 TFLOPS dense (242 with sparsity),
+        # 300 GB/s, 24 GB: https://resources.nvidia.com/en-us-data-center-overview/l4-gpu-datasheet
+        GpuProfile("L4", 121.0, 300.0, 24.0),
+        # NVIDIA Ampere GA102 GPU Architecture whitepaper, GeForce RTX 3090 (FP16 tensor with FP32
+        # accumulate; 142 with FP16 accumulate): https://www.nvidia.com/content/PDF/
+        # nvidia-ampere-ga-102-gpu-architecture-whitepaper-v2.pdf
         GpuProfile("RTX-3090", 71.0, 936.0, 24.0, step_overhead_s=0.003),
+        # Not a datasheet: a slow stand-in for CPU-only runs.
         GpuProfile("cpu", 1.0, 50.0, 16.0, compute_efficiency=0.3, step_overhead_s=0.005),
     )
 }
@@ -88,9 +127,14 @@ def params_from_name(model: str, default_b: float = 1.0) -> float:
     return float(match.group(1)) if match else default_b
 
 
+Admission = Literal["optimistic", "reserve"]
+ADMISSION_MODES: tuple[Admission, ...] = ("optimistic", "reserve")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
-    """What the scheduler needs; ``kv_tokens=None`` derives the capacity from GPU memory."""
+    """What the scheduler needs; ``kv_tokens=None`` derives the capacity from GPU memory.
+    ``admission`` and ``kv_watermark_fraction``: see the module docstring."""
 
     model: str
     gpu: GpuProfile = GPU_PROFILES["H100"]
@@ -102,6 +146,18 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_batched_tokens: int = 8192
     seed: int = 0
+    admission: Admission = "optimistic"
+    kv_watermark_fraction: float = 0.01
+
+    def __post_init__(self) -> None:
+        if self.admission not in ADMISSION_MODES:
+            raise ValueError(
+                f"unknown admission {self.admission!r} (known: {', '.join(ADMISSION_MODES)})"
+            )
+        if not 0.0 <= self.kv_watermark_fraction < 1.0:
+            raise ValueError(
+                f"kv_watermark_fraction must be in [0, 1), got {self.kv_watermark_fraction}"
+            )
 
     @property
     def params(self) -> float:
@@ -189,11 +245,14 @@ def _prompt_key(tokens: Sequence[int]) -> bytes:
 # -- prefix cache -----------------------------------------------------------------------------
 
 
-def block_hashes(tokens: Sequence[int]) -> list[bytes]:
-    """Hash chain over the full blocks of ``tokens``: block i's hash covers blocks 0..i."""
-    hashes: list[bytes] = []
-    parent = b""
-    for start in range(0, len(tokens) - len(tokens) % BLOCK_TOKENS, BLOCK_TOKENS):
+def block_hashes(tokens: Sequence[int], known: Sequence[bytes] = ()) -> list[bytes]:
+    """Hash chain over the full blocks of ``tokens``: block i's hash covers blocks 0..i.
+    ``known`` is the chain of a prefix of ``tokens`` already hashed; it is extended, not redone."""
+    hashes = list(known)
+    parent = hashes[-1] if hashes else b""
+    for start in range(
+        BLOCK_TOKENS * len(hashes), len(tokens) - len(tokens) % BLOCK_TOKENS, BLOCK_TOKENS
+    ):
         block = b"".join(t.to_bytes(4, "big") for t in tokens[start : start + BLOCK_TOKENS])
         parent = hashlib.blake2b(parent + block, digest_size=16).digest()
         hashes.append(parent)
@@ -216,20 +275,27 @@ class PrefixCache:
     def lookup(self, tokens: Sequence[int], hashes: Sequence[bytes] | None = None) -> int:
         """Tokens of ``tokens`` already cached (a whole-block prefix); counts the query.
         ``hashes`` is ``block_hashes(tokens)`` when the caller already has it."""
+        return self.lookup_hashes(len(tokens), block_hashes(tokens) if hashes is None else hashes)
+
+    def lookup_hashes(self, n_tokens: int, hashes: Sequence[bytes]) -> int:
+        """``lookup`` of ``n_tokens`` tokens whose full blocks' chain is ``hashes``."""
         cached = 0
-        for h in block_hashes(tokens) if hashes is None else hashes:
+        for h in hashes:
             if h not in self._blocks:
                 break
             self._blocks.move_to_end(h)
             cached += BLOCK_TOKENS
         # Like vLLM, the last token is always recomputed so there is a logit to sample from.
-        cached = min(cached, max(0, len(tokens) - 1))
-        self.query_tokens += len(tokens)
+        cached = min(cached, max(0, n_tokens - 1))
+        self.query_tokens += n_tokens
         self.hit_tokens += cached
         return cached
 
     def insert(self, tokens: Sequence[int], hashes: Sequence[bytes] | None = None) -> None:
-        for h in block_hashes(tokens) if hashes is None else hashes:
+        self.insert_hashes(block_hashes(tokens) if hashes is None else hashes)
+
+    def insert_hashes(self, hashes: Sequence[bytes]) -> None:
+        for h in hashes:
             self._blocks[h] = None
             self._blocks.move_to_end(h)
         while len(self._blocks) > self.capacity_blocks:
@@ -248,23 +314,31 @@ class Request:
     prompt_key: bytes = b""
     block_hashes: list[bytes] = field(default_factory=list)  # of the full prompt blocks
     output: list[int] = field(default_factory=list)
-    cached_tokens: int = 0
-    admitted_at: float | None = None
+    cached_tokens: int = 0  # prefix cache hit at its latest admission
+    admitted_at: float | None = None  # its latest admission
     first_token_at: float | None = None
     finished_at: float | None = None
     finish_reason: str | None = None
+    preemptions: int = 0
+    # Chain over the full blocks of prompt + output when it was last preempted: the blocks it
+    # looks up in the prefix cache when it resumes.
+    context_hashes: list[bytes] = field(default_factory=list)
 
     @property
     def private_reservation(self) -> int:
-        """KV tokens reserved beside its (shareable) full prompt blocks: the partial last prompt
-        block and room for all ``max_tokens``."""
+        """Reserve mode: KV tokens reserved beside its (shareable) full prompt blocks: the partial
+        last prompt block and room for all ``max_tokens``."""
         return len(self.prompt) % BLOCK_TOKENS + self.max_tokens
+
+    @property
+    def private_blocks(self) -> int:
+        """Blocks held beside its full prompt blocks: for its prompt tail and output so far."""
+        return -(-(len(self.prompt) % BLOCK_TOKENS + len(self.output)) // BLOCK_TOKENS)
 
     @property
     def private_held(self) -> int:
         """KV tokens held beside its full prompt blocks: prompt tail + output, in whole blocks."""
-        n = len(self.prompt) % BLOCK_TOKENS + len(self.output)
-        return -(-n // BLOCK_TOKENS) * BLOCK_TOKENS
+        return BLOCK_TOKENS * self.private_blocks
 
     @property
     def context_tokens(self) -> int:
@@ -286,9 +360,10 @@ class Step:
     started_at: float
     duration_s: float
     admitted: tuple[int, ...]
-    prefill_tokens: int  # uncached prompt tokens computed this step
+    prefill_tokens: int  # uncached context tokens computed this step (resumed: prompt + output)
     decode_tokens: int
     events: tuple[TokenEvent, ...]
+    preempted: tuple[int, ...] = ()  # newest first; now at the head of the waiting queue
 
     @property
     def ends_at(self) -> float:
@@ -297,10 +372,12 @@ class Step:
 
 @dataclass(frozen=True)
 class SchedulerStatistics:
-    waiting: int
+    waiting: int  # preempted requests waiting to resume included, as in vLLM
     running: int
     kv_cache_usage: float  # 0..1
-    kv_tokens_reserved: int  # distinct tokens: a block shared by running requests counts once
+    # What admission counts (optimistic: the blocks held, in tokens; reserve: the reservation),
+    # distinct: a block shared by running requests counts once.
+    kv_tokens_reserved: int
     kv_capacity: int
     prefix_cache_hits: int
     prefix_cache_queries: int
@@ -310,6 +387,7 @@ class SchedulerStatistics:
     requests_finished: int
     steps: int
     busy_s: float
+    num_preemptions: int
 
 
 class Scheduler:
@@ -318,16 +396,21 @@ class Scheduler:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.kv_capacity = config.kv_capacity()
+        self.num_blocks = self.kv_capacity // BLOCK_TOKENS
+        self.optimistic = config.admission == "optimistic"
+        self.watermark_blocks = int(config.kv_watermark_fraction * self.num_blocks)
         self.cache = PrefixCache(config.cache_blocks())
         self.waiting: deque[Request] = deque()
-        self.running: dict[int, Request] = {}
+        self.running: dict[int, Request] = {}  # in admission order: the newest is last
         self.requests: dict[int, Request] = {}
         self._next_id = 0
-        self._reserved = 0  # distinct KV tokens reserved by the running set
+        self._reserved = 0  # reserve mode: distinct KV tokens reserved by the running set
+        self._used_blocks = 0  # optimistic mode: distinct KV blocks held by the running set
         self._pinned: dict[bytes, int] = {}  # full prompt block hash -> running requests holding it
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.finished = 0
+        self.preemptions = 0
         self.steps = 0
         self.busy_s = 0.0
 
@@ -347,6 +430,12 @@ class Scheduler:
             )
         if total > self.kv_capacity:
             raise ValueError(f"the request needs {total} KV tokens; capacity is {self.kv_capacity}")
+        blocks = -(-total // BLOCK_TOKENS)
+        if self.optimistic and blocks > self.num_blocks:
+            raise ValueError(
+                f"the request needs {blocks} KV blocks of {BLOCK_TOKENS} tokens; capacity is "
+                f"{self.num_blocks} ({self.kv_capacity} tokens)"
+            )
 
     def submit(self, prompt: Sequence[int], max_tokens: int, now: float) -> int:
         self.check(len(prompt), max_tokens)
@@ -359,13 +448,13 @@ class Scheduler:
         return rid
 
     def abort(self, rid: int) -> None:
-        """Forget a request (its client went away); frees its reservation."""
+        """Forget a request (its client went away); frees its blocks or reservation."""
         req = self.requests.pop(rid, None)
         if req is None:
             return
         if rid in self.running:
             del self.running[rid]
-            self._unpin(req)
+            self._release(req)
         elif req.finished_at is None:
             self.waiting.remove(req)
         # else it finished already (its tokens not yet delivered): nothing is reserved
@@ -386,26 +475,55 @@ class Scheduler:
         if not self.has_work():
             return None
         cfg = self.config
+        optimistic = self.optimistic
+        # Optimistic mode: blocks the running set takes this step (a context that fills its last
+        # block needs a new one for the token it samples), preempting the newest until they fit.
+        growth = 0
+        preempted: list[Request] = []
+        if optimistic and self.running:
+            growth = sum(
+                1
+                for r in self.running.values()
+                if (len(r.prompt) + len(r.output)) % BLOCK_TOKENS == 0
+            )
+            while self._used_blocks + growth > self.num_blocks and len(self.running) > 1:
+                _, victim = self.running.popitem()  # the most recently admitted
+                if (len(victim.prompt) + len(victim.output)) % BLOCK_TOKENS == 0:
+                    growth -= 1
+                self._preempt(victim)
+                preempted.append(victim)
         admitted: list[Request] = []
         budget = cfg.max_batched_tokens - len(self.running)
         prefill = 0
-        while self.waiting and len(self.running) < cfg.max_num_seqs:
+        # As vLLM's v1 scheduler: a step that had to preempt admits nobody.
+        while not preempted and self.waiting and len(self.running) < cfg.max_num_seqs:
             req = self.waiting[0]
-            if self._reserved + self._admission_cost(req) > self.kv_capacity:
+            if optimistic:
+                free = self.num_blocks - self._used_blocks - growth
+                if self.running:
+                    free -= self.watermark_blocks
+                if self._blocks_to_admit(req) > free:
+                    break
+            elif self._reserved + self._admission_cost(req) > self.kv_capacity:
                 break
-            cached = self.cache.lookup(req.prompt, req.block_hashes)
-            uncached = len(req.prompt) - cached
+            # A resumed request recomputes its output too: its context's blocks are looked up.
+            context = len(req.prompt) + len(req.output)
+            cached = self.cache.lookup_hashes(context, req.context_hashes or req.block_hashes)
+            uncached = context - cached
             if admitted and uncached > budget - prefill:
                 # Over the per-step token budget: undo the query, admit it next step.
-                self.cache.query_tokens -= len(req.prompt)
+                self.cache.query_tokens -= context
                 self.cache.hit_tokens -= cached
                 break
             self.waiting.popleft()
             req.cached_tokens = cached
             req.admitted_at = now
             self.running[req.id] = req
-            self._pin(req)
-            self.prompt_tokens += len(req.prompt)
+            self._admit(req)
+            if optimistic and context % BLOCK_TOKENS == 0:
+                growth += 1
+            if not req.output:
+                self.prompt_tokens += len(req.prompt)  # counted once, as vLLM
             prefill += uncached
             admitted.append(req)
         if not self.running:
@@ -418,6 +536,7 @@ class Scheduler:
         )
         ends_at = now + duration
         events: list[TokenEvent] = []
+        self._used_blocks += growth
         for req in list(self.running.values()):
             index = len(req.output)
             token = output_token(cfg.seed, req.prompt_key, index)
@@ -431,21 +550,38 @@ class Scheduler:
                 req.finished_at = ends_at
                 req.finish_reason = finish
                 del self.running[req.id]
-                self._unpin(req)
+                self._release(req)
                 self.finished += 1
         for req in admitted:
-            self.cache.insert(req.prompt, req.block_hashes)
+            self.cache.insert_hashes(req.context_hashes or req.block_hashes)
         self.steps += 1
         self.busy_s += duration
-        return Step(now, duration, tuple(r.id for r in admitted), prefill, decode, tuple(events))
+        return Step(
+            now,
+            duration,
+            tuple(r.id for r in admitted),
+            prefill,
+            decode,
+            tuple(events),
+            tuple(r.id for r in preempted),
+        )
+
+    def _blocks_to_admit(self, req: Request) -> int:
+        """Optimistic mode: blocks admitting ``req`` takes this step: its full prompt blocks not
+        yet pinned, and private blocks for its prompt tail, its output and the token it samples."""
+        pinned = self._pinned
+        new_blocks = sum(1 for h in req.block_hashes if h not in pinned)
+        tail = len(req.prompt) % BLOCK_TOKENS + len(req.output) + 1
+        return new_blocks + -(-tail // BLOCK_TOKENS)
 
     def _admission_cost(self, req: Request) -> int:
-        """Tokens admitting ``req`` would add: its private part and its blocks not yet pinned."""
+        """Reserve mode: tokens admitting ``req`` would add: its private reservation and its
+        blocks not yet pinned."""
         pinned = self._pinned
         new_blocks = sum(1 for h in req.block_hashes if h not in pinned)
         return req.private_reservation + BLOCK_TOKENS * new_blocks
 
-    def _pin(self, req: Request) -> None:
+    def _admit(self, req: Request) -> None:
         pinned = self._pinned
         new_blocks = 0
         for h in req.block_hashes:
@@ -453,9 +589,12 @@ class Scheduler:
             pinned[h] = refs + 1
             if refs == 0:
                 new_blocks += 1
-        self._reserved += req.private_reservation + BLOCK_TOKENS * new_blocks
+        if self.optimistic:
+            self._used_blocks += new_blocks + req.private_blocks
+        else:
+            self._reserved += req.private_reservation + BLOCK_TOKENS * new_blocks
 
-    def _unpin(self, req: Request) -> None:
+    def _release(self, req: Request) -> None:
         pinned = self._pinned
         freed_blocks = 0
         for h in req.block_hashes:
@@ -465,7 +604,22 @@ class Scheduler:
             else:
                 del pinned[h]
                 freed_blocks += 1
-        self._reserved -= req.private_reservation + BLOCK_TOKENS * freed_blocks
+        if self.optimistic:
+            self._used_blocks -= freed_blocks + req.private_blocks
+        else:
+            self._reserved -= req.private_reservation + BLOCK_TOKENS * freed_blocks
+
+    def _preempt(self, req: Request) -> None:
+        """Recompute-mode preemption of a request already taken off the running set: free its
+        blocks, cache its computed full blocks (freed blocks stay cached until reused, as in
+        vLLM) and put it back at the head of the waiting queue, keeping its output."""
+        self._release(req)
+        known = req.context_hashes or req.block_hashes
+        req.context_hashes = block_hashes(req.prompt + req.output, known)
+        self.cache.insert_hashes(req.context_hashes)
+        req.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(req)
 
     def step_time(self, prefill_tokens: int, decode_tokens: int, kv_tokens_read: int) -> float:
         """Roofline time of one iteration, divided by ``speed``. ``kv_tokens_read`` sums every
@@ -478,12 +632,18 @@ class Scheduler:
         return (gpu.step_overhead_s + max(compute_s, memory_s)) / cfg.speed
 
     def statistics(self) -> SchedulerStatistics:
-        held = BLOCK_TOKENS * len(self._pinned) + sum(r.private_held for r in self.running.values())
+        if self.optimistic:
+            held = reserved = BLOCK_TOKENS * self._used_blocks
+        else:
+            reserved = self._reserved
+            held = BLOCK_TOKENS * len(self._pinned) + sum(
+                r.private_held for r in self.running.values()
+            )
         return SchedulerStatistics(
             waiting=len(self.waiting),
             running=len(self.running),
             kv_cache_usage=min(1.0, held / self.kv_capacity) if self.kv_capacity else 0.0,
-            kv_tokens_reserved=self._reserved,
+            kv_tokens_reserved=reserved,
             kv_capacity=self.kv_capacity,
             prefix_cache_hits=self.cache.hit_tokens,
             prefix_cache_queries=self.cache.query_tokens,
@@ -493,6 +653,7 @@ class Scheduler:
             requests_finished=self.finished,
             steps=self.steps,
             busy_s=self.busy_s,
+            num_preemptions=self.preemptions,
         )
 
 

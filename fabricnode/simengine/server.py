@@ -10,8 +10,9 @@ Endpoints:
   ``"stream": true`` server-sent events, one chunk per token as the scheduler produces it, ending
   ``data: [DONE]`` (``stream_options.include_usage`` adds a usage chunk).
 * ``POST /v1/embeddings`` — deterministic unit vectors.
-* ``GET /metrics`` — Prometheus text with vLLM's names (``vllm:num_requests_waiting`` ...), each
-  labelled ``model_name``.
+* ``GET /metrics`` — Prometheus text with vLLM's names (``vllm:num_requests_waiting``, which
+  counts preempted requests waiting to resume, ``vllm:num_preemptions_total`` ...), each labelled
+  ``model_name``.
 
 Errors have the OpenAI shape: 400 bad JSON or fields, 404 unknown path or model, 405 wrong method,
 500 injected errors. Fault injection (``FaultConfig``): exit after N inference requests or T
@@ -110,7 +111,9 @@ def error_doc(status: int, message: str, code: str, param: str | None = None) ->
 
 class EngineDriver:
     """Runs the scheduler in trio time: one task steps it, sleeping each step's duration, and
-    hands each request's tokens to the request's channel when the step ends."""
+    hands each request's tokens to the request's channel when the step ends. A preempted request
+    just gets no token for a while: the scheduler never produces an index twice, so every token
+    goes to its channel exactly once, in order."""
 
     def __init__(self, config: EngineConfig, slowdown: float = 1.0) -> None:
         self.config = replace(config, speed=config.speed / slowdown)
@@ -328,6 +331,12 @@ class SimEngineApp:
             "generation_tokens_total", "Generation tokens processed", s.generation_tokens, labels
         )
         m.counter("request_success_total", "Finished requests", s.requests_finished, labels)
+        m.counter(
+            "num_preemptions_total",
+            "Cumulative number of preemptions from the engine",
+            s.num_preemptions,
+            labels,
+        )
         return m.render()
 
     # -- inference --
