@@ -6,6 +6,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from slurmcluster import slurm, slurm_cluster  # noqa: F401 (fixtures for the real-Slurm tests)
 
 from fabricnode.localmesh import LocalMesh
 
