@@ -10,6 +10,12 @@ Importable without OR-Tools. The pieces, in the order data flows through them:
                 placement's analytic prediction.
 * ``des``       discrete-event simulation of continuous batching to evaluate a placement.
 * ``placement`` the decision (allocation matrix with DP x TP) and its constraints C1-C3.
+* ``objective`` a placement problem (feasible options per model) and its exact analytic cost.
+* ``search``    greedy placement and exact-cost local search (pure Python).
+* ``solver``    the CP-SAT model (OR-Tools, optional extra ``fabricnode[scheduler]``, imported
+                only when a solve starts).
+* ``baselines`` memP (paper §5) and the exact optimum by dynamic programming (numpy).
+* ``plan``      ``plan(inventory, workloads, ...) -> PlanResult``: what ``fabric plan`` prints.
 
 docs/scheduler.md describes the model; errors are in ``scheduler.errors``.
 """
@@ -26,6 +32,7 @@ from scheduler.analytic import (
     replica_tables,
     steady_state,
 )
+from scheduler.baselines import ExactResult, exact, memp
 from scheduler.catalog import Catalog, GpuSpec, ModelSpec, builtin_catalog, load_catalog
 from scheduler.des import (
     ModelResult,
@@ -37,9 +44,13 @@ from scheduler.des import (
     simulate_requests,
 )
 from scheduler.errors import CatalogError, SchedulerError, WorkloadError
+from scheduler.objective import MODES, Cost, ModelCost, Option, Problem, Unservable
 from scheduler.placement import Allocation, Placement, check_placement
+from scheduler.plan import ModelPrediction, PlanResult, Prediction, SolverInfo, plan, plan_problem
 from scheduler.replica import ReplicaPerf, ServingConfig, tp_options
 from scheduler.roofline import Batch, MemoryFit, OpCost, RooflineConfig, StepModel, memory_fit
+from scheduler.search import greedy, local_search
+from scheduler.solver import PhaseStats, Progress, Solution, solve
 from scheduler.workload import (
     LengthStats,
     Workload,
@@ -50,19 +61,30 @@ from scheduler.workload import (
 )
 
 __all__ = [
+    "MODES",
     "Allocation",
     "Batch",
     "Catalog",
     "CatalogError",
+    "Cost",
+    "ExactResult",
     "GpuSpec",
     "LengthStats",
     "MemoryFit",
+    "ModelCost",
     "ModelEstimate",
+    "ModelPrediction",
     "ModelResult",
     "ModelSpec",
     "OpCost",
+    "Option",
+    "PhaseStats",
     "Placement",
     "PlacementEstimate",
+    "PlanResult",
+    "Prediction",
+    "Problem",
+    "Progress",
     "ReplicaPerf",
     "ReplicaTable",
     "Request",
@@ -71,26 +93,36 @@ __all__ = [
     "ServingConfig",
     "SimConfig",
     "SimResult",
+    "Solution",
+    "SolverInfo",
     "SteadyState",
     "StepModel",
+    "Unservable",
     "Workload",
     "WorkloadError",
     "builtin_catalog",
     "check_placement",
     "estimate_model",
     "estimate_placement",
+    "exact",
     "generate_requests",
+    "greedy",
     "load_catalog",
     "load_inventory",
     "load_workloads",
+    "local_search",
     "max_rate",
     "memory_fit",
+    "memp",
     "parse_inventory",
     "parse_workloads",
+    "plan",
+    "plan_problem",
     "replica_table",
     "replica_tables",
     "simulate",
     "simulate_requests",
+    "solve",
     "steady_state",
     "tp_options",
 ]
