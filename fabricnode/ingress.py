@@ -795,9 +795,11 @@ class Ingress:
                 self.broken_streams += 1
                 self.metrics.broken_streams.inc()
                 log.warning("response from %s broke mid-stream: %s", sid[:8], exc)
-                job.extra["close"] = True
                 job.status = 502 if job.status < 400 else job.status
                 if sse and chunked:
+                    # The client gets a complete, well-framed response (error event, last
+                    # chunk): the connection stays usable, and the client may already have
+                    # sent its next request on it.
                     event = (
                         b"data: "
                         + error_body(
@@ -806,6 +808,9 @@ class Ingress:
                         + b"\n\n"
                     )
                     await _client_send(sock, _frame([event], True) + b"0\r\n\r\n")
+                    return
+                # A body with a length (or no framing) cannot be ended early: close.
+                job.extra["close"] = True
                 conn.closing = True
                 return
             pieces = ex.take_pieces()

@@ -16,7 +16,7 @@ brief blip into an outage).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fabricnode.addr import split_hostport
 from fabricnode.errors import ConfigError
@@ -139,13 +139,15 @@ class RouteTable:
         return self._by_model.get(model)
 
     def listing(self) -> list[ModelListing]:
-        """Models with at least one SERVING node that is not known dead (``/v1/models``)."""
+        """Models with at least one SERVING node that is not known dead (``/v1/models``), each
+        with the number of such nodes (liveness is not part of the cached table: count now)."""
         self._refresh()
         core = self.core
         out = []
         for m in self._listing:
-            if any(_usable(core, r) for r in self._by_model.get(m.id, ())):
-                out.append(m)
+            usable = sum(_usable(core, r) for r in self._by_model.get(m.id, ()))
+            if usable:
+                out.append(m if usable == m.nodes else replace(m, nodes=usable))
         return out
 
     def take_removed(self) -> list[str]:

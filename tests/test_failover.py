@@ -3,80 +3,21 @@ requests that had not started streaming, and a stream broken mid-way ends with a
 
 from __future__ import annotations
 
+import http.client
 import json
 import signal
-import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
-from meshview import free_port
+from meshload import run_load, serving_count, sim_engine_args
 
-from fabricnode.localmesh import AgentProcess, LocalMesh, wait_until
+from fabricnode.localmesh import LocalMesh, wait_until
 
 pytestmark = pytest.mark.slow
-
-
-def sim_engine_args(model: str, gpu: str, *extra: str) -> list[str]:
-    """``fabric start`` arguments that supervise a simulated engine with extra engine flags."""
-    port = free_port()
-    return [
-        "--sim-gpu",
-        gpu,
-        "--engine-url",
-        f"http://127.0.0.1:{port}",
-        "--",
-        sys.executable,
-        "-m",
-        "fabricnode.simengine",
-        "--model",
-        model,
-        "--port",
-        str(port),
-        "--gpu",
-        gpu,
-        *extra,
-    ]
-
-
-def serving_count(ingress: AgentProcess, model: str) -> int:
-    try:
-        r = httpx.get(ingress.http_url + "/v1/models", timeout=2)
-        return sum(m["fabric_nodes"] for m in r.json()["data"] if m["id"] == model)
-    except (httpx.HTTPError, ValueError, KeyError):
-        return -1
-
-
-def run_load(
-    url: str, clients: int, stop: threading.Event, body: Callable[[int], dict[str, object]]
-) -> Counter[str]:
-    """Closed-loop non-streaming clients; counts outcomes by status (or exception name)."""
-    outcomes: Counter[str] = Counter()
-    lock = threading.Lock()
-
-    def client(n: int) -> None:
-        with httpx.Client(timeout=30) as http:
-            i = 0
-            while not stop.is_set():
-                i += 1
-                try:
-                    r = http.post(url + "/v1/chat/completions", json=body(n * 100000 + i))
-                    key = str(r.status_code)
-                except httpx.HTTPError as exc:
-                    key = type(exc).__name__
-                with lock:
-                    outcomes[key] += 1
-
-    threads = [threading.Thread(target=client, args=(n,)) for n in range(clients)]
-    for t in threads:
-        t.start()
-    stop.wait()
-    for t in threads:
-        t.join(30)
-    return outcomes
 
 
 def chat(i: int) -> dict[str, object]:
@@ -128,22 +69,36 @@ def test_stream_broken_mid_way_ends_with_an_error_event(mesh: LocalMesh) -> None
         "max_tokens": 400,
         "stream": True,
     }
+    # http.client on one connection: it reconnects only when a response said it would close,
+    # so the follow-up request below shows the connection survived the broken stream.
+    url = urlsplit(ingress.http_url)
+    conn = http.client.HTTPConnection(url.hostname or "", url.port, timeout=30)
+    conn.request(
+        "POST", "/v1/chat/completions", json.dumps(body), {"content-type": "application/json"}
+    )
+    r = conn.getresponse()
+    assert r.status == 200
+    assert not r.will_close
     events: list[str] = []
-    with httpx.stream(
-        "POST", ingress.http_url + "/v1/chat/completions", json=body, timeout=30
-    ) as r:
-        assert r.status_code == 200
-        for line in r.iter_lines():
-            if not line.startswith("data: "):
-                continue
-            events.append(line[6:])
-            if len(events) == 3:
-                node.signal(signal.SIGKILL)  # the serving agent dies mid-stream
-    # httpx read the stream to a clean end (a well-formed terminating chunk, no exception).
+    while line := r.readline():  # de-chunked by http.client; b"" at a clean end
+        text = line.decode().strip()
+        if not text.startswith("data: "):
+            continue
+        events.append(text[6:])
+        if len(events) == 3:
+            node.signal(signal.SIGKILL)  # the serving agent dies mid-stream
+    # A well-formed end: the terminating chunk arrived (http.client raises otherwise).
     assert len(events) >= 3
     last = json.loads(events[-1])
     assert "error" in last and last["error"]["code"] == "upstream_broken"
     assert "[DONE]" not in events
+    # The response was complete, so the client may reuse the connection at once.
+    sock = conn.sock
+    conn.request("GET", "/v1/models")
+    again = conn.getresponse()
+    assert again.status == 200 and conn.sock is sock
+    again.read()
+    conn.close()
 
 
 def test_request_to_a_node_that_goes_down_fails_over_before_the_first_byte(
