@@ -35,22 +35,23 @@ Per cell: ``--warmup`` seconds of load (client starts staggered over it), then
   cpu            cores used by the agents, engines and this client over the window; host% is
                  the whole machine's busy share (other work on a shared host shows there)
 
-Calibration (defaults; see ``--help``): H100 profile, 8B parameters (Llama-3.1-8B-sized):
-prefill costs ~32 us/token of compute against ~8 ms per (memory-bound) decode step, so a
-1.5k-token prefill costs as much as six decode steps of the whole batch. ``--kv-tokens 40000``
-per engine is the KV budget of SkyLB's testbed (Llama-3.1-8B on a 24 GB L4: 0.9 x 24 GB - 16 GB
-of weights at 128 KiB/token ~ 43k tokens): ~20 running requests per engine, so at 30 tree
-clients (1 to 8 requests in flight each) requests do queue in the engines. The simulated prefix
-cache has the same capacity: round robin spreads every tree over every node and misses more.
-``--speed 0.2`` runs the engines 5x slower than real time, which keeps the token rate through
-the relays (~1.3-1.5k chunks/s at ~0.5 ms of CPU per chunk over client, agents, engines) within
-what two shared cores carry without distorting the timings; the "cpu" and "host%" columns show
-whether that held.
+Calibration (defaults; see ``--help``): SkyLB's testbed, Llama-3.1-8B on one 24 GB L4 per
+replica (the simulated ``L4`` profile: 121 TFLOPS, 300 GB/s), in real time (``--speed 1``).
+Prefill costs ~0.26 ms/token of compute against ~67 ms per (memory-bound) decode step.
+``--kv-tokens 30000`` per engine is what vLLM leaves for KV on that card (0.9 x 22.5 GiB - 15 GiB
+of weights - ~1.3 GiB of activations and CUDA graphs, at 128 KiB/token); the simulated prefix
+cache has the same capacity. The engines admit optimistically and preempt under KV pressure, as
+vLLM does. At 30 tree clients (1 to 8 requests in flight each) the KV budget binds: a policy
+that spreads every tree over every node both misses the cache and fills the KV with copies of
+the same prefixes, so requests queue and get preempted. ``--kv-tokens 40000`` (SGLang's larger
+static pool) is the regime where round robin still fits everything; docs/benchmarks.md reports
+both. The token rate through the relays (~0.9k chunks/s) is well within what two shared cores
+carry; the "cpu" and "host%" columns show whether that held.
 
 Targets (issue 4): on tot, the default policy (``routing.DEFAULT_POLICY``) >= 1.27x round-robin
 throughput and >= 5x lower P90 TTFT; on nosharing, within 5% of least-load throughput.
 
-    python bench/routing.py                          # 3 workloads x 4 policies, ~5 minutes
+    python bench/routing.py                          # 3 workloads x 4 policies, ~10 minutes
     python bench/routing.py --workloads tot --policies round-robin,prefix-pending --json out.json
     python bench/routing.py --quick                  # smoke run, ~30 s
 
@@ -621,15 +622,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument("--workloads", default=",".join(DEFAULT_WORKLOADS), help="comma-separated")
     p.add_argument("--policies", default=",".join(default_policies()), help="comma-separated")
-    p.add_argument("--seconds", type=float, default=15.0, help="measured seconds per cell (15)")
+    p.add_argument("--seconds", type=float, default=30.0, help="measured seconds per cell (30)")
     p.add_argument("--warmup", type=float, default=8.0, help="unmeasured seconds per cell (8)")
     p.add_argument("--clients", type=int, default=30, help="closed-loop clients (30)")
     p.add_argument("--nodes", type=int, default=4, help="serving agents (4)")
     p.add_argument("--seed", type=int, default=0, help="workload seed (0)")
-    p.add_argument("--gpu", default="H100", help="simulated GPU profile (H100)")
+    p.add_argument("--gpu", default="L4", help="simulated GPU profile (L4)")
     p.add_argument("--params-b", type=float, default=8.0, help="model size, billions (8)")
-    p.add_argument("--speed", type=float, default=0.2, help="engine time factor (0.2)")
-    p.add_argument("--kv-tokens", type=int, default=40_000, help="KV tokens per engine (40000)")
+    p.add_argument("--speed", type=float, default=1.0, help="engine time factor (1.0)")
+    p.add_argument("--kv-tokens", type=int, default=30_000, help="KV tokens per engine (30000)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="engine batch limit (256)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     p.add_argument("--quick", action="store_true", help="tiny smoke run (~30 s)")
