@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/fabric demo
+	$(BIN)/fabric demo $(DEMO_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check fabricnode scheduler cli tests bench

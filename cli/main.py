@@ -13,6 +13,7 @@ import functools
 import json
 import os
 import sys
+import time
 from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -23,7 +24,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from fabricnode.client import AdminClient
+from cli.slurm_cmd import slurm_app
+from fabricnode.client import AdminClient, agent_base_url
 from fabricnode.config import default_cluster_key_path, default_provider_key_path
 from fabricnode.errors import ConfigError, FabricError, KeyFileError
 from fabricnode.identity import ProviderKey
@@ -55,11 +57,12 @@ app = typer.Typer(
     rich_markup_mode=None,
 )
 keys_app = typer.Typer(
-    help="Cluster and provider keys (create, rotate).",
+    help="Cluster keys (create, rotate), provider keys and ingress API keys.",
     no_args_is_help=True,
     rich_markup_mode=None,
 )
 app.add_typer(keys_app, name="keys")
+app.add_typer(slurm_app, name="slurm")
 
 
 # -- plumbing ---------------------------------------------------------------------------------
@@ -103,12 +106,20 @@ def _console() -> Console:
     return Console(width=None if sys.stdout.isatty() else 200, highlight=False)
 
 
+JsonOption = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
+
+
 def _print_json(doc: Any) -> None:
     print(json.dumps(doc, indent=2))
 
 
-def _client() -> AdminClient:
-    return AdminClient(_state().agent_url)
+def _client(command: str) -> AdminClient:
+    """A client of the agent named by --agent / $FABRIC_AGENT; a malformed URL is bad usage."""
+    try:
+        url = agent_base_url(_state().agent_url)
+    except ConfigError as exc:
+        _usage_error(command, f"--agent: {exc}")
+    return AdminClient(url)
 
 
 def _check_labels(labels: list[str] | None) -> list[str]:
@@ -240,6 +251,13 @@ def start(
         float | None,
         typer.Option(metavar="SECONDS", help="On leave, let accepted requests finish (30)."),
     ] = None,
+    leave_before_end: Annotated[
+        float | None,
+        typer.Option(
+            metavar="SECONDS",
+            help="In a Slurm job, start leaving this long before its time limit (120; 0 = off).",
+        ),
+    ] = None,
 ) -> None:
     from fabricnode.config import load_config
 
@@ -267,6 +285,7 @@ def start(
             request_log=request_log,
             max_body_mb=max_body_mb,
             drain_timeout_s=drain_timeout,
+            leave_before_end_s=leave_before_end,
         )
     except ConfigError as exc:
         _usage_error("start", str(exc))
@@ -292,6 +311,11 @@ def _key_path(path: Path | None) -> Path:
     return path if path is not None else default_cluster_key_path(os.environ)
 
 
+def _ring_doc(path: Path, ring: Keyring) -> dict[str, Any]:
+    """``--json`` of the keys commands: where the ring is, its primary key id and all ids."""
+    return {"path": str(path), "primary": ring.primary.hex(), "keys": ring.key_ids()}
+
+
 def _key_id(text: str) -> bytes:
     try:
         kid = bytes.fromhex(text)
@@ -312,6 +336,7 @@ def keys_new_cluster(
         typer.Argument(help="Where (default $FABRIC_CLUSTER_KEY, else $FABRIC_HOME/cluster.key)."),
     ] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing file.")] = False,
+    as_json: JsonOption = False,
 ) -> None:
     target = _key_path(path)
     if target.exists() and not force:
@@ -321,52 +346,63 @@ def keys_new_cluster(
         )
     ring = Keyring.with_key(new_cluster_key())
     ring.save(target)
+    if as_json:
+        _print_json(_ring_doc(target, ring))
+        return
     print(f"created cluster keyring {target} with key {ring.primary.hex()}")
 
 
 @keys_app.command("add", help="Add a new key to the keyring (not primary); prints its id.")
 @handled
-def keys_add(cluster_key: ClusterKeyOption = None) -> None:
+def keys_add(cluster_key: ClusterKeyOption = None, as_json: JsonOption = False) -> None:
     path = _key_path(cluster_key)
     ring = Keyring.load(path)
     kid = ring.add(new_cluster_key())
     ring.save(path)
+    if as_json:
+        _print_json({**_ring_doc(path, ring), "added": kid.hex()})
+        return
     print(kid.hex())
 
 
 @keys_app.command("use", help="Make KEYID the primary key (agents seal with it).")
 @handled
-def keys_use(keyid: str, cluster_key: ClusterKeyOption = None) -> None:
+def keys_use(keyid: str, cluster_key: ClusterKeyOption = None, as_json: JsonOption = False) -> None:
     kid = _key_id(keyid)
     path = _key_path(cluster_key)
     ring = Keyring.load(path)
     ring.use(kid)
     ring.save(path)
+    if as_json:
+        _print_json(_ring_doc(path, ring))
+        return
     print(f"primary key is now {kid.hex()}")
 
 
 @keys_app.command("remove", help="Remove KEYID (not the primary) from the keyring.")
 @handled
-def keys_remove(keyid: str, cluster_key: ClusterKeyOption = None) -> None:
+def keys_remove(
+    keyid: str, cluster_key: ClusterKeyOption = None, as_json: JsonOption = False
+) -> None:
     kid = _key_id(keyid)
     path = _key_path(cluster_key)
     ring = Keyring.load(path)
     ring.remove(kid)
     ring.save(path)
+    if as_json:
+        _print_json({**_ring_doc(path, ring), "removed": kid.hex()})
+        return
     print(f"removed key {kid.hex()}")
 
 
 @keys_app.command("list", help="Key ids in the keyring; the primary one is marked.")
 @handled
-def keys_list(
-    cluster_key: ClusterKeyOption = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
-) -> None:
+def keys_list(cluster_key: ClusterKeyOption = None, as_json: JsonOption = False) -> None:
     path = _key_path(cluster_key)
     ring = Keyring.load(path)
     primary = ring.primary.hex()
     if as_json:
-        _print_json({"path": str(path), "primary": primary, "keys": ring.key_ids()})
+        _print_json(_ring_doc(path, ring))
         return
     for kid in ring.key_ids():
         print(f"{kid} primary" if kid == primary else kid)
@@ -383,6 +419,7 @@ def keys_new_provider(
         typer.Option(metavar="NAME", help="Provider name (default $USER).", show_default=False),
     ] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing file.")] = False,
+    as_json: JsonOption = False,
 ) -> None:
     name = provider or os.environ.get("USER", "")
     if not name:
@@ -392,6 +429,9 @@ def keys_new_provider(
         raise KeyFileError(f"{target} already exists; pass --force to overwrite it")
     key = ProviderKey.generate(name)
     key.save(target)
+    if as_json:
+        _print_json({"path": str(target), "provider": name, "fingerprint": key.fingerprint})
+        return
     print(f"created provider key {target} for {name!r}, fingerprint {key.fingerprint}")
 
 
@@ -433,7 +473,7 @@ def keys_api_new(
         int | None, typer.Option(metavar="B", help="Burst size (default: one second's worth).")
     ] = None,
     keys_file: ApiKeysFileOption = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+    as_json: JsonOption = False,
 ) -> None:
     from fabricnode.apikeys import ApiKeyStore, RateLimit, check_key_name
 
@@ -471,7 +511,7 @@ def keys_api_new(
 @handled
 def keys_api_list(
     keys_file: ApiKeysFileOption = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+    as_json: JsonOption = False,
 ) -> None:
     import time as _time
 
@@ -509,7 +549,9 @@ def keys_api_list(
     "api-revoke", help="Revoke an ingress API key by key id, or by name if it has one active key."
 )
 @handled
-def keys_api_revoke(key_id_or_name: str, keys_file: ApiKeysFileOption = None) -> None:
+def keys_api_revoke(
+    key_id_or_name: str, keys_file: ApiKeysFileOption = None, as_json: JsonOption = False
+) -> None:
     from fabricnode.apikeys import ApiKeyStore
 
     path = _api_keys_path(keys_file)
@@ -517,6 +559,9 @@ def keys_api_revoke(key_id_or_name: str, keys_file: ApiKeysFileOption = None) ->
     if not store.enabled:
         raise KeyFileError(f"no API keys file at {path} (nothing to revoke)")
     key, changed = store.revoke(key_id_or_name)
+    if as_json:
+        _print_json({"path": str(path), "changed": changed, **key.public()})
+        return
     if changed:
         print(f"revoked API key {key.key_id} ({key.name}); agents drop it within a second or two")
     else:
@@ -525,7 +570,9 @@ def keys_api_revoke(key_id_or_name: str, keys_file: ApiKeysFileOption = None) ->
 
 # -- reading the registry ---------------------------------------------------------------------
 
-JsonOption = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
+NODE_COLUMNS = (
+    "SESSION", "PROVIDER", "STATE", "LIVENESS", "HOST", "GPUS", "MODELS", "LOAD", "AGE"
+)  # fmt: skip
 
 
 @app.command(help="Registry entries as this agent sees them.")
@@ -546,15 +593,16 @@ def nodes(
     if state is not None and state.lower() not in STATES:
         raise typer.BadParameter(f"{state!r}: choose {'|'.join(STATES)}", param_hint="--state")
     labels = _check_labels(label)
-    with _client() as client:
+    with _client("nodes") as client:
         found = client.nodes(
             state=state.lower() if state else None, model=model, gpu=gpu, labels=labels
         )
     if as_json:
         _print_json({"nodes": found})
         return
+    now = time.time()
     table = Table(box=None, header_style="bold", pad_edge=False)
-    for column in ("SESSION", "PROVIDER", "STATE", "LIVENESS", "HOST", "GPUS", "MODELS", "LOAD"):
+    for column in NODE_COLUMNS:
         table.add_column(column, no_wrap=column != "MODELS")
     for n in found:
         table.add_row(
@@ -562,10 +610,11 @@ def nodes(
             n["provider"],
             n["state"],
             n["liveness"],
-            n["hardware"]["host"],
+            n["hardware"]["host"] or "-",
             _gpus(n["hardware"]),
             ", ".join(m["id"] for m in n["models"]) or "-",
             _load(n["load"]),
+            _age(now - n["started_at"]),
         )
     _console().print(table)
     print(f"{len(found)} node{'s' if len(found) != 1 else ''}")
@@ -573,20 +622,32 @@ def nodes(
 
 @app.command(help="One registry entry in full (a unique prefix of the session id is enough).")
 @handled
-def node(session_id: str, as_json: JsonOption = False) -> None:
-    with _client() as client:
-        entry = client.node(session_id)
+def node(
+    session_id: Annotated[
+        str, typer.Argument(metavar="SESSION_ID", help="Session id, or a unique prefix of it.")
+    ],
+    as_json: JsonOption = False,
+) -> None:
+    if not session_id.strip():
+        _usage_error("node", "SESSION_ID is empty (see `fabric nodes` for the ids)")
+    with _client("node") as client:
+        entry = client.node(session_id.strip())
     if as_json:
         _print_json(entry)
         return
-    for key, value in _flatten(entry):
-        print(f"{key:<22} {value}")
+    rows = _flatten(entry)
+    now = time.time()
+    width = max(len(key) for key, _ in rows)
+    for key, value in rows:
+        if key.endswith("_at") and value != "-":
+            value = _when(float(value), now)
+        print(f"{key:<{width}}  {value}")
 
 
 @app.command(help="Models served across the mesh, with node counts and aggregate load.")
 @handled
 def models(as_json: JsonOption = False) -> None:
-    with _client() as client:
+    with _client("models") as client:
         found = client.models()
     if as_json:
         _print_json({"models": found})
@@ -625,6 +686,25 @@ def _load(load: dict[str, Any] | None) -> str:
     return f"w{load['waiting']} r{load['running']} kv{load['kv_usage']:.0%}"
 
 
+def _age(seconds: float) -> str:
+    """kubectl-style: 45s, 12m, 5h, 3d."""
+    s = max(0, int(seconds))
+    if s < 120:
+        return f"{s}s"
+    if s < 2 * 3600:
+        return f"{s // 60}m"
+    if s < 48 * 3600:
+        return f"{s // 3600}h"
+    return f"{s // 86400}d"
+
+
+def _when(ts: float, now: float) -> str:
+    """A Unix time as UTC, and how long ago (or from now)."""
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(ts))
+    delta = now - ts
+    return f"{stamp} ({_age(delta)} ago)" if delta >= 0 else f"{stamp} (in {_age(-delta)})"
+
+
 def _flatten(doc: Any, prefix: str = "") -> list[tuple[str, str]]:
     if isinstance(doc, dict):
         if not doc:
@@ -646,14 +726,35 @@ def _flatten(doc: Any, prefix: str = "") -> list[tuple[str, str]]:
 # -- demo -------------------------------------------------------------------------------------
 
 
-@app.command(help="Start local agents, watch the registry converge, a node leave and one die.")
+@app.command(
+    help="Run a local mesh with simulated engines (no GPU, no Slurm): watch it converge, serve "
+    "requests through several agents, survive a kill -9 and a leave, then stop it all. "
+    "With --serve it stays up as an OpenAI endpoint until Ctrl-C."
+)
 @handled
 def demo(
     nodes: Annotated[int, typer.Option("--nodes", min=3, max=32, help="How many agents.")] = 4,
+    serve: Annotated[
+        bool,
+        typer.Option(
+            "--serve", help="After the crash, keep the mesh up (prints the OpenAI base URL)."
+        ),
+    ] = False,
+    port: Annotated[
+        int | None,
+        typer.Option(
+            "--port",
+            min=1,
+            max=65535,
+            metavar="PORT",
+            help="HTTP port of the agent printed as the OpenAI base URL (default: a free "
+            "one); 8080 lets a plain `fabric nodes` find it.",
+        ),
+    ] = None,
 ) -> None:
     from fabricnode.demo import run_demo
 
-    raise typer.Exit(run_demo(nodes))
+    raise typer.Exit(run_demo(nodes, serve=serve, port=port))
 
 
 # -- sim-engine -------------------------------------------------------------------------------

@@ -25,6 +25,13 @@ in that order: ``gossip`` is always the last line, so a reader can stop there
 Leaving: SIGTERM or SIGINT → sign LEFT, push it directly to several members and gossip it for
 ``leave_linger_s`` → stop the HTTP servers (in-flight requests get ``http_shutdown_grace_s``) →
 exit 0. A second signal while leaving stops at once.
+
+Inside a Slurm job whose end time is known the agent also leaves on its own, by the same path,
+``leave_before_end_s`` before the end (``slurm_env.plan_leave``; at most half the time the job
+has left): Slurm's own warning (``#SBATCH --signal``) is only delivered at slurmctld's periodic
+time-limit check, and the SIGTERM at the time limit leaves only ``KillWait`` to drain. Just
+before leaving it asks scontrol for the end time again, and waits longer if the limit was
+extended. A SIGTERM that arrives after such a leave began is the first signal, not a second.
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
@@ -60,7 +67,14 @@ from fabricnode.membership import Liveness
 from fabricnode.mesh import MeshCore
 from fabricnode.registry import Addresses, EngineInfo, EntryBody, Hardware, State
 from fabricnode.rendezvous import announce, read_peers
-from fabricnode.slurm_env import SlurmJob, discover_job
+from fabricnode.slurm_env import (
+    LeavePlan,
+    SlurmJob,
+    discover_job,
+    plan_leave,
+    query_end_time,
+    replan_leave,
+)
 from fabricnode.views import liveness_of
 
 if TYPE_CHECKING:
@@ -162,10 +176,13 @@ class Agent:
         *,
         identity: Identity | None = None,
         wall_clock: Callable[[], float] = time.time,
+        job_end_now: Callable[[str], float | None] = query_end_time,
     ) -> None:
         self.config = config
         self.identity = identity or Identity.generate()
         self.wall_clock = wall_clock
+        self.job_end_now = job_end_now  # blocking (scontrol): called in a thread
+        self.leave_plan: LeavePlan | None = None
         # Load the keyring now, before any socket exists: a missing key is the most common
         # mistake and deserves one clear line (KeyFileError names `fabric keys new-cluster`).
         self.keyring = Keyring.load(config.cluster_key_path)
@@ -371,6 +388,10 @@ class Agent:
                 await nursery.start(engine.run)
             nursery.start_soon(self._watch_rendezvous, core, gossip, gossip_addr)
             nursery.start_soon(self._log_changes, core, tracker)
+            if job is not None:
+                self.leave_plan = self._plan_leave(job, now)
+                if self.leave_plan is not None:
+                    nursery.start_soon(self._leave_before_end, self.leave_plan, job.job_id)
             task_status.started(AgentAddresses(core.self_id, http_url, gossip_addr, admin_url))
 
             await self._stop.wait()
@@ -419,7 +440,41 @@ class Agent:
             await trio.sleep(self.config.request_log_flush_s)
             await trio.to_thread.run_sync(request_log.flush)
 
+    def _plan_leave(self, job: SlurmJob, now: float) -> LeavePlan | None:
+        margin = self.config.leave_before_end_s
+        plan = plan_leave(job.end_time, margin, now)
+        if plan is None:
+            why = "leave margin off" if job.end_time is not None else "its end time is unknown"
+            log.info("Slurm job %s: %s; leaving on SIGTERM only", job.job_id, why)
+            return None
+        note = ", half the time it has left" if plan.shortened else ""
+        log.info(
+            "Slurm job %s ends in %.0f s: leaving %.0f s before its end%s (--leave-before-end %g)",
+            job.job_id,
+            plan.end_time - now,
+            plan.margin_s,
+            note,
+            margin,
+        )
+        return plan
+
+    async def _leave_before_end(self, plan: LeavePlan, job_id: str) -> None:
+        async def end_now() -> float | None:
+            return await trio.to_thread.run_sync(self.job_end_now, job_id)
+
+        plan = await wait_leave_time(plan, wall_clock=self.wall_clock, end_time_now=end_now)
+        self.leave_plan = plan
+        if not self._stop.is_set():
+            log.info(
+                "Slurm job %s ends in %.0f s: leaving the mesh before it is killed",
+                job_id,
+                plan.end_time - self.wall_clock(),
+            )
+            self.request_stop()
+
     def _engine_log_path(self, session_id: str) -> Path | None:
+        if self.config.job_log_dir is not None:
+            return self.config.job_log_dir / "engine.log"
         if self.config.log_dir is None:
             return None
         job = os.environ.get("SLURM_JOB_ID", "local")
@@ -470,6 +525,31 @@ class Agent:
                 log.info("member %s forgotten", sid[:8])
             seen = current
             await trio.sleep(LIVENESS_LOG_INTERVAL_S)
+
+
+async def wait_leave_time(
+    plan: LeavePlan,
+    *,
+    wall_clock: Callable[[], float],
+    end_time_now: Callable[[], Awaitable[float | None]],
+    max_sleep_s: float = 30.0,
+) -> LeavePlan:
+    """Return at ``plan.leave_at`` by ``wall_clock`` (re-read at least every ``max_sleep_s``, so
+    a stepped or suspended clock is noticed), after asking ``end_time_now`` whether the job's
+    end moved: an extended time limit re-plans and waits again. Returns the plan acted on."""
+    while True:
+        delay = plan.leave_at - wall_clock()
+        if delay > 0:
+            await trio.sleep(min(delay, max_sleep_s))
+            continue
+        later = replan_leave(plan, await end_time_now(), wall_clock())
+        if later is None:
+            return plan
+        log.info(
+            "the job's time limit was extended by %.0f s: leaving later",
+            later.end_time - plan.end_time,
+        )
+        plan = later
 
 
 def _read_peers(path: Path, own: str) -> list[str]:

@@ -6,7 +6,11 @@ line wins over the environment, which wins over the built-in default. Invalid va
 ``ConfigError`` with one line naming the flag or variable at fault.
 
 Environment: ``FABRIC_HOME`` (default ``~/.config/fabric``), ``FABRIC_JOIN`` (comma-separated
-gossip addresses), ``FABRIC_CLUSTER_KEY`` (path of the cluster keyring), ``USER`` (provider).
+gossip addresses), ``FABRIC_CLUSTER_KEY`` (path of the cluster keyring), ``USER`` (provider),
+``FABRIC_RENDEZVOUS`` (the rendezvous file, default ``$FABRIC_HOME/rendezvous``),
+``FABRIC_LOG_DIR`` (logs, default ``$FABRIC_HOME/logs``), ``FABRIC_JOB_LOG_DIR`` (this agent's
+own log directory, set by the sbatch wrapper: ``engine.log`` and ``requests.jsonl`` go straight
+into it), ``FABRIC_LEAVE_BEFORE_END`` (seconds, as ``--leave-before-end``).
 
 Advertised address (what peers and clients are told to contact): ``--advertise`` if given; else
 the gossip bind host when it is a specific address (a loopback bind advertises the loopback
@@ -34,6 +38,7 @@ from fabricnode.hardware import parse_sim_gpu
 from fabricnode.ingress_config import IngressConfig
 from fabricnode.mesh import MeshConfig
 from fabricnode.routing import POLICY_NAMES
+from fabricnode.slurm_env import DEFAULT_LEAVE_BEFORE_END_S
 
 DEFAULT_HTTP = "0.0.0.0:8080"
 DEFAULT_GOSSIP = "0.0.0.0:7946"
@@ -53,6 +58,7 @@ class AgentConfig:
     provider_key_path: Path | None = None  # certifies our session key (verified provider)
     engine: EngineCommand | None = None  # the supervised child; None: a JOIN-only node
     log_dir: Path | None = None  # engine logs go to <log_dir>/<job>-<session>/engine.log
+    job_log_dir: Path | None = None  # if set, the engine log is <job_log_dir>/engine.log
     sim_gpu: str | None = None  # TYPE[:COUNT[:MEMORY_GB]] instead of nvidia-smi discovery
     restart: str = "no"  # engine restart policy: no | on-failure | always
     max_restarts: int = 3
@@ -73,6 +79,9 @@ class AgentConfig:
     keyring_poll_s: float = 1.0  # notice edits of the cluster keyring file this fast
     # On leave, requests our engine accepted get this long to finish before it is stopped.
     drain_timeout_s: float = 30.0
+    # Inside a Slurm job with a known end time, start leaving this long before it (at most
+    # half the time the job has left when the agent starts); 0 = only on SIGTERM.
+    leave_before_end_s: float = DEFAULT_LEAVE_BEFORE_END_S
     api_keys_path: Path | None = None  # hashed API keys; no file = the ingress runs open
     request_log_path: Path | None = None  # trace-schema request log (JSON lines); None = off
     request_log_flush_s: float = 1.0
@@ -134,6 +143,7 @@ def load_config(
     request_log: str | None = None,
     max_body_mb: float | None = None,
     drain_timeout_s: float | None = None,
+    leave_before_end_s: float | None = None,
     env: Mapping[str, str] | None = None,
     mesh: MeshConfig | None = None,
 ) -> AgentConfig:
@@ -141,7 +151,8 @@ def load_config(
 
     ``rendezvous=""`` disables the rendezvous file; ``request_log=""`` disables the request log.
     Defaults: API keys from ``$FABRIC_HOME/api-keys.json`` (auth is on once that file exists),
-    request log ``$FABRIC_HOME/logs/requests-<job>-<pid>.jsonl``.
+    request log ``$FABRIC_LOG_DIR/requests-<job>-<pid>.jsonl`` (``$FABRIC_JOB_LOG_DIR/
+    requests.jsonl`` under the sbatch wrapper).
     """
     env = os.environ if env is None else env
     http_host, http_port = _bind("--http", http or DEFAULT_HTTP)
@@ -153,7 +164,10 @@ def load_config(
     seeds = list(join) or [s for s in env.get("FABRIC_JOIN", "").split(",") if s.strip()]
     join_addrs = tuple(_join_addr(s, "--join" if join else "FABRIC_JOIN") for s in seeds)
     if rendezvous is None:
-        rendezvous_path: Path | None = fabric_home(env) / "rendezvous"
+        from_env = env.get("FABRIC_RENDEZVOUS", "").strip()
+        rendezvous_path: Path | None = (
+            Path(from_env).expanduser() if from_env else fabric_home(env) / "rendezvous"
+        )
     else:
         rendezvous_path = Path(rendezvous).expanduser() if rendezvous else None
     key_path = Path(cluster_key).expanduser() if cluster_key else default_cluster_key_path(env)
@@ -162,22 +176,30 @@ def load_config(
         raise ConfigError(f"--log-level {log_level!r}: choose one of {', '.join(LOG_LEVELS)}")
     home = fabric_home(env)
     keys_path = Path(api_keys).expanduser() if api_keys else home / "api-keys.json"
-    if request_log is None:
+    log_dir = Path(env["FABRIC_LOG_DIR"]).expanduser() if env.get("FABRIC_LOG_DIR") else None
+    log_dir = log_dir or home / "logs"
+    job_log_dir = env.get("FABRIC_JOB_LOG_DIR", "").strip()
+    job_logs = Path(job_log_dir).expanduser() if job_log_dir else None
+    if request_log is None and job_logs is not None:
+        log_path: Path | None = job_logs / "requests.jsonl"
+    elif request_log is None:
         job = env.get("SLURM_JOB_ID", "local")
-        log_path: Path | None = home / "logs" / f"requests-{job}-{os.getpid()}.jsonl"
+        log_path = log_dir / f"requests-{job}-{os.getpid()}.jsonl"
     else:
         log_path = Path(request_log).expanduser() if request_log else None
     return AgentConfig(
         api_keys_path=keys_path,
         request_log_path=log_path,
         drain_timeout_s=_drain(drain_timeout_s),
+        leave_before_end_s=_leave_before_end(leave_before_end_s, env),
         ingress=_ingress(policy, max_body_mb),
         cluster_key_path=key_path,
         rendezvous_path=rendezvous_path,
         provider=_provider(provider, env),
         provider_key_path=Path(provider_key).expanduser() if provider_key else None,
         engine=_engine(engine_cmd, engine_url, sim, sim_gpu),
-        log_dir=fabric_home(env) / "logs",
+        log_dir=log_dir,
+        job_log_dir=job_logs,
         sim_gpu=_sim_gpu(sim_gpu),
         restart=_restart(restart),
         max_restarts=_max_restarts(max_restarts),
@@ -213,6 +235,22 @@ def _drain(value: float | None) -> float:
         return 30.0
     if not 0 <= value <= 3600:
         raise ConfigError(f"--drain-timeout {value:g}: expected 0..3600 seconds")
+    return value
+
+
+def _leave_before_end(value: float | None, env: Mapping[str, str]) -> float:
+    source = "--leave-before-end"
+    if value is None:
+        text = env.get("FABRIC_LEAVE_BEFORE_END", "").strip()
+        if not text:
+            return DEFAULT_LEAVE_BEFORE_END_S
+        source = "FABRIC_LEAVE_BEFORE_END"
+        try:
+            value = float(text)
+        except ValueError:
+            raise ConfigError(f"{source} {text!r}: expected seconds (0 = off)") from None
+    if not 0 <= value <= 7 * 86400:  # also rejects NaN
+        raise ConfigError(f"{source} {value:g}: expected 0 (off) to 604800 seconds")
     return value
 
 

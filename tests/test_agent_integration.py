@@ -3,14 +3,16 @@ key rotation, and the demo. Every process is killed and reaped even when a test 
 
 from __future__ import annotations
 
+import json
 import os
+import queue
 import re
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -235,77 +237,232 @@ def test_the_ready_lines_name_reachable_addresses(mesh: LocalMesh) -> None:
     assert httpx.get(f"{addrs.http_url}/fabric/v1/self", timeout=2.0).status_code == 404
 
 
-def _processes_mentioning(text: str) -> list[int]:
+def _demo_processes(workdir: str) -> list[int]:
+    """Live processes of one demo: its agents (their command line names the work directory) and
+    their engines (they inherit ``FABRIC_HOME=<work directory>``). Other work on the machine,
+    agents and engines included, is not counted."""
+    home = f"FABRIC_HOME={workdir}".encode()
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            cmdline = (entry / "cmdline").read_bytes()
+            environ = (entry / "environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if text in cmdline:
+        if workdir.encode() in cmdline or home in environ:
             found.append(int(entry.name))
     return found
 
 
-def _run_demo(*, interrupt_after: str | None = None) -> tuple[int, str, float]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FABRIC_")}
-    started = time.monotonic()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "cli.main", "demo", "--nodes", "3"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-    )
-    lines: list[str] = []
+class DemoRun:
+    """``fabric demo ARGS`` as a subprocess whose output (not a terminal: plain lines) is read by
+    a thread, so a test can wait for a line with a timeout. ``close`` kills it if still running."""
+
+    def __init__(self, *args: str) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("FABRIC_")}
+        self.started = time.monotonic()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "cli.main", "demo", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+        self.lines: list[str] = []
+        self._queue: queue.Queue[str | None] = queue.Queue()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._queue.put(line)
+        self._queue.put(None)
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def _next(self, deadline: float, what: str) -> str | None:
+        """The next line (None at the end of the output), or AssertionError at the deadline."""
+        try:
+            line = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            raise AssertionError(f"{what}: timed out; output so far:\n{self.output}") from None
+        if line is not None:
+            self.lines.append(line)
+        return line
+
+    def wait_for(self, text: str, timeout_s: float) -> str:
+        """The first line (from now on) containing ``text``."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            line = self._next(deadline, f"waiting for {text!r}")
+            if line is None:
+                raise AssertionError(f"demo ended before {text!r}:\n{self.output}")
+            if text in line:
+                return line
+
+    def finish(self, timeout_s: float) -> int:
+        """Read to the end; the exit status."""
+        deadline = time.monotonic() + timeout_s
+        while self._next(deadline, "waiting for the demo to end") is not None:
+            pass
+        return self.proc.wait(5.0)
+
+    @property
+    def took_s(self) -> float:
+        return time.monotonic() - self.started
+
+    def workdir(self) -> str:
+        found = re.search(r"(/\S*fabric-demo-\w+)", self.output)
+        assert found, self.output
+        return found.group(1)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture
+def demo_runs() -> Iterator[list[DemoRun]]:
+    runs: list[DemoRun] = []
     try:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line)
-            if interrupt_after and interrupt_after in line:
-                proc.send_signal(signal.SIGINT)
-        code = proc.wait(90)
+        yield runs
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    return code, "".join(lines), time.monotonic() - started
+        for run in runs:
+            run.close()
+            if run.lines:  # kill what a broken demo left behind (there should be nothing)
+                for pid in _demo_processes(run.workdir()):
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
 
 
-@pytest.mark.skipif(not Path("/proc").is_dir(), reason="needs /proc to look for leftovers")
-def test_demo_runs_to_completion_and_leaves_no_process_behind() -> None:
-    engines_before = set(_processes_mentioning("fabricnode.simengine"))
-    code, output, took = _run_demo()
+def _assert_nothing_left(run: DemoRun) -> None:
+    workdir = run.workdir()
+    deadline = time.monotonic() + 5.0
+    while _demo_processes(workdir) and time.monotonic() < deadline:
+        time.sleep(0.1)  # engines exit once their agent has
+    assert _demo_processes(workdir) == [], "agents or engines outlived the demo"
+    assert not Path(workdir).exists(), "the temporary FABRIC_HOME is removed"
+
+
+def _sessions(output: str) -> dict[str, str]:
+    """Short session id -> node name, from the demo's first lines."""
+    return {sid: name for name, sid in re.findall(r"^  (node\d+)  session (\w{8})", output, re.M)}
+
+
+skip_without_proc = pytest.mark.skipif(
+    not Path("/proc").is_dir(), reason="needs /proc to look for leftovers"
+)
+
+
+@skip_without_proc
+def test_demo_runs_to_completion_and_leaves_no_process_behind(
+    demo_runs: list[DemoRun],
+) -> None:
+    run = DemoRun("--nodes", "3")
+    demo_runs.append(run)
+    code = run.finish(90.0)
+    output = run.output
     assert code == 0, output
-    assert "every agent sees all 3 entries" in output
-    assert "[serving llama-3-8b 2xH100]" in output  # simulated engines on mixed GPUs
-    assert "[serving qwen2.5-7b 1xL40S]" in output
-    assert "is LEFT everywhere; it exited with status 0" in output
-    assert "is dead in every survivor's view" in output
-    # Real requests through every agent, each answer naming the node that served it; after the
-    # crash the victim's model is still answered (by the other node serving it).
-    served = re.findall(r"via (node\d) +(\S+) +-> served by (node\d)", output)
-    assert {via for via, _, _ in served} == {"node1", "node2", "node3"}, output
-    after_crash = output.split("3. kill -9")[1].split("is dead in every")[0]
-    assert len(re.findall(r"served by node1 ", after_crash)) == 3, output
+    assert run.took_s < 60, output
+    assert "Traceback" not in output
+    assert "every agent sees all 3 entries, all alive" in output
+    # The registry as `fabric nodes` shows it: simulated engines on mixed GPUs, two models.
+    assert re.search(r"serving +alive +http://127.0.0.1:\d+ +2xH100 +llama-3-8b", output)
+    assert re.search(r"serving +alive +http://127.0.0.1:\d+ +1xA100-80G +llama-3-8b", output)
+    assert re.search(r"serving +alive +http://127.0.0.1:\d+ +1xL40S +qwen2.5-7b", output)
+
+    # Real requests through every agent, each answer naming the node (and GPU) that served it.
+    step2 = output.split("\n2. ")[1].split("\n3. ")[0]
+    served = re.findall(r"via (node\d) +(\S+) +-> served by (node\d) \(([^)]+)\)", step2)
+    assert {via for via, _, _, _ in served} == {"node1", "node2", "node3"}, output
+    gpu = {"node1": "H100", "node2": "A100-80G", "node3": "L40S"}
+    model = {"node1": "llama-3-8b", "node2": "llama-3-8b", "node3": "qwen2.5-7b"}
+    for _, asked, node, gpu_type in served:
+        assert model[node] == asked and gpu[node] == gpu_type
+
+    # The crash: the conversation's node is killed; its next turn is retried on the other
+    # llama node; background requests through the survivors all get answers.
+    step3 = output.split("\n3. ")[1].split("\n4. ")[0]
+    victim = re.search(r"kill -9 (node\d) \(pid \d+\)", step3)
+    assert victim, output
+    victim_name = victim.group(1)
+    other = "node2" if victim_name == "node1" else "node1"
+    turns = re.findall(r"via node3 +llama-3-8b +-> served by (node\d)", step3)
+    assert turns == [victim_name, other], output
+    assert f"-> node3 tried {victim_name}, got no answer and retried on {other}" in step3
+    assert f"{victim_name} is dead in every survivor's view" in step3
+    during = re.search(r"requests during the crash: (\d+) sent, (\d+) answered, 0 failed", step3)
+    assert during and int(during.group(1)) == int(during.group(2)) > 0, output
+    assert f"answered by: {victim_name}" not in step3
+
+    assert f"SIGTERM {other}" in output
+    assert f"{other} is LEFT everywhere; it exited with status 0" in output
+    assert "node3: exit 0" in output
     assert "Done in" in output
-    assert took < 60, output
-    workdir = re.search(r"(/\S*fabric-demo-\w+)", output)
-    assert workdir, output
-    assert _processes_mentioning(workdir.group(1)) == []
-    time.sleep(0.5)
-    leftover = set(_processes_mentioning("fabricnode.simengine")) - engines_before
-    assert not leftover, "simulated engines outlived the demo"
-    assert not Path(workdir.group(1)).exists(), "the temporary FABRIC_HOME is removed"
+    _assert_nothing_left(run)
 
 
-@pytest.mark.skipif(not Path("/proc").is_dir(), reason="needs /proc to look for leftovers")
-def test_interrupted_demo_stops_every_agent() -> None:
-    code, output, _ = _run_demo(interrupt_after="1. Registry converging")
-    assert code == 130, output
-    workdir = re.search(r"(/\S*fabric-demo-\w+)", output)
-    assert workdir, output
-    time.sleep(0.5)
-    assert _processes_mentioning(workdir.group(1)) == []
+@skip_without_proc
+def test_interrupted_demo_stops_every_agent(demo_runs: list[DemoRun]) -> None:
+    run = DemoRun("--nodes", "3")
+    demo_runs.append(run)
+    run.wait_for("1. Registry converging", 60.0)
+    run.proc.send_signal(signal.SIGINT)
+    code = run.finish(30.0)
+    assert code == 130, run.output
+    assert "interrupted: stopping every agent" in run.output
+    assert "Traceback" not in run.output
+    _assert_nothing_left(run)
+
+
+@skip_without_proc
+def test_demo_serve_answers_on_the_printed_url_until_ctrl_c(demo_runs: list[DemoRun]) -> None:
+    from openai import OpenAI
+
+    run = DemoRun("--nodes", "3", "--serve")
+    demo_runs.append(run)
+    run.wait_for("Press Ctrl-C to stop", 60.0)
+    output = run.output
+    base = re.search(r"OpenAI base URL: (http://127\.0\.0\.1:\d+/v1)$", output, re.M)
+    assert base, output
+    others = re.search(r"other agents: +(.+)$", output, re.M)
+    assert others, output
+    assert f"curl -s {base.group(1)}/chat/completions" in output
+    victim = re.search(r"kill -9 (node\d) \(pid \d+\)", output)
+    assert victim, output
+    sessions = _sessions(output)
+
+    # The official client through the printed URL, and through every other agent.
+    urls = [base.group(1)] + [f"{u.strip()}/v1" for u in others.group(1).split(",")]
+    assert len(urls) == 2
+    for url in urls:
+        client = OpenAI(base_url=url, api_key="none", max_retries=0, timeout=30)
+        assert sorted(m.id for m in client.models.list().data) == ["llama-3-8b", "qwen2.5-7b"]
+        for model in ("llama-3-8b", "qwen2.5-7b"):
+            raw = client.chat.completions.with_raw_response.create(
+                model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4
+            )
+            assert raw.parse().choices[0].message.content
+            served = sessions[raw.headers["x-fabric-node"][:8]]
+            assert served != victim.group(1)
+    # The admin command it suggests works against the same agent.
+    agent_url = base.group(1).removesuffix("/v1")
+    listed = CliRunner().invoke(app, ["--agent", agent_url, "nodes", "--json"])
+    assert listed.exit_code == 0, listed.output
+    assert len(json.loads(listed.stdout)["nodes"]) == 3
+
+    run.proc.send_signal(signal.SIGINT)
+    code = run.finish(30.0)
+    assert code == 0, run.output
+    assert "Stopping the 2 agents (SIGTERM: each signs LEFT)" in run.output
+    assert len(re.findall(r"node\d: exit 0", run.output)) == 2, run.output
+    assert "Traceback" not in run.output
+    _assert_nothing_left(run)

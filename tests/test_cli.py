@@ -4,21 +4,24 @@ and the read commands against a real agent."""
 from __future__ import annotations
 
 import json
+import re
 import socket
 import stat
 import subprocess
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
+from typer.testing import CliRunner, Result
 
 from cli.main import app, run
+from fabricnode.client import AdminClient
 from fabricnode.config import load_config, parse_labels
-from fabricnode.errors import ConfigError
+from fabricnode.errors import AgentApiError, ConfigError
 from fabricnode.identity import ProviderKey
 from fabricnode.keyring import Keyring
-from fabricnode.localmesh import AgentProcess, LocalMesh, agent_command
+from fabricnode.localmesh import AgentProcess, LocalMesh, agent_command, wait_until
 
 ENV_KEYS = ("FABRIC_HOME", "FABRIC_CLUSTER_KEY", "FABRIC_JOIN", "FABRIC_AGENT")
 
@@ -335,7 +338,8 @@ def test_nodes_and_node_show_a_real_agent(runner: CliRunner, agent: AgentProcess
     assert one.exit_code == 0
     assert json.loads(one.stdout)["session_id"] == agent.session_id
     human = runner.invoke(app, ["--agent", url, "node", agent.session_id[:6]])
-    assert f"addresses.gossip       {agent.gossip_addr}" in human.stdout
+    gossip = rf"^addresses\.gossip +{re.escape(agent.gossip_addr)}$"
+    assert re.search(gossip, human.stdout, re.MULTILINE), human.stdout
 
     missing = runner.invoke(app, ["--agent", url, "node", "ffffffffffff0000"])
     assert missing.exit_code == 1
@@ -343,3 +347,369 @@ def test_nodes_and_node_show_a_real_agent(runner: CliRunner, agent: AgentProcess
 
     models = runner.invoke(app, ["--agent", url, "models", "--json"])
     assert json.loads(models.stdout) == {"models": []}
+
+
+# -- read commands against a real mesh: tables, --json, filters, errors -------------------------
+
+ENTRY_KEYS = [
+    "session_id",
+    "provider",
+    "verified_provider",
+    "state",
+    "version",
+    "liveness",
+    "addresses",
+    "hardware",
+    "engine",
+    "models",
+    "labels",
+    "load",
+    "started_at",
+    "updated_at",
+    "expires_at",
+]
+MODEL_KEYS = [
+    "id",
+    "nodes",
+    "serving",
+    "gpu_types",
+    "gpus",
+    "max_model_len",
+    "quantizations",
+    "providers",
+    "load",
+]
+
+
+@dataclass
+class SimMesh:
+    """Three agents: ``llama`` (2xH100, team=a), ``qwen`` (1xL40S, team=b), both SERVING a
+    simulated engine, and ``bare`` (no engine: JOIN, team=a) whose agent endpoints are on a
+    separate ``--admin`` port."""
+
+    llama: AgentProcess
+    qwen: AgentProcess
+    bare: AgentProcess
+
+    @property
+    def url(self) -> str:
+        return self.llama.http_url
+
+    def all(self) -> list[AgentProcess]:
+        return [self.llama, self.qwen, self.bare]
+
+
+@pytest.fixture(scope="module")
+def sim_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimMesh]:
+    local = LocalMesh(tmp_path_factory.mktemp("cli-mesh"), provider="lab")
+    try:
+        sim = SimMesh(
+            local.start(
+                "llama",
+                wait=False,
+                args=["--sim", "llama-3-8b", "--sim-gpu", "H100:2", "--label", "team=a"],
+            ),
+            local.start(
+                "qwen",
+                wait=False,
+                args=["--sim", "qwen2.5-7b", "--sim-gpu", "L40S", "--label", "team=b"],
+            ),
+            local.start("bare", wait=False, args=["--label", "team=a", "--admin", "127.0.0.1:0"]),
+        )
+        for agent in sim.all():
+            agent.wait_ready(30.0)
+
+        def settled() -> bool:
+            try:
+                with AdminClient(sim.url, timeout_s=2.0) as client:
+                    found = client.nodes()
+            except AgentApiError:
+                return False
+            states = sorted(n["state"] for n in found if n["liveness"] == "alive")
+            return states == ["join", "serving", "serving"] and all(
+                n["load"] is not None for n in found if n["state"] == "serving"
+            )
+
+        assert wait_until(settled, 30.0), "the 3 agents did not converge with 2 engines serving"
+        yield sim
+    finally:
+        local.close()
+
+
+def invoke(runner: CliRunner, url: str, *args: str) -> Result:
+    return runner.invoke(app, ["--agent", url, *args])
+
+
+@pytest.mark.slow
+def test_nodes_table_shows_every_column_for_every_node(
+    runner: CliRunner, sim_mesh: SimMesh
+) -> None:
+    result = invoke(runner, sim_mesh.url, "nodes")
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.strip().splitlines()
+    assert lines[0].split() == [
+        "SESSION", "PROVIDER", "STATE", "LIVENESS", "HOST", "GPUS", "MODELS", "LOAD", "AGE"
+    ]  # fmt: skip
+    assert lines[-1] == "3 nodes"
+    rows = {line.split()[0]: line.split() for line in lines[1:-1]}
+    llama = rows[sim_mesh.llama.session_id[:12]]
+    assert llama[1:4] == ["lab", "serving", "alive"]
+    assert llama[5:7] == ["2xH100", "llama-3-8b"]
+    assert re.fullmatch(r"w\d+ r\d+ kv\d+%", " ".join(llama[7:10]))
+    assert re.fullmatch(r"\d+[smhd]", llama[10])
+    bare = rows[sim_mesh.bare.session_id[:12]]
+    assert bare[1:4] == ["lab", "join", "alive"]
+    assert bare[5:] == ["-", "-", "-", bare[-1]], "no GPU, model or load: dashes"
+
+
+@pytest.mark.slow
+def test_nodes_json_has_the_documented_keys(runner: CliRunner, sim_mesh: SimMesh) -> None:
+    result = invoke(runner, sim_mesh.url, "nodes", "--json")
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert list(doc) == ["nodes"]
+    by_sid = {n["session_id"]: n for n in doc["nodes"]}
+    assert sorted(by_sid) == sorted(a.session_id for a in sim_mesh.all())
+    for entry in doc["nodes"]:
+        assert list(entry) == ENTRY_KEYS
+        assert list(entry["addresses"]) == ["http", "gossip"]
+        assert list(entry["hardware"]) == ["gpu_type", "gpu_count", "gpu_memory_gb", "host"]
+        assert list(entry["engine"]) == ["kind", "version", "url"]
+    llama = by_sid[sim_mesh.llama.session_id]
+    assert llama["hardware"]["gpu_type"] == "H100" and llama["hardware"]["gpu_count"] == 2
+    assert [list(m) for m in llama["models"]] == [["id", "max_model_len", "quantization"]]
+    assert list(llama["load"]) == ["waiting", "running", "kv_usage", "inflight", "updated_at"]
+    assert llama["labels"] == {"fabric.name": "llama", "team": "a"}
+    assert by_sid[sim_mesh.bare.session_id]["load"] is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--state", "serving"], ["llama", "qwen"]),
+        (["--state", "JOIN"], ["bare"]),
+        (["--state", "left"], []),
+        (["--model", "qwen2.5-7b"], ["qwen"]),
+        (["--model", "no-such-model"], []),
+        (["--gpu", "h100"], ["llama"]),
+        (["--label", "team=a"], ["bare", "llama"]),
+        (["--label", "team=a", "--label", "fabric.name=bare"], ["bare"]),
+        (["--label", "team=a", "--state", "serving", "--gpu", "H100"], ["llama"]),
+    ],
+)
+def test_nodes_filters_combine(
+    runner: CliRunner, sim_mesh: SimMesh, args: list[str], expected: list[str]
+) -> None:
+    result = invoke(runner, sim_mesh.url, "nodes", *args, "--json")
+    assert result.exit_code == 0, result.output
+    names = sorted(n["labels"]["fabric.name"] for n in json.loads(result.stdout)["nodes"])
+    assert names == expected
+    table = invoke(runner, sim_mesh.url, "nodes", *args)
+    assert table.exit_code == 0
+    count = len(expected)
+    assert table.stdout.strip().splitlines()[-1] == f"{count} node{'s' if count != 1 else ''}"
+
+
+@pytest.mark.slow
+def test_node_shows_one_entry_by_unique_prefix(runner: CliRunner, sim_mesh: SimMesh) -> None:
+    sid = sim_mesh.qwen.session_id
+    for prefix in (sid, sid[:8], sid[:8].upper()):
+        result = invoke(runner, sim_mesh.url, "node", prefix, "--json")
+        assert result.exit_code == 0, result.output
+        entry = json.loads(result.stdout)
+        assert entry["session_id"] == sid and list(entry) == ENTRY_KEYS
+    human = invoke(runner, sim_mesh.url, "node", sid[:8])
+    assert human.exit_code == 0
+    fields = dict(line.split(None, 1) for line in human.stdout.strip().splitlines())
+    assert fields["session_id"] == sid
+    assert fields["models[0].id"] == "qwen2.5-7b"
+    assert fields["hardware.gpu_type"] == "L40S"
+    assert fields["labels.team"] == "b"
+    assert re.fullmatch(
+        r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC \(\d+[smhd] ago\)", fields["started_at"]
+    )
+    assert re.fullmatch(r".* UTC \(in \d+[smhd]\)", fields["expires_at"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("prefix", ["ffffffffffff0000", "not-hex"])
+def test_node_with_an_unknown_id_is_one_line_and_exit_1(
+    runner: CliRunner, sim_mesh: SimMesh, prefix: str
+) -> None:
+    result = invoke(runner, sim_mesh.url, "node", prefix)
+    assert result.exit_code == 1
+    line = one_error_line(result.stderr)
+    assert f"no node with session id {prefix!r}" in line and "fabric nodes" in line
+    assert result.stdout == ""
+
+
+@pytest.mark.slow
+def test_models_show_nodes_gpu_types_and_aggregate_load(
+    runner: CliRunner, sim_mesh: SimMesh
+) -> None:
+    result = invoke(runner, sim_mesh.url, "models", "--json")
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert list(doc) == ["models"]
+    assert [m["id"] for m in doc["models"]] == ["llama-3-8b", "qwen2.5-7b"]
+    llama, qwen = doc["models"]
+    for m in (llama, qwen):
+        assert list(m) == MODEL_KEYS
+        assert list(m["load"]) == ["waiting", "running", "inflight", "kv_usage"]
+        assert (m["nodes"], m["serving"], m["providers"]) == (1, 1, ["lab"])
+    assert (llama["gpu_types"], llama["gpus"]) == (["H100"], 2)
+    assert (qwen["gpu_types"], qwen["gpus"]) == (["L40S"], 1)
+
+    table = invoke(runner, sim_mesh.url, "models")
+    assert table.exit_code == 0
+    lines = table.stdout.strip().splitlines()
+    assert lines[0].split() == [
+        "MODEL", "NODES", "SERVING", "GPU", "TYPES", "GPUS", "WAITING", "RUNNING", "KV"
+    ]  # fmt: skip
+    rows = {line.split()[0]: line.split() for line in lines[1:]}
+    assert rows["llama-3-8b"][1:5] == ["1", "1", "H100", "2"]
+    assert rows["qwen2.5-7b"][1:5] == ["1", "1", "L40S", "1"]
+
+
+@pytest.mark.slow
+def test_any_agent_answers_and_agent_urls_are_forgiving(
+    runner: CliRunner, sim_mesh: SimMesh, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    views = []
+    for url in (sim_mesh.llama.http_url, sim_mesh.qwen.http_url, sim_mesh.bare.addrs.admin_url):
+        result = invoke(runner, str(url), "nodes", "--json")
+        assert result.exit_code == 0, result.output
+        views.append(sorted(n["session_id"] for n in json.loads(result.stdout)["nodes"]))
+    assert views[0] == views[1] == views[2]
+
+    hostport = sim_mesh.qwen.http_url.removeprefix("http://")
+    for form in (hostport, f"{sim_mesh.qwen.http_url}/v1", f"{sim_mesh.qwen.http_url}/v1/"):
+        result = invoke(runner, form, "models", "--json")
+        assert result.exit_code == 0, (form, result.output)
+    monkeypatch.setenv("FABRIC_AGENT", hostport)
+    assert runner.invoke(app, ["node", sim_mesh.llama.session_id[:10], "--json"]).exit_code == 0
+
+
+@pytest.mark.slow
+def test_a_port_without_the_agent_endpoints_says_where_they_are(
+    runner: CliRunner, sim_mesh: SimMesh
+) -> None:
+    for args in (["nodes"], ["node", sim_mesh.bare.session_id[:8]], ["models"]):
+        result = invoke(runner, sim_mesh.bare.http_url, *args)
+        assert result.exit_code == 1
+        assert "--admin" in one_error_line(result.stderr)
+
+
+@pytest.mark.parametrize("agent", ["http://[bad", "ftp://host:8080", "http://:8080", "", "h:0"])
+def test_a_malformed_agent_url_is_a_usage_error(runner: CliRunner, agent: str) -> None:
+    result = runner.invoke(app, ["--agent", agent, "nodes"])
+    assert result.exit_code == 2
+    assert "--agent" in one_error_line(result.stderr)
+
+
+def test_an_empty_session_id_is_a_usage_error(runner: CliRunner) -> None:
+    result = runner.invoke(app, ["--agent", "http://127.0.0.1:9", "node", ""])
+    assert result.exit_code == 2
+    assert "SESSION_ID" in one_error_line(result.stderr)
+
+
+@pytest.mark.parametrize(
+    ("argv", "code"),
+    [
+        (["--help"], 0),
+        (["keys", "list", "--help"], 0),
+        (["--agent", "http://127.0.0.1:9", "nodes"], 1),
+        (["--agent", "http://127.0.0.1:9", "node", "abc"], 1),
+        (["--agent", "http://127.0.0.1:9", "models", "--json"], 1),
+        (["--agent", "http://[bad", "models"], 2),
+        (["nodes", "--state", "asleep"], 2),
+        (["node"], 2),
+        (["models", "extra-arg"], 2),
+        (["demo", "--nodes", "1"], 2),
+        (["keys", "use", "nothex"], 2),
+    ],
+)
+def test_exit_codes_of_the_console_script(
+    argv: list[str], code: int, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    assert run(argv) == code
+    err = capsys.readouterr().err
+    if code == 1:
+        assert one_error_line(err).startswith("fabric: error: ")
+    elif code == 2:
+        assert "Traceback" not in err and err.strip()
+
+
+def test_unreachable_agent_names_the_reason(runner: CliRunner) -> None:
+    result = runner.invoke(app, ["--agent", "http://127.0.0.1:9", "nodes", "--json"])
+    assert result.exit_code == 1
+    assert "connection refused" in one_error_line(result.stderr).lower()
+    assert result.stdout == ""
+
+
+@pytest.mark.slow
+def test_an_ambiguous_prefix_lists_every_candidate(runner: CliRunner, mesh: LocalMesh) -> None:
+    # Session ids are random: start agents until two share a first hex digit (at most 17).
+    agents = mesh.start_many(4)
+    while True:
+        firsts: dict[str, list[AgentProcess]] = {}
+        for a in agents:
+            firsts.setdefault(a.session_id[0], []).append(a)
+        clash = next((group for group in firsts.values() if len(group) > 1), None)
+        if clash is not None:
+            break
+        agents.append(mesh.start())
+    watcher = agents[0]
+    wanted = {a.session_id for a in clash}
+
+    def sees_them() -> bool:
+        result = invoke(runner, watcher.http_url, "nodes", "--json")
+        seen = {n["session_id"] for n in json.loads(result.stdout or '{"nodes": []}')["nodes"]}
+        return wanted <= seen
+
+    assert wait_until(sees_them, 20.0)
+    prefix = clash[0].session_id[0]
+    result = invoke(runner, watcher.http_url, "node", prefix)
+    assert result.exit_code == 1
+    line = one_error_line(result.stderr)
+    assert f"session id prefix {prefix!r} is ambiguous" in line
+    for a in clash:
+        assert a.session_id[:12] in line
+    assert "give more characters" in line
+    longer = invoke(runner, watcher.http_url, "node", clash[0].session_id[:12], "--json")
+    assert longer.exit_code == 0
+    assert json.loads(longer.stdout)["session_id"] == clash[0].session_id
+
+
+# -- keys: --json -------------------------------------------------------------------------------
+
+
+def test_keys_commands_print_stable_json(runner: CliRunner, tmp_path: Path) -> None:
+    path = tmp_path / "ring.key"
+    key = ["--cluster-key", str(path)]
+
+    def doc(*args: str) -> dict[str, object]:
+        result = runner.invoke(app, ["keys", *args, "--json"])
+        assert result.exit_code == 0, result.output
+        parsed: dict[str, object] = json.loads(result.stdout)
+        return parsed
+
+    created = doc("new-cluster", str(path))
+    old = Keyring.load(path).primary.hex()
+    assert created == {"path": str(path), "primary": old, "keys": [old]}
+    added = doc("add", *key)
+    new = str(added["added"])
+    assert added == {"path": str(path), "primary": old, "keys": sorted([old, new]), "added": new}
+    assert doc("use", new, *key) == {"path": str(path), "primary": new, "keys": sorted([old, new])}
+    removed = doc("remove", old, *key)
+    assert removed == {"path": str(path), "primary": new, "keys": [new], "removed": old}
+    assert doc("list", *key) == {"path": str(path), "primary": new, "keys": [new]}
+
+    provider_path = tmp_path / "p.key"
+    provider = doc("new-provider", str(provider_path), "--provider", "lab-a")
+    assert provider == {
+        "path": str(provider_path),
+        "provider": "lab-a",
+        "fingerprint": ProviderKey.load(provider_path).fingerprint,
+    }

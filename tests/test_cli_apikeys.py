@@ -142,3 +142,17 @@ def test_a_malformed_keys_file_is_one_line_and_exit_1(runner: CliRunner, keys_fi
         assert result.exit_code == 1
         assert str(keys_file) in one_error_line(result.stderr)
     assert keys_file.read_text() == "{oops"
+
+
+def test_api_revoke_json_says_whether_it_changed_anything(
+    runner: CliRunner, keys_file: Path
+) -> None:
+    runner.invoke(app, ["keys", "api-new", "alice"])
+    first = runner.invoke(app, ["keys", "api-revoke", "alice", "--json"])
+    assert first.exit_code == 0, first.output
+    doc = json.loads(first.stdout)
+    assert doc["changed"] is True and doc["disabled"] is True and doc["name"] == "alice"
+    assert doc["path"] == str(keys_file) and isinstance(doc["revoked_at"], float)
+    assert set(doc) == {"path", "changed", *ApiKeyStore.load(keys_file).list()[0].public()}
+    again = json.loads(runner.invoke(app, ["keys", "api-revoke", doc["key_id"], "--json"]).stdout)
+    assert again["changed"] is False and again["key_id"] == doc["key_id"]

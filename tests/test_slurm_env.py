@@ -1,4 +1,5 @@
-"""Slurm job facts from the environment and from `scontrol show job` text (no Slurm needed)."""
+"""Slurm job facts from the environment and from `scontrol show job` text, when to leave before
+the time limit, and the sbatch command of `fabric slurm submit` (no Slurm needed)."""
 
 from __future__ import annotations
 
@@ -6,20 +7,36 @@ import os
 import time
 from collections.abc import Iterator, Sequence
 from datetime import UTC, datetime, timedelta, timezone
+from pathlib import Path
 from zoneinfo import ZoneInfo
 
 import pytest
+import trio
+import trio.testing
 
+from fabricnode.agent import wait_leave_time
+from fabricnode.config import load_config
+from fabricnode.errors import ConfigError
 from fabricnode.hostcmd import Runner
 from fabricnode.slurm_env import (
+    LeavePlan,
     SlurmJob,
+    SubmitRequest,
     discover_job,
+    find_sbatch_script,
     job_from_env,
     job_from_scontrol,
+    job_name,
+    parse_sbatch_job_id,
     parse_scontrol_jobs,
     parse_scontrol_record,
     parse_slurm_time,
     parse_time_limit,
+    pick_ports,
+    plan_leave,
+    query_end_time,
+    replan_leave,
+    sbatch_argv,
     scontrol_argv,
 )
 
@@ -253,3 +270,255 @@ def test_discover_without_working_scontrol_keeps_env_facts(output: str | None) -
 def test_discover_with_real_runner_tolerates_missing_scontrol() -> None:
     job = discover_job({"SLURM_JOB_ID": "4242"})
     assert job is not None and job.job_id == "4242"
+
+
+# -- leaving before the time limit ---------------------------------------------------------------
+
+T0 = 1_800_000_000.0
+
+
+def test_leave_plan_starts_the_margin_before_the_end() -> None:
+    plan = plan_leave(T0 + 3600, 120, T0)
+    assert plan == LeavePlan(T0 + 3600, T0 + 3480, 120, 120) and not plan.shortened
+
+
+@pytest.mark.parametrize(("end", "margin"), [(None, 120.0), (T0 + 3600, 0.0)])
+def test_no_leave_plan_without_an_end_time_or_with_the_margin_off(
+    end: float | None, margin: float
+) -> None:
+    assert plan_leave(end, margin, T0) is None
+
+
+def test_a_job_shorter_than_twice_the_margin_serves_for_half_its_time() -> None:
+    plan = plan_leave(T0 + 60, 120, T0)
+    assert plan is not None and plan.shortened
+    assert plan.leave_at == T0 + 30 and plan.margin_s == 30 and plan.requested_margin_s == 120
+
+
+def test_a_job_already_past_its_end_leaves_at_once() -> None:
+    plan = plan_leave(T0 - 5, 120, T0)
+    assert plan is not None and plan.leave_at == T0 - 5 and plan.margin_s == 0
+
+
+def test_an_extended_time_limit_moves_the_leave_later_with_the_same_margin() -> None:
+    plan = plan_leave(T0 + 3600, 120, T0)
+    assert plan is not None
+    later = replan_leave(plan, T0 + 7200, T0 + 3480)
+    assert later == LeavePlan(T0 + 7200, T0 + 7080, 120, 120)
+
+
+@pytest.mark.parametrize("end", [None, T0 + 3600, T0 + 1800])
+def test_unknown_same_or_earlier_end_means_leave_now(end: float | None) -> None:
+    plan = plan_leave(T0 + 3600, 120, T0)
+    assert plan is not None
+    assert replan_leave(plan, end, T0 + 3480) is None
+
+
+def test_an_extension_shorter_than_the_time_already_past_leaves_now() -> None:
+    plan = plan_leave(T0 + 3600, 120, T0)
+    assert plan is not None
+    assert replan_leave(plan, T0 + 3610, T0 + 3500) is None  # would leave at T0+3490: past
+
+
+def test_query_end_time_asks_scontrol_each_time() -> None:
+    calls, run = fake_run(RUNNING_ONE_LINE)
+    assert query_end_time("4242", run, tz=UTC) == TEN_UTC
+    assert query_end_time("4242", run, tz=UTC) == TEN_UTC
+    assert calls == [scontrol_argv("4242")] * 2
+    assert query_end_time("4242", fake_run(None)[1]) is None
+    assert query_end_time("4242", fake_run("")[1]) is None
+
+
+async def test_wait_leave_time_returns_at_the_leave_moment_by_the_wall_clock(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    asked: list[float] = []
+
+    def wall() -> float:
+        return T0 + trio.current_time()
+
+    async def end_now() -> float | None:
+        asked.append(wall())
+        return T0 + 3600  # unchanged
+
+    plan = plan_leave(T0 + 3600, 120, wall())
+    assert plan is not None
+    acted = await wait_leave_time(plan, wall_clock=wall, end_time_now=end_now)
+    assert acted == plan
+    assert wall() == pytest.approx(T0 + 3480)
+    assert asked == [pytest.approx(T0 + 3480)]  # scontrol once, at the leave moment
+
+
+async def test_wait_leave_time_waits_again_after_an_extension(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    ends = [T0 + 7200, T0 + 7200]
+
+    def wall() -> float:
+        return T0 + trio.current_time()
+
+    async def end_now() -> float | None:
+        return ends.pop(0)
+
+    plan = plan_leave(T0 + 3600, 120, wall())
+    assert plan is not None
+    acted = await wait_leave_time(plan, wall_clock=wall, end_time_now=end_now)
+    assert acted.end_time == T0 + 7200 and wall() == pytest.approx(T0 + 7080)
+    assert ends == []
+
+
+async def test_wait_leave_time_notices_a_wall_clock_step(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # The wall clock jumps 50 min ahead (a suspended VM, an NTP step): the leave still
+    # happens within ``max_sleep_s`` of the wall clock's leave moment, not 58 min later.
+    jump = [0.0]
+
+    def wall() -> float:
+        return T0 + trio.current_time() + jump[0]
+
+    async def end_now() -> float | None:
+        return T0 + 3600
+
+    plan = plan_leave(T0 + 3600, 120, wall())
+    assert plan is not None
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(
+            lambda: wait_leave_time(plan, wall_clock=wall, end_time_now=end_now, max_sleep_s=30)
+        )
+        await trio.sleep(60)
+        jump[0] = 3000.0
+    assert T0 + 3480 <= wall() <= T0 + 3480 + 30
+
+
+def test_leave_margin_from_flag_env_or_default(tmp_path: Path) -> None:
+    env = {"FABRIC_HOME": str(tmp_path), "USER": "u"}
+    assert load_config(env=env).leave_before_end_s == 120
+    assert load_config(env={**env, "FABRIC_LEAVE_BEFORE_END": "300"}).leave_before_end_s == 300
+    flag = load_config(leave_before_end_s=0, env={**env, "FABRIC_LEAVE_BEFORE_END": "300"})
+    assert flag.leave_before_end_s == 0  # the flag wins; 0 turns it off
+
+
+@pytest.mark.parametrize(
+    ("flag", "env_value", "message"),
+    [
+        (-1.0, "", "--leave-before-end -1"),
+        (float("nan"), "", "--leave-before-end nan"),
+        (None, "two minutes", "FABRIC_LEAVE_BEFORE_END 'two minutes'"),
+        (None, "1e9", "FABRIC_LEAVE_BEFORE_END 1e+09"),
+    ],
+)
+def test_bad_leave_margin_is_one_config_error(
+    tmp_path: Path, flag: float | None, env_value: str, message: str
+) -> None:
+    env = {"FABRIC_HOME": str(tmp_path), "USER": "u", "FABRIC_LEAVE_BEFORE_END": env_value}
+    with pytest.raises(ConfigError) as info:
+        load_config(leave_before_end_s=flag, env=env)
+    assert str(info.value).startswith(message)
+
+
+def test_wrapper_environment_places_logs_and_rendezvous(tmp_path: Path) -> None:
+    env = {"FABRIC_HOME": str(tmp_path / "h"), "USER": "u", "SLURM_JOB_ID": "9"}
+    plain = load_config(env=env)
+    assert plain.rendezvous_path == tmp_path / "h" / "rendezvous"
+    assert plain.log_dir == tmp_path / "h" / "logs" and plain.job_log_dir is None
+    assert plain.request_log_path is not None
+    assert plain.request_log_path.parent == tmp_path / "h" / "logs"
+    wrapped = load_config(
+        env={
+            **env,
+            "FABRIC_RENDEZVOUS": str(tmp_path / "shared" / "rdv"),
+            "FABRIC_LOG_DIR": str(tmp_path / "logs"),
+            "FABRIC_JOB_LOG_DIR": str(tmp_path / "logs" / "9"),
+        }
+    )
+    assert wrapped.rendezvous_path == tmp_path / "shared" / "rdv"
+    assert wrapped.log_dir == tmp_path / "logs"
+    assert wrapped.job_log_dir == tmp_path / "logs" / "9"
+    assert wrapped.request_log_path == tmp_path / "logs" / "9" / "requests.jsonl"
+    flag = load_config(rendezvous="", env={**env, "FABRIC_RENDEZVOUS": "/x"})
+    assert flag.rendezvous_path is None  # the flag wins
+
+
+# -- submitting ----------------------------------------------------------------------------------
+
+
+def test_sbatch_argv_puts_sbatch_options_first_then_agent_options_then_the_model() -> None:
+    request = SubmitRequest(
+        model="meta-llama/Llama-3.1-8B-Instruct",
+        gpus=2,
+        partition="gpu",
+        time_limit="04:00:00",
+        engine_args=("--max-model-len", "8192"),
+        agent_args=("--label", "a=b"),
+        sbatch_args=("--qos=short", "--job-name=mine"),
+        output="/logs/slurm-%j.out",
+    )
+    assert sbatch_argv(request, Path("/w/fabric-serve.sbatch")) == [
+        "sbatch",
+        "--parsable",
+        "--job-name=fabric-Llama-3.1-8B-Instruct",
+        "--gres=gpu:2",
+        "--partition=gpu",
+        "--time=04:00:00",
+        "--output=/logs/slurm-%j.out",
+        "--qos=short",
+        "--job-name=mine",  # later wins in sbatch: the user's extra options override ours
+        "/w/fabric-serve.sbatch",
+        "--label",
+        "a=b",
+        "--",
+        "meta-llama/Llama-3.1-8B-Instruct",
+        "--max-model-len",
+        "8192",
+    ]
+
+
+def test_sbatch_argv_without_gpus_or_options_is_minimal() -> None:
+    argv = sbatch_argv(SubmitRequest(model="m", gpus=0), Path("s"), "/usr/bin/sbatch")
+    assert argv == ["/usr/bin/sbatch", "--parsable", "--job-name=fabric-m", "s", "m"]
+
+
+@pytest.mark.parametrize(
+    ("model", "name"),
+    [
+        ("org/My Model:v2", "fabric-My_Model_v2"),
+        ("/models/llama/", "fabric-llama"),
+        ("/", "fabric-model"),
+    ],
+)
+def test_job_names_are_safe(model: str, name: str) -> None:
+    assert job_name(model) == name
+
+
+@pytest.mark.parametrize(
+    ("stdout", "job_id"),
+    [("4242\n", "4242"), ("4242;cluster\n", "4242"), ("", None), ("Submitted batch job 1", None)],
+)
+def test_parsable_sbatch_answers(stdout: str, job_id: str | None) -> None:
+    assert parse_sbatch_job_id(stdout) == job_id
+
+
+def test_pick_ports_takes_the_preferred_port_when_free_and_another_when_not() -> None:
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        taken = busy.getsockname()[1]
+        busy.listen()
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            free = probe.getsockname()[1]
+        chosen = pick_ports([taken, free, None], "127.0.0.1")
+    assert chosen[1] == free and chosen[0] != taken and len(set(chosen)) == 3
+
+
+def test_find_sbatch_script_in_the_checkout_or_from_the_environment(tmp_path: Path) -> None:
+    found = find_sbatch_script({})
+    assert found is not None and found.name == "fabric-serve.sbatch"
+    assert found.read_text().startswith("#!/bin/bash")
+    mine = tmp_path / "serve.sh"
+    mine.write_text("#!/bin/bash\n")
+    assert find_sbatch_script({"FABRIC_SBATCH_SCRIPT": str(mine)}) == mine
+    assert find_sbatch_script({"FABRIC_SBATCH_SCRIPT": str(tmp_path / "none")}) is None
+    assert find_sbatch_script({}, here=tmp_path / "pkg" / "mod.py") is None
