@@ -88,6 +88,7 @@ if str(BENCH_DIR) not in sys.path:
 import httpx  # noqa: E402
 import orjson  # noqa: E402
 import trio  # noqa: E402
+from _loadgen import cpu_ticks, host_ticks  # noqa: E402
 from _routing_workloads import WORKLOADS, Call, Shape, Workload  # noqa: E402
 
 from fabricnode import routing  # noqa: E402
@@ -144,27 +145,6 @@ def descendants(roots: list[int]) -> list[int]:
         out.append(pid)
         todo.extend(children.get(pid, ()))
     return out
-
-
-def cpu_ticks(pids: list[int]) -> int:
-    """utime + stime of these processes, in clock ticks; a process that is gone counts 0."""
-    total = 0
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        total += int(fields[11]) + int(fields[12])
-    return total
-
-
-def host_ticks() -> tuple[int, int]:
-    """(busy, total) jiffies over all CPUs, from /proc/stat."""
-    with open("/proc/stat") as f:
-        values = [int(v) for v in f.readline().split()[1:]]
-    idle = values[3] + (values[4] if len(values) > 4 else 0)
-    return sum(values) - idle, sum(values)
 
 
 # -- one cell -------------------------------------------------------------------------------------
