@@ -30,6 +30,7 @@ from typing import Any
 
 import httptools
 import orjson
+from _procs import cpu_ticks, host_ticks
 
 PROMPT_WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "routers", "count"]
 
@@ -65,27 +66,6 @@ def build_request(spec: dict[str, Any]) -> bytes:
         *(f"{k}: {v}" for k, v in spec.get("headers", {}).items()),
     ]
     return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
-
-
-def cpu_ticks(pids: list[int]) -> int:
-    """utime + stime of these processes (clock ticks); a process that is gone counts 0."""
-    total = 0
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        total += int(fields[11]) + int(fields[12])
-    return total
-
-
-def host_ticks() -> tuple[int, int]:
-    """(busy, total) clock ticks of all CPUs from /proc/stat (idle and iowait are not busy)."""
-    with open("/proc/stat", "rb") as f:
-        fields = [int(x) for x in f.readline().split()[1:]]
-    total = sum(fields[:8])  # guest time is already inside user/nice
-    return total - fields[3] - fields[4], total
 
 
 class Run:

@@ -63,7 +63,6 @@ import os
 import platform
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -82,6 +81,7 @@ if str(BENCH_DIR) not in sys.path:
     sys.path.insert(0, str(BENCH_DIR))
 
 import _venvs  # noqa: E402
+from _procs import argv_of, cpu_steal, descendants, free_port, rss_mb  # noqa: E402
 
 MODEL = "bench-model"
 CHAT_PATH = "/v1/chat/completions"
@@ -117,64 +117,6 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-def process_tree() -> dict[int, list[int]]:
-    """Children of every process, from /proc (ppid is field 4 of /proc/PID/stat)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(entry))
-    return children
-
-
-def descendants(pid: int, *, skip: Callable[[int], bool] = lambda _pid: False) -> list[int]:
-    """``pid`` and every process below it, leaving out the subtrees of pids where ``skip``."""
-    tree = process_tree()
-    out: list[int] = []
-    todo = [pid]
-    while todo:
-        p = todo.pop()
-        if skip(p):
-            continue
-        out.append(p)
-        todo.extend(tree.get(p, []))
-    return out
-
-
-def argv_of(pid: int) -> list[str]:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().decode(errors="replace").split("\0")
-    except OSError:
-        return []
-
-
-def rss_mb(pids: list[int]) -> float:
-    total_kb = 0
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/status") as f:
-                for line in f:
-                    if line.startswith("VmRSS:"):
-                        total_kb += int(line.split()[1])
-                        break
-        except (OSError, ValueError):
-            continue
-    return total_kb / 1024
-
-
-def cpu_steal() -> tuple[int, int]:
-    """(steal, total) jiffies from /proc/stat."""
-    with open("/proc/stat") as f:
-        fields = [int(x) for x in f.readline().split()[1:]]
-    return (fields[7] if len(fields) > 7 else 0), sum(fields)
 
 
 class Processes:
@@ -237,12 +179,6 @@ class Processes:
         for proc in self.procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(5.0)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # -- HTTP probes (control path only; the load goes through bench/_loadgen.py) ----------------

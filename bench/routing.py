@@ -67,7 +67,6 @@ import json
 import math
 import os
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -88,7 +87,7 @@ if str(BENCH_DIR) not in sys.path:
 import httpx  # noqa: E402
 import orjson  # noqa: E402
 import trio  # noqa: E402
-from _loadgen import cpu_ticks, host_ticks  # noqa: E402
+from _procs import cpu_ticks, descendants, free_port, host_ticks  # noqa: E402
 from _routing_workloads import WORKLOADS, Call, Shape, Workload  # noqa: E402
 
 from fabricnode import routing  # noqa: E402
@@ -115,36 +114,6 @@ def log(msg: str) -> None:
 def default_policies() -> list[str]:
     out = ["round-robin", "least-load", "prefix", routing.DEFAULT_POLICY]
     return list(dict.fromkeys(out))
-
-
-# -- processes and CPU ----------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def descendants(roots: list[int]) -> list[int]:
-    """``roots`` and every process below them, from /proc (ppid is field 4 of /proc/PID/stat)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(entry))
-    out: list[int] = []
-    todo = list(roots)
-    while todo:
-        pid = todo.pop()
-        out.append(pid)
-        todo.extend(children.get(pid, ()))
-    return out
 
 
 # -- one cell -------------------------------------------------------------------------------------
@@ -474,7 +443,7 @@ def run_cell(workload_name: str, policy: str, s: Settings, workdir: Path) -> Cel
             "client": [os.getpid()],
             "ingress": [ingress.pid],
             "agents": serving,
-            "engines": [p for p in descendants(serving) if p not in serving],
+            "engines": [p for p in descendants(*serving) if p not in serving],
         }
         try:
             records, stats = trio.run(drive_cell, workload, ingress.http_url, engines, s, roles)

@@ -1,10 +1,13 @@
 """The data plane's Prometheus metrics (prometheus-client), rendered after the agent's own.
 
-Label children are cached per model and status, so a request costs a few dict lookups and
-``inc``/``observe`` calls, not a ``labels()`` resolution each. Names are prefixed ``fabric_``.
+The per-request metrics keep their label children in a ``LabelCache`` (by model, status, kind),
+so a request costs a few dict lookups and ``inc``/``observe`` calls, not a ``labels()``
+resolution each. Names are prefixed ``fabric_``.
 """
 
 from __future__ import annotations
+
+from typing import Generic, TypeVar
 
 from prometheus_client import (
     CollectorRegistry,
@@ -20,6 +23,28 @@ disable_created_metrics()  # type: ignore[no-untyped-call]
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 CANDIDATE_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64, 128)
+
+M = TypeVar("M", Counter, Gauge, Histogram)
+
+
+class LabelCache(Generic[M]):
+    """The children of one labelled metric by label values, resolved by ``labels()`` once each.
+
+    ``cache(model, 200)`` is ``metric.labels(model, "200")``: values are the key as given and
+    become label strings with ``str`` on first use only.
+    """
+
+    __slots__ = ("_children", "_metric")
+
+    def __init__(self, metric: M) -> None:
+        self._metric: M = metric
+        self._children: dict[tuple[object, ...], M] = {}
+
+    def __call__(self, *values: object) -> M:
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = self._metric.labels(*map(str, values))
+        return child
 
 
 class IngressMetrics:
@@ -96,36 +121,23 @@ class IngressMetrics:
             ["status"],
             registry=r,
         )
-        self._requests: dict[tuple[str, int], Counter] = {}
-        self._latency: dict[str, Histogram] = {}
-        self._ttft: dict[str, Histogram] = {}
-        self._tokens: dict[tuple[str, str], Counter] = {}
+        self._requests = LabelCache(self.requests)
+        self._latency = LabelCache(self.latency)
+        self._ttft = LabelCache(self.ttft)
+        self._tokens = LabelCache(self.tokens)
 
     def done(self, model: str, status: int, latency_s: float) -> None:
-        key = (model, status)
-        c = self._requests.get(key)
-        if c is None:
-            c = self._requests[key] = self.requests.labels(model, str(status))
-        c.inc()
-        h = self._latency.get(model)
-        if h is None:
-            h = self._latency[model] = self.latency.labels(model)
-        h.observe(latency_s)
+        self._requests(model, status).inc()
+        self._latency(model).observe(latency_s)
 
     def first_token(self, model: str, ttft_s: float) -> None:
-        h = self._ttft.get(model)
-        if h is None:
-            h = self._ttft[model] = self.ttft.labels(model)
-        h.observe(ttft_s)
+        self._ttft(model).observe(ttft_s)
 
     def count_tokens(self, model: str, prompt: int, completion: int) -> None:
-        for kind, n in (("prompt", prompt), ("completion", completion)):
-            if n:
-                key = (model, kind)
-                c = self._tokens.get(key)
-                if c is None:
-                    c = self._tokens[key] = self.tokens.labels(model, kind)
-                c.inc(n)
+        if prompt:
+            self._tokens(model, "prompt").inc(prompt)
+        if completion:
+            self._tokens(model, "completion").inc(completion)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

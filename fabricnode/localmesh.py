@@ -26,8 +26,20 @@ from fabricnode.agent import AgentAddresses, parse_ready_lines
 from fabricnode.errors import FabricError
 from fabricnode.keyring import Keyring, new_cluster_key
 
-# Environment variables that would make a spawned agent depend on the caller's set-up.
-ISOLATED_ENV = ("FABRIC_JOIN", "FABRIC_CLUSTER_KEY", "FABRIC_AGENT", "FABRIC_HOME")
+# Environment variables that would make a spawned agent (or a client command run with
+# ``LocalMesh.env()``) depend on the caller's set-up: the FABRIC_* variables that
+# ``fabricnode.config.load_config`` and the CLI's ``--agent`` read. ``env()`` drops them all and
+# sets FABRIC_HOME to the work directory, so keyring, rendezvous file and logs default to it.
+ISOLATED_ENV = (
+    "FABRIC_JOIN",
+    "FABRIC_CLUSTER_KEY",
+    "FABRIC_AGENT",
+    "FABRIC_HOME",
+    "FABRIC_RENDEZVOUS",
+    "FABRIC_LOG_DIR",
+    "FABRIC_JOB_LOG_DIR",
+    "FABRIC_LEAVE_BEFORE_END",
+)
 
 
 def agent_command(*args: str) -> list[str]:

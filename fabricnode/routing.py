@@ -351,15 +351,34 @@ def _least(scores: list[float], pool: Sequence[int], turn: int) -> int:
     return ties[turn % len(ties)]
 
 
-class RoundRobinPolicy:
+class _StatelessPolicy:
+    """Base of the policies that keep no index of nodes or requests (a turn counter at most):
+    ``on_routed`` and ``on_removed`` have nothing to update, and only ``ranked`` counts."""
+
+    __slots__ = ("_ranked", "name")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._ranked = 0
+
+    def on_routed(self, req: RouteRequest, session_id: str, now: float) -> None:
+        pass
+
+    def on_removed(self, session_id: str) -> None:
+        pass
+
+    def statistics(self) -> RoutingStatistics:
+        return RoutingStatistics(self.name, ranked=self._ranked)
+
+
+class RoundRobinPolicy(_StatelessPolicy):
     """Rotating start index; the rest in rotation order. Load-blind: a baseline."""
 
-    __slots__ = ("_ranked", "_turn", "name")
+    __slots__ = ("_turn",)
 
     def __init__(self) -> None:
-        self.name = "round-robin"
+        super().__init__("round-robin")
         self._turn = 0
-        self._ranked = 0
 
     def rank(
         self,
@@ -376,26 +395,16 @@ class RoundRobinPolicy:
         out.extend(candidates[:start])
         return out
 
-    def on_routed(self, req: RouteRequest, session_id: str, now: float) -> None:
-        pass
 
-    def on_removed(self, session_id: str) -> None:
-        pass
-
-    def statistics(self) -> RoutingStatistics:
-        return RoutingStatistics(self.name, ranked=self._ranked)
-
-
-class LeastLoadPolicy:
+class LeastLoadPolicy(_StatelessPolicy):
     """Least ``load_score``; equal scores take turns."""
 
-    __slots__ = ("_cfg", "_ranked", "_turn", "name")
+    __slots__ = ("_cfg", "_turn")
 
     def __init__(self, cfg: RoutingConfig) -> None:
-        self.name = "least-load"
+        super().__init__("least-load")
         self._cfg = cfg
         self._turn = 0
-        self._ranked = 0
 
     def rank(
         self,
@@ -412,30 +421,20 @@ class LeastLoadPolicy:
         self._ranked += 1
         return _by_score(candidates, scores, pick)
 
-    def on_routed(self, req: RouteRequest, session_id: str, now: float) -> None:
-        pass
 
-    def on_removed(self, session_id: str) -> None:
-        pass
-
-    def statistics(self) -> RoutingStatistics:
-        return RoutingStatistics(self.name, ranked=self._ranked)
-
-
-class PowerOfTwoPolicy:
+class PowerOfTwoPolicy(_StatelessPolicy):
     """Two random candidates, the less loaded wins; the rest by score.
 
     Randomness makes many ingresses with the same stale view pick different nodes, where
     least-load would have them all pick the same one.
     """
 
-    __slots__ = ("_cfg", "_ranked", "_rng", "name")
+    __slots__ = ("_cfg", "_rng")
 
     def __init__(self, cfg: RoutingConfig, rng: random.Random) -> None:
-        self.name = "p2c"
+        super().__init__("p2c")
         self._cfg = cfg
         self._rng = rng
-        self._ranked = 0
 
     def rank(
         self,
@@ -457,15 +456,6 @@ class PowerOfTwoPolicy:
             j += 1
         pick = i if scores[i] <= scores[j] else j
         return _by_score(candidates, scores, pick)
-
-    def on_routed(self, req: RouteRequest, session_id: str, now: float) -> None:
-        pass
-
-    def on_removed(self, session_id: str) -> None:
-        pass
-
-    def statistics(self) -> RoutingStatistics:
-        return RoutingStatistics(self.name, ranked=self._ranked)
 
 
 class PrefixPolicy:

@@ -111,9 +111,12 @@ def match_sessions(core: MeshCore, prefix: str) -> list[SignedEntry]:
 def models_view(core: MeshCore, now: float) -> list[Json]:
     """Per model announced by a JOIN or SERVING entry: where it runs and its aggregate load.
 
-    ``nodes`` counts every such entry; ``serving`` only SERVING ones this agent sees alive
-    (the ones a request could be routed to). Load sums the latest reports of those nodes;
-    ``kv_usage`` is their mean.
+    ``nodes`` counts the SERVING entries this agent does not know dead or left, as
+    ``/v1/models`` does (``routetable.RouteTable.listing``); ``serving`` only those it sees
+    alive (not suspect: the ones a request goes to first). ``gpu_types``, ``gpus`` and the load
+    (the latest reports summed; ``kv_usage`` their mean) are of the ``nodes`` nodes, so a
+    crashed node's hardware and last report drop out. ``max_model_len``, ``quantizations`` and
+    ``providers`` are of every announcing entry.
     """
     acc: dict[str, Json] = {}
     for entry in sorted(core.registry, key=lambda e: e.session_id):
@@ -121,6 +124,7 @@ def models_view(core: MeshCore, now: float) -> list[Json]:
         if body.state not in (State.JOIN, State.SERVING):
             continue
         live = liveness_of(core, entry)
+        counted = body.state == State.SERVING and live not in (Liveness.DEAD, Liveness.LEFT)
         load = core.loads.get(entry.session_id)
         for m in body.models:
             row = acc.setdefault(
@@ -137,17 +141,19 @@ def models_view(core: MeshCore, now: float) -> list[Json]:
                     "load": {"waiting": 0, "running": 0, "inflight": 0, "kv_usage": []},
                 },
             )
-            row["nodes"] += 1
-            if body.state == State.SERVING and live == Liveness.ALIVE:
-                row["serving"] += 1
-            if body.hardware.gpu_type:
-                row["gpu_types"].add(body.hardware.gpu_type)
-            row["gpus"] += body.hardware.gpu_count
             if m.max_model_len is not None:
                 row["max_model_len"] = max(row["max_model_len"] or 0, m.max_model_len)
             if m.quantization:
                 row["quantizations"].add(m.quantization)
             row["providers"].add(body.provider)
+            if not counted:
+                continue
+            row["nodes"] += 1
+            if live == Liveness.ALIVE:
+                row["serving"] += 1
+            if body.hardware.gpu_type:
+                row["gpu_types"].add(body.hardware.gpu_type)
+            row["gpus"] += body.hardware.gpu_count
             if load is not None:
                 row["load"]["waiting"] += load.waiting
                 row["load"]["running"] += load.running

@@ -18,6 +18,7 @@ from fabricnode.keyring import Keyring
 from fabricnode.mesh import MeshCore
 from fabricnode.registry import Hardware, ModelInfo, State
 from fabricnode.testing.simnet import make_body
+from fabricnode.views import models_view
 from fabricnode.wire import DEAD, SUSPECT, Accusation, Load
 
 NOW = 1_750_000_000.0
@@ -354,10 +355,35 @@ async def test_models_aggregate_nodes_gpu_types_and_load(app: AdminApp) -> None:
     assert llama["providers"] == ["alice", "bob"]
     assert llama["load"] == {"waiting": 3, "running": 8, "inflight": 6, "kv_usage": 0.375}
     qwen = models["qwen-7b"]
-    # The crashed node still announces qwen, but a dead node is not counted as serving.
-    assert (qwen["nodes"], qwen["serving"]) == (2, 1)
+    # The crashed node still announces qwen, but a dead node is counted nowhere.
+    assert (qwen["nodes"], qwen["serving"]) == (1, 1)
+    assert qwen["gpu_types"] == ["H100"]
     assert qwen["quantizations"] == ["fp8"]
     assert qwen["max_model_len"] == 32768
+
+
+def test_models_view_counts_only_serving_nodes_not_known_dead() -> None:
+    mesh = build_mesh()
+    core = mesh.core
+    qwen = ModelInfo("qwen-7b", 32768, "fp8")
+    l40s = Hardware("L40S", 2, 48.0, "gpu-c")
+    add_entry(mesh, "suspect-l40s", 8, state=State.SERVING, hardware=l40s, models=(qwen,))
+    add_entry(mesh, "loading", 9, hardware=Hardware("RTX-3090", 1, 24.0, "gpu-d"), models=(qwen,))
+    accuser = mesh.ids["serving-a100"]
+    core.members.apply_accusation(
+        Accusation.make(accuser, SUSPECT, mesh.sid("suspect-l40s"), 0), NOW
+    )
+    for name, waiting in (("suspect-l40s", 4), ("loading", 20), ("crashed", 50)):
+        core.loads[mesh.sid(name)] = Load(mesh.sid(name), 1, waiting, 1, 0.75, 0, NOW)
+
+    row = {m["id"]: m for m in models_view(core, NOW + 1)}["qwen-7b"]
+
+    # h100 (alive) and l40s (suspect) could take a request; the crashed A100 node (dead) and the
+    # JOIN node whose engine is still loading count nowhere: not as nodes, GPUs or load.
+    assert (row["nodes"], row["serving"]) == (2, 1)
+    assert row["gpu_types"] == ["H100", "L40S"]
+    assert row["gpus"] == 8 + 2
+    assert row["load"] == {"waiting": 1 + 4, "running": 5 + 1, "inflight": 2, "kv_usage": 0.5}
 
 
 # -- metrics --------------------------------------------------------------------------------------
