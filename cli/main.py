@@ -26,9 +26,13 @@ from rich.table import Table
 
 from cli.slurm_cmd import slurm_app
 from fabricnode.client import AdminClient, agent_base_url
-from fabricnode.config import default_cluster_key_path, default_provider_key_path
+from fabricnode.config import (
+    default_cluster_key_path,
+    default_operator_key_path,
+    default_provider_key_path,
+)
 from fabricnode.errors import ConfigError, FabricError, KeyFileError
-from fabricnode.identity import ProviderKey
+from fabricnode.identity import OperatorKey, ProviderKey
 from fabricnode.keyring import KEY_ID_BYTES, Keyring, new_cluster_key
 
 DEFAULT_AGENT = "http://127.0.0.1:8080"
@@ -258,6 +262,27 @@ def start(
             help="In a Slurm job, start leaving this long before its time limit (120; 0 = off).",
         ),
     ] = None,
+    engine_template: Annotated[
+        str | None,
+        typer.Option(
+            metavar="CMD",
+            help="No engine yet: launch CMD when `fabric plan --apply` assigns a model "
+            "({model} {model_path} {tp} {dp} {gpus} {port}; 'sim' = simulated engine; "
+            "$FABRIC_ENGINE_TEMPLATE).",
+        ),
+    ] = None,
+    model_path: Annotated[
+        list[str] | None,
+        typer.Option(metavar="MODEL=PATH", help="{model_path} of MODEL (repeatable)."),
+    ] = None,
+    trust_operator: Annotated[
+        list[str] | None,
+        typer.Option(
+            metavar="FINGERPRINT",
+            help="Accept assignments signed by this operator key (repeatable; "
+            "$FABRIC_TRUST_OPERATORS).",
+        ),
+    ] = None,
 ) -> None:
     from fabricnode.config import load_config
 
@@ -286,6 +311,9 @@ def start(
             max_body_mb=max_body_mb,
             drain_timeout_s=drain_timeout,
             leave_before_end_s=leave_before_end,
+            engine_template=engine_template,
+            model_paths=model_path or (),
+            trust_operators=trust_operator or (),
         )
     except ConfigError as exc:
         _usage_error("start", str(exc))
@@ -433,6 +461,31 @@ def keys_new_provider(
         _print_json({"path": str(target), "provider": name, "fingerprint": key.fingerprint})
         return
     print(f"created provider key {target} for {name!r}, fingerprint {key.fingerprint}")
+
+
+@keys_app.command(
+    "new-operator",
+    help="Create an operator key (signs `fabric plan --apply`); prints the fingerprint agents "
+    "must trust (--trust-operator / FABRIC_TRUST_OPERATORS).",
+)
+@handled
+def keys_new_operator(
+    path: Annotated[
+        Path | None, typer.Argument(help="Where (default $FABRIC_HOME/operator.key).")
+    ] = None,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite an existing file.")] = False,
+    as_json: JsonOption = False,
+) -> None:
+    target = path if path is not None else default_operator_key_path(os.environ)
+    if target.exists() and not force:
+        raise KeyFileError(f"{target} already exists; pass --force to overwrite it")
+    key = OperatorKey.generate()
+    key.save(target)
+    if as_json:
+        _print_json({"path": str(target), "fingerprint": key.fingerprint})
+        return
+    print(f"created operator key {target}, fingerprint {key.fingerprint}")
+    print(f"agents act on its plans when started with --trust-operator {key.fingerprint}")
 
 
 # -- fabric keys api-* (ingress API keys) -------------------------------------------------------
@@ -721,6 +774,222 @@ def _flatten(doc: Any, prefix: str = "") -> list[tuple[str, str]]:
             rows.extend(_flatten(value, f"{prefix}[{i}]"))
         return rows
     return [(prefix, "-" if doc is None or doc == "" else str(doc))]
+
+
+# -- plan -------------------------------------------------------------------------------------
+
+
+@app.command(
+    help="Place models on GPUs: how many GPUs of each type each model gets, with what TP x DP, "
+    "predicted against memP. Inventory and workload come from files or the live mesh "
+    "(alive JOIN/SERVING nodes; the agents' request logs). --apply assigns JOIN-only nodes."
+)
+@handled
+def plan(
+    workload: Annotated[
+        Path | None,
+        typer.Option(
+            metavar="FILE", help="Workload TOML ([[model]] name, rate, input_mean, output_mean)."
+        ),
+    ] = None,
+    inventory: Annotated[
+        Path | None,
+        typer.Option(metavar="FILE", help="Inventory TOML ([gpus] TYPE = COUNT); default: mesh."),
+    ] = None,
+    catalog: Annotated[
+        list[Path] | None,
+        typer.Option(metavar="FILE", help="Extra GPU/model catalog TOML (repeatable)."),
+    ] = None,
+    mode: Annotated[
+        str, typer.Option(metavar="MODE", help="latency | throughput | fair.")
+    ] = "latency",
+    solver: Annotated[str, typer.Option(metavar="NAME", help="cpsat | exact | greedy.")] = "cpsat",
+    time_limit: Annotated[
+        float, typer.Option(metavar="SECONDS", min=0.1, max=3600, help="Solver time limit.")
+    ] = 10.0,
+    window: Annotated[
+        float,
+        typer.Option(metavar="SECONDS", help="Request-log window for the mesh workload (3600)."),
+    ] = 3600.0,
+    apply: Annotated[
+        bool, typer.Option("--apply", help="Assign the plan to JOIN-only nodes and follow them.")
+    ] = False,
+    operator_key: Annotated[
+        Path | None,
+        typer.Option(metavar="PATH", help="Operator key for --apply ($FABRIC_HOME/operator.key)."),
+    ] = None,
+    wait: Annotated[
+        float,
+        typer.Option(
+            metavar="SECONDS", min=0, max=86400, help="--apply: follow nodes this long (300)."
+        ),
+    ] = 300.0,
+    ttl: Annotated[
+        float,
+        typer.Option(
+            metavar="SECONDS", min=10, max=7 * 86400, help="--apply: assignments expire after."
+        ),
+    ] = 1800.0,
+    as_json: JsonOption = False,
+) -> None:
+    try:
+        from cli import plan_cmd
+        from scheduler.catalog import load_catalog
+        from scheduler.node_assign import PoolAllocation, assign_nodes
+        from scheduler.plan import plan as solve_plan
+        from scheduler.workload import load_inventory, load_workloads
+    except ImportError as exc:  # the optional extra is missing
+        raise ConfigError(
+            f"the placement planner needs fabricnode[scheduler] ({exc.name} is missing): "
+            "pip install 'fabricnode[scheduler]'"
+        ) from None
+    try:
+        plan_cmd.check_window(window)
+    except ConfigError as exc:
+        _usage_error("plan", str(exc))
+    key = None
+    if apply:  # a missing key must fail before minutes of solving, not after
+        key = OperatorKey.load(operator_key or default_operator_key_path(os.environ))
+    cat = load_catalog(catalog or ())
+    notes: list[str] = []
+    view = None
+    found: list[dict[str, Any]] = []
+    if inventory is None or workload is None or apply:
+        with _client("plan") as client:
+            found = client.nodes()
+        view = plan_cmd.mesh_view(found, cat)
+        notes += view.notes
+    if inventory is not None:
+        inv = load_inventory(inventory, cat)
+    else:
+        assert view is not None
+        if not view.inventory:
+            raise ConfigError(
+                "no GPUs in the mesh: no alive JOIN or SERVING node announces GPUs of a catalog "
+                "type (start agents, or pass --inventory FILE)"
+            )
+        inv = view.inventory
+    if workload is not None:
+        loads = load_workloads(workload, cat)
+    else:
+        loads, more = plan_cmd.mesh_workloads(found, window, cat)
+        notes += more
+
+    if apply and inventory is not None:
+        notes.append("--apply places on the mesh's nodes, whatever --inventory said")
+
+    def progress(p: Any) -> None:
+        if not as_json:
+            print(f"  {p.elapsed_s:6.1f}s {p.phase:<8} {p.message}", file=sys.stderr)
+
+    # Planned for the mesh's nodes: no replica wider than the biggest node of its GPU type.
+    max_tp = view.largest_node if view is not None and (apply or inventory is None) else None
+    result = solve_plan(
+        inv, loads, catalog=cat, mode=mode, solver=solver, time_limit_s=time_limit,
+        progress=progress, max_tp=max_tp,
+    )  # fmt: skip
+    doc = result.to_json()
+    doc["notes"] = [*notes, *result.notes]
+    doc["workload"] = [
+        {"model": w.model, "rate": w.rate_rps, "input_mean": w.input_mean,
+         "output_mean": w.output_mean, "input_std": w.input_std, "output_std": w.output_std}
+        for w in loads
+    ]  # fmt: skip
+    if not as_json:
+        _render_plan(doc)
+    if not apply:
+        if as_json:
+            _print_json(doc)
+        return
+    assert key is not None and view is not None
+    pools = [PoolAllocation(a.model, a.gpu, a.tp, a.dp) for a in result.placement.allocations]
+    node_plan = assign_nodes(pools, view.nodes, plan_cmd.smallest_tp_for(cat, loads))
+    plan_id = plan_cmd.new_plan_id()
+    signed = plan_cmd.sign_assignments(node_plan, key, plan_id, time.time(), ttl)
+    applied: dict[str, Any] = {"plan_id": plan_id, "operator": key.fingerprint}
+    applied.update(node_plan.to_json())
+    if not as_json:
+        _render_node_plan(node_plan, plan_id)
+    failed = False
+    if signed:
+        with _client("plan") as client:
+            results = client.post_assignments([a.to_json() for a in signed])
+            refused = [r for r in results if r.get("result") not in ("new", "stale")]
+            for r in refused:
+                failed = True
+                if not as_json:
+                    print(f"  {r['target'][:12]}: the agent refused it ({r['result']})")
+            if refused and any(r["result"] == "untrusted" for r in refused) and not as_json:
+                print(
+                    f"  (agents act on plans of trusted operators only: start them with "
+                    f"--trust-operator {key.fingerprint})"
+                )
+
+            def changed(sid: str, status: str) -> None:
+                if not as_json:
+                    print(f"  {sid[:12]}  {status}")
+
+            status = plan_cmd.follow(
+                client, node_plan.assignments, plan_id, timeout_s=wait, on_change=changed
+            )
+        applied["status"] = status
+        not_serving = [sid for sid, st in status.items() if st != plan_cmd.SERVING]
+        failed = failed or bool(not_serving)
+        if not as_json:
+            done = len(status) - len(not_serving)
+            print(f"{done} of {len(status)} assigned nodes serving (plan {plan_id})")
+    elif not as_json:
+        print("nothing to apply: no JOIN-only node is needed (or none can host the plan)")
+    doc["apply"] = applied
+    if as_json:
+        _print_json(doc)
+    if failed:
+        raise typer.Exit(1)
+
+
+def _fmt(value: Any, unit: str = "", digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}{unit}"
+
+
+def _render_plan(doc: dict[str, Any]) -> None:
+    table = Table(box=None, header_style="bold", pad_edge=False)
+    for column in ("MODEL", "GPU", "GPUS", "TP", "DP"):
+        table.add_column(column)
+    for a in doc["allocations"]:
+        table.add_row(a["model"], a["gpu"], str(a["gpus"]), str(a["tp"]), str(a["dp"]))
+    solver = doc["solver"]
+    print(f"placement ({doc['mode']} mode, {solver['name']} in {solver['seconds']:.1f} s)")
+    _console().print(table)
+    summary = Table(box=None, header_style="bold", pad_edge=False)
+    for column in ("PREDICTED", "THROUGHPUT", "SERVED", "E2E MEAN", "TTFT MEAN"):
+        summary.add_column(column)
+    for name, p in (("this plan", doc["predicted"]), ("memP", doc["memp"]["predicted"])):
+        summary.add_row(
+            name,
+            _fmt(p["throughput_rps"], " req/s"),
+            _fmt(None if p["served_fraction"] is None else 100 * p["served_fraction"], "%", 1),
+            _fmt(p["e2e_s"], " s"),
+            _fmt(p["ttft_s"], " s", 3),
+        )
+    _console().print(summary)
+    for u in doc["unservable"]:
+        print(f"cannot serve {u['model']}: {'; '.join(u['reasons'])}")
+    for note in doc["notes"]:
+        print(f"note: {note}")
+
+
+def _render_node_plan(node_plan: Any, plan_id: str) -> None:
+    print(f"apply (plan {plan_id}):")
+    for a in node_plan.assignments:
+        idle = f", {a.idle_gpus} GPUs idle" if a.idle_gpus else ""
+        sub = " (substitute: the plan's nodes ran out)" if a.substitute else ""
+        print(f"  {a.session_id[:12]}  {a.model} on {a.tp}x{a.dp} {a.gpu}{idle}{sub}")
+    for (model, gpu), gpus in sorted(node_plan.serving_gpus.items()):
+        print(f"  already serving: {model} on {gpus} {gpu}")
+    for u in node_plan.unplaced:
+        print(f"  not placed: {u.replicas} x {u.model} (tp={u.tp}) on {u.gpu}: no JOIN node fits")
+    if node_plan.idle_nodes:
+        print(f"  {len(node_plan.idle_nodes)} JOIN nodes stay unassigned")
 
 
 # -- demo -------------------------------------------------------------------------------------

@@ -39,7 +39,7 @@ import os
 import re
 import statistics as stats
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeGuard
@@ -576,5 +576,75 @@ def workload_summary(
             "output_mean": stats.fmean(outs) if outs else 0.0,
             "input_std": stats.pstdev(ins) if ins else 0.0,
             "output_std": stats.pstdev(outs) if outs else 0.0,
+        }
+    return summary
+
+
+def workload_sums(records: Iterable[TraceRecord]) -> dict[str, dict[str, float]]:
+    """Per model: request count and token sums -- mergeable across ingresses.
+
+    ``requests`` counts what was not refused as a client error (as ``workload_summary``);
+    ``measured`` those with both token counts known, over which the ``*_sum``/``*_sumsq``
+    fields run. ``merge_workload_sums`` turns sums from any number of ingresses into rates and
+    moments.
+    """
+    out: dict[str, dict[str, float]] = {}
+    for r in records:
+        if 400 <= r.status < 500:
+            continue
+        row = out.setdefault(
+            r.model,
+            {
+                "requests": 0.0,
+                "measured": 0.0,
+                "input_sum": 0.0,
+                "input_sumsq": 0.0,
+                "output_sum": 0.0,
+                "output_sumsq": 0.0,
+            },
+        )
+        row["requests"] += 1
+        if r.input_tokens is not None and r.output_tokens is not None:
+            row["measured"] += 1
+            row["input_sum"] += r.input_tokens
+            row["input_sumsq"] += r.input_tokens * r.input_tokens
+            row["output_sum"] += r.output_tokens
+            row["output_sumsq"] += r.output_tokens * r.output_tokens
+    return out
+
+
+def merge_workload_sums(
+    parts: Iterable[Mapping[str, Mapping[str, float]]], window_s: float
+) -> dict[str, dict[str, float]]:
+    """Sums from several ingresses (each over the same ``window_s``) -> rate and token moments
+    per model, in ``workload_summary``'s shape (population std)."""
+    if window_s <= 0:
+        raise ValueError("window_s must be positive")
+    total: dict[str, dict[str, float]] = {}
+    for part in parts:
+        for model, row in part.items():
+            acc = total.setdefault(model, {})
+            for key, value in row.items():
+                acc[key] = acc.get(key, 0.0) + float(value)
+    summary: dict[str, dict[str, float]] = {}
+    for model in sorted(total):
+        acc = total[model]
+        n = acc.get("measured", 0.0)
+
+        def moments(prefix: str, n: float = n, acc: dict[str, float] = acc) -> tuple[float, float]:
+            if n <= 0:
+                return 0.0, 0.0
+            mean = acc.get(f"{prefix}_sum", 0.0) / n
+            var = max(0.0, acc.get(f"{prefix}_sumsq", 0.0) / n - mean * mean)
+            return mean, math.sqrt(var)
+
+        in_mean, in_std = moments("input")
+        out_mean, out_std = moments("output")
+        summary[model] = {
+            "rate": acc.get("requests", 0.0) / window_s,
+            "input_mean": in_mean,
+            "output_mean": out_mean,
+            "input_std": in_std,
+            "output_std": out_std,
         }
     return summary

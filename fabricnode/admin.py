@@ -11,6 +11,13 @@ Endpoints (all GET; HEAD is answered like GET without a body):
 * ``/fabric/v1/nodes/{session_id}`` — one entry; a unique prefix of the id is accepted
   (404 unknown, 409 ambiguous prefix).
 * ``/fabric/v1/models`` — ``{"models": [...]}``, see ``views.models_view``.
+* ``/fabric/v1/assignments`` — GET: the engine assignments this agent holds
+  (``fabricnode.assignment``); POST ``{"assignments": [{"signed", "signature"}, ...]}``
+  (operator-signed, base64; what ``fabric plan --apply`` sends): each is verified, stored and
+  spread through the mesh; the answer lists each one's outcome (``new``, ``stale``,
+  ``untrusted``, ...). 400 malformed, 413 too large.
+* ``/fabric/v1/workload`` — this ingress's request log summarised per model over the last
+  ``window`` seconds (default 3600): request count and token sums, the planner's workload.
 * ``/metrics`` — Prometheus text, every name prefixed ``fabric_``.
 
 Errors have the OpenAI shape ``{"error": {"message", "type", "code"}}``: 400 bad query, 404 unknown
@@ -23,13 +30,25 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import parse_qsl, unquote
 
+import trio
+
+from fabricnode.accounting import (
+    TraceRecord,
+    read_request_log,
+    request_log_files,
+    workload_sums,
+)
 from fabricnode.asgi_serving import Receive, Send, lifespan
+from fabricnode.assignment import SignedAssignment
+from fabricnode.errors import DecodeError, FabricError
 from fabricnode.gossip import TransportStatistics
 from fabricnode.mesh import MeshCore
 from fabricnode.prometheus import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -42,6 +61,11 @@ log = logging.getLogger("fabricnode.admin")
 Scope = Mapping[str, Any]
 
 NODES_PREFIX = "/fabric/v1/nodes/"
+ASSIGNMENTS_PATH = "/fabric/v1/assignments"
+WORKLOAD_PATH = "/fabric/v1/workload"
+MAX_POST_BYTES = 1024 * 1024
+MAX_ASSIGNMENTS_PER_POST = 4096
+DEFAULT_WORKLOAD_WINDOW_S = 3600.0
 NODE_FILTERS = ("state", "model", "gpu", "label")
 
 
@@ -97,6 +121,7 @@ class AdminApp:
         wall_clock: Callable[[], float] = time.time,
         agent_endpoints: bool = True,
         extra_metrics: Callable[[], bytes] | None = None,
+        request_log_path: Path | None = None,
     ) -> None:
         self.core = core
         self.is_ready = is_ready
@@ -105,6 +130,7 @@ class AdminApp:
         self.wall_clock = wall_clock
         self.agent_endpoints = agent_endpoints
         self.extra_metrics = extra_metrics  # the data plane's prometheus-client registry
+        self.request_log_path = request_log_path
         self.started_at = wall_clock()
         self.requests = 0
 
@@ -116,11 +142,21 @@ class AdminApp:
             return  # websockets are not served; hypercorn closes the connection
         self.requests += 1
         method = scope["method"]
+        path = scope["path"]
+        posting = self.agent_endpoints and path == ASSIGNMENTS_PATH
         try:
-            if method not in ("GET", "HEAD"):
-                self.route(scope["path"])  # unknown paths are 404 whatever the method
-                raise HttpError(405, f"method {method} not allowed; use GET", "method_not_allowed")
-            response = self.route(scope["path"])(_query(scope))
+            if posting and method == "POST":
+                response = self.post_assignments(await _read_body(receive, MAX_POST_BYTES))
+            elif method not in ("GET", "HEAD"):
+                self.route(path)  # unknown paths are 404 whatever the method
+                allowed = "GET or POST" if posting else "GET"
+                raise HttpError(
+                    405, f"method {method} not allowed; use {allowed}", "method_not_allowed"
+                )
+            elif self.agent_endpoints and path == WORKLOAD_PATH:
+                response = await self.workload(_query(scope))
+            else:
+                response = self.route(path)(_query(scope))
         except HttpError as exc:
             response = error_response(exc.status, exc.message, exc.code)
         except Exception:
@@ -132,7 +168,7 @@ class AdminApp:
             (b"cache-control", b"no-store"),
         ]
         if response.status == 405:
-            headers.append((b"allow", b"GET, HEAD"))
+            headers.append((b"allow", b"GET, HEAD, POST" if posting else b"GET, HEAD"))
         await send({"type": "http.response.start", "status": response.status, "headers": headers})
         body = b"" if method == "HEAD" else response.body
         await send({"type": "http.response.body", "body": body, "more_body": False})
@@ -154,6 +190,10 @@ class AdminApp:
                 return lambda query: self.node(sid)
             if path == "/fabric/v1/models":
                 return self.models
+            if path == ASSIGNMENTS_PATH:
+                return self.assignments
+            if path == WORKLOAD_PATH:
+                return lambda query: json_response({})  # answered in __call__ (async)
             if path == "/metrics":
                 return self.metrics
         raise HttpError(404, f"no such endpoint: {path}", "not_found")
@@ -224,6 +264,71 @@ class AdminApp:
     def models(self, query: list[tuple[str, str]]) -> Response:
         return json_response({"models": models_view(self.core, self.wall_clock())})
 
+    def assignments(self, query: list[tuple[str, str]]) -> Response:
+        items = [a.describe() for a in self.core.assignments]
+        trusted = sorted(self.core.assignments.trusted)
+        return json_response({"assignments": items, "trusted_operators": trusted})
+
+    def post_assignments(self, body: bytes) -> Response:
+        try:
+            doc = json.loads(body)
+        except (ValueError, UnicodeDecodeError):
+            raise HttpError(400, "body is not valid JSON", "invalid_json") from None
+        raw = doc.get("assignments") if isinstance(doc, dict) else None
+        if not isinstance(raw, list) or not raw:
+            raise HttpError(
+                400, 'expected {"assignments": [{"signed", "signature"}, ...]}', "invalid_body"
+            )
+        if len(raw) > MAX_ASSIGNMENTS_PER_POST:
+            raise HttpError(
+                413, f"at most {MAX_ASSIGNMENTS_PER_POST} assignments per request", "too_large"
+            )
+        try:
+            items = [SignedAssignment.from_json(item) for item in raw]
+        except DecodeError as exc:
+            raise HttpError(400, f"malformed assignment: {exc}", "invalid_assignment") from None
+        now = self.wall_clock()
+        results = []
+        for item in items:
+            outcome = self.core.publish_assignment(item, now)
+            results.append({"target": item.target, "result": outcome.value})
+            log.info(
+                "assignment for %s (plan %s, operator %s): %s",
+                item.target[:8],
+                item.body.plan_id,
+                item.operator,
+                outcome.value,
+            )
+        return json_response({"results": results})
+
+    async def workload(self, query: list[tuple[str, str]]) -> Response:
+        params = dict(query)
+        unknown = set(params) - {"window"}
+        if unknown:
+            raise HttpError(
+                400,
+                f"unknown query parameter {sorted(unknown)[0]!r} (use window)",
+                "invalid_parameter",
+            )
+        try:
+            window = float(params.get("window", DEFAULT_WORKLOAD_WINDOW_S))
+        except ValueError:
+            window = math.nan
+        if not 0 < window <= 366 * 86400:
+            raise HttpError(400, "window: expected seconds, more than 0", "invalid_parameter")
+        path = self.request_log_path
+        if path is None:
+            return json_response({"window_s": window, "models": {}, "request_log": None})
+        now = self.wall_clock()
+        try:
+            records = await trio.to_thread.run_sync(_read_log, path)
+        except FabricError as exc:
+            raise HttpError(500, str(exc), "request_log_unreadable") from None
+        recent = [r for r in records if r.t >= now - window]
+        return json_response(
+            {"window_s": window, "models": workload_sums(recent), "request_log": str(path)}
+        )
+
     def metrics(self, query: list[tuple[str, str]]) -> Response:
         body = render_metrics(self).encode()
         if self.extra_metrics is not None:
@@ -282,6 +387,28 @@ def render_metrics(app: AdminApp) -> str:
 
 def _provider(app: AdminApp) -> str:
     return app.core.self_entry.body.provider
+
+
+def _read_log(path: Path) -> list[TraceRecord]:
+    if not request_log_files(path):
+        return []  # nothing logged yet
+    return read_request_log(path, include_rotated=True)
+
+
+async def _read_body(receive: Receive, limit: int) -> bytes:
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            raise HttpError(400, "request body incomplete", "invalid_body")
+        chunk = bytes(message.get("body", b""))
+        size += len(chunk)
+        if size > limit:
+            raise HttpError(413, f"body larger than {limit} bytes", "too_large")
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
 
 
 def _query(scope: Scope) -> list[tuple[str, str]]:

@@ -54,9 +54,11 @@ from fabricnode.addr import join_hostport
 from fabricnode.admin import AdminApp
 from fabricnode.apikeys import ApiKeyStore
 from fabricnode.asgi_serving import bind_http_socket, serve_http
+from fabricnode.assignment import SignedAssignment
 from fabricnode.config import AgentConfig
 from fabricnode.engine import EngineService
-from fabricnode.errors import FabricError
+from fabricnode.engine_cmd import EngineCommand
+from fabricnode.errors import ConfigError, FabricError
 from fabricnode.gossip import GossipService, UdpTcpTransport
 from fabricnode.hardware import default_host
 from fabricnode.hardware import discover as discover_gpus
@@ -84,6 +86,7 @@ log = logging.getLogger("fabricnode.agent")
 
 READY_PREFIX = "fabric: "
 LIVENESS_LOG_INTERVAL_S = 1.0
+ASSIGNMENT_POLL_S = 0.25  # how fast a JOIN-only node notices an assignment for it
 
 
 # -- ready lines ------------------------------------------------------------------------------
@@ -196,6 +199,7 @@ class Agent:
         self.gossip: GossipService | None = None
         self.tracker: JoinTracker | None = None
         self.engine: EngineService | None = None
+        self.plan_labels: tuple[tuple[str, str], ...] = ()  # set once an assignment arrives
         self._stop = trio.Event()
         self._finished = trio.Event()
         self._ingress_done = trio.Event()
@@ -222,7 +226,7 @@ class Agent:
     ) -> EntryBody:
         cfg = self.config
         expires = now + min(cfg.mesh.entry_ttl_s, cfg.mesh.registry.max_entry_ttl_s)
-        labels = list(cfg.labels)
+        labels = [*cfg.labels, *self.plan_labels]
         if job is not None:
             labels += [("slurm.job_id", job.job_id), ("slurm.partition", job.partition)]
             if job.end_time is not None and job.end_time > now:
@@ -313,9 +317,10 @@ class Agent:
             log.info("new session %s for the restarted engine", self.identity.session_id)
 
         ingress_box: list[Ingress] = []  # the engine reports the ingress's local in-flight count
-        engine = (
-            EngineService(
-                cfg.engine,
+
+        def engine_service(command: EngineCommand) -> EngineService:
+            return EngineService(
+                command,
                 core,
                 gossip,
                 log_path=self._engine_log_path(core.self_id),
@@ -325,18 +330,20 @@ class Agent:
                 new_session=new_session,
                 inflight=lambda: ingress_box[0].local_inflight if ingress_box else 0,
             )
-            if cfg.engine is not None
-            else None
-        )
-        self.engine = engine
+
+        # Without an engine command the node stays JOIN-only until an operator's assignment
+        # gives it one (``_await_assignment``); everything below reads ``self.engine``.
+        self.engine = engine_service(cfg.engine) if cfg.engine is not None else None
 
         def ready() -> bool:
+            engine = self.engine
             return tracker.is_ready() and (engine is None or engine.state == "serving")
 
         def engine_url() -> str | None:
-            return cfg.engine.url if cfg.engine is not None else None
+            return self.engine.command.url if self.engine is not None else None
 
         def engine_serving() -> bool:
+            engine = self.engine
             return engine is not None and engine.state == "serving" and not core.left
 
         request_log = RequestLog(cfg.request_log_path) if cfg.request_log_path else None
@@ -361,6 +368,7 @@ class Agent:
                 wall_clock=self.wall_clock,
                 agent_endpoints=agent_endpoints,
                 extra_metrics=ingress.render_metrics,
+                request_log_path=cfg.request_log_path,
             )
 
         # The public port is the data plane; paths outside /v1 go to the control app inline.
@@ -384,8 +392,12 @@ class Agent:
                 nursery.start_soon(self._reload_api_keys, self.api_keys)
             if request_log is not None:
                 nursery.start_soon(self._flush_request_log, request_log)
-            if engine is not None:
-                await nursery.start(engine.run)
+            if self.engine is not None:
+                await nursery.start(self.engine.run)
+            else:
+                nursery.start_soon(
+                    self._await_assignment, nursery, core, gossip, hardware, engine_service
+                )
             nursery.start_soon(self._watch_rendezvous, core, gossip, gossip_addr)
             nursery.start_soon(self._log_changes, core, tracker)
             if job is not None:
@@ -401,6 +413,7 @@ class Agent:
             ingress.leaving = True
             log.info("leaving: signing LEFT and spreading it for %g s", cfg.leave_linger_s)
             await gossip.leave(cfg.leave_linger_s)
+            engine = self.engine
             if engine is not None:
                 with trio.move_on_after(cfg.drain_timeout_s) as drain:
                     await ingress.wait_local_idle()
@@ -439,6 +452,58 @@ class Agent:
         while True:
             await trio.sleep(self.config.request_log_flush_s)
             await trio.to_thread.run_sync(request_log.flush)
+
+    async def _await_assignment(
+        self,
+        nursery: trio.Nursery,
+        core: MeshCore,
+        gossip: GossipService,
+        hardware: Hardware,
+        engine_service: Callable[[EngineCommand], EngineService],
+    ) -> None:
+        """JOIN-only node: launch the engine an operator assigns us (``fabric plan --apply``).
+
+        The outcome is published as labels on our entry (``fabric.plan``, ``fabric.plan_status``)
+        so the operator sees it with ``fabric nodes`` / ``fabric plan --apply`` without logging
+        in here. Acts once: a running engine is never replaced by a later plan.
+        """
+        template = self.config.engine_template
+        seen: SignedAssignment | None = None
+        while not self._stop.is_set():
+            await trio.sleep(ASSIGNMENT_POLL_S)
+            item = core.assignments.get(core.self_id)
+            if item is None or item is seen or core.left:
+                continue
+            seen = item
+            a = item.body
+            where = f"plan {a.plan_id}: {a.model} tp={a.tp} dp={a.dp}"
+            if template is None:
+                log.warning("%s assigned to us, but this agent has no --engine-template", where)
+                self._set_plan_labels(core, gossip, a.plan_id, "no engine template")
+                continue
+            if a.gpus > max(1, hardware.gpu_count):
+                log.warning("%s needs %d GPUs; this node has %d", where, a.gpus, hardware.gpu_count)
+                self._set_plan_labels(core, gossip, a.plan_id, f"needs {a.gpus} GPUs")
+                continue
+            try:
+                command = template.render(a.model, a.tp, a.dp, hardware.gpu_type)
+            except ConfigError as exc:
+                log.warning("%s: cannot render the engine template: %s", where, exc)
+                self._set_plan_labels(core, gossip, a.plan_id, f"error: {exc}"[:200])
+                continue
+            log.info("%s from operator %s: starting %s", where, item.operator, command.argv)
+            self._set_plan_labels(core, gossip, a.plan_id, "launching")
+            self.engine = engine_service(command)
+            await nursery.start(self.engine.run)
+            return
+
+    def _set_plan_labels(
+        self, core: MeshCore, gossip: GossipService, plan_id: str, status: str
+    ) -> None:
+        self.plan_labels = (("fabric.plan", plan_id), ("fabric.plan_status", status))
+        kept = [(k, v) for k, v in core.self_entry.body.labels if not k.startswith("fabric.plan")]
+        core.update_self(self.wall_clock(), labels=tuple(sorted([*kept, *self.plan_labels])))
+        gossip.poke()
 
     def _plan_leave(self, job: SlurmJob, now: float) -> LeavePlan | None:
         margin = self.config.leave_before_end_s

@@ -135,10 +135,27 @@ class AdminClient:
     def metrics(self) -> str:
         return self._request("/metrics").text
 
+    def assignments(self) -> Json:
+        return self.get_json("/fabric/v1/assignments")
+
+    def post_assignments(self, assignments: list[Json]) -> list[Json]:
+        """Hand operator-signed assignments to the agent; each one's outcome."""
+        doc = self.post_json("/fabric/v1/assignments", {"assignments": assignments})
+        results: list[Json] = doc.get("results", [])
+        return results
+
+    def workload(self, window_s: float) -> Json:
+        return self.get_json("/fabric/v1/workload", [("window", f"{window_s:g}")])
+
     # -- plumbing ---------------------------------------------------------------------------
 
     def get_json(self, path: str, params: list[tuple[str, str]] | None = None) -> Json:
-        response = self._request(path, params)
+        return self._json(path, self._request(path, params))
+
+    def post_json(self, path: str, body: Json) -> Json:
+        return self._json(path, self._request(path, body=body))
+
+    def _json(self, path: str, response: httpx.Response) -> Json:
         try:
             doc = response.json()
         except ValueError:
@@ -150,9 +167,18 @@ class AdminClient:
             raise AgentApiError(f"{self.base_url}{path}: unexpected answer", response.status_code)
         return doc
 
-    def _request(self, path: str, params: list[tuple[str, str]] | None = None) -> httpx.Response:
+    def _request(
+        self,
+        path: str,
+        params: list[tuple[str, str]] | None = None,
+        *,
+        body: Json | None = None,
+    ) -> httpx.Response:
         try:
-            response = self._http.get(path, params=tuple(params or ()))
+            if body is None:
+                response = self._http.get(path, params=tuple(params or ()))
+            else:
+                response = self._http.post(path, json=body)
         except httpx.ConnectError as exc:
             raise AgentApiError(
                 f"cannot reach the agent at {self.base_url}: {_reason(exc)} (is `fabric start` "

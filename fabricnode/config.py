@@ -28,11 +28,12 @@ import os
 import socket
 import sys
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from fabricnode.addr import join_hostport, split_hostport
 from fabricnode.engine_cmd import EngineCommand, inspect_engine_cmd
+from fabricnode.engine_template import EngineTemplate, parse_template
 from fabricnode.errors import ConfigError
 from fabricnode.hardware import parse_sim_gpu
 from fabricnode.ingress_config import IngressConfig
@@ -57,6 +58,8 @@ class AgentConfig:
     advertise_host: str
     provider_key_path: Path | None = None  # certifies our session key (verified provider)
     engine: EngineCommand | None = None  # the supervised child; None: a JOIN-only node
+    # A JOIN-only node with a template launches its engine when an operator assigns a model.
+    engine_template: EngineTemplate | None = None
     log_dir: Path | None = None  # engine logs go to <log_dir>/<job>-<session>/engine.log
     job_log_dir: Path | None = None  # if set, the engine log is <job_log_dir>/engine.log
     sim_gpu: str | None = None  # TYPE[:COUNT[:MEMORY_GB]] instead of nvidia-smi discovery
@@ -119,6 +122,10 @@ def default_provider_key_path(env: Mapping[str, str]) -> Path:
     return fabric_home(env) / "provider.key"
 
 
+def default_operator_key_path(env: Mapping[str, str]) -> Path:
+    return fabric_home(env) / "operator.key"
+
+
 def load_config(
     *,
     http: str | None = None,
@@ -134,6 +141,9 @@ def load_config(
     engine_url: str | None = None,
     sim: str | None = None,
     sim_gpu: str | None = None,
+    engine_template: str | None = None,
+    model_paths: Sequence[str] = (),
+    trust_operators: Iterable[str] = (),
     restart: str | None = None,
     max_restarts: int | None = None,
     labels: Iterable[str] = (),
@@ -187,6 +197,9 @@ def load_config(
         log_path = log_dir / f"requests-{job}-{os.getpid()}.jsonl"
     else:
         log_path = Path(request_log).expanduser() if request_log else None
+    engine = _engine(engine_cmd, engine_url, sim, sim_gpu)
+    template = _engine_template(engine_template, model_paths, env, has_engine=engine is not None)
+    operators = _trusted_operators(trust_operators, env)
     return AgentConfig(
         api_keys_path=keys_path,
         request_log_path=log_path,
@@ -197,7 +210,8 @@ def load_config(
         rendezvous_path=rendezvous_path,
         provider=_provider(provider, env),
         provider_key_path=Path(provider_key).expanduser() if provider_key else None,
-        engine=_engine(engine_cmd, engine_url, sim, sim_gpu),
+        engine=engine,
+        engine_template=template,
         log_dir=log_dir,
         job_log_dir=job_logs,
         sim_gpu=_sim_gpu(sim_gpu),
@@ -213,7 +227,7 @@ def load_config(
         join=join_addrs,
         labels=parse_labels(labels),
         log_level=level,
-        mesh=mesh or MeshConfig(),
+        mesh=replace(mesh or MeshConfig(), trusted_operators=operators),
     )
 
 
@@ -298,20 +312,62 @@ def _engine(
     return sim_engine_command(sim, (sim_gpu or "H100").split(":")[0])
 
 
-def sim_engine_command(model: str, gpu_type: str, *extra: str) -> EngineCommand:
-    """The built-in simulated engine as a child, on a free loopback port."""
+def sim_engine_command(
+    model: str, gpu_type: str, *extra: str, port: int | None = None
+) -> EngineCommand:
+    """The built-in simulated engine as a child, on ``port`` (default: a free loopback port)."""
     from fabricnode.simengine.model import GPU_PROFILES  # the profiles it can simulate
 
     if gpu_type not in GPU_PROFILES:
         raise ConfigError(
             f"--sim-gpu {gpu_type!r}: the simulated engine knows {', '.join(GPU_PROFILES)}"
         )
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
+    if port is None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
     argv: tuple[str, ...] = (sys.executable, "-m", "fabricnode.simengine", "--model", model)
     argv += ("--port", str(port), "--gpu", gpu_type, *extra)
     return EngineCommand(argv, "sim", model, (), f"http://127.0.0.1:{port}")
+
+
+def _engine_template(
+    flag: str | None, model_paths: Sequence[str], env: Mapping[str, str], *, has_engine: bool
+) -> EngineTemplate | None:
+    text = flag if flag is not None else env.get("FABRIC_ENGINE_TEMPLATE", "")
+    if not text.strip():
+        if model_paths:
+            raise ConfigError("--model-path only applies with --engine-template")
+        return None
+    if has_engine:
+        if flag is None:
+            return None  # a template from the environment: this node already runs an engine
+        raise ConfigError(
+            "--engine-template is for nodes started without an engine (they wait for "
+            "`fabric plan --apply`); this one runs the engine given after -- or by --sim"
+        )
+    return parse_template(text, model_paths)
+
+
+def _trusted_operators(flags: Iterable[str], env: Mapping[str, str]) -> tuple[str, ...]:
+    items = list(flags)
+    source = "--trust-operator"
+    if not items:
+        items = env.get("FABRIC_TRUST_OPERATORS", "").split(",")
+        source = "FABRIC_TRUST_OPERATORS"
+    out: list[str] = []
+    for item in items:
+        fp = item.strip().lower()
+        if not fp:
+            continue
+        if len(fp) != 16 or any(c not in "0123456789abcdef" for c in fp):
+            raise ConfigError(
+                f"{source} {item!r}: expected an operator key fingerprint (16 hex digits, as "
+                "`fabric keys new-operator` prints it)"
+            )
+        if fp not in out:
+            out.append(fp)
+    return tuple(out)
 
 
 def _restart(policy: str | None) -> str:

@@ -187,6 +187,54 @@ class ProviderKey:
         return cls(provider, Identity(Ed25519PrivateKey.from_private_bytes(private)))
 
 
+class OperatorKey:
+    """A long-lived operator key: signs engine assignments (``fabric plan --apply``).
+
+    Agents act on an assignment only if they trust the key's fingerprint
+    (``--trust-operator``); see ``fabricnode.assignment``.
+    """
+
+    FILE_TAG = "fabric-operator-key"
+
+    def __init__(self, identity: Identity) -> None:
+        self.identity = identity
+
+    @property
+    def public_key(self) -> bytes:
+        return self.identity.public_key
+
+    @property
+    def fingerprint(self) -> str:
+        return key_fingerprint(self.identity.public_key)
+
+    @classmethod
+    def generate(cls) -> OperatorKey:
+        return cls(Identity.generate())
+
+    def save(self, path: Path) -> None:
+        body = msgpack.packb([self.FILE_TAG, 1, self.identity.private_bytes()], use_bin_type=True)
+        _write_private(path, body)
+
+    @classmethod
+    def load(cls, path: Path) -> OperatorKey:
+        try:
+            raw = path.read_bytes()
+        except OSError as exc:
+            raise KeyFileError(
+                f"cannot read operator key {path}: {exc.strerror} "
+                "(create one with `fabric keys new-operator`)"
+            ) from exc
+        try:
+            tag, version, private = msgpack.unpackb(raw, raw=False)
+        except (ValueError, TypeError, msgpack.UnpackException) as exc:
+            raise KeyFileError(f"{path} is not a fabric operator key") from exc
+        if tag != cls.FILE_TAG or version != 1:
+            raise KeyFileError(f"{path} is not a fabric operator key")
+        if not isinstance(private, bytes) or len(private) != 32:
+            raise KeyFileError(f"{path} holds a malformed operator key")
+        return cls(Identity(Ed25519PrivateKey.from_private_bytes(private)))
+
+
 def _write_private(path: Path, body: bytes) -> None:
     """Write a secret file readable by its owner only (atomic replace)."""
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -32,6 +32,7 @@ import random
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from fabricnode.assignment import AssignmentTable, Offer, SignedAssignment
 from fabricnode.broadcast import BroadcastQueue
 from fabricnode.errors import WireError
 from fabricnode.identity import Identity, Verifier
@@ -51,6 +52,7 @@ from fabricnode.wire import (
     Accusation,
     Ack,
     Alive,
+    AssignmentMsg,
     EntryMsg,
     Load,
     Message,
@@ -93,6 +95,9 @@ class MeshConfig:
     relay_timeout_s: float = 1.0
     registry: RegistryLimits = field(default_factory=RegistryLimits)
     max_clock_skew_s: float = 60.0
+    # Fingerprints of operator keys whose engine assignments this node accepts and relays.
+    trusted_operators: tuple[str, ...] = ()
+    max_assignments: int = 4096
 
     @property
     def suspicion(self) -> SuspicionTiming:
@@ -138,6 +143,7 @@ class MeshStatistics:
     load_queue: int
     incarnation: int
     merges: dict[str, int]
+    assignments: int = 0
 
 
 class MeshCore:
@@ -159,6 +165,12 @@ class MeshCore:
         self.rng = rng or random.Random()
         self.verifier = verifier or Verifier()
         self.registry = Registry(self.verifier, cfg.registry)
+        self.assignments = AssignmentTable(
+            cfg.trusted_operators,
+            self.verifier,
+            max_items=cfg.max_assignments,
+            max_clock_skew_s=cfg.max_clock_skew_s,
+        )
         self.members = MemberTable(self.self_id, cfg.suspicion, self.rng)
         self.loads: dict[str, Load] = {}
         self.replay = ReplayGuard(max_skew_s=cfg.max_clock_skew_s)
@@ -276,6 +288,19 @@ class MeshCore:
         else:
             self.load_broadcasts.put(("load", self.self_id), load)
 
+    def publish_assignment(self, item: SignedAssignment, now: float) -> Offer:
+        """Accept an operator's assignment (from the admin API) and spread it.
+
+        Besides gossip, it goes straight to its target over a reliable stream when we know the
+        target's address: the common case then takes one hop.
+        """
+        outcome = self._on_assignment(item, now)
+        if outcome == Offer.NEW and item.target != self.self_id:
+            target = self.members.get(item.target)
+            if target is not None and target.addr:
+                self._send(target.addr, [AssignmentMsg(item)], now, reliable=True)
+        return outcome
+
     def _load_direct(self) -> bool:
         return self.members.live_count() <= self.config.load_direct_max_members
 
@@ -342,6 +367,7 @@ class MeshCore:
             load_queue=len(self.load_broadcasts),
             incarnation=self.incarnation,
             merges=rs.merges,
+            assignments=len(self.assignments),
         )
 
     # == receiving ===============================================================================
@@ -388,6 +414,8 @@ class MeshCore:
                 self._on_accusation(msg, now)
             elif isinstance(msg, Load):
                 self._on_load(msg, now)
+            elif isinstance(msg, AssignmentMsg):
+                self._on_assignment(msg.assignment, now)
         for msg in packet.messages:
             if isinstance(msg, Ping):
                 self._on_ping(packet.sender, msg, now, source)
@@ -422,6 +450,31 @@ class MeshCore:
             self.loads.pop(sid, None)
         else:
             self.members.learn_address(sid, entry.body.addresses.gossip, now)
+
+    def _on_assignment(self, item: SignedAssignment, now: float) -> Offer:
+        outcome = self.assignments.offer(item, now)
+        if not outcome.accepted:
+            self._drop(f"assignment_{outcome.value}")
+        elif outcome == Offer.NEW and self._spread:
+            self.broadcasts.put(("assign", item.target), AssignmentMsg(item))
+            self._next_gossip_at = min(self._next_gossip_at, now)
+        return outcome
+
+    def _pending_assignments(self) -> list[Message]:
+        """Assignments whose target has not started serving: carried by every sync exchange,
+        so one that gossip lost still reaches its target (they are few and small)."""
+        out: list[Message] = []
+        for item in self.assignments:
+            entry = self.registry.get(item.target)
+            if entry is None or entry.body.state == State.JOIN:
+                out.append(AssignmentMsg(item))
+        return out
+
+    def _assignment_gone(self, target: str) -> bool:
+        entry = self.registry.get(target)
+        if entry is None:
+            return self.registry.is_tombstoned(target)
+        return entry.body.state >= State.DOWN
 
     def _on_alive(self, rec: Alive, now: float) -> None:
         if rec.session_id == self.self_id:
@@ -653,7 +706,12 @@ class MeshCore:
     def _start_sync(self, addr: str, now: float) -> None:
         self._send(
             addr,
-            [EntryMsg(self.self_entry), self.alive, SyncRequest(tuple(self._rows()))],
+            [
+                EntryMsg(self.self_entry),
+                self.alive,
+                *self._pending_assignments(),
+                SyncRequest(tuple(self._rows())),
+            ],
             now,
             reliable=True,
         )
@@ -681,6 +739,7 @@ class MeshCore:
         for sid, _ in theirs.items():
             if not self.registry.is_tombstoned(sid):
                 want.append(sid)
+        records.extend(self._pending_assignments())
         self._send(addr, [*records, SyncReply(tuple(want))], now, reliable=True)
 
     def _on_sync_reply(self, sender: str, msg: SyncReply, now: float) -> None:
@@ -762,6 +821,8 @@ class MeshCore:
     def _gc(self, now: float) -> None:
         for sid in self.registry.gc(now):
             self._forget(sid)
+        for target in self.assignments.collect(now, self._assignment_gone):
+            self.broadcasts.discard(("assign", target))
         hold = self.config.registry.terminal_hold_s
         if now >= self._next_member_sweep_at:
             # Members known only from liveness records (no entry ever arrived) and long dead.

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fabricnode import codec
+from fabricnode.assignment import SignedAssignment
 from fabricnode.errors import DecodeError
 from fabricnode.identity import (
     PUBLIC_KEY_BYTES,
@@ -208,6 +209,17 @@ class Load:
         ]
 
 
+@dataclass(frozen=True)
+class AssignmentMsg:
+    """An operator-signed engine assignment (``fabricnode.assignment``)."""
+
+    TAG = 10
+    assignment: SignedAssignment
+
+    def to_wire(self) -> list[object]:
+        return [self.TAG, *self.assignment.to_wire()]
+
+
 # -- anti-entropy ------------------------------------------------------------------------------
 
 # One row per member: [sid, state, version, digest(8), incarnation, liveness code]
@@ -234,7 +246,18 @@ class SyncReply:
         return [self.TAG, list(self.want)]
 
 
-Message = Ping | Ack | PingReq | EntryMsg | Alive | Accusation | Load | SyncRequest | SyncReply
+Message = (
+    Ping
+    | Ack
+    | PingReq
+    | EntryMsg
+    | Alive
+    | Accusation
+    | Load
+    | SyncRequest
+    | SyncReply
+    | AssignmentMsg
+)
 
 
 @dataclass(frozen=True)
@@ -348,7 +371,9 @@ def _decode_message(raw: Any) -> Message | None:
     if tag == SyncReply.TAG and n == 2:
         want = codec.take_list(fields[1], max_len=65536, what="want")
         return SyncReply(tuple(take_sid(s) for s in want))
-    if tag in (1, 2, 3, 4, 5, 6, 7, 8, 9):
+    if tag == AssignmentMsg.TAG and n == 3:
+        return AssignmentMsg(SignedAssignment.from_wire(fields[1:]))
+    if tag in (1, 2, 3, 4, 5, 6, 7, 8, 9, 10):
         raise DecodeError(f"message tag {tag} with {n} fields")
     return None
 

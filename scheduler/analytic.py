@@ -67,6 +67,9 @@ def _erlang_c(servers: int, load: float) -> float:
     return servers * b / (servers - load * (1.0 - b))
 
 
+POISSON_EXACT_MAX = 400.0  # above this many arrivals per cycle: a point mass at the mean
+
+
 class _Model:
     """The explicit map kappa -> steady state for one replica and workload."""
 
@@ -102,6 +105,11 @@ class _Model:
     def _poisson(self, batch: float, mean: float) -> tuple[float, float, float, float]:
         """Over K ~ Poisson(mean) prompts in an iteration with ``batch`` decodes: E[time],
         E[iterations], E[sum of squared iteration times], and E[time] with one more prompt."""
+        if mean > POISSON_EXACT_MAX:
+            # exp(-mean) underflows; the Poisson is then tight around its mean (CV < 5%).
+            k = round(mean)
+            t, n = self._iteration(batch, k)
+            return t, n, t * t / n, self._iteration(batch, k + 1)[0]
         p = math.exp(-mean)
         cumulative = total_time = total_steps = second = plus_one = 0.0
         k = 0

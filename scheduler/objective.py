@@ -153,6 +153,7 @@ class Problem:
         roofline: RooflineConfig | None = None,
         serving: ServingConfig | None = None,
         table_points: int = 40,
+        max_tp: Mapping[str, int] | None = None,
     ) -> None:
         if not 0 < max_utilization <= 0.99:
             raise WorkloadError(f"max_utilization must be in (0, 0.99], got {max_utilization}")
@@ -188,7 +189,9 @@ class Problem:
             for gpu_name in self.gpus:
                 spec = catalog.gpu(gpu_name)
                 have = self.inventory[gpu_name]
-                tps = tp_options(model, spec, lengths, roofline, serving)
+                # A replica lives in one node: a mesh inventory caps TP at its biggest node.
+                cap = None if max_tp is None else max_tp.get(gpu_name)
+                tps = tp_options(model, spec, lengths, roofline, serving, max_tp=cap)
                 usable = [tp for tp in tps if tp <= have]
                 for tp in usable:
                     perf = ReplicaPerf(model, spec, tp, roofline, serving)

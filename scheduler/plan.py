@@ -203,8 +203,12 @@ def plan(
     serving: ServingConfig | None = None,
     seed: int = 0,
     progress: Callable[[Progress], None] | None = None,
+    max_tp: Mapping[str, int] | None = None,
 ) -> PlanResult:
     """Place ``workloads`` on ``inventory`` (GPU type -> count); see the module docstring.
+
+    ``max_tp`` caps the TP degree per GPU type (a replica must fit in one node: the CLI passes
+    each type's biggest node when it plans on the mesh's nodes).
 
     Raises ``WorkloadError``/``CatalogError`` for bad input and ``SchedulerError`` when the
     chosen solver is unavailable (OR-Tools or numpy missing) or intractable (``exact``)."""
@@ -218,6 +222,7 @@ def plan(
         min_replicas=min_replicas,
         roofline=roofline,
         serving=serving,
+        max_tp=max_tp,
     )
     return plan_problem(
         problem,

@@ -390,3 +390,33 @@ def test_workload_summary_gives_rates_and_token_statistics() -> None:
     assert summary["c"]["rate"] == pytest.approx(0.1), "client errors are not demand"
     assert workload_summary(records, duration_s=100.0)["a"]["rate"] == pytest.approx(0.11)
     assert workload_summary([]) == {}
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["a", "b"]),
+            st.one_of(st.none(), st.integers(1, 5000)),
+            st.integers(1, 500),
+            st.sampled_from([200, 200, 404, 503]),
+        ),
+        max_size=40,
+    ),
+    st.integers(1, 4),
+)
+@settings(max_examples=100, deadline=None)
+def test_workload_sums_merged_over_ingresses_equal_one_summary(
+    rows: list[tuple[str, int | None, int, int]], parts: int
+) -> None:
+    records = [
+        TraceRecord(t=float(i), model=m, input_tokens=inp, output_tokens=out, latency_s=1.0,
+                    status=status)
+        for i, (m, inp, out, status) in enumerate(rows)
+    ]  # fmt: skip
+    split = [accounting.workload_sums(records[i::parts]) for i in range(parts)]
+    merged = accounting.merge_workload_sums(split, 100.0)
+    whole = accounting.workload_summary(records, duration_s=100.0)
+    assert set(merged) == set(whole)
+    for model, row in whole.items():
+        for key, value in row.items():
+            assert merged[model][key] == pytest.approx(value, rel=1e-6, abs=1e-6), key
