@@ -71,9 +71,11 @@ def test_apply_turns_join_nodes_into_serving_nodes_that_answer_requests(
     workload = tmp_path / "workload.toml"
     workload.write_text(WORKLOAD)
 
+    started = time.monotonic()
     done = fabric(mesh, ingress, "plan", "--workload", str(workload), "--apply", "--json",
                   "--wait", "60", "--time-limit", "5")  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
+    print(f"plan + apply until both nodes served: {time.monotonic() - started:.1f} s")
     doc = json.loads(done.stdout)
     assert doc["inventory"] == {"A100-80G": 2, "H100-SXM": 2}
     assert all(a["tp"] <= 2 for a in doc["allocations"])  # no replica wider than a node
