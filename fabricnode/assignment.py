@@ -26,7 +26,6 @@ from __future__ import annotations
 import base64
 import binascii
 import enum
-import hashlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +39,7 @@ from fabricnode.identity import (
     Verifier,
     canonical,
     key_fingerprint,
+    record_digest,
 )
 
 ASSIGNMENT_DOMAIN = b"fabric/assignment/v1"
@@ -107,8 +107,7 @@ class SignedAssignment:
     digest: bytes = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        digest = hashlib.blake2b(self.signed_bytes + self.signature, digest_size=8).digest()
-        object.__setattr__(self, "digest", digest)
+        object.__setattr__(self, "digest", record_digest(self.signed_bytes, self.signature))
 
     @property
     def target(self) -> str:

@@ -47,6 +47,11 @@ def canonical(domain: bytes, *fields: object) -> bytes:
     return data
 
 
+def record_digest(signed_bytes: bytes, signature: bytes) -> bytes:
+    """8-byte digest of a signed record: the tie-breaker of its CRDT rank and its sync id."""
+    return hashlib.blake2b(signed_bytes + signature, digest_size=8).digest()
+
+
 def session_id_for(public_key: bytes) -> str:
     """Self-certifying session id of a public key."""
     return hashlib.sha256(public_key).digest()[:SESSION_ID_BYTES].hex()

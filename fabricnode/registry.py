@@ -36,7 +36,6 @@ feeds it entries received from peers (``merge``); the owner produces its own ent
 from __future__ import annotations
 
 import enum
-import hashlib
 import heapq
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
@@ -52,6 +51,7 @@ from fabricnode.identity import (
     Verifier,
     canonical,
     key_fingerprint,
+    record_digest,
     session_id_for,
 )
 
@@ -176,8 +176,7 @@ class SignedEntry:
     digest: bytes = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        digest = hashlib.blake2b(self.signed_bytes + self.signature, digest_size=8).digest()
-        object.__setattr__(self, "digest", digest)
+        object.__setattr__(self, "digest", record_digest(self.signed_bytes, self.signature))
 
     @property
     def session_id(self) -> str:
