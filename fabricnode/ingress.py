@@ -38,7 +38,7 @@ import logging
 import math
 import random
 import socket
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote_to_bytes
@@ -54,12 +54,21 @@ from fabricnode.forward_auth import ForwardRejected, ForwardVerifier, sign_forwa
 from fabricnode.http1 import CONTINUE_RESPONSE, Request, RequestParser, full_response
 from fabricnode.http1 import response_head as build_head
 from fabricnode.ingress_config import IngressConfig
-from fabricnode.ingress_metrics import IngressMetrics
+from fabricnode.ingress_metrics import IngressMetrics, LabelCache
 from fabricnode.membership import Liveness
 from fabricnode.mesh import MeshCore
 from fabricnode.registry import State
 from fabricnode.routetable import CircuitBreaker, Origin, Route, RouteTable
-from fabricnode.sockio import SocketClosed, Watchdog, Watched, close, recv_some, send_all
+from fabricnode.sockio import (
+    SocketClosed,
+    Watchdog,
+    Watched,
+    close,
+    recv_some,
+    send_all,
+    try_recv,
+    try_send,
+)
 from fabricnode.upstream import BrokenResponse, Exchange, UpstreamError, UpstreamPool
 
 log = logging.getLogger("fabricnode.ingress")
@@ -119,7 +128,7 @@ class _Conn:
         self.closing = False
 
 
-@dataclass
+@dataclass(slots=True)
 class _Job:
     """What the data plane knows of one routed request."""
 
@@ -175,6 +184,8 @@ class Ingress:
         self.watchdog = Watchdog(cfg.watchdog_interval_s)
         self.forwards = ForwardVerifier(core.keyring, max_skew_s=cfg.forward_max_skew_s)
         self.metrics = IngressMetrics()
+        self._decisions = LabelCache(self.metrics.decisions)
+        self._forwards_served = LabelCache(self.metrics.forwards_served)
         self.remote_inflight: dict[str, int] = {}  # session id -> our requests in flight to it
         self.local_inflight = 0  # requests in flight to our own engine
         self.leaving = False  # refuse forwards (503) so ingresses fail over
@@ -184,8 +195,8 @@ class Ingress:
         self.broken_streams = 0
         self._holders = 0
         self._released = trio.Event()
-        self._local_idle = trio.Event()
-        self._local_idle.set()
+        self._local_idle: trio.Event | None = None  # for wait_local_idle, made on demand
+        self._local_origin_cache: tuple[str, Origin] | None = None
         self._conns: set[_Conn] = set()
         self._accepting = True
 
@@ -282,6 +293,7 @@ class Ingress:
             max_body_bytes=cfg.max_body_bytes,
         )
         sent_continue = False
+        answered = False  # a response just went out: the client's next bytes are not here yet
         try:
             while not conn.closing:
                 if parser.ready:
@@ -291,6 +303,7 @@ class Ingress:
                     if not keep or not req.keep_alive:
                         break
                     sent_continue = False
+                    answered = True
                     watch.deadline = trio.current_time() + (
                         cfg.request_timeout_s if parser.mid_request else cfg.keepalive_timeout_s
                     )
@@ -305,13 +318,27 @@ class Ingress:
                     if pending is not None and pending.expect_continue:
                         await send_all(sock, CONTINUE_RESPONSE)
                     sent_continue = True
-                data = await recv_some(sock)
+                data: bytes | None = None
+                if answered and not parser.mid_request:
+                    # A closed-loop client sends its next request only after reading our
+                    # answer: wait for it instead of trying a read that would fail.
+                    answered = False
+                    try:
+                        await trio.lowlevel.wait_readable(sock)
+                    except (trio.ClosedResourceError, OSError):
+                        break  # closed by the watchdog (keep-alive timeout) or at shutdown
+                    data = try_recv(sock)
+                if data is None:
+                    data = await recv_some(sock)
                 if not data:
                     break  # the client closed (or half-closed: we cannot answer a request it
                     # did not finish sending; a complete one was already queued and answered)
-                if not parser.mid_request:
-                    watch.deadline = trio.current_time() + cfg.request_timeout_s
+                was_mid = parser.mid_request
                 parser.feed(data)
+                if not was_mid and parser.mid_request and not parser.ready:
+                    # A request started and is incomplete: it has request_timeout_s to arrive
+                    # (a request that came whole is answered at once and needs no deadline).
+                    watch.deadline = trio.current_time() + cfg.request_timeout_s
         except (SocketClosed, ClientGone):
             pass
         finally:
@@ -350,20 +377,25 @@ class Ingress:
         code: str,
         *,
         extra: list[tuple[bytes, bytes]] | None = None,
-    ) -> None:
+    ) -> bool:
         """An error answer to a request that was refused before routing (counted as such)."""
         self.metrics.done("-", status, 0.0)
         await self._send_error(conn, status, message, code, extra=extra)
+        return True
 
     # == dispatch ============================================================================
 
-    async def _handle(self, conn: _Conn, req: Request) -> bool:
-        """Answer one request; False closes the connection."""
+    # The dispatchers below are plain functions that return the coroutine answering the
+    # request, not coroutines awaiting it: every level of ``await`` is crossed twice per wait
+    # (suspend and resume), and the hot path waits twice per request.
+
+    def _handle(self, conn: _Conn, req: Request) -> Coroutine[Any, Any, bool]:
+        """Answer one request (await the result); False closes the connection."""
         self.requests += 1
         path = req.path
         if path.startswith(b"/v1/"):
-            return await self._handle_v1(conn, req, path)
-        return await self._handle_control(conn, req)
+            return self._handle_v1(conn, req, path)
+        return self._handle_control(conn, req)
 
     async def _handle_control(self, conn: _Conn, req: Request) -> bool:
         if self.control_app is None:
@@ -377,29 +409,30 @@ class Ingress:
         )
         return True
 
-    async def _handle_v1(self, conn: _Conn, req: Request, path: bytes) -> bool:
+    def _handle_v1(self, conn: _Conn, req: Request, path: bytes) -> Coroutine[Any, Any, bool]:
+        kind = ENDPOINTS.get(path)
+        if kind is not None and req.method == b"POST":
+            forward = req.headers.get(FORWARD_HEADER)
+            if forward is not None:
+                return self._serve_forward(conn, req, path, forward)
+            return self._route(conn, req, path, kind)
         if path == b"/v1/models":
             if req.method not in (b"GET", b"HEAD"):
-                await self._method_not_allowed(conn, b"GET, HEAD")
-                return True
-            await send_all(
-                conn.sock,
-                full_response(200, self.models_body(), head_only=req.method == b"HEAD"),
-            )
-            return True
-        kind = ENDPOINTS.get(path)
+                return self._method_not_allowed(conn, b"GET, HEAD")
+            return self._answer(conn, self.models_body(), head_only=req.method == b"HEAD")
         if kind is None:
-            await self._send_error(conn, 404, f"no such endpoint: {_text(path)}", "not_found")
-            return True
-        if req.method != b"POST":
-            await self._method_not_allowed(conn, b"POST")
-            return True
-        forward = req.headers.get(FORWARD_HEADER)
-        if forward is not None:
-            return await self._serve_forward(conn, req, path, forward)
-        return await self._route(conn, req, path, kind)
+            return self._answer_error(conn, 404, f"no such endpoint: {_text(path)}", "not_found")
+        return self._method_not_allowed(conn, b"POST")
 
-    async def _method_not_allowed(self, conn: _Conn, allow: bytes) -> None:
+    async def _answer(self, conn: _Conn, body: bytes, *, head_only: bool) -> bool:
+        await send_all(conn.sock, full_response(200, body, head_only=head_only))
+        return True
+
+    async def _answer_error(self, conn: _Conn, status: int, message: str, code: str) -> bool:
+        await self._send_error(conn, status, message, code)
+        return True
+
+    async def _method_not_allowed(self, conn: _Conn, allow: bytes) -> bool:
         await self._send_error(
             conn,
             405,
@@ -407,6 +440,7 @@ class Ingress:
             "method_not_allowed",
             extra=[(b"allow", allow)],
         )
+        return True
 
     def models_body(self) -> bytes:
         data = [
@@ -424,61 +458,57 @@ class Ingress:
 
     # == routing =============================================================================
 
-    async def _route(self, conn: _Conn, req: Request, path: bytes, kind: str) -> bool:
+    def _route(
+        self, conn: _Conn, req: Request, path: bytes, kind: str
+    ) -> Coroutine[Any, Any, bool]:
+        """Check and route a request: the coroutine that answers it (await it)."""
         started = trio.current_time()
         key: ApiKey | None = None
         store = self.api_keys
         if store is not None and store.enabled:
             key = store.lookup(_bearer(req.headers.get(b"authorization")))
             if key is None:
-                await self._reject(
+                return self._reject(
                     conn,
                     401,
                     "missing or invalid API key (Authorization: Bearer KEY)",
                     "invalid_api_key",
                 )
-                return True
             rate = key.rate
             if rate is not None:
                 wait_s = self.rate_limiter.check(key.key_id, rate.rate_per_s, rate.burst, started)
                 if wait_s > 0:
-                    await self._reject(
+                    return self._reject(
                         conn,
                         429,
                         f"rate limit of {rate.rate_per_s:g} requests/s exceeded",
                         "rate_limit_exceeded",
                         extra=[(b"retry-after", b"%d" % max(1, math.ceil(wait_s)))],
                     )
-                    return True
         body = req.body
         try:
             doc = orjson.loads(body)
         except orjson.JSONDecodeError:
-            await self._reject(conn, 400, "request body is not valid JSON", "invalid_json")
-            return True
+            return self._reject(conn, 400, "request body is not valid JSON", "invalid_json")
         if not isinstance(doc, dict):
-            await self._reject(conn, 400, "request body must be a JSON object", "invalid_json")
-            return True
+            return self._reject(conn, 400, "request body must be a JSON object", "invalid_json")
         model = doc.get("model")
         if not isinstance(model, str) or not model:
-            await self._reject(
+            return self._reject(
                 conn, 400, "'model' is required and must be a string", "invalid_model"
             )
-            return True
         stream = doc.get("stream") is True and kind != "embeddings"
         try:
             providers = _providers(req.headers, key)
             requirements = _requirements(req.headers)
         except ValueError as exc:
-            await self._reject(conn, 400, str(exc), "invalid_header")
-            return True
+            return self._reject(conn, 400, str(exc), "invalid_header")
         routes = self.table.routes(model)
         self._forget_removed()
         if not routes:
-            await self._reject(
+            return self._reject(
                 conn, 404, f"model {model!r} is not served by any node", "model_not_found"
             )
-            return True
         job = _Job(kind, model, stream, body, path, req.headers, key, started)
         if req.http_version == "1.0":
             job.extra["http10"] = True
@@ -494,14 +524,7 @@ class Ingress:
             _session_key(req.headers, doc),
             len(body) // 4,
         )
-        try:
-            keep = await self._dispatch(conn, job, rreq, routes, providers, requirements)
-        except ClientGone:
-            job.status = job.status or 499
-            self._account(job)
-            raise
-        self._account(job)
-        return keep and not conn.closing
+        return self._dispatch(conn, job, rreq, routes, providers, requirements)
 
     def _prefix_blocks(self, doc: dict[str, Any], kind: str) -> tuple[int, ...]:
         if not self.policy.name.startswith("prefix"):
@@ -523,55 +546,77 @@ class Ingress:
         providers: frozenset[str],
         requirements: routing.Requirements | None,
     ) -> bool:
+        """Try the candidates in turn until one answers (else 503), then account the request.
+
+        False closes the connection.
+        """
         cfg = self.config
         tried: set[str] = set()
         last_error = "no eligible node"
         deadline = job.started + cfg.retry_budget_s
         policy = self.policy
         by_sid = {r.info.session_id: r for r in routes}
-        while len(tried) < cfg.max_attempts:
-            now = trio.current_time()
-            if tried and now >= deadline:
-                break
-            candidates = self._candidates(routes, providers, requirements, tried, now)
-            if not tried:
-                self.metrics.candidates.observe(len(candidates))
-            if not candidates:
-                break
-            wall = self.wall_clock()  # load reports carry wall-clock times
-            # One candidate: nothing to choose and no use holding (the request would wait for
-            # the same node either way); the policy is skipped, as prompt hashing was.
-            ranked = candidates if len(candidates) == 1 else policy.rank(rreq, candidates, wall)
-            if ranked is None:
-                ranked = await self._hold(rreq, routes, providers, requirements, tried)
-                if not ranked:
+        answered = False
+        observed = -1  # candidates for the first attempt, observed when the request is done
+        try:
+            while len(tried) < cfg.max_attempts:
+                now = trio.current_time() if tried else job.started
+                if tried and now >= deadline:
                     break
-            pick = ranked[0].node.session_id
-            route = by_sid[pick]
-            tried.add(pick)
-            self.metrics.decisions.labels(
-                policy.name, "first" if len(tried) == 1 else "retry"
-            ).inc()
-            policy.on_routed(rreq, pick, wall)
-            outcome = await self._attempt(conn, job, route)
-            if outcome is None:
-                self.breaker.succeeded(pick)
-                return job.status != 0 and not job.extra.get("close")
-            last_error = outcome
-            self.breaker.failed(pick, trio.current_time())
-            self.metrics.ejections.inc()
-            self.retries += 1
-            self.metrics.retries.labels(_reason_label(outcome)).inc()
-            log.info("attempt on %s failed before the first byte: %s", pick[:8], outcome)
-        job.status = 503
-        await self._send_error(
-            conn,
-            503,
-            f"no node could take the request for {job.model!r}: {last_error}",
-            "no_eligible_node",
-            extra=[(b"retry-after", b"%d" % cfg.retry_after_s)],
-        )
-        return True
+                candidates = self._candidates(routes, providers, requirements, tried, now)
+                if not tried:
+                    observed = len(candidates)
+                if not candidates:
+                    break
+                wall = self.wall_clock()  # load reports carry wall-clock times
+                # One candidate: nothing to choose and no use holding (the request would wait
+                # for the same node either way); the policy is skipped, as prompt hashing was.
+                if len(candidates) == 1:
+                    ranked: list[routing.Candidate] | None = candidates
+                else:
+                    ranked = policy.rank(rreq, candidates, wall)
+                if ranked is None:
+                    ranked = await self._hold(rreq, routes, providers, requirements, tried)
+                    if not ranked:
+                        break
+                pick = ranked[0].node.session_id
+                route = by_sid[pick]
+                tried.add(pick)
+                policy.on_routed(rreq, pick, wall)
+                attempt = self._attempt(conn, job, route, now)
+                try:
+                    outcome = attempt if isinstance(attempt, str) else await attempt
+                finally:
+                    # Metrics only: counted once the attempt is over, off the request's path.
+                    self._decisions(policy.name, "first" if len(tried) == 1 else "retry").inc()
+                if outcome is None:
+                    self.breaker.succeeded(pick)
+                    answered = True
+                    break
+                last_error = outcome
+                self.breaker.failed(pick, trio.current_time())
+                self.metrics.ejections.inc()
+                self.retries += 1
+                self.metrics.retries.labels(_reason_label(outcome)).inc()
+                log.info("attempt on %s failed before the first byte: %s", pick[:8], outcome)
+            if answered:
+                keep = job.status != 0 and not job.extra.get("close")
+            else:
+                job.status = 503
+                await self._send_error(
+                    conn,
+                    503,
+                    f"no node could take the request for {job.model!r}: {last_error}",
+                    "no_eligible_node",
+                    extra=[(b"retry-after", b"%d" % cfg.retry_after_s)],
+                )
+                keep = True
+        except ClientGone:
+            job.status = job.status or 499
+            self._account(job, observed)
+            raise
+        self._account(job, observed)
+        return keep and not conn.closing
 
     def _candidates(
         self,
@@ -591,7 +636,7 @@ class Ingress:
             providers=providers,
             requirements=requirements,
         )
-        return [c for c in eligible if c.node.session_id not in tried]
+        return [c for c in eligible if c.node.session_id not in tried] if tried else eligible
 
     async def _hold(
         self,
@@ -604,7 +649,7 @@ class Ingress:
         """Pending-aware pushing: wait (bounded) until some node has room, then rank again."""
         cfg = self.config
         give_up = trio.current_time() + cfg.hold_max_s
-        self.metrics.decisions.labels(self.policy.name, "hold").inc()
+        self._decisions(self.policy.name, "hold").inc()
         self._holders += 1
         try:
             while True:
@@ -629,16 +674,19 @@ class Ingress:
 
     # == one attempt =========================================================================
 
-    async def _attempt(self, conn: _Conn, job: _Job, route: Route) -> str | None:
-        """Try one node: None when the client got an answer (any status), else why not."""
+    def _attempt(
+        self, conn: _Conn, job: _Job, route: Route, now: float
+    ) -> Coroutine[Any, Any, str | None] | str:
+        """Try one node: await the result, None when the client got an answer (any status),
+        else why not; a str right away when the node cannot be tried."""
         sid = route.info.session_id
         if route.is_self:
             url = self.local_engine_url()
             if url is None or not self.local_serving():
                 return "local engine not serving"
-            origin = _origin_of(url)
+            origin = self._local_origin(url)
             request = self._upstream_request(job, origin, forward=None)
-            return await self._relay_counted_local(conn, job, origin, request, sid)
+            return self._relay(conn, job, origin, request, sid, None, now, local=True)
         forward = sign_forward(
             self.core.keyring,
             sender=self.core.self_id,
@@ -649,17 +697,15 @@ class Ingress:
             now=self.wall_clock(),
         )
         request = self._upstream_request(job, route.origin, forward=forward)
-        inflight = self.remote_inflight
-        inflight[sid] = inflight.get(sid, 0) + 1
-        try:
-            return await self._relay(conn, job, route.origin, request, sid, self._node_ok(sid))
-        finally:
-            n = inflight.get(sid, 1) - 1
-            if n > 0:
-                inflight[sid] = n
-            else:
-                inflight.pop(sid, None)
-            self._release()
+        return self._relay(
+            conn, job, route.origin, request, sid, self._node_ok(sid), now, local=False
+        )
+
+    def _local_origin(self, url: str) -> Origin:
+        cached = self._local_origin_cache
+        if cached is None or cached[0] != url:
+            self._local_origin_cache = cached = (url, _origin_of(url))
+        return cached[1]
 
     def _node_ok(self, sid: str) -> Callable[[], bool]:
         core = self.core
@@ -674,28 +720,20 @@ class Ingress:
 
         return still_ok
 
-    async def _relay_counted_local(
-        self, conn: _Conn, job: _Job, origin: Origin, request: bytes, sid: str
-    ) -> str | None:
-        self.local_inflight += 1
-        self._local_idle = trio.Event() if self._local_idle.is_set() else self._local_idle
-        try:
-            return await self._relay(conn, job, origin, request, sid, None)
-        finally:
-            self.local_inflight -= 1
-            if self.local_inflight == 0:
-                self._local_idle.set()
-            self._release()
-
     async def wait_local_idle(self) -> None:
         """Return once no request is in flight to our own engine."""
+        if self.local_inflight == 0:
+            await trio.lowlevel.checkpoint()
+            return
+        if self._local_idle is None:
+            self._local_idle = trio.Event()  # set by _relay when the last one ends
         await self._local_idle.wait()
 
     def _upstream_request(self, job: _Job, origin: Origin, *, forward: bytes | None) -> bytes:
-        host = b"%s:%d" % (origin[0].encode(), origin[1])
         lines = [
-            b"POST " + job.path + b" HTTP/1.1\r\nhost: " + host + b"\r\n"
-            b"content-type: application/json\r\ncontent-length: %d\r\n" % len(job.body)
+            b"POST %s HTTP/1.1\r\nhost: %s:%d\r\n"
+            b"content-type: application/json\r\ncontent-length: %d\r\n"
+            % (job.path, origin[0].encode(), origin[1], len(job.body))
         ]
         headers = job.headers
         for name in FORWARDED_REQUEST_HEADERS:
@@ -719,36 +757,76 @@ class Ingress:
         request: bytes,
         sid: str,
         still_wanted: Callable[[], bool] | None,
+        now: float,
+        *,
+        local: bool,
     ) -> str | None:
+        """One attempt on ``origin``, counted in flight (``local``: to our own engine)."""
         cfg = self.config
-        ex = Exchange(self.pool, self.watchdog, origin)
+        inflight = self.remote_inflight
+        if local:
+            self.local_inflight += 1
+        else:
+            inflight[sid] = inflight.get(sid, 0) + 1
         try:
-            await ex.start(
-                request,
-                connect_timeout_s=cfg.connect_timeout_s,
-                first_byte_timeout_s=cfg.first_byte_timeout_s,
-                still_wanted=still_wanted,
-            )
-        except UpstreamError as exc:
-            return str(exc)
-        try:
-            status = ex.status
-            if status in RETRYABLE_STATUS:
-                return f"node answered {status}"
-            job.status = status
-            job.served_by = sid
-            await self._relay_body(conn, job, ex, sid)
-            return None
+            ex = Exchange(self.pool, self.watchdog, origin)
+            try:
+                await ex.start(
+                    request,
+                    connect_timeout_s=cfg.connect_timeout_s,
+                    first_byte_timeout_s=cfg.first_byte_timeout_s,
+                    still_wanted=still_wanted,
+                    now=now,
+                )
+            except UpstreamError as exc:
+                return str(exc)
+            try:
+                status = ex.status
+                if status in RETRYABLE_STATUS:
+                    return f"node answered {status}"
+                job.status = status
+                job.served_by = sid
+                head, chunked = self._response_head(conn, job, ex, sid)
+                if not ex.complete:
+                    await self._relay_body(conn, job, ex, sid, head, chunked)
+                    return None
+                # The whole response came with its head (any short JSON answer): one send, no
+                # coroutine for the body.
+                pieces = ex.take_pieces()
+                if pieces and job.stream:
+                    job.ttft_s = trio.current_time() - job.started
+                out = head + _frame(pieces, chunked) if pieces else head
+                if chunked:
+                    out += b"0\r\n\r\n"
+                sent = _send_now(conn, out)
+                if sent < len(out):
+                    await _send_rest(conn, out, sent, cfg.stream_idle_timeout_s)
+                # Bookkeeping after the answer is out, not on the client's path to it.
+                self._count_tokens(job, pieces, ex.content_type.startswith(SSE))
+                return None
+            finally:
+                ex.finish()
         finally:
-            ex.finish()
+            if local:
+                self.local_inflight -= 1
+                idle = self._local_idle
+                if self.local_inflight == 0 and idle is not None:
+                    self._local_idle = None
+                    idle.set()
+            else:
+                n = inflight.get(sid, 1) - 1
+                if n > 0:
+                    inflight[sid] = n
+                else:
+                    inflight.pop(sid, None)
+            self._release()
 
-    async def _relay_body(self, conn: _Conn, job: _Job, ex: Exchange, sid: str) -> None:
-        cfg = self.config
+    def _response_head(self, conn: _Conn, job: _Job, ex: Exchange, sid: str) -> tuple[bytes, bool]:
+        """Our response head for the upstream's, and whether the body goes out chunked."""
         headers: list[tuple[bytes, bytes]] = [
             (n, v) for n, v in ex.headers if n.lower() not in HOP_HEADERS
         ]
         headers.append((b"x-fabric-node", sid.encode()))
-        sse = _is_sse(ex.headers)
         chunked = ex.content_length is None
         if not chunked:
             headers.append((b"content-length", b"%d" % (ex.content_length or 0)))
@@ -758,37 +836,58 @@ class Ingress:
             conn.closing = True
         else:
             headers.append((b"transfer-encoding", b"chunked"))
-        head = build_head(job.status, headers, keep_alive=not conn.closing)
-        sock = conn.sock
+        return build_head(job.status, headers, keep_alive=not conn.closing), chunked
+
+    def _count_tokens(self, job: _Job, body: list[bytes], sse: bool) -> None:
+        """Token counts from a whole response body's usage."""
+        if sse:
+            usage = StreamUsage()
+            for piece in body:
+                usage.feed(piece)
+            prompt, completion = usage.result()
+            job.prompt_tokens, job.completion_tokens = prompt or 0, completion
+        elif job.status == 200:
+            found = usage_from_json(b"".join(body))
+            if found is not None:
+                job.prompt_tokens, job.completion_tokens = found
+
+    async def _relay_body(
+        self, conn: _Conn, job: _Job, ex: Exchange, sid: str, head: bytes, chunked: bool
+    ) -> None:
+        """Relay a body that is still coming, piece by piece as it arrives."""
+        cfg = self.config
+        sse = ex.content_type.startswith(SSE)
         pieces = ex.take_pieces()
         usage = StreamUsage() if sse else None
         collected: list[bytes] | None = None if sse else []
         first = True
-        watch = conn.watch
+        idle_s = cfg.stream_idle_timeout_s
         while True:
-            # A client that stops reading must not hold the connection (and the upstream) for
-            # ever: its socket gets the same idle deadline as the upstream, refreshed per piece.
-            watch.deadline = trio.current_time() + cfg.stream_idle_timeout_s
             if pieces:
                 if first and job.stream:
                     job.ttft_s = trio.current_time() - job.started
                 first = False
-                if usage is not None:
-                    for piece in pieces:
-                        usage.feed(piece)
-                elif collected is not None:
-                    collected.extend(pieces)
                 out = _frame(pieces, chunked)
             else:
                 out = b""
-            if ex.complete:
-                if chunked:
-                    out += b"0\r\n\r\n"
-                await _client_send(sock, head + out if head else out)
-                break
-            if head or out:
-                await _client_send(sock, head + out if head else out)
+            if head:
+                out = head + out
                 head = b""
+            complete = ex.complete
+            if complete and chunked:
+                out += b"0\r\n\r\n"
+            if out:
+                sent = _send_now(conn, out)
+                if sent < len(out):
+                    await _send_rest(conn, out, sent, idle_s)
+            # Usage is read after the piece went out, not on its way to the client.
+            if usage is not None:
+                for piece in pieces:
+                    usage.feed(piece)
+            elif collected is not None:
+                collected.extend(pieces)
+            if complete:
+                break
             try:
                 await ex.read_more(cfg.stream_idle_timeout_s)
             except BrokenResponse as exc:
@@ -807,7 +906,7 @@ class Ingress:
                         )
                         + b"\n\n"
                     )
-                    await _client_send(sock, _frame([event], True) + b"0\r\n\r\n")
+                    await _client_send(conn, _frame([event], True) + b"0\r\n\r\n", idle_s)
                     return
                 # A body with a length (or no framing) cannot be ended early: close.
                 job.extra["close"] = True
@@ -817,10 +916,8 @@ class Ingress:
         if usage is not None:
             prompt, completion = usage.result()
             job.prompt_tokens, job.completion_tokens = prompt or 0, completion
-        elif collected is not None and job.status == 200:
-            found = usage_from_json(b"".join(collected))
-            if found is not None:
-                job.prompt_tokens, job.completion_tokens = found
+        elif collected is not None:
+            self._count_tokens(job, collected, False)
 
     # == forwarded requests (we are the serving node) ========================================
 
@@ -835,12 +932,12 @@ class Ingress:
                 now=self.wall_clock(),
             )
         except ForwardRejected as exc:
-            self.metrics.forwards_served.labels("refused").inc()
+            self._forwards_served("refused").inc()
             await self._send_error(conn, 403, f"forward refused: {exc}", "forward_refused")
             return True
         url = self.local_engine_url()
         if self.leaving or url is None or not self.local_serving():
-            self.metrics.forwards_served.labels("unavailable").inc()
+            self._forwards_served("unavailable").inc()
             why = "node is leaving" if self.leaving else "no serving engine on this node"
             await self._send_error(
                 conn,
@@ -853,21 +950,25 @@ class Ingress:
         started = trio.current_time()
         job = _Job("forward", "", False, req.body, path, req.headers, None, started)
         job.extra["from"] = sender
-        origin = _origin_of(url)
+        origin = self._local_origin(url)
         request = self._upstream_request(job, origin, forward=None)
-        outcome = await self._relay_counted_local(conn, job, origin, request, self.core.self_id)
+        outcome = await self._relay(
+            conn, job, origin, request, self.core.self_id, None, started, local=True
+        )
         if outcome is not None:
             # Our own engine failed before answering: tell the ingress to fail over.
-            self.metrics.forwards_served.labels("failed").inc()
+            self._forwards_served("failed").inc()
             await self._send_error(conn, 502, f"engine failed: {outcome}", "engine_unavailable")
             return True
-        self.metrics.forwards_served.labels("served").inc()
+        self._forwards_served("served").inc()
         return not job.extra.get("close")
 
     # == accounting ==========================================================================
 
-    def _account(self, job: _Job) -> None:
+    def _account(self, job: _Job, candidates: int = -1) -> None:
         end = trio.current_time()
+        if candidates >= 0:
+            self.metrics.candidates.observe(candidates)
         latency = end - job.started
         status = job.status or 499
         self.metrics.done(job.model, status, latency)
@@ -921,11 +1022,35 @@ def _error_code(status: int) -> str:
     }.get(status, "bad_request")
 
 
-async def _client_send(sock: socket.socket, data: bytes) -> None:
+def _send_now(conn: _Conn, data: bytes) -> int:
+    """Send what fits at once (most responses do: no coroutine); ``ClientGone`` if gone."""
     try:
-        await send_all(sock, data)
+        return try_send(conn.sock, data)
     except SocketClosed:
         raise ClientGone from None
+
+
+async def _send_rest(conn: _Conn, data: bytes, sent: int, idle_s: float) -> None:
+    """Send ``data[sent:]``; ``ClientGone`` if the client is gone or stopped reading.
+
+    A client that stops reading must not hold the connection (and the upstream) for ever: when
+    its socket buffer is full, it gets ``idle_s`` to take the rest of the piece (the same idle
+    deadline as the upstream's). A send that goes through at once needs no deadline.
+    """
+    watch = conn.watch
+    watch.deadline = trio.current_time() + idle_s
+    try:
+        await send_all(conn.sock, memoryview(data)[sent:])
+    except SocketClosed:
+        raise ClientGone from None
+    watch.deadline = math.inf
+
+
+async def _client_send(conn: _Conn, data: bytes, idle_s: float) -> None:
+    """Send a piece of a response (see ``_send_rest``)."""
+    sent = _send_now(conn, data)
+    if sent < len(data):
+        await _send_rest(conn, data, sent, idle_s)
 
 
 def _frame(pieces: list[bytes], chunked: bool) -> bytes:
@@ -938,13 +1063,6 @@ def _frame(pieces: list[bytes], chunked: bool) -> bytes:
             out.append(piece)
             out.append(b"\r\n")
     return b"".join(out)
-
-
-def _is_sse(headers: list[tuple[bytes, bytes]]) -> bool:
-    for name, value in headers:
-        if name.lower() == b"content-type":
-            return value.startswith(SSE)
-    return False
 
 
 def _content_type(headers: list[tuple[bytes, bytes]]) -> bytes:

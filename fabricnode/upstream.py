@@ -29,8 +29,11 @@ from fabricnode.sockio import (
     close,
     connect,
     peer_closed,
+    recv_later,
     recv_some,
     send_all,
+    try_recv,
+    try_send,
 )
 
 Origin = tuple[str, int]
@@ -56,6 +59,7 @@ class UpstreamPool:
         self.max_idle_s = max_idle_s
         self.trust_recent_s = trust_recent_s
         self._idle: dict[Origin, list[tuple[socket.socket, float]]] = {}
+        self._parsers: list[ResponseParser] = []  # spare parsers of cleanly ended exchanges
         self.connects = 0
         self.reuses = 0
         self.stale_dropped = 0
@@ -64,11 +68,13 @@ class UpstreamPool:
         idle = sum(len(v) for v in self._idle.values())
         return PoolStatistics(self.connects, self.reuses, self.stale_dropped, idle)
 
-    def take_idle(self, origin: Origin) -> socket.socket | None:
+    def take_idle(self, origin: Origin, now: float | None = None) -> socket.socket | None:
+        """The most recently released open connection to ``origin`` (``now``: trio time)."""
         idle = self._idle.get(origin)
         if not idle:
             return None
-        now = trio.current_time()
+        if now is None:
+            now = trio.current_time()
         oldest_ok = now - self.max_idle_s
         recent = now - self.trust_recent_s
         while idle:
@@ -94,6 +100,20 @@ class UpstreamPool:
             sock.close()
             return
         idle.append((sock, trio.current_time()))
+
+    def parser(self, on_body: Callable[[bytes], None]) -> ResponseParser:
+        """A response parser (a spare one when there is one)."""
+        if self._parsers:
+            parser = self._parsers.pop()
+            parser.reset(on_body)
+            return parser
+        return ResponseParser(on_body)
+
+    def spare_parser(self, parser: ResponseParser) -> None:
+        """Keep the parser of an exchange that ended cleanly for the next one."""
+        if len(self._parsers) < self.max_idle_per_origin:
+            parser.on_body_cb = None
+            self._parsers.append(parser)
 
     def close_origin(self, origin: Origin) -> None:
         for sock, _ in self._idle.pop(origin, []):
@@ -125,7 +145,7 @@ class Exchange:
     DOWN or dead: give up on it and fail over).
     """
 
-    __slots__ = ("_parser", "_pieces", "origin", "pool", "sock", "watch", "watchdog")
+    __slots__ = ("_gaps", "_parser", "_pieces", "origin", "pool", "sock", "watch", "watchdog")
 
     def __init__(self, pool: UpstreamPool, watchdog: Watchdog, origin: Origin) -> None:
         self.pool = pool
@@ -134,7 +154,8 @@ class Exchange:
         self.sock: socket.socket | None = None
         self.watch: Watched | None = None
         self._pieces: list[bytes] = []
-        self._parser = ResponseParser(self._pieces.append)
+        self._parser = pool.parser(self._pieces.append)
+        self._gaps = False  # a body read found nothing yet: wait before the next ones
 
     @property
     def status(self) -> int:
@@ -153,6 +174,11 @@ class Exchange:
         return self._parser.content_length
 
     @property
+    def content_type(self) -> bytes:
+        """The first Content-Type header's value (b"" if none)."""
+        return self._parser.content_type
+
+    @property
     def complete(self) -> bool:
         return self._parser.complete
 
@@ -163,72 +189,80 @@ class Exchange:
         connect_timeout_s: float,
         first_byte_timeout_s: float,
         still_wanted: Callable[[], bool] | None = None,
+        now: float | None = None,
     ) -> None:
-        """Send ``request`` and wait for the response head (``UpstreamError`` if none)."""
-        sock = self.pool.take_idle(self.origin)
-        reused = sock is not None
-        for _ in range(2):
-            try:
-                await self._attempt(
-                    sock, request, connect_timeout_s, first_byte_timeout_s, still_wanted
-                )
-                return
-            except _Stale:
-                if not reused:  # pragma: no cover - a fresh connection is never stale
-                    raise UpstreamError("connection closed before the response") from None
-                sock, reused = None, False
-        raise UpstreamError("connection closed before the response")  # pragma: no cover
+        """Send ``request`` and wait for the response head (``UpstreamError`` if none).
 
-    async def _attempt(
-        self,
-        sock: socket.socket | None,
-        request: bytes,
-        connect_timeout_s: float,
-        first_byte_timeout_s: float,
-        still_wanted: Callable[[], bool] | None,
-    ) -> None:
-        now = trio.current_time()
+        ``now`` (trio time, read by the caller a moment ago) saves reading the clock again.
+        """
+        if now is None:
+            now = trio.current_time()
+        sock = self.pool.take_idle(self.origin, now)
         reused = sock is not None
-        if sock is None:
-            # Only new connections pay for a timeout scope; the hot path reuses pooled ones.
-            with trio.move_on_after(connect_timeout_s):
-                try:
-                    sock = await self.pool.new_connection(self.origin)
-                except OSError as exc:
-                    raise UpstreamError(f"cannot connect: {exc.strerror or exc}") from None
-            if sock is None:
-                raise UpstreamError("connect timed out", timeout=True)
-        self.sock = sock
-        self.watch = watch = Watched(sock, now + first_byte_timeout_s, still_wanted)
-        self.watchdog.watched.add(watch)
         parser = self._parser
-        try:
-            await send_all(sock, request)
-            while not parser.head_complete:
-                data = await recv_some(sock)
-                if not data:
-                    if reused and not parser.headers and parser.status == 0:
-                        raise _Stale
-                    raise UpstreamError("connection closed before the response head")
-                reused = False  # bytes arrived: this is the real answer, no retry
+        # One coroutine for the whole hot path (no helper per attempt or per read): each level
+        # of ``await`` costs twice per wait.
+        while True:
+            if sock is None:
+                sock = await self._connect(connect_timeout_s)
+            self.sock = sock
+            self.watch = watch = Watched(sock, now + first_byte_timeout_s, still_wanted)
+            self.watchdog.watched.add(watch)
+            try:
                 try:
-                    parser.feed(data)
-                except httptools.HttpParserError as exc:
-                    raise UpstreamError(f"malformed response: {exc}") from None
-        except SocketClosed as exc:
-            if watch.expired:
-                why = "no response" if watch.expired == "timeout" else "node no longer eligible"
-                raise UpstreamError(why, timeout=watch.expired == "timeout") from None
-            if reused:
-                raise _Stale from None
-            raise UpstreamError(f"connection failed: {exc}") from None
-        except BaseException:
-            self._drop()
-            raise
-        finally:
-            if not parser.head_complete:
+                    sent = try_send(sock, request)
+                    if sent < len(request):
+                        await send_all(sock, memoryview(request)[sent:])
+                    # The answer cannot be there yet: wait for it rather than try a read that
+                    # would fail (a system call and an exception).
+                    await trio.lowlevel.wait_readable(sock)
+                    data = try_recv(sock)
+                    while True:
+                        if data is None:
+                            data = await recv_some(sock)
+                        if not data:
+                            if reused and not parser.headers and parser.status == 0:
+                                raise _Stale
+                            raise UpstreamError("connection closed before the response head")
+                        reused = False  # bytes arrived: this is the real answer, no retry
+                        try:
+                            parser.feed(data)
+                        except httptools.HttpParserError as exc:
+                            raise UpstreamError(f"malformed response: {exc}") from None
+                        if parser.head_complete:
+                            break
+                        data = None
+                except (SocketClosed, trio.ClosedResourceError, OSError) as exc:
+                    if watch.expired:
+                        expired = watch.expired
+                        why = "no response" if expired == "timeout" else "node no longer eligible"
+                        raise UpstreamError(why, timeout=expired == "timeout") from None
+                    if reused:
+                        raise _Stale from None
+                    raise UpstreamError(f"connection failed: {exc}") from None
+            except _Stale:
+                # A reused connection the server had closed: retry once on a fresh one (only
+                # reused connections raise this, so the retry cannot loop).
                 self._drop()
-        watch.still_wanted = None
+                sock, reused, now = None, False, trio.current_time()
+                continue
+            except BaseException:
+                self._drop()
+                raise
+            watch.still_wanted = None
+            return
+
+    async def _connect(self, connect_timeout_s: float) -> socket.socket:
+        # Only new connections pay for a timeout scope; the hot path reuses pooled ones.
+        sock = None
+        with trio.move_on_after(connect_timeout_s):
+            try:
+                sock = await self.pool.new_connection(self.origin)
+            except OSError as exc:
+                raise UpstreamError(f"cannot connect: {exc.strerror or exc}") from None
+        if sock is None:
+            raise UpstreamError("connect timed out", timeout=True)
+        return sock
 
     def take_pieces(self) -> list[bytes]:
         """Body pieces parsed so far (decoded: chunked framing removed)."""
@@ -242,7 +276,12 @@ class Exchange:
         assert sock is not None and watch is not None
         watch.deadline = trio.current_time() + idle_timeout_s
         try:
-            data = await recv_some(sock)
+            # Read at once while the body comes back to back; once a read found nothing (an
+            # engine streaming tokens), wait for readiness first: the next piece is not there.
+            data = None if self._gaps else try_recv(sock)
+            if data is None:
+                self._gaps = True
+                data = await recv_later(sock)
         except SocketClosed as exc:
             raise BrokenResponse(watch.expired or str(exc)) from None
         if not data:
@@ -260,8 +299,10 @@ class Exchange:
             self.watchdog.watched.discard(watch)
         if sock is None:
             return
-        if self._parser.complete and self._parser.keep_alive and not (watch and watch.expired):
+        parser = self._parser
+        if parser.reusable and not (watch and watch.expired):
             self.pool.release(self.origin, sock)
+            self.pool.spare_parser(parser)
         else:
             close(sock)
 

@@ -121,3 +121,40 @@ def test_request_to_a_node_that_goes_down_fails_over_before_the_first_byte(
         served[r.headers["x-fabric-node"]] += 1
     assert served[healthy.session_id] == 6
     assert hung.running  # the agent itself is fine; its engine was declared DOWN
+
+
+def test_ingress_leaving_mid_stream_lets_the_stream_finish(mesh: LocalMesh) -> None:
+    """SIGTERM on the ingress: a stream it is relaying ends normally within the shutdown grace."""
+    ingress = mesh.start("ingress")
+    node = mesh.start("s", args=sim_engine_args("m1", "H100", "--slowdown", "30"))
+    assert wait_until(lambda: serving_count(ingress, "m1") == 1, 30)
+    body = {
+        "model": "m1",
+        "messages": [{"role": "user", "content": "tell a story"}],
+        "max_tokens": 30,  # about 2.5 s: it outlasts the leave linger (1 s), not the grace (2 s)
+        "stream": True,
+    }
+    url = urlsplit(ingress.http_url)
+    conn = http.client.HTTPConnection(url.hostname or "", url.port, timeout=30)
+    conn.request(
+        "POST", "/v1/chat/completions", json.dumps(body), {"content-type": "application/json"}
+    )
+    r = conn.getresponse()
+    assert r.status == 200
+    events: list[str] = []
+    started = time.monotonic()
+    while line := r.readline():
+        text = line.decode().strip()
+        if text.startswith("data: "):
+            events.append(text[6:])
+            if len(events) == 3:
+                ingress.terminate()
+    took = time.monotonic() - started
+    print(f"{len(events)} events in {took:.2f} s")
+    assert events[-1] == "[DONE]", events[-3:]
+    assert not any("error" in e for e in events[:-1] if e.startswith("{"))
+    # Still going when the ingress closed its doors (after the 1 s linger).
+    assert took > 1.5
+    conn.close()
+    assert ingress.wait(15) == 0
+    assert node.running

@@ -99,3 +99,94 @@ async def test_connections_idle_past_max_idle_are_not_reused() -> None:
         assert pool.statistics().stale_dropped == 1
         b.close()
         nursery.cancel_scope.cancel()
+
+
+Handler = Callable[[trio.SocketStream], Awaitable[None]]
+
+
+async def serve(nursery: trio.Nursery, handler: Handler) -> tuple[str, int]:
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    nursery.start_soon(trio.serve_listeners, handler, listeners)
+    host, port = listeners[0].socket.getsockname()[:2]
+    return host, port
+
+
+def answer_each_request(answer: bytes) -> Handler:
+    """Answers every request on a connection with ``answer``, keeping the connection open."""
+
+    async def handle(stream: trio.SocketStream) -> None:
+        async with stream:
+            data = b""
+            while piece := await stream.receive_some():
+                data += piece
+                while b"{}" in data:
+                    _, _, data = data.partition(b"{}")
+                    await stream.send_all(answer)
+
+    return handle
+
+
+async def test_a_cleanly_ended_exchange_leaves_connection_and_parser_for_the_next() -> None:
+    async with trio.open_nursery() as nursery:
+        origin = await serve(nursery, answer_each_request(ANSWER))
+        pool = UpstreamPool()
+        watchdog = Watchdog(0.05)
+        first = Exchange(pool, watchdog, origin)
+        await first.start(REQUEST, connect_timeout_s=5, first_byte_timeout_s=5)
+        assert first.complete and b"".join(first.take_pieces()) == b"ok"
+        first.finish()
+        second = Exchange(pool, watchdog, origin)
+        assert second._parser is first._parser  # reset, not rebuilt
+        await second.start(REQUEST, connect_timeout_s=5, first_byte_timeout_s=5)
+        assert second.status == 200 and b"".join(second.take_pieces()) == b"ok"
+        assert second.content_type == b"" and second.content_length == 2
+        second.finish()
+        stats = pool.statistics()
+        assert (stats.connects, stats.reuses, stats.idle) == (1, 1, 1)
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_response_followed_by_stray_bytes_is_not_pooled() -> None:
+    # The start of a second, unasked-for response after the answer: neither the connection
+    # nor the parser (in the middle of that message) may serve another request.
+    async with trio.open_nursery() as nursery:
+        origin = await serve(nursery, answer_each_request(ANSWER + b"HTTP/1.1 200 OK\r\n"))
+        pool = UpstreamPool()
+        watchdog = Watchdog(0.05)
+        assert await exchange(pool, watchdog, origin) == b"ok"
+        assert pool.statistics().idle == 0
+        fresh = Exchange(pool, watchdog, origin)
+        assert fresh._parser.messages == 0 and not fresh._parser.headers
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_body_with_gaps_is_read_piece_by_piece_as_it_arrives() -> None:
+    """An engine streaming tokens: each piece is available as soon as it was sent, none waits
+    for the next (the reads switch to waiting for readiness first, never to buffering)."""
+    go = [trio.Event() for _ in range(3)]
+
+    async def handle(stream: trio.SocketStream) -> None:
+        async with stream:
+            await stream.receive_some()
+            await stream.send_all(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+            for i, event in enumerate(go):
+                await event.wait()
+                await stream.send_all(b"5\r\npiec%d\r\n" % i)
+            await stream.send_all(b"0\r\n\r\n")
+
+    async with trio.open_nursery() as nursery:
+        origin = await serve(nursery, handle)
+        ex = Exchange(UpstreamPool(), Watchdog(0.05), origin)
+        await ex.start(REQUEST, connect_timeout_s=5, first_byte_timeout_s=5)
+        assert ex.chunked and not ex.take_pieces()
+        for i, event in enumerate(go):
+            event.set()
+            with trio.fail_after(5):
+                while not (pieces := ex.take_pieces()):
+                    await ex.read_more(5)
+            assert pieces == [b"piec%d" % i]
+        with trio.fail_after(5):
+            while not ex.complete:
+                await ex.read_more(5)
+        ex.finish()
+        nursery.cancel_scope.cancel()
