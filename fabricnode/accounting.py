@@ -39,6 +39,7 @@ import os
 import re
 import statistics as stats
 import threading
+from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -386,12 +387,33 @@ class RequestLogStats:
     last_error: str
 
 
+# The fields of one request as the ingress hands them over, in TraceRecord's order: a tuple is
+# cheap to make on the event loop; the line is built from it in ``flush``, off the request path.
+RawTrace = tuple[
+    float,  # t: arrival, Unix seconds
+    str,  # model
+    int | None,  # input tokens
+    int | None,  # output tokens
+    float,  # latency_s
+    float | None,  # ttft_s
+    int,  # status
+    str,  # node
+    str,  # key
+    bool,  # stream
+    int | None,  # max_tokens (already checked: see ``_opt_int``)
+    float | None,  # temperature (already a float)
+]
+
+
 class RequestLog:
     """Append-only JSON-lines request log: ``append`` on the hot path, ``flush`` in a thread.
 
     ``append`` only puts the record in a bounded in-memory buffer (``max_buffer`` records);
     ``flush`` serializes and appends the buffer to ``path`` (mode 0600), rotating first when
     the file would pass ``rotate_bytes``: ``path`` -> ``path.1`` -> ... -> ``path.<keep>``.
+
+    The buffer is a deque, whose ``append`` and ``popleft`` are atomic: the event loop adds
+    records without taking a lock, and the flushing thread takes them from the other end.
     """
 
     def __init__(
@@ -408,8 +430,8 @@ class RequestLog:
         self.max_buffer = max_buffer
         self.rotate_bytes = rotate_bytes
         self.keep = keep
-        self._buffer: list[TraceRecord] = []
-        self._lock = threading.Lock()  # append (event loop) vs flush (worker thread)
+        self._buffer: deque[TraceRecord | RawTrace] = deque()
+        self._lock = threading.Lock()  # the counters below (event loop vs flush thread)
         self._flush_lock = threading.Lock()  # one flush at a time
         self._written = 0
         self._dropped = 0
@@ -417,14 +439,15 @@ class RequestLog:
         self._write_errors = 0
         self._last_error = ""
 
-    def append(self, record: TraceRecord) -> bool:
+    def append(self, record: TraceRecord | RawTrace) -> bool:
         """Buffer one record; False (and counted) if the buffer is full."""
-        with self._lock:
-            if len(self._buffer) >= self.max_buffer:
+        buffer = self._buffer
+        if len(buffer) >= self.max_buffer:
+            with self._lock:
                 self._dropped += 1
-                return False
-            self._buffer.append(record)
-            return True
+            return False
+        buffer.append(record)
+        return True
 
     def flush(self) -> int:
         """Write what is buffered; returns how many records were written.
@@ -433,15 +456,18 @@ class RequestLog:
         gone) loses this batch, is counted in ``write_errors``/``dropped`` and is not raised.
         """
         with self._flush_lock:
-            with self._lock:
-                batch, self._buffer = self._buffer, []
+            buffer = self._buffer
+            batch = [buffer.popleft() for _ in range(len(buffer))]
             if not batch:
                 return 0
             lines = []
             for record in batch:
                 try:
-                    lines.append(_dumps_line(record.as_dict()))
-                except (TypeError, ValueError):  # cannot happen after coercion; never fatal
+                    if isinstance(record, tuple):
+                        lines.append(_raw_line(record))
+                    else:
+                        lines.append(_dumps_line(record.as_dict()))
+                except (TypeError, ValueError, OverflowError):  # never fatal
                     with self._lock:
                         self._dropped += 1
             data = b"".join(lines)
@@ -491,6 +517,29 @@ class RequestLog:
                 write_errors=self._write_errors,
                 last_error=self._last_error,
             )
+
+
+def _raw_line(raw: RawTrace) -> bytes:
+    """The log line of a ``RawTrace``: ``TraceRecord.as_dict`` for fields whose types the
+    ingress guarantees (so only the rounding and the length caps are left to do)."""
+    t, model, inp, out, latency, ttft, status, node, key, stream, max_tokens, temperature = raw
+    return _dumps_line(
+        {
+            "v": TRACE_VERSION,
+            "T": round(t, 6),
+            "M": model[:MAX_MODEL_CHARS],
+            "I": inp,
+            "O": out,
+            "latency_s": round(latency, 6),
+            "ttft_s": None if ttft is None else round(ttft, 6),
+            "status": status,
+            "node": node[:MAX_MODEL_CHARS],
+            "key": key[:MAX_MODEL_CHARS],
+            "stream": stream,
+            "max_tokens": max_tokens,
+            "temperature": None if temperature is None else round(temperature, 6),
+        }
+    )
 
 
 def request_log_files(path: Path) -> list[Path]:

@@ -47,7 +47,7 @@ import orjson
 import trio
 
 from fabricnode import routing
-from fabricnode.accounting import RequestLog, StreamUsage, TraceRecord, UsageLedger, usage_from_json
+from fabricnode.accounting import RequestLog, StreamUsage, UsageLedger, usage_from_json
 from fabricnode.apikeys import ApiKey, ApiKeyStore, RateLimiter
 from fabricnode.forward_auth import HEADER as FORWARD_HEADER
 from fabricnode.forward_auth import ForwardRejected, ForwardVerifier, sign_forward
@@ -184,7 +184,6 @@ class Ingress:
         self.watchdog = Watchdog(cfg.watchdog_interval_s)
         self.forwards = ForwardVerifier(core.keyring, max_skew_s=cfg.forward_max_skew_s)
         self.metrics = IngressMetrics()
-        self._decisions = LabelCache(self.metrics.decisions)
         self._forwards_served = LabelCache(self.metrics.forwards_served)
         self.remote_inflight: dict[str, int] = {}  # session id -> our requests in flight to it
         self.local_inflight = 0  # requests in flight to our own engine
@@ -588,7 +587,7 @@ class Ingress:
                     outcome = attempt if isinstance(attempt, str) else await attempt
                 finally:
                     # Metrics only: counted once the attempt is over, off the request's path.
-                    self._decisions(policy.name, "first" if len(tried) == 1 else "retry").inc()
+                    self.metrics.decision(policy.name, "first" if len(tried) == 1 else "retry")
                 if outcome is None:
                     self.breaker.succeeded(pick)
                     answered = True
@@ -649,7 +648,7 @@ class Ingress:
         """Pending-aware pushing: wait (bounded) until some node has room, then rank again."""
         cfg = self.config
         give_up = trio.current_time() + cfg.hold_max_s
-        self._decisions(self.policy.name, "hold").inc()
+        self.metrics.decision(self.policy.name, "hold")
         self._holders += 1
         try:
             while True:
@@ -968,7 +967,7 @@ class Ingress:
     def _account(self, job: _Job, candidates: int = -1) -> None:
         end = trio.current_time()
         if candidates >= 0:
-            self.metrics.candidates.observe(candidates)
+            self.metrics.candidates.observe((), candidates)
         latency = end - job.started
         status = job.status or 499
         self.metrics.done(job.model, status, latency)
@@ -980,20 +979,22 @@ class Ingress:
             name, job.model, job.prompt_tokens, job.completion_tokens, error=status >= 400
         )
         if self.request_log is not None:
+            # A tuple in TraceRecord's field order: the record is built in the flush thread.
+            extra = job.extra
             self.request_log.append(
-                TraceRecord(
-                    t=self.wall_clock() - latency,
-                    model=job.model,
-                    input_tokens=job.prompt_tokens or None,
-                    output_tokens=job.completion_tokens if status == 200 else None,
-                    latency_s=latency,
-                    ttft_s=job.ttft_s,
-                    status=status,
-                    node=job.served_by,
-                    key=name,
-                    stream=job.stream,
-                    max_tokens=job.extra.get("max_tokens"),
-                    temperature=job.extra.get("temperature"),
+                (
+                    self.wall_clock() - latency,
+                    job.model,
+                    job.prompt_tokens or None,
+                    job.completion_tokens if status == 200 else None,
+                    latency,
+                    job.ttft_s,
+                    status,
+                    job.served_by,
+                    name,
+                    job.stream,
+                    extra.get("max_tokens"),
+                    extra.get("temperature"),
                 )
             )
 

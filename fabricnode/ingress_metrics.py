@@ -1,12 +1,20 @@
 """The data plane's Prometheus metrics (prometheus-client), rendered after the agent's own.
 
-The per-request metrics keep their label children in a ``LabelCache`` (by model, status, kind),
-so a request costs a few dict lookups and ``inc``/``observe`` calls, not a ``labels()``
-resolution each. Names are prefixed ``fabric_``.
+The metrics every request touches (requests, latency, TTFT, tokens, policy decisions,
+candidates) are plain dicts of numbers kept by the event loop (``FastCounter``,
+``FastHistogram``) and turned into Prometheus families only when ``/metrics`` is scraped: a
+prometheus-client child takes a lock and a few Python calls per ``inc``/``observe`` (4.6 µs per
+request for these six, against about 1 µs here). The rare ones (retries, ejections, malformed
+requests, forwards, gauges) are prometheus-client metrics, their children cached in a
+``LabelCache``. Names are prefixed ``fabric_``.
+
+Only the event loop's thread updates or renders these (the control app runs on that loop too).
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left
+from collections.abc import Iterator
 from typing import Generic, TypeVar
 
 from prometheus_client import (
@@ -17,6 +25,9 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 # The ``*_created`` timestamp series double the output and nobody graphs them.
 disable_created_metrics()  # type: ignore[no-untyped-call]
@@ -47,34 +58,123 @@ class LabelCache(Generic[M]):
         return child
 
 
+class FastCounter:
+    """A labelled counter as a dict: label values (as given) -> total."""
+
+    __slots__ = ("documentation", "labelnames", "name", "values")
+
+    def __init__(self, name: str, documentation: str, labelnames: tuple[str, ...]) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.labelnames = labelnames
+        self.values: dict[tuple[object, ...], float] = {}
+
+    def inc(self, labels: tuple[object, ...], amount: float = 1.0) -> None:
+        values = self.values
+        values[labels] = values.get(labels, 0.0) + amount
+
+    def family(self) -> Metric:
+        family = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for labels, value in list(self.values.items()):
+            family.add_metric([str(v) for v in labels], value)
+        return family
+
+
+class FastHistogram:
+    """A labelled histogram as a dict: label values -> [count per bucket..., +Inf, sum]."""
+
+    __slots__ = ("bounds", "documentation", "labelnames", "name", "series")
+
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        labelnames: tuple[str, ...],
+        bounds: tuple[float, ...],
+    ) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.labelnames = labelnames
+        self.bounds = tuple(sorted(float(b) for b in bounds))
+        self.series: dict[tuple[object, ...], list[float]] = {}
+
+    def observe(self, labels: tuple[object, ...], value: float) -> None:
+        series = self.series.get(labels)
+        if series is None:
+            series = self.series[labels] = [0.0] * (len(self.bounds) + 2)
+        # Buckets are "less than or equal": the first bound >= value takes it (past the last
+        # bound: the +Inf bucket).
+        series[bisect_left(self.bounds, value)] += 1
+        series[-1] += value
+
+    def family(self) -> Metric:
+        family = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        edges = [floatToGoString(b) for b in self.bounds] + ["+Inf"]  # type: ignore[no-untyped-call]
+        for labels, series in list(self.series.items()):
+            cumulative, buckets = 0.0, []
+            for edge, count in zip(edges, series, strict=False):
+                cumulative += count
+                buckets.append((edge, cumulative))
+            family.add_metric([str(v) for v in labels], buckets, series[-1])
+        return family
+
+
+class FastCollectorFor(Collector):
+    """Exposes fast counters and histograms to a prometheus-client registry."""
+
+    def __init__(self, metrics: list[FastCounter | FastHistogram]) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        for metric in self.metrics:
+            yield metric.family()
+
+
 class IngressMetrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry(auto_describe=True)
-        self.requests = Counter(
-            "fabric_ingress_requests",
-            "Requests answered by this ingress",
-            ["model", "status"],
-            registry=r,
+        self.requests = FastCounter(
+            "fabric_ingress_requests", "Requests answered by this ingress", ("model", "status")
         )
-        self.latency = Histogram(
+        self.latency = FastHistogram(
             "fabric_ingress_request_seconds",
             "Request latency at the ingress (to the last byte)",
-            ["model"],
-            buckets=LATENCY_BUCKETS,
-            registry=r,
+            ("model",),
+            LATENCY_BUCKETS,
         )
-        self.ttft = Histogram(
+        self.ttft = FastHistogram(
             "fabric_ingress_ttft_seconds",
             "Time to the first streamed body byte",
-            ["model"],
-            buckets=LATENCY_BUCKETS,
-            registry=r,
+            ("model",),
+            LATENCY_BUCKETS,
         )
-        self.tokens = Counter(
+        self.tokens = FastCounter(
             "fabric_ingress_tokens",
             "Tokens from the responses' usage (or counted chunks)",
-            ["model", "kind"],
-            registry=r,
+            ("model", "kind"),
+        )
+        self.decisions = FastCounter(
+            "fabric_ingress_policy_decisions",
+            "Routing decisions by policy and outcome",
+            ("policy", "outcome"),
+        )
+        self.candidates = FastHistogram(
+            "fabric_ingress_candidates",
+            "Eligible nodes per request after the filters",
+            (),
+            CANDIDATE_BUCKETS,
+        )
+        r.register(
+            FastCollectorFor(
+                [
+                    self.requests,
+                    self.latency,
+                    self.ttft,
+                    self.tokens,
+                    self.decisions,
+                    self.candidates,
+                ]
+            )
         )
         self.retries = Counter(
             "fabric_ingress_retries",
@@ -84,18 +184,6 @@ class IngressMetrics:
         )
         self.ejections = Counter(
             "fabric_ingress_ejections", "Nodes ejected by the circuit breaker", registry=r
-        )
-        self.decisions = Counter(
-            "fabric_ingress_policy_decisions",
-            "Routing decisions by policy and outcome",
-            ["policy", "outcome"],
-            registry=r,
-        )
-        self.candidates = Histogram(
-            "fabric_ingress_candidates",
-            "Eligible nodes per request after the filters",
-            buckets=CANDIDATE_BUCKETS,
-            registry=r,
         )
         self.broken_streams = Counter(
             "fabric_ingress_broken_streams", "Responses broken after the first byte", registry=r
@@ -121,23 +209,22 @@ class IngressMetrics:
             ["status"],
             registry=r,
         )
-        self._requests = LabelCache(self.requests)
-        self._latency = LabelCache(self.latency)
-        self._ttft = LabelCache(self.ttft)
-        self._tokens = LabelCache(self.tokens)
 
     def done(self, model: str, status: int, latency_s: float) -> None:
-        self._requests(model, status).inc()
-        self._latency(model).observe(latency_s)
+        self.requests.inc((model, status))
+        self.latency.observe((model,), latency_s)
 
     def first_token(self, model: str, ttft_s: float) -> None:
-        self._ttft(model).observe(ttft_s)
+        self.ttft.observe((model,), ttft_s)
 
     def count_tokens(self, model: str, prompt: int, completion: int) -> None:
         if prompt:
-            self._tokens(model, "prompt").inc(prompt)
+            self.tokens.inc((model, "prompt"), prompt)
         if completion:
-            self._tokens(model, "completion").inc(completion)
+            self.tokens.inc((model, "completion"), completion)
+
+    def decision(self, policy: str, outcome: str) -> None:
+        self.decisions.inc((policy, outcome))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -347,6 +347,43 @@ def test_appends_during_flushes_from_another_thread_are_not_lost(tmp_path: Path)
     assert [r.t for r in read_request_log(path)] == [float(i) for i in range(5000)]
 
 
+@given(
+    t=st.floats(0, 4e9),
+    model=st.text(max_size=300),
+    tokens=st.tuples(*[st.none() | st.integers(0, 2**40)] * 2),
+    latency=st.floats(0, 1e4),
+    ttft=st.none() | st.floats(0, 1e4),
+    status=st.sampled_from([200, 400, 499, 503]),
+    names=st.tuples(st.text(max_size=200), st.text(max_size=200)),
+    stream=st.booleans(),
+    max_tokens=st.none() | st.integers(1, 2**31),
+    temperature=st.none() | st.floats(0, 2),
+)
+@settings(max_examples=60, deadline=None)
+def test_a_raw_trace_tuple_logs_the_same_line_as_its_trace_record(
+    tmp_path_factory: pytest.TempPathFactory,
+    t: float,
+    model: str,
+    tokens: tuple[int | None, int | None],
+    latency: float,
+    ttft: float | None,
+    status: int,
+    names: tuple[str, str],
+    stream: bool,
+    max_tokens: int | None,
+    temperature: float | None,
+) -> None:
+    """The ingress hands the log tuples (cheap on the event loop): same lines as records."""
+    fields = (t, model, *tokens, latency, ttft, status, *names, stream, max_tokens, temperature)
+    path = tmp_path_factory.mktemp("raw") / "log.jsonl"
+    log = RequestLog(path)
+    log.append(fields)  # type: ignore[arg-type]
+    log.append(TraceRecord(*fields))  # type: ignore[arg-type]
+    assert log.flush() == 2
+    raw_line, record_line = path.read_bytes().splitlines()
+    assert raw_line == record_line
+
+
 def test_reader_skips_a_torn_last_line_and_refuses_other_files(tmp_path: Path) -> None:
     path = tmp_path / "log.jsonl"
     log = RequestLog(path)

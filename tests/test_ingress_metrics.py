@@ -2,8 +2,19 @@
 
 from __future__ import annotations
 
+import math
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
 from fabricnode.engine_metrics import parse_samples
-from fabricnode.ingress_metrics import IngressMetrics
+from fabricnode.ingress_metrics import (
+    LATENCY_BUCKETS,
+    FastCollectorFor,
+    FastHistogram,
+    IngressMetrics,
+)
 
 
 def samples(metrics: IngressMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -46,3 +57,32 @@ def test_no_series_before_the_first_request_of_a_model() -> None:
         "fabric_ingress_ttft_seconds_count",
         "fabric_ingress_tokens_total",
     }
+
+
+@given(st.lists(st.sampled_from([0.0, 0.005, 0.01, 1.0, 300.0, 301.0]) | st.floats(0, 400)))
+@settings(max_examples=50, deadline=None)
+def test_fast_histogram_exposes_what_a_prometheus_histogram_would(values: list[float]) -> None:
+    """Boundary values included: a bucket counts values less than OR EQUAL to its bound."""
+    reference_registry = CollectorRegistry()
+    reference = Histogram(
+        "h", "doc", ["model"], buckets=LATENCY_BUCKETS, registry=reference_registry
+    )
+    fast = FastHistogram("h", "doc", ("model",), LATENCY_BUCKETS)
+    for value in values:
+        reference.labels("m").observe(value)
+        fast.observe(("m",), value)
+    fast_registry = CollectorRegistry()
+    fast_registry.register(FastCollectorFor([fast]))
+    if not values:
+        return  # prometheus-client shows a labelled series only once it is used, as we do
+    want = {
+        (s.name, tuple(sorted(s.labels))): s.value
+        for s in parse_samples(generate_latest(reference_registry).decode())
+    }
+    got = {
+        (s.name, tuple(sorted(s.labels))): s.value
+        for s in parse_samples(generate_latest(fast_registry).decode())
+    }
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        assert math.isclose(got[key], value, rel_tol=1e-9, abs_tol=1e-9), key
