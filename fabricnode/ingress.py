@@ -401,11 +401,11 @@ class Ingress:
             await self._send_error(conn, 404, "no such endpoint", "not_found")
             return True
         status, headers, body = await call_asgi(self.control_app, req)
-        head_only = req.method == b"HEAD"
-        await send_all(
-            conn.sock,
-            full_response(status, body, _content_type(headers), head_only=head_only),
-        )
+        # The app's own headers go out (Allow on a 405, caching, content type), framing ours.
+        kept = [(n, v) for n, v in headers if n.lower() not in HOP_HEADERS]
+        kept.append((b"content-length", b"%d" % len(body)))
+        head = build_head(status, kept)
+        await send_all(conn.sock, head if req.method == b"HEAD" else head + body)
         return True
 
     def _handle_v1(self, conn: _Conn, req: Request, path: bytes) -> Coroutine[Any, Any, bool]:
@@ -1064,13 +1064,6 @@ def _frame(pieces: list[bytes], chunked: bool) -> bytes:
             out.append(piece)
             out.append(b"\r\n")
     return b"".join(out)
-
-
-def _content_type(headers: list[tuple[bytes, bytes]]) -> bytes:
-    for name, value in headers:
-        if name.lower() == b"content-type":
-            return value
-    return JSON
 
 
 def _bearer(value: bytes | None) -> str:

@@ -369,6 +369,13 @@ ERROR_CASES: list[tuple[str, bytes, int, str | None, bool]] = [
     ),
     ("get-chat", http_request("GET", CHAT_PATH), 405, "method_not_allowed", False),
     ("post-models", http_request("POST", "/v1/models", b"{}"), 405, "method_not_allowed", False),
+    (  # a control path answered by the agent's ASGI app inline: its Allow header comes through
+        "post-nodes",
+        http_request("POST", "/fabric/v1/nodes", b"{}"),
+        405,
+        "method_not_allowed",
+        False,
+    ),
     (
         "big-body",
         http_request("POST", CHAT_PATH, b"x" * (MAX_BODY + 1)),
