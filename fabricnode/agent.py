@@ -404,6 +404,8 @@ class Agent:
                 self.leave_plan = self._plan_leave(job, now)
                 if self.leave_plan is not None:
                     nursery.start_soon(self._leave_before_end, self.leave_plan, job.job_id)
+                if job.end_time is not None:
+                    nursery.start_soon(self._follow_job_end, core, gossip, job)
             task_status.started(AgentAddresses(core.self_id, http_url, gossip_addr, admin_url))
 
             await self._stop.wait()
@@ -537,6 +539,24 @@ class Agent:
             )
             self.request_stop()
 
+    async def _follow_job_end(self, core: MeshCore, gossip: GossipService, job: SlurmJob) -> None:
+        """The registry lease is capped at the job's end (label ``fabric.job_end``): move the
+        cap when the time limit changes, or peers drop us at the old end while we still serve."""
+        assert job.end_time is not None
+
+        async def end_now() -> float | None:
+            return await trio.to_thread.run_sync(self.job_end_now, job.job_id)
+
+        def moved(end_time: float) -> None:
+            kept = [(k, v) for k, v in core.self_entry.body.labels if k != "fabric.job_end"]
+            labels = (*kept, ("fabric.job_end", f"{end_time:.0f}"))
+            core.update_self(self.wall_clock(), labels=tuple(sorted(labels)))
+            gossip.poke()
+
+        await follow_job_end(
+            job.end_time, wall_clock=self.wall_clock, end_time_now=end_now, on_change=moved
+        )
+
     def _engine_log_path(self, session_id: str) -> Path | None:
         if self.config.job_log_dir is not None:
             return self.config.job_log_dir / "engine.log"
@@ -615,6 +635,33 @@ async def wait_leave_time(
             later.end_time - plan.end_time,
         )
         plan = later
+
+
+async def follow_job_end(
+    end_time: float,
+    *,
+    wall_clock: Callable[[], float],
+    end_time_now: Callable[[], Awaitable[float | None]],
+    on_change: Callable[[float], None],
+    min_poll_s: float = 30.0,
+    max_sleep_s: float = 1800.0,
+) -> None:
+    """Keep the lease cap on the job's end when an admin changes the time limit.
+
+    Asks ``end_time_now`` (scontrol) at half the time left, at least ``min_poll_s`` apart and
+    at most ``max_sleep_s`` apart (a few queries per job, more only near its end), and calls
+    ``on_change`` with the new end when it moved. Returns once the known end has passed.
+    """
+    while True:
+        left = end_time - wall_clock()
+        if left <= 0:
+            return
+        await trio.sleep(min(max(left / 2, min_poll_s), max_sleep_s, left))
+        found = await end_time_now()
+        if found is not None and abs(found - end_time) >= 1.0:
+            log.info("the job's end moved by %+.0f s: the entry's lease follows", found - end_time)
+            end_time = found
+            on_change(found)
 
 
 def _read_peers(path: Path, own: str) -> list[str]:

@@ -218,7 +218,8 @@ class MeshCore:
     def update_self(self, now: float, **changes: object) -> SignedEntry:
         """Re-sign our entry with ``changes`` (and a renewed lease) and spread it."""
         body = self.self_entry.body
-        expires = min(now + self.config.entry_ttl_s, self._lease_cap(body))
+        labels = changes.get("labels", body.labels)
+        expires = min(now + self.config.entry_ttl_s, _lease_cap(labels))  # type: ignore[arg-type]
         new_body = body.successor(updated_at=now, expires_at=expires, **changes)
         self.self_entry = new_body.sign(self.identity)
         self.registry.merge(self.self_entry, now)
@@ -840,13 +841,6 @@ class MeshCore:
         body = self.self_entry.body
         return now + max(1.0, (body.expires_at - now) / 2)
 
-    def _lease_cap(self, body: EntryBody) -> float:
-        cap = dict(body.labels).get("fabric.job_end")
-        try:
-            return float(cap) if cap else math.inf
-        except ValueError:
-            return math.inf
-
     def _queue_self(self, now: float) -> None:
         self.broadcasts.put(("entry", self.self_id), EntryMsg(self.self_entry))
         self.broadcasts.put(("live", self.self_id), self.alive)
@@ -900,3 +894,12 @@ def _has_liveness_record(m: Member | None) -> bool:
 def _live_key(row: SyncRow) -> tuple[int, int]:
     inc, code = row[4], row[5]
     return (-1, 0) if code == 3 else (inc, code)
+
+
+def _lease_cap(labels: tuple[tuple[str, str], ...]) -> float:
+    """The end of the Slurm job an entry belongs to (its lease never goes past it)."""
+    cap = dict(labels).get("fabric.job_end")
+    try:
+        return float(cap) if cap else math.inf
+    except ValueError:
+        return math.inf

@@ -59,3 +59,26 @@ def test_slurm_job_end_caps_the_lease_and_labels_the_entry(tmp_path: Path) -> No
     assert labels["slurm.job_id"] == "4242" and labels["slurm.partition"] == "gpu"
     assert labels["fabric.job_end"] == f"{NOW + 600:.0f}"
     assert body.hardware == hw
+
+
+def test_a_moved_job_end_moves_the_lease_cap(tmp_path: Path) -> None:
+    """The time limit was extended: re-signing with the new ``fabric.job_end`` label lets the
+    lease run past the old end (peers would drop the entry there otherwise)."""
+    from fabricnode.mesh import MeshCore
+    from fabricnode.slurm_env import SlurmJob
+
+    key = tmp_path / "cluster.key"
+    Keyring.with_key(new_cluster_key()).save(key)
+    agent = Agent(
+        load_config(cluster_key=str(key), env={"FABRIC_HOME": str(tmp_path), "USER": "u"})
+    )
+    job = SlurmJob("4242", partition="gpu", end_time=NOW + 600)
+    body = agent.join_body(NOW, "http://h:1", "h:2", None, job)
+    core = MeshCore(agent.identity, Keyring.with_key(b"k" * 32), body, NOW)
+    assert core.update_self(NOW + 590).body.expires_at == NOW + 600  # capped at the old end
+    kept = [(k, v) for k, v in body.labels if k != "fabric.job_end"]
+    moved = core.update_self(
+        NOW + 595, labels=tuple(sorted([*kept, ("fabric.job_end", f"{NOW + 4200:.0f}")]))
+    )
+    assert moved.body.expires_at > NOW + 600
+    assert core.update_self(NOW + 4190).body.expires_at == NOW + 4200  # the new cap holds

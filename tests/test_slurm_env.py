@@ -14,7 +14,7 @@ import pytest
 import trio
 import trio.testing
 
-from fabricnode.agent import wait_leave_time
+from fabricnode.agent import follow_job_end, wait_leave_time
 from fabricnode.config import load_config
 from fabricnode.errors import ConfigError
 from fabricnode.hostcmd import Runner
@@ -522,3 +522,47 @@ def test_find_sbatch_script_in_the_checkout_or_from_the_environment(tmp_path: Pa
     assert find_sbatch_script({"FABRIC_SBATCH_SCRIPT": str(mine)}) == mine
     assert find_sbatch_script({"FABRIC_SBATCH_SCRIPT": str(tmp_path / "none")}) is None
     assert find_sbatch_script({}, here=tmp_path / "pkg" / "mod.py") is None
+
+
+async def test_follow_job_end_moves_the_lease_cap_when_the_time_limit_changes(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """An admin extends the job by an hour 20 min in: the new end is reported well before the
+    old one, then the follower keeps asking (rarely) until the new end passes."""
+
+    def wall() -> float:
+        return T0 + trio.current_time()
+
+    asked: list[float] = []
+    moves: list[tuple[float, float]] = []
+
+    async def end_now() -> float | None:
+        asked.append(wall())
+        return T0 + 3600 if wall() < T0 + 1200 else T0 + 7200
+
+    await follow_job_end(
+        T0 + 3600,
+        wall_clock=wall,
+        end_time_now=end_now,
+        on_change=lambda end: moves.append((wall(), end)),
+    )
+    assert moves and moves[0][1] == T0 + 7200
+    assert moves[0][0] < T0 + 3600 - 600  # found long before the old end
+    assert len(moves) == 1
+    assert wall() >= T0 + 7200  # followed up to the new end
+    assert len(asked) <= 20  # halving the time left: a few queries, not one a minute
+
+
+async def test_follow_job_end_ignores_failed_queries(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    def wall() -> float:
+        return T0 + trio.current_time()
+
+    moves: list[float] = []
+
+    async def end_now() -> float | None:
+        return None  # scontrol failed: keep what we know
+
+    await follow_job_end(T0 + 600, wall_clock=wall, end_time_now=end_now, on_change=moves.append)
+    assert moves == [] and wall() == pytest.approx(T0 + 600)

@@ -717,3 +717,57 @@ def log_time(log: str, text: str) -> float:
             whole = time.mktime(time.strptime(stamp[1], "%Y-%m-%d %H:%M:%S"))
             return whole + int(stamp[2]) / 1000
     raise AssertionError(f"no {text!r} in the agent's log:\n{log[-3000:]}")
+
+
+@slow
+def test_extended_time_limit_moves_the_lease_so_peers_keep_the_node_past_the_old_end(
+    jobs: Jobs, mesh: LocalMesh
+) -> None:
+    """``scontrol update TimeLimit=`` on a running job: the agent notices (it asks scontrol at
+    half the time left), re-signs its entry with the new end, and the mesh keeps routing to it
+    after the old time limit instead of dropping the entry when its lease would have ended."""
+    # Slurm's own warning is replaced by a harmless signal, and the agent's leave plan is off:
+    # the lease alone decides how long peers keep the entry.
+    job = jobs.submit(
+        *("-p", "high", "--time=1", "--signal=URG@1"),
+        model="sim-extend",
+        FABRIC_LEAVE_BEFORE_END="0",
+    )
+    job.wait_agent(jobs.cluster, 60)
+    record = jobs.cluster.job(job.job_id)
+    assert record is not None and record["TimeLimit"] == "00:01:00"
+    start = time.mktime(time.strptime(record["StartTime"], "%Y-%m-%dT%H:%M:%S"))
+    old_end = start + 60
+    jobs.cluster.run("scontrol", "update", f"JobId={job.job_id}", "TimeLimit=3")
+    new_end = start + 180
+    witness = mesh.agents[1]
+
+    def entry() -> dict[str, Any] | None:
+        view = nodes_of(witness.http_url)
+        return None if view is None else view.get(job.session_id)
+
+    deadline = old_end + 10
+    while time.time() < deadline:
+        seen = entry()
+        if seen is not None and seen["labels"].get("fabric.job_end") == f"{new_end:.0f}":
+            break
+        time.sleep(0.5)
+    else:
+        raise AssertionError(f"the entry never showed the new end: {entry()}\n{job.agent_log}")
+    moved_at = time.time() - start
+    # Past the old end (plus a lease's worth of slack): still there, still serving.
+    while time.time() < old_end + 8:
+        time.sleep(0.5)
+    seen = entry()
+    assert seen is not None and seen["state"] == "serving", seen
+    assert seen["expires_at"] > old_end
+    r = httpx.post(
+        mesh.agents[0].http_url + "/v1/chat/completions",
+        json={**chat(0), "model": "sim-extend"},
+        timeout=30,
+    )
+    assert r.status_code == 200, r.text
+    print(
+        f"\nslurm-serve: time limit 1 -> 3 min; the entry carried the new end {moved_at:.1f} s"
+        " after the job started and was still serving past the old limit"
+    )
