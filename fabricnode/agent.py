@@ -503,8 +503,18 @@ class Agent:
         self, core: MeshCore, gossip: GossipService, plan_id: str, status: str
     ) -> None:
         self.plan_labels = (("fabric.plan", plan_id), ("fabric.plan_status", status))
-        kept = [(k, v) for k, v in core.self_entry.body.labels if not k.startswith("fabric.plan")]
-        core.update_self(self.wall_clock(), labels=tuple(sorted([*kept, *self.plan_labels])))
+        self._relabel(core, gossip, "fabric.plan", self.plan_labels)
+
+    def _relabel(
+        self,
+        core: MeshCore,
+        gossip: GossipService,
+        prefix: str,
+        labels: tuple[tuple[str, str], ...],
+    ) -> None:
+        """Re-sign our entry with its labels under ``prefix`` replaced by ``labels``."""
+        kept = [(k, v) for k, v in core.self_entry.body.labels if not k.startswith(prefix)]
+        core.update_self(self.wall_clock(), labels=tuple(sorted([*kept, *labels])))
         gossip.poke()
 
     def _plan_leave(self, job: SlurmJob, now: float) -> LeavePlan | None:
@@ -548,10 +558,7 @@ class Agent:
             return await trio.to_thread.run_sync(self.job_end_now, job.job_id)
 
         def moved(end_time: float) -> None:
-            kept = [(k, v) for k, v in core.self_entry.body.labels if k != "fabric.job_end"]
-            labels = (*kept, ("fabric.job_end", f"{end_time:.0f}"))
-            core.update_self(self.wall_clock(), labels=tuple(sorted(labels)))
-            gossip.poke()
+            self._relabel(core, gossip, "fabric.job_end", (("fabric.job_end", f"{end_time:.0f}"),))
 
         await follow_job_end(
             job.end_time, wall_clock=self.wall_clock, end_time_now=end_now, on_change=moved

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from meshload import run_load, serving_count, sim_engine_args
 
-from fabricnode.localmesh import LocalMesh, wait_until
+from fabricnode.localmesh import AgentProcess, LocalMesh, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -59,18 +59,16 @@ def test_crash_and_leave_under_load_give_no_client_errors(mesh: LocalMesh) -> No
     assert "fabric_ingress_retries_total" in metrics
 
 
-def test_stream_broken_mid_way_ends_with_an_error_event(mesh: LocalMesh) -> None:
-    ingress = mesh.start("ingress")
-    node = mesh.start("s", args=sim_engine_args("m1", "H100", "--slowdown", "200"))
-    assert wait_until(lambda: serving_count(ingress, "m1") == 1, 30)
+def open_stream(
+    ingress: AgentProcess, content: str, max_tokens: int
+) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+    """A streamed chat request on one http.client connection, its response head read (200)."""
     body = {
         "model": "m1",
-        "messages": [{"role": "user", "content": "tell a long story"}],
-        "max_tokens": 400,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
         "stream": True,
     }
-    # http.client on one connection: it reconnects only when a response said it would close,
-    # so the follow-up request below shows the connection survived the broken stream.
     url = urlsplit(ingress.http_url)
     conn = http.client.HTTPConnection(url.hostname or "", url.port, timeout=30)
     conn.request(
@@ -78,6 +76,16 @@ def test_stream_broken_mid_way_ends_with_an_error_event(mesh: LocalMesh) -> None
     )
     r = conn.getresponse()
     assert r.status == 200
+    return conn, r
+
+
+def test_stream_broken_mid_way_ends_with_an_error_event(mesh: LocalMesh) -> None:
+    ingress = mesh.start("ingress")
+    node = mesh.start("s", args=sim_engine_args("m1", "H100", "--slowdown", "200"))
+    assert wait_until(lambda: serving_count(ingress, "m1") == 1, 30)
+    # http.client on one connection: it reconnects only when a response said it would close,
+    # so the follow-up request below shows the connection survived the broken stream.
+    conn, r = open_stream(ingress, "tell a long story", 400)
     assert not r.will_close
     events: list[str] = []
     while line := r.readline():  # de-chunked by http.client; b"" at a clean end
@@ -128,19 +136,8 @@ def test_ingress_leaving_mid_stream_lets_the_stream_finish(mesh: LocalMesh) -> N
     ingress = mesh.start("ingress")
     node = mesh.start("s", args=sim_engine_args("m1", "H100", "--slowdown", "30"))
     assert wait_until(lambda: serving_count(ingress, "m1") == 1, 30)
-    body = {
-        "model": "m1",
-        "messages": [{"role": "user", "content": "tell a story"}],
-        "max_tokens": 30,  # about 2.5 s: it outlasts the leave linger (1 s), not the grace (2 s)
-        "stream": True,
-    }
-    url = urlsplit(ingress.http_url)
-    conn = http.client.HTTPConnection(url.hostname or "", url.port, timeout=30)
-    conn.request(
-        "POST", "/v1/chat/completions", json.dumps(body), {"content-type": "application/json"}
-    )
-    r = conn.getresponse()
-    assert r.status == 200
+    # 30 tokens take about 2.5 s: longer than the leave linger (1 s), within the grace (2 s).
+    conn, r = open_stream(ingress, "tell a story", 30)
     events: list[str] = []
     started = time.monotonic()
     while line := r.readline():
