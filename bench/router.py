@@ -83,6 +83,8 @@ if str(BENCH_DIR) not in sys.path:
 import _venvs  # noqa: E402
 from _procs import argv_of, cpu_steal, descendants, free_port, rss_mb  # noqa: E402
 
+from fabricnode import native  # noqa: E402
+
 MODEL = "bench-model"
 CHAT_PATH = "/v1/chat/completions"
 SSE_EVENTS = 18  # 16 content chunks + usage chunk + [DONE], as bench/fake_backend.py sends
@@ -969,6 +971,8 @@ def main(argv: list[str] | None = None) -> int:
                 if "venv_install_s" in t.info:
                     bits.append(f"venv install {t.info['venv_install_s']:.0f} s")
                 bits.append(f"RSS {rss.get(t.name, 0):.0f} MB")
+                if t.name in FABRIC_TARGETS:  # agents run from this tree with this environment
+                    bits.append(f"data plane {native.status}")
                 header.append(f"{t.name}: {', '.join(bits)}")
             print(render(targets, cells, summary, header), end="", flush=True)
             if args.json:

@@ -33,7 +33,6 @@ text: the trace is shareable the way the paper's is.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -45,24 +44,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeGuard
 
+import orjson
+
 from fabricnode.errors import ConfigError
 
-try:
-    import orjson
 
-    def _loads(data: bytes) -> Any:
-        return orjson.loads(data)
+def _loads(data: bytes) -> Any:
+    return orjson.loads(data)
 
-    def _dumps_line(doc: dict[str, Any]) -> bytes:
-        return orjson.dumps(doc) + b"\n"
 
-except ImportError:  # pragma: no cover - orjson is a dependency; stay correct without it
-
-    def _loads(data: bytes) -> Any:
-        return json.loads(data)
-
-    def _dumps_line(doc: dict[str, Any]) -> bytes:
-        return json.dumps(doc, separators=(",", ":")).encode() + b"\n"
+def _dumps_line(doc: dict[str, Any]) -> bytes:
+    return orjson.dumps(doc) + b"\n"
 
 
 _JSON_ERRORS = (ValueError, TypeError, RecursionError)
@@ -228,10 +220,16 @@ class StreamUsage:
         return self._error
 
 
+def may_report_usage(data: bytes) -> bool:
+    """Could this event's data carry a ``usage`` object? Only those events are parsed: not
+    ``"usage": null`` and not the word inside generated content (escaped quotes)."""
+    return b'"usage"' in data and _USAGE_OBJECT.search(data) is not None
+
+
 def _examine(data: bytes) -> tuple[tuple[int, int] | None, bool, bool]:
     """(usage if reported, carries content, is an error) of one event's data."""
     usage = None
-    if b'"usage"' in data and _USAGE_OBJECT.search(data):
+    if may_report_usage(data):
         try:
             doc = _loads(data)
         except _JSON_ERRORS:
@@ -493,9 +491,9 @@ class RequestLog:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
+            written = 0
+            while written < len(data):  # os.write may write less than asked
+                written += os.write(fd, data[written:] if written else data)
         finally:
             os.close(fd)
 

@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, TextIO
 
 import trio
 
+from fabricnode import native
 from fabricnode.accounting import RequestLog
 from fabricnode.addr import join_hostport
 from fabricnode.admin import AdminApp
@@ -306,6 +307,7 @@ class Agent:
             http_url,
             len(seeds),
         )
+        log.info("data plane %s", native.status)
 
         def new_session() -> None:
             # A restarted engine is a new session: fresh key, fresh entry from JOIN.

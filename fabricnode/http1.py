@@ -134,8 +134,10 @@ class RequestParser:
         except httptools.HttpParserUpgrade:
             self._fail(400, "protocol upgrades are not supported")
         except httptools.HttpParserCallbackError:
-            if self.error is None:  # pragma: no cover - callbacks set error before raising
-                self._fail(400, "malformed request")
+            # The callback that raised set ``error`` already (``_fail`` keeps the first). Not
+            # ``if self.error is None``: the check above narrowed it to None, and the compiled
+            # data plane (fabricnode/native.py) would enforce that narrowed type at runtime.
+            self._fail(400, "malformed request")
         except httptools.HttpParserInvalidMethodError:
             self._fail(400, "invalid HTTP method")
         except httptools.HttpParserInvalidURLError:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Iterator
-from typing import Generic, TypeVar
+from typing import Generic, TypeVar, cast
 
 from prometheus_client import (
     CollectorRegistry,
@@ -54,7 +54,9 @@ class LabelCache(Generic[M]):
     def __call__(self, *values: object) -> M:
         child = self._children.get(values)
         if child is None:
-            child = self._children[values] = self._metric.labels(*map(str, values))
+            # mypyc's type check (unlike mypy's) needs the cast to M; mypy calls it redundant
+            labels = self._metric.labels(*map(str, values))
+            child = self._children[values] = cast(M, labels)  # type: ignore[redundant-cast]
         return child
 
 

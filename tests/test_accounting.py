@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fabricnode import accounting
+from fabricnode import accounting, native
 from fabricnode.accounting import (
     RequestLog,
     StreamUsage,
@@ -118,19 +118,16 @@ def test_cumulative_usage_in_every_chunk_keeps_the_last() -> None:
     assert feed_in([sse(events)]) == (5, 2)
 
 
-def test_only_events_that_report_usage_are_parsed(monkeypatch: pytest.MonkeyPatch) -> None:
-    parsed: list[bytes] = []
-    real = accounting._loads
-
-    def spy(data: bytes) -> Any:
-        parsed.append(data)
-        return real(data)
-
-    monkeypatch.setattr(accounting, "_loads", spy)
-    events = [chunk({"content": str(i)}, usage=None) for i in range(50)]
-    stream = sse([*CONTENT, *events, {"choices": [], "usage": USAGE}], compact=False)
-    assert feed_in([stream]) == (12, 3)
-    assert len(parsed) == 1, 'usage: null and escaped "usage" in content are not parsed'
+def test_only_events_that_report_usage_are_parsed() -> None:
+    # Parsing every event would cost the relay a JSON parse per streamed chunk: a cheap scan
+    # picks the events that can carry a usage object, and only those are parsed.
+    events = [*CONTENT, *(chunk({"content": str(i)}, usage=None) for i in range(50))]
+    final = {"choices": [], "usage": USAGE}
+    datas = [json.dumps(e, separators=(", ", ": ")).encode() for e in [*events, final]]
+    assert [d for d in datas if accounting.may_report_usage(d)] == [datas[-1]], (
+        'usage: null and an escaped "usage" in content are not parsed'
+    )
+    assert feed_in([sse([*events, final], compact=False)]) == (12, 3)
 
 
 def test_an_error_event_mid_stream_is_noticed() -> None:
@@ -260,17 +257,19 @@ def test_client_values_smuggled_into_numeric_fields_are_not_logged(tmp_path: Pat
     path = tmp_path / "log.jsonl"
     log = RequestLog(path)
     smuggled: Any = PROMPT
-    log.append(
-        TraceRecord(
-            t=1.0,
-            model="m",
-            input_tokens=2**80,
-            output_tokens=None,
-            latency_s=0.1,
-            max_tokens=smuggled,
-            temperature=smuggled,
-        )
-    )
+
+    def trace(**fields: Any) -> TraceRecord:
+        return TraceRecord(t=1.0, model="m", output_tokens=None, latency_s=0.1, **fields)
+
+    if native.is_compiled(accounting):
+        # Compiled, the record's declared types are enforced: a string never gets in at all.
+        with pytest.raises(TypeError):
+            trace(input_tokens=1, max_tokens=smuggled)
+        with pytest.raises(TypeError):
+            trace(input_tokens=1, temperature=smuggled)
+        log.append(trace(input_tokens=2**80))
+    else:
+        log.append(trace(input_tokens=2**80, max_tokens=smuggled, temperature=smuggled))
     assert log.flush() == 1
     text = path.read_text()
     assert PROMPT not in text
