@@ -493,7 +493,7 @@ class RequestLog:
         try:
             written = 0
             while written < len(data):  # os.write may write less than asked
-                written += os.write(fd, data[written:] if written else data)
+                written += os.write(fd, data[written:])
         finally:
             os.close(fd)
 

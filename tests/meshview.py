@@ -9,6 +9,25 @@ from fabricnode.client import AdminClient
 from fabricnode.errors import AgentApiError
 from fabricnode.localmesh import AgentProcess
 
+# An entry's fields in SPEC.md's order, as the admin API and `fabric ... --json` give them.
+ENTRY_KEYS = [
+    "session_id",
+    "provider",
+    "verified_provider",
+    "state",
+    "version",
+    "liveness",
+    "addresses",
+    "hardware",
+    "engine",
+    "models",
+    "labels",
+    "load",
+    "started_at",
+    "updated_at",
+    "expires_at",
+]
+
 
 def free_port() -> int:
     with socket.socket() as s:

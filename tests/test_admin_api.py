@@ -9,6 +9,7 @@ from typing import Any
 
 import httpx
 import pytest
+from meshview import ENTRY_KEYS
 
 from fabricnode.admin import AdminApp
 from fabricnode.agent import JoinTracker
@@ -22,23 +23,6 @@ from fabricnode.views import models_view
 from fabricnode.wire import DEAD, SUSPECT, Accusation, Load
 
 NOW = 1_750_000_000.0
-ENTRY_KEYS = [
-    "session_id",
-    "provider",
-    "verified_provider",
-    "state",
-    "version",
-    "liveness",
-    "addresses",
-    "hardware",
-    "engine",
-    "models",
-    "labels",
-    "load",
-    "started_at",
-    "updated_at",
-    "expires_at",
-]
 
 
 @dataclass

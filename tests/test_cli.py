@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from meshview import ENTRY_KEYS
 from typer.testing import CliRunner, Result
 
 from cli.main import app, run
@@ -351,23 +352,6 @@ def test_nodes_and_node_show_a_real_agent(runner: CliRunner, agent: AgentProcess
 
 # -- read commands against a real mesh: tables, --json, filters, errors -------------------------
 
-ENTRY_KEYS = [
-    "session_id",
-    "provider",
-    "verified_provider",
-    "state",
-    "version",
-    "liveness",
-    "addresses",
-    "hardware",
-    "engine",
-    "models",
-    "labels",
-    "load",
-    "started_at",
-    "updated_at",
-    "expires_at",
-]
 MODEL_KEYS = [
     "id",
     "nodes",

@@ -7,14 +7,13 @@ import json
 import os
 import subprocess
 import sys
-import sysconfig
 from pathlib import Path
 
 import pytest
 
 from fabricnode import native
 
-SUFFIX = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+SUFFIX = native.EXT_SUFFIX
 
 
 @pytest.mark.skipif(
@@ -49,7 +48,7 @@ def fake_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, P
     for name in native.DATA_PLANE:
         (package / f"{name}.py").write_text(f"# {name}\n")
         (build / f"{name}{SUFFIX}").write_bytes(b"")
-    (build / f"_dataplane__mypyc{SUFFIX}").write_bytes(b"")
+    (build / f"{native.SHARED_LIB}{SUFFIX}").write_bytes(b"")
     stamp = {"digest": native.sources_digest(package), "modules": list(native.DATA_PLANE)}
     (build / native.STAMP_NAME).write_text(json.dumps(stamp))
     return package, build
