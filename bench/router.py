@@ -88,7 +88,7 @@ from fabricnode import native  # noqa: E402
 MODEL = "bench-model"
 CHAT_PATH = "/v1/chat/completions"
 SSE_EVENTS = 18  # 16 content chunks + usage chunk + [DONE], as bench/fake_backend.py sends
-ALL_TARGETS = ("direct", "vllm-router", "litellm", "fabric-1hop", "fabric-2hop")
+ALL_TARGETS = ("direct", "vllm-router", "litellm", "trio-floor", "fabric-1hop", "fabric-2hop")
 FABRIC_TARGETS = ("fabric-1hop", "fabric-2hop")
 
 
@@ -385,6 +385,8 @@ class Bench:
                 self.setup_vllm_router(target)
             elif name == "litellm":
                 self.setup_litellm(target)
+            elif name == "trio-floor":
+                self.setup_trio_floor(target)
             elif name == "fabric-1hop":
                 self.setup_fabric_1hop(target)
             elif name == "fabric-2hop":
@@ -439,6 +441,16 @@ class Bench:
         proc = self.procs.spawn("vllm-router", argv)
         target.router_pids = lambda: descendants(proc.pid)
         self.wait_ready(target, proc, "vllm-router", 60.0)
+
+    def setup_trio_floor(self, target: Target) -> None:
+        """The least a trio + httptools relay does per request (bench/trio_floor.py)."""
+        assert self.backend is not None
+        target.port = free_port()
+        script = str(BENCH_DIR / "trio_floor.py")
+        argv = [sys.executable, script, "--port", str(target.port)]
+        proc = self.procs.spawn("trio-floor", [*argv, "--upstream-port", str(self.backend.port)])
+        target.router_pids = lambda: [proc.pid]
+        self.wait_ready(target, proc, "trio-floor", 20.0)
 
     def setup_litellm(self, target: Target) -> None:
         venv = self.venv("litellm", target)
