@@ -341,20 +341,18 @@ class Agent:
             engine = self.engine
             return tracker.is_ready() and (engine is None or engine.state == "serving")
 
-        def engine_url() -> str | None:
-            return self.engine.command.url if self.engine is not None else None
-
-        def engine_serving() -> bool:
+        def serving_engine_url() -> str | None:
             engine = self.engine
-            return engine is not None and engine.state == "serving" and not core.left
+            if engine is None or engine.state != "serving" or core.left:
+                return None
+            return engine.command.url
 
         request_log = RequestLog(cfg.request_log_path) if cfg.request_log_path else None
         ingress = Ingress(
             core,
             config=cfg.ingress,
             wall_clock=self.wall_clock,
-            local_engine_url=engine_url,
-            local_serving=engine_serving,
+            serving_engine_url=serving_engine_url,
             api_keys=self.api_keys,
             request_log=request_log,
         )

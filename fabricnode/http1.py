@@ -57,6 +57,31 @@ REASONS = {
 }
 
 CONTINUE_RESPONSE = b"HTTP/1.1 100 Continue\r\n\r\n"
+_STATUS_LINES = {code: b"HTTP/1.1 %d %s\r\n" % (code, reason) for code, reason in REASONS.items()}
+
+# Response headers that describe the upstream hop, not the response: a proxy sets its own.
+HOP_RESPONSE_HEADERS = frozenset(
+    (
+        b"connection",
+        b"keep-alive",
+        b"transfer-encoding",
+        b"content-length",
+        b"x-fabric-node",
+        b"server",
+        b"date",
+        b"proxy-connection",
+        b"trailer",
+        b"upgrade",
+    )
+)
+
+
+def status_line(status: int) -> bytes:
+    """``HTTP/1.1 <status> <reason>`` and its CRLF."""
+    line = _STATUS_LINES.get(status)
+    if line is None:
+        line = b"HTTP/1.1 %d Unknown\r\n" % status
+    return line
 
 
 class Request:
@@ -257,6 +282,8 @@ class ResponseParser:
         self.chunked = False
         self.content_length: int | None = None
         self.content_type = b""
+        # The header lines a proxy passes on (all but HOP_RESPONSE_HEADERS), ready to write.
+        self.end_to_end = b""
         self.messages = 0
 
     @property
@@ -277,14 +304,19 @@ class ResponseParser:
     def on_headers_complete(self) -> None:
         self.status = self._parser.get_status_code()
         self.head_complete = True
+        kept: list[bytes] = []
         for name, value in self.headers:
             lname = name.lower()
-            if lname == b"transfer-encoding" and b"chunked" in value.lower():
-                self.chunked = True
+            if lname not in HOP_RESPONSE_HEADERS:
+                kept.append(name + b": " + value + b"\r\n")
+                if lname == b"content-type" and not self.content_type:
+                    self.content_type = value
+            elif lname == b"transfer-encoding":
+                if b"chunked" in value.lower():
+                    self.chunked = True
             elif lname == b"content-length" and value.isdigit():
                 self.content_length = int(value)
-            elif lname == b"content-type" and not self.content_type:
-                self.content_type = value
+        self.end_to_end = b"".join(kept)
 
     def on_body(self, body: bytes) -> None:
         if self.on_body_cb is not None:
@@ -299,8 +331,7 @@ def response_head(
     status: int, headers: list[tuple[bytes, bytes]], *, keep_alive: bool = True
 ) -> bytes:
     """A response status line and header block (``headers`` are written as given)."""
-    reason = REASONS.get(status, b"Unknown")
-    lines = [b"HTTP/1.1 %d %s\r\n" % (status, reason)]
+    lines = [status_line(status)]
     for name, value in headers:
         lines.append(name + b": " + value + b"\r\n")
     if not keep_alive:

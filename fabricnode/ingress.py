@@ -39,7 +39,7 @@ import math
 import random
 import socket
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote_to_bytes
 
@@ -51,7 +51,14 @@ from fabricnode.accounting import RequestLog, StreamUsage, UsageLedger, usage_fr
 from fabricnode.apikeys import ApiKey, ApiKeyStore, RateLimiter
 from fabricnode.forward_auth import HEADER as FORWARD_HEADER
 from fabricnode.forward_auth import ForwardRejected, ForwardVerifier, sign_forward
-from fabricnode.http1 import CONTINUE_RESPONSE, Request, RequestParser, full_response
+from fabricnode.http1 import (
+    CONTINUE_RESPONSE,
+    HOP_RESPONSE_HEADERS,
+    Request,
+    RequestParser,
+    full_response,
+    status_line,
+)
 from fabricnode.http1 import response_head as build_head
 from fabricnode.ingress_config import IngressConfig
 from fabricnode.ingress_metrics import IngressMetrics, LabelCache
@@ -60,6 +67,7 @@ from fabricnode.mesh import MeshCore
 from fabricnode.registry import State
 from fabricnode.routetable import CircuitBreaker, Origin, Route, RouteTable
 from fabricnode.sockio import (
+    LoopClock,
     SocketClosed,
     Watchdog,
     Watched,
@@ -79,21 +87,6 @@ ENDPOINTS = {
     b"/v1/embeddings": "embeddings",
 }
 RETRYABLE_STATUS = (502, 503, 504)
-# Response headers that describe the upstream hop, not the response: we set our own.
-HOP_HEADERS = frozenset(
-    (
-        b"connection",
-        b"keep-alive",
-        b"transfer-encoding",
-        b"content-length",
-        b"x-fabric-node",
-        b"server",
-        b"date",
-        b"proxy-connection",
-        b"trailer",
-        b"upgrade",
-    )
-)
 # Request headers passed on to the upstream (anything else stays at the ingress).
 FORWARDED_REQUEST_HEADERS = (b"accept", b"x-request-id", b"openai-organization")
 JSON = b"application/json"
@@ -128,25 +121,61 @@ class _Conn:
         self.closing = False
 
 
-@dataclass(slots=True)
 class _Job:
-    """What the data plane knows of one routed request."""
+    """What the data plane knows of one routed request.
 
-    kind: str
-    model: str
-    stream: bool
-    body: bytes
-    path: bytes
-    headers: Mapping[bytes, bytes]
-    key: ApiKey | None
-    started: float
-    head_only: bool = False
-    served_by: str = ""
-    status: int = 0
-    ttft_s: float | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
+    A plain class, not a dataclass: one is made per request, and the compiled data plane
+    runs a plain class's ``__init__`` natively (a dataclass's generated one stays interpreted).
+    """
+
+    __slots__ = (
+        "body",
+        "close",
+        "completion_tokens",
+        "doc",
+        "headers",
+        "http10",
+        "key",
+        "kind",
+        "model",
+        "path",
+        "prompt_tokens",
+        "served_by",
+        "started",
+        "status",
+        "stream",
+        "ttft_s",
+    )
+
+    def __init__(
+        self,
+        kind: str,
+        model: str,
+        stream: bool,
+        body: bytes,
+        path: bytes,
+        headers: Mapping[bytes, bytes],
+        key: ApiKey | None,
+        started: float,
+        doc: dict[str, Any] | None = None,
+    ) -> None:
+        self.kind = kind
+        self.model = model
+        self.stream = stream
+        self.body = body
+        self.path = path
+        self.headers = headers
+        self.key = key
+        self.started = started
+        # The parsed body: the request log's fields are read from it once the answer is out.
+        self.doc = doc
+        self.http10 = False  # an HTTP/1.0 client: no chunked coding, the body ends at close
+        self.close = False  # the client connection must close after this response
+        self.served_by = ""
+        self.status = 0
+        self.ttft_s: float | None = None
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
 
 
 class ClientGone(Exception):
@@ -160,8 +189,7 @@ class Ingress:
         *,
         config: IngressConfig | None = None,
         wall_clock: Callable[[], float],
-        local_engine_url: Callable[[], str | None] = lambda: None,
-        local_serving: Callable[[], bool] = lambda: False,
+        serving_engine_url: Callable[[], str | None] = lambda: None,
         control_app: AsgiApp | None = None,
         api_keys: ApiKeyStore | None = None,
         request_log: RequestLog | None = None,
@@ -170,8 +198,8 @@ class Ingress:
         self.core = core
         self.config = cfg = config or IngressConfig()
         self.wall_clock = wall_clock
-        self.local_engine_url = local_engine_url
-        self.local_serving = local_serving
+        # Our own engine's URL while it is serving (None otherwise): one call per request.
+        self.serving_engine_url = serving_engine_url
         self.control_app = control_app
         self.api_keys = api_keys
         self.rate_limiter = RateLimiter()
@@ -180,8 +208,11 @@ class Ingress:
         self.table = RouteTable(core, wall_clock)
         self.policy = routing.make_policy(cfg.policy, rng=rng or random.Random())
         self.breaker = CircuitBreaker(base_s=cfg.eject_base_s, max_s=cfg.eject_max_s)
-        self.pool = UpstreamPool()
+        # Bound to the trio run's clock when serving starts (see LoopClock).
+        self.clock = LoopClock()
+        self.pool = UpstreamPool(clock=self.clock)
         self.watchdog = Watchdog(cfg.watchdog_interval_s)
+        self.watchdog.clock = self.clock
         self.forwards = ForwardVerifier(core.keyring, max_skew_s=cfg.forward_max_skew_s)
         self.metrics = IngressMetrics()
         self._forwards_served = LabelCache(self.metrics.forwards_served)
@@ -235,6 +266,7 @@ class Ingress:
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         """Accept on a bound socket until ``shutdown``; then let requests finish for ``grace_s``."""
+        self.clock.bind()
         sock.setblocking(False)
         sock.listen(1024)
         async with trio.open_nursery() as nursery:
@@ -281,7 +313,7 @@ class Ingress:
 
     async def _connection(self, sock: socket.socket) -> None:
         cfg = self.config
-        watch = Watched(sock, trio.current_time() + cfg.keepalive_timeout_s)
+        watch = Watched(sock, self.clock.now() + cfg.keepalive_timeout_s)
         conn = _Conn(sock, watch)
         self._conns.add(conn)
         self.watchdog.watched.add(watch)
@@ -303,7 +335,7 @@ class Ingress:
                         break
                     sent_continue = False
                     answered = True
-                    watch.deadline = trio.current_time() + (
+                    watch.deadline = self.clock.now() + (
                         cfg.request_timeout_s if parser.mid_request else cfg.keepalive_timeout_s
                     )
                     continue
@@ -337,7 +369,7 @@ class Ingress:
                 if not was_mid and parser.mid_request and not parser.ready:
                     # A request started and is incomplete: it has request_timeout_s to arrive
                     # (a request that came whole is answered at once and needs no deadline).
-                    watch.deadline = trio.current_time() + cfg.request_timeout_s
+                    watch.deadline = self.clock.now() + cfg.request_timeout_s
         except (SocketClosed, ClientGone):
             pass
         finally:
@@ -402,7 +434,7 @@ class Ingress:
             return True
         status, headers, body = await call_asgi(self.control_app, req)
         # The app's own headers go out (Allow on a 405, caching, content type), framing ours.
-        kept = [(n, v) for n, v in headers if n.lower() not in HOP_HEADERS]
+        kept = [(n, v) for n, v in headers if n.lower() not in HOP_RESPONSE_HEADERS]
         kept.append((b"content-length", b"%d" % len(body)))
         head = build_head(status, kept)
         await send_all(conn.sock, head if req.method == b"HEAD" else head + body)
@@ -461,7 +493,7 @@ class Ingress:
         self, conn: _Conn, req: Request, path: bytes, kind: str
     ) -> Coroutine[Any, Any, bool]:
         """Check and route a request: the coroutine that answers it (await it)."""
-        started = trio.current_time()
+        started = self.clock.now()
         key: ApiKey | None = None
         store = self.api_keys
         if store is not None and store.enabled:
@@ -508,15 +540,9 @@ class Ingress:
             return self._reject(
                 conn, 404, f"model {model!r} is not served by any node", "model_not_found"
             )
-        job = _Job(kind, model, stream, body, path, req.headers, key, started)
+        job = _Job(kind, model, stream, body, path, req.headers, key, started, doc)
         if req.http_version == "1.0":
-            job.extra["http10"] = True
-        if self.request_log is not None:
-            max_tokens = doc.get("max_tokens") or doc.get("max_completion_tokens")
-            job.extra["max_tokens"] = _opt_int(max_tokens)
-            temperature = doc.get("temperature")
-            if isinstance(temperature, int | float) and not isinstance(temperature, bool):
-                job.extra["temperature"] = float(temperature)
+            job.http10 = True
         rreq = routing.RouteRequest(
             model,
             self._prefix_blocks(doc, kind) if len(routes) > 1 else (),
@@ -531,6 +557,8 @@ class Ingress:
         return routing.prompt_blocks(_prompt_text(doc, kind))
 
     def _forget_removed(self) -> None:
+        if not self.table.removed:
+            return
         for sid in self.table.take_removed():
             self.policy.on_removed(sid)
             self.breaker.forget(sid)
@@ -554,20 +582,19 @@ class Ingress:
         last_error = "no eligible node"
         deadline = job.started + cfg.retry_budget_s
         policy = self.policy
-        by_sid = {r.info.session_id: r for r in routes}
         answered = False
         observed = -1  # candidates for the first attempt, observed when the request is done
         try:
             while len(tried) < cfg.max_attempts:
-                now = trio.current_time() if tried else job.started
+                now = self.clock.now() if tried else job.started
                 if tried and now >= deadline:
                     break
-                candidates = self._candidates(routes, providers, requirements, tried, now)
+                wall = self.wall_clock()  # load reports carry wall-clock times
+                candidates = self._candidates(routes, providers, requirements, tried, now, wall)
                 if not tried:
                     observed = len(candidates)
                 if not candidates:
                     break
-                wall = self.wall_clock()  # load reports carry wall-clock times
                 # One candidate: nothing to choose and no use holding (the request would wait
                 # for the same node either way); the policy is skipped, as prompt hashing was.
                 if len(candidates) == 1:
@@ -579,7 +606,7 @@ class Ingress:
                     if not ranked:
                         break
                 pick = ranked[0].node.session_id
-                route = by_sid[pick]
+                route = _route_of(routes, pick)
                 tried.add(pick)
                 policy.on_routed(rreq, pick, wall)
                 attempt = self._attempt(conn, job, route, now)
@@ -593,13 +620,13 @@ class Ingress:
                     answered = True
                     break
                 last_error = outcome
-                self.breaker.failed(pick, trio.current_time())
+                self.breaker.failed(pick, self.clock.now())
                 self.metrics.ejections.inc()
                 self.retries += 1
                 self.metrics.retries.labels(_reason_label(outcome)).inc()
                 log.info("attempt on %s failed before the first byte: %s", pick[:8], outcome)
             if answered:
-                keep = job.status != 0 and not job.extra.get("close")
+                keep = job.status != 0 and not job.close
             else:
                 job.status = 503
                 await self._send_error(
@@ -624,12 +651,13 @@ class Ingress:
         requirements: routing.Requirements | None,
         tried: set[str],
         now: float,
+        wall_now: float,
     ) -> list[routing.Candidate]:
         """Eligible nodes (``RouteTable.eligible``) this request has not tried yet."""
         eligible = self.table.eligible(
             routes,
             now=now,
-            wall_now=self.wall_clock(),
+            wall_now=wall_now,
             inflight=self.remote_inflight,
             breaker=self.breaker,
             providers=providers,
@@ -647,20 +675,21 @@ class Ingress:
     ) -> list[routing.Candidate] | None:
         """Pending-aware pushing: wait (bounded) until some node has room, then rank again."""
         cfg = self.config
-        give_up = trio.current_time() + cfg.hold_max_s
+        give_up = self.clock.now() + cfg.hold_max_s
         self.metrics.decision(self.policy.name, "hold")
         self._holders += 1
         try:
             while True:
-                now = trio.current_time()
+                now = self.clock.now()
                 with trio.move_on_after(min(0.05, max(0.0, give_up - now))):
                     await self._released.wait()
-                now = trio.current_time()
-                cands = self._candidates(routes, providers, requirements, tried, now)
+                now = self.clock.now()
+                wall = self.wall_clock()
+                cands = self._candidates(routes, providers, requirements, tried, now, wall)
                 if not cands:
                     return None
                 # Held long enough: the policy's best push (affinity kept) rather than wait on.
-                ranked = self.policy.rank(rreq, cands, self.wall_clock(), allow_hold=now < give_up)
+                ranked = self.policy.rank(rreq, cands, wall, allow_hold=now < give_up)
                 if ranked is not None:
                     return ranked
         finally:
@@ -680,8 +709,8 @@ class Ingress:
         else why not; a str right away when the node cannot be tried."""
         sid = route.info.session_id
         if route.is_self:
-            url = self.local_engine_url()
-            if url is None or not self.local_serving():
+            url = self.serving_engine_url()
+            if url is None:
                 return "local engine not serving"
             origin = self._local_origin(url)
             request = self._upstream_request(job, origin, forward=None)
@@ -793,7 +822,7 @@ class Ingress:
                 # coroutine for the body.
                 pieces = ex.take_pieces()
                 if pieces and job.stream:
-                    job.ttft_s = trio.current_time() - job.started
+                    job.ttft_s = self.clock.now() - job.started
                 out = head + _frame(pieces, chunked) if pieces else head
                 if chunked:
                     out += b"0\r\n\r\n"
@@ -822,20 +851,29 @@ class Ingress:
 
     def _response_head(self, conn: _Conn, job: _Job, ex: Exchange, sid: str) -> tuple[bytes, bool]:
         """Our response head for the upstream's, and whether the body goes out chunked."""
-        headers: list[tuple[bytes, bytes]] = [
-            (n, v) for n, v in ex.headers if n.lower() not in HOP_HEADERS
-        ]
-        headers.append((b"x-fabric-node", sid.encode()))
-        chunked = ex.content_length is None
-        if not chunked:
-            headers.append((b"content-length", b"%d" % (ex.content_length or 0)))
-        elif job.extra.get("http10"):
+        length = ex.content_length
+        chunked = length is None
+        if length is not None:
+            framing = b"content-length: %d\r\n" % length
+        elif job.http10:
             # HTTP/1.0 has no chunked coding: send the body as it comes, end it by closing.
             chunked = False
             conn.closing = True
+            framing = b""
         else:
-            headers.append((b"transfer-encoding", b"chunked"))
-        return build_head(job.status, headers, keep_alive=not conn.closing), chunked
+            framing = b"transfer-encoding: chunked\r\n"
+        if conn.closing:
+            framing += b"connection: close\r\n"
+        parts = (
+            status_line(job.status),
+            ex.end_to_end,
+            b"x-fabric-node: ",
+            sid.encode(),
+            b"\r\n",
+            framing,
+            b"\r\n",
+        )
+        return b"".join(parts), chunked
 
     def _count_tokens(self, job: _Job, body: list[bytes], sse: bool) -> None:
         """Token counts from a whole response body's usage."""
@@ -864,7 +902,7 @@ class Ingress:
         while True:
             if pieces:
                 if first and job.stream:
-                    job.ttft_s = trio.current_time() - job.started
+                    job.ttft_s = self.clock.now() - job.started
                 first = False
                 out = _frame(pieces, chunked)
             else:
@@ -908,7 +946,7 @@ class Ingress:
                     await _client_send(conn, _frame([event], True) + b"0\r\n\r\n", idle_s)
                     return
                 # A body with a length (or no framing) cannot be ended early: close.
-                job.extra["close"] = True
+                job.close = True
                 conn.closing = True
                 return
             pieces = ex.take_pieces()
@@ -922,7 +960,7 @@ class Ingress:
 
     async def _serve_forward(self, conn: _Conn, req: Request, path: bytes, forward: bytes) -> bool:
         try:
-            sender = self.forwards.verify(
+            self.forwards.verify(
                 forward,
                 own_session=self.core.self_id,
                 method=req.method,
@@ -934,8 +972,8 @@ class Ingress:
             self._forwards_served("refused").inc()
             await self._send_error(conn, 403, f"forward refused: {exc}", "forward_refused")
             return True
-        url = self.local_engine_url()
-        if self.leaving or url is None or not self.local_serving():
+        url = self.serving_engine_url()
+        if self.leaving or url is None:
             self._forwards_served("unavailable").inc()
             why = "node is leaving" if self.leaving else "no serving engine on this node"
             await self._send_error(
@@ -946,9 +984,8 @@ class Ingress:
                 extra=[(b"retry-after", b"%d" % self.config.retry_after_s)],
             )
             return True
-        started = trio.current_time()
+        started = self.clock.now()
         job = _Job("forward", "", False, req.body, path, req.headers, None, started)
-        job.extra["from"] = sender
         origin = self._local_origin(url)
         request = self._upstream_request(job, origin, forward=None)
         outcome = await self._relay(
@@ -960,12 +997,12 @@ class Ingress:
             await self._send_error(conn, 502, f"engine failed: {outcome}", "engine_unavailable")
             return True
         self._forwards_served("served").inc()
-        return not job.extra.get("close")
+        return not job.close
 
     # == accounting ==========================================================================
 
     def _account(self, job: _Job, candidates: int = -1) -> None:
-        end = trio.current_time()
+        end = self.clock.now()
         if candidates >= 0:
             self.metrics.candidates.observe((), candidates)
         latency = end - job.started
@@ -979,8 +1016,15 @@ class Ingress:
             name, job.model, job.prompt_tokens, job.completion_tokens, error=status >= 400
         )
         if self.request_log is not None:
+            max_tokens: int | None = None
+            temperature: float | None = None
+            doc = job.doc
+            if doc is not None:
+                max_tokens = _opt_int(doc.get("max_tokens") or doc.get("max_completion_tokens"))
+                value = doc.get("temperature")
+                if isinstance(value, int | float) and not isinstance(value, bool):
+                    temperature = float(value)
             # A tuple in TraceRecord's field order: the record is built in the flush thread.
-            extra = job.extra
             self.request_log.append(
                 (
                     self.wall_clock() - latency,
@@ -993,8 +1037,8 @@ class Ingress:
                     job.served_by,
                     name,
                     job.stream,
-                    extra.get("max_tokens"),
-                    extra.get("temperature"),
+                    max_tokens,
+                    temperature,
                 )
             )
 
@@ -1064,6 +1108,13 @@ def _frame(pieces: list[bytes], chunked: bool) -> bytes:
             out.append(piece)
             out.append(b"\r\n")
     return b"".join(out)
+
+
+def _route_of(routes: list[Route], sid: str) -> Route:
+    for route in routes:
+        if route.info.session_id == sid:
+            return route
+    raise KeyError(sid)  # a policy ranks only the candidates it was given
 
 
 def _bearer(value: bytes | None) -> str:

@@ -110,19 +110,49 @@ class LoadSnapshot:
     at: float  # the reporting node's wall-clock time of the report
 
 
-@dataclass(slots=True)
+# Candidate and RouteRequest are made once per request (Candidate once per eligible node): plain
+# classes, not dataclasses, because the compiled data plane (fabricnode/native.py) runs a plain
+# class's __init__ natively while a dataclass's generated __init__ stays interpreted.
+
+
 class Candidate:
-    node: NodeInfo
-    load: LoadSnapshot | None
-    local_inflight: int  # requests THIS ingress currently has in flight to that node
+    """One eligible node for one request, with what the policies score it by."""
+
+    __slots__ = ("load", "local_inflight", "node")
+
+    def __init__(self, node: NodeInfo, load: LoadSnapshot | None, local_inflight: int) -> None:
+        self.node = node
+        self.load = load
+        self.local_inflight = local_inflight  # requests THIS ingress has in flight to the node
+
+    def __repr__(self) -> str:
+        return f"Candidate({self.node.session_id!r}, {self.load!r}, {self.local_inflight})"
 
 
-@dataclass(frozen=True, slots=True)
 class RouteRequest:
-    model: str
-    prefix_blocks: tuple[int, ...]  # cumulative block hashes of the prompt (``prompt_blocks``)
-    session_key: str | None  # sticky-session key (X-Session-ID, or the body's "user")
-    prompt_tokens_est: int
+    """What the policies know of a request."""
+
+    __slots__ = ("model", "prefix_blocks", "prompt_tokens_est", "session_key")
+
+    def __init__(
+        self,
+        model: str,
+        prefix_blocks: tuple[int, ...],
+        session_key: str | None,
+        prompt_tokens_est: int,
+    ) -> None:
+        self.model = model
+        # Cumulative block hashes of the prompt (``prompt_blocks``).
+        self.prefix_blocks = prefix_blocks
+        # Sticky-session key (X-Session-ID, or the body's "user").
+        self.session_key = session_key
+        self.prompt_tokens_est = prompt_tokens_est
+
+    def __repr__(self) -> str:
+        return (
+            f"RouteRequest({self.model!r}, {len(self.prefix_blocks)} blocks, "
+            f"{self.session_key!r}, {self.prompt_tokens_est})"
+        )
 
 
 # -- configuration ------------------------------------------------------------------------------

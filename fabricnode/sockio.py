@@ -27,10 +27,42 @@ import errno
 import math
 import socket
 from collections.abc import Callable
+from time import perf_counter
 
 import trio
 
 RECV_BYTES = 256 * 1024
+
+
+class LoopClock:
+    """trio's current time, read in one C call when trio runs on its system clock.
+
+    ``trio.current_time()`` is three interpreted calls deep (run context, runner, clock), and
+    the data plane reads the time several times per request. trio's ``SystemClock`` is
+    ``offset + perf_counter()`` with a random offset fixed for the run: ``bind`` reads the
+    offset once, inside the run, and ``now`` is then that sum. Any other clock (``MockClock``
+    in tests), or an unbound LoopClock, is asked through ``trio.current_time()`` as usual.
+    """
+
+    __slots__ = ("_direct", "_offset")
+
+    def __init__(self) -> None:
+        self._direct = False
+        self._offset = 0.0
+
+    def bind(self) -> None:
+        """Follow the clock of the trio run we are in (call inside it)."""
+        clock = trio.lowlevel.current_clock()
+        offset = getattr(clock, "offset", None)
+        # Checked by name: trio does not export SystemClock. Its current_time is exactly
+        # ``self.offset + perf_counter()``, which test_sockio holds it to.
+        self._direct = type(clock).__name__ == "SystemClock" and isinstance(offset, float)
+        self._offset = offset if isinstance(offset, float) else 0.0
+
+    def now(self) -> float:
+        if self._direct:
+            return self._offset + perf_counter()
+        return trio.current_time()
 
 
 class SocketClosed(Exception):
@@ -188,6 +220,7 @@ class Watchdog:
 
     def __init__(self, interval_s: float = 0.5) -> None:
         self.interval_s = interval_s
+        self.clock = LoopClock()
         self.watched: set[Watched] = set()
         self.expired_total = 0
 
@@ -202,7 +235,7 @@ class Watchdog:
         task_status.started()
         while True:
             await trio.sleep(self.interval_s)
-            now = trio.current_time()
+            now = self.clock.now()
             for w in list(self.watched):
                 if w.deadline <= now:
                     self.expire(w, "timeout")

@@ -23,6 +23,7 @@ import trio
 
 from fabricnode.http1 import ResponseParser
 from fabricnode.sockio import (
+    LoopClock,
     SocketClosed,
     Watchdog,
     Watched,
@@ -54,7 +55,9 @@ class UpstreamPool:
         max_idle_per_origin: int = 256,
         max_idle_s: float = 4.0,
         trust_recent_s: float = 0.5,
+        clock: LoopClock | None = None,
     ) -> None:
+        self.clock = clock if clock is not None else LoopClock()
         self.max_idle_per_origin = max_idle_per_origin
         self.max_idle_s = max_idle_s
         self.trust_recent_s = trust_recent_s
@@ -74,7 +77,7 @@ class UpstreamPool:
         if not idle:
             return None
         if now is None:
-            now = trio.current_time()
+            now = self.clock.now()
         oldest_ok = now - self.max_idle_s
         recent = now - self.trust_recent_s
         while idle:
@@ -99,7 +102,7 @@ class UpstreamPool:
         if len(idle) >= self.max_idle_per_origin:
             sock.close()
             return
-        idle.append((sock, trio.current_time()))
+        idle.append((sock, self.clock.now()))
 
     def parser(self, on_body: Callable[[bytes], None]) -> ResponseParser:
         """A response parser (a spare one when there is one)."""
@@ -174,6 +177,11 @@ class Exchange:
         return self._parser.content_length
 
     @property
+    def end_to_end(self) -> bytes:
+        """The response's header lines a proxy passes on (``ResponseParser.end_to_end``)."""
+        return self._parser.end_to_end
+
+    @property
     def content_type(self) -> bytes:
         """The first Content-Type header's value (b"" if none)."""
         return self._parser.content_type
@@ -196,7 +204,7 @@ class Exchange:
         ``now`` (trio time, read by the caller a moment ago) saves reading the clock again.
         """
         if now is None:
-            now = trio.current_time()
+            now = self.pool.clock.now()
         sock = self.pool.take_idle(self.origin, now)
         reused = sock is not None
         parser = self._parser
@@ -244,7 +252,7 @@ class Exchange:
                 # A reused connection the server had closed: retry once on a fresh one (only
                 # reused connections raise this, so the retry cannot loop).
                 self._drop()
-                sock, reused, now = None, False, trio.current_time()
+                sock, reused, now = None, False, self.pool.clock.now()
                 continue
             except BaseException:
                 self._drop()
@@ -274,7 +282,7 @@ class Exchange:
         """Read and parse more of the body (``BrokenResponse`` if the connection broke)."""
         sock, watch = self.sock, self.watch
         assert sock is not None and watch is not None
-        watch.deadline = trio.current_time() + idle_timeout_s
+        watch.deadline = self.pool.clock.now() + idle_timeout_s
         try:
             # Read at once while the body comes back to back; once a read found nothing (an
             # engine streaming tokens), wait for readiness first: the next piece is not there.
