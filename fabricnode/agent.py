@@ -391,7 +391,7 @@ class Agent:
             if self.api_keys is not None:
                 nursery.start_soon(self._reload_api_keys, self.api_keys)
             if request_log is not None:
-                nursery.start_soon(self._flush_request_log, request_log)
+                nursery.start_soon(self._flush_request_log, ingress, request_log)
             if self.engine is not None:
                 await nursery.start(self.engine.run)
             else:
@@ -431,6 +431,7 @@ class Agent:
                 await self._ingress_done.wait()
                 await admin_done.wait()
             if request_log is not None:
+                ingress.settle()
                 await trio.to_thread.run_sync(request_log.flush)
             nursery.cancel_scope.cancel()
         log.info("left the mesh")
@@ -450,9 +451,10 @@ class Agent:
             if await trio.to_thread.run_sync(store.maybe_reload):
                 log.info("API keys reloaded from %s", store.path)
 
-    async def _flush_request_log(self, request_log: RequestLog) -> None:
+    async def _flush_request_log(self, ingress: Ingress, request_log: RequestLog) -> None:
         while True:
             await trio.sleep(self.config.request_log_flush_s)
+            ingress.settle()  # every request answered so far is in the log
             await trio.to_thread.run_sync(request_log.flush)
 
     async def _await_assignment(

@@ -38,6 +38,7 @@ import logging
 import math
 import random
 import socket
+from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -91,6 +92,9 @@ RETRYABLE_STATUS = (502, 503, 504)
 FORWARDED_REQUEST_HEADERS = (b"accept", b"x-request-id", b"openai-organization")
 JSON = b"application/json"
 SSE = b"text/event-stream"
+# Answered requests whose bookkeeping waits (see Ingress.settle): how many, and how long.
+MAX_UNSETTLED = 256
+SETTLE_INTERVAL_S = 0.5
 
 AsgiApp = Callable[[Mapping[str, Any], Any, Any], Awaitable[None]]
 
@@ -130,9 +134,11 @@ class _Job:
 
     __slots__ = (
         "body",
+        "candidates",
         "close",
         "completion_tokens",
         "doc",
+        "ended",
         "headers",
         "http10",
         "key",
@@ -140,6 +146,8 @@ class _Job:
         "model",
         "path",
         "prompt_tokens",
+        "response",
+        "response_sse",
         "served_by",
         "started",
         "status",
@@ -176,6 +184,12 @@ class _Job:
         self.ttft_s: float | None = None
         self.prompt_tokens = 0
         self.completion_tokens = 0
+        # Set when the answer is out; the rest of the bookkeeping waits for ``Ingress.settle``.
+        self.ended = 0.0
+        self.candidates = -1  # eligible nodes for the first attempt (-1: not routed)
+        # A whole response body whose usage is read at settling (None: nothing to read).
+        self.response: list[bytes] | None = None
+        self.response_sse = False
 
 
 class ClientGone(Exception):
@@ -205,12 +219,14 @@ class Ingress:
         self.rate_limiter = RateLimiter()
         self.request_log = request_log
         self.ledger = UsageLedger()
+        self._finished: deque[_Job] = deque()  # answered, not yet settled (see settle)
         self.table = RouteTable(core, wall_clock)
         self.policy = routing.make_policy(cfg.policy, rng=rng or random.Random())
         self.breaker = CircuitBreaker(base_s=cfg.eject_base_s, max_s=cfg.eject_max_s)
         # Bound to the trio run's clock when serving starts (see LoopClock).
         self.clock = LoopClock()
         self.pool = UpstreamPool(clock=self.clock)
+        self.pool.while_waiting = self.settle
         self.watchdog = Watchdog(cfg.watchdog_interval_s)
         self.watchdog.clock = self.clock
         self.forwards = ForwardVerifier(core.keyring, max_skew_s=cfg.forward_max_skew_s)
@@ -249,6 +265,7 @@ class Ingress:
         )
 
     def render_metrics(self) -> bytes:
+        self.settle()
         m = self.metrics
         m.inflight.labels("ingress").set(sum(self.remote_inflight.values()))
         m.inflight.labels("local").set(self.local_inflight)
@@ -271,6 +288,7 @@ class Ingress:
         sock.listen(1024)
         async with trio.open_nursery() as nursery:
             await nursery.start(self.watchdog.run)
+            nursery.start_soon(self._settle_loop)
             async with trio.open_nursery() as conn_nursery:
                 accept_scope = trio.CancelScope()
                 conn_nursery.start_soon(self._accept_loop, sock, conn_nursery, accept_scope)
@@ -288,6 +306,7 @@ class Ingress:
                         await trio.sleep(0.05)
                 conn_nursery.cancel_scope.cancel()
             self.pool.close_all()
+            self.settle()
             nursery.cancel_scope.cancel()
 
     async def _accept_loop(
@@ -829,8 +848,9 @@ class Ingress:
                 sent = _send_now(conn, out)
                 if sent < len(out):
                     await _send_rest(conn, out, sent, cfg.stream_idle_timeout_s)
-                # Bookkeeping after the answer is out, not on the client's path to it.
-                self._count_tokens(job, pieces, ex.content_type.startswith(SSE))
+                # Usage is read when the request is settled, off the client's path.
+                job.response = pieces
+                job.response_sse = ex.content_type.startswith(SSE)
                 return None
             finally:
                 ex.finish()
@@ -954,7 +974,7 @@ class Ingress:
             prompt, completion = usage.result()
             job.prompt_tokens, job.completion_tokens = prompt or 0, completion
         elif collected is not None:
-            self._count_tokens(job, collected, False)
+            job.response = collected
 
     # == forwarded requests (we are the serving node) ========================================
 
@@ -1002,10 +1022,43 @@ class Ingress:
     # == accounting ==========================================================================
 
     def _account(self, job: _Job, candidates: int = -1) -> None:
-        end = self.clock.now()
-        if candidates >= 0:
-            self.metrics.candidates.observe((), candidates)
-        latency = end - job.started
+        """The request is answered: note when, and leave the rest to ``settle``."""
+        job.ended = self.clock.now()
+        job.candidates = candidates
+        finished = self._finished
+        finished.append(job)
+        if len(finished) >= MAX_UNSETTLED:
+            self.settle()
+
+    def settle(self) -> None:
+        """The bookkeeping of every request answered since the last call: metrics, usage (read
+        from the response), the ledger and the request log.
+
+        Deferred from the answer, which would otherwise hold up the client's next request on
+        its connection, to moments the data plane would spend waiting anyway: just after a
+        request went to its engine, while the engine works on it (``UpstreamPool.while_waiting``).
+        Also before anything reads what it updates (``render_metrics``, the request log's
+        flush), every ``SETTLE_INTERVAL_S`` while no request comes, and at most
+        ``MAX_UNSETTLED`` requests late.
+        """
+        finished = self._finished
+        if not finished:
+            return
+        wall_offset = self.wall_clock() - self.clock.now()
+        while finished:
+            job = finished.popleft()
+            try:
+                self._settle_one(job, wall_offset)
+            except Exception:  # one request's bookkeeping must not fail the one that runs it
+                log.exception("bookkeeping of an answered request failed")
+
+    def _settle_one(self, job: _Job, wall_offset: float) -> None:
+        if job.response is not None:
+            self._count_tokens(job, job.response, job.response_sse)
+            job.response = None
+        if job.candidates >= 0:
+            self.metrics.candidates.observe((), job.candidates)
+        latency = job.ended - job.started
         status = job.status or 499
         self.metrics.done(job.model, status, latency)
         if job.ttft_s is not None:
@@ -1022,12 +1075,12 @@ class Ingress:
             if doc is not None:
                 max_tokens = _opt_int(doc.get("max_tokens") or doc.get("max_completion_tokens"))
                 value = doc.get("temperature")
-                if isinstance(value, int | float) and not isinstance(value, bool):
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
                     temperature = float(value)
             # A tuple in TraceRecord's field order: the record is built in the flush thread.
             self.request_log.append(
                 (
-                    self.wall_clock() - latency,
+                    job.started + wall_offset,
                     job.model,
                     job.prompt_tokens or None,
                     job.completion_tokens if status == 200 else None,
@@ -1041,6 +1094,11 @@ class Ingress:
                     temperature,
                 )
             )
+
+    async def _settle_loop(self) -> None:
+        while True:
+            await trio.sleep(SETTLE_INTERVAL_S)
+            self.settle()
 
 
 # == helpers =================================================================================

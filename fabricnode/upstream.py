@@ -58,6 +58,9 @@ class UpstreamPool:
         clock: LoopClock | None = None,
     ) -> None:
         self.clock = clock if clock is not None else LoopClock()
+        # Work to do while a sent request is being answered (the owner's deferred bookkeeping):
+        # the engine is busy with the request then, and this task would only wait.
+        self.while_waiting: Callable[[], None] | None = None
         self.max_idle_per_origin = max_idle_per_origin
         self.max_idle_s = max_idle_s
         self.trust_recent_s = trust_recent_s
@@ -221,6 +224,9 @@ class Exchange:
                     sent = try_send(sock, request)
                     if sent < len(request):
                         await send_all(sock, memoryview(request)[sent:])
+                    idle_work = self.pool.while_waiting
+                    if idle_work is not None:
+                        idle_work()
                     # The answer cannot be there yet: wait for it rather than try a read that
                     # would fail (a system call and an exception).
                     await trio.lowlevel.wait_readable(sock)

@@ -244,3 +244,43 @@ def test_metrics_count_requests_and_the_request_log_has_no_prompt_text(fab: Mesh
     mine = next(r for r in records() if r["O"] == 2)
     assert mine["M"] == "m1" and mine["key"] == "alice" and mine["status"] == 200
     assert mine["node"] in (fab.a.session_id, fab.b.session_id)
+
+
+def _tokens(text: str, kind: str) -> float:
+    name = f'fabric_ingress_tokens_total{{kind="{kind}",model="m1"}}'
+    for line in text.splitlines():
+        if line.startswith(name):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_bookkeeping_is_settled_before_it_is_read(fab: Mesh) -> None:
+    """Usage, metrics and the request log are kept off the client's path (Ingress.settle), but
+    whoever reads them right after an answer sees it counted, with its own start time."""
+    before_text = httpx.get(fab.c.http_url + "/metrics").text
+    started = time.time()
+    reply = fab.client().chat.completions.create(
+        model="m1", messages=[{"role": "user", "content": "count me"}], max_tokens=3
+    )
+    answered = time.time()
+    assert reply.usage is not None
+    # Read at once: no other request has come through since, and no timer had to fire.
+    after_text = httpx.get(fab.c.http_url + "/metrics").text
+    gained = _tokens(after_text, "completion") - _tokens(before_text, "completion")
+    assert gained == reply.usage.completion_tokens == 3
+    prompt_gained = _tokens(after_text, "prompt") - _tokens(before_text, "prompt")
+    assert prompt_gained == reply.usage.prompt_tokens
+
+    def mine() -> dict[str, object] | None:
+        if not fab.request_log.exists():
+            return None
+        for line in fab.request_log.read_text().splitlines():
+            record = json.loads(line)
+            if record["O"] == 3 and started - 0.5 <= record["T"] <= answered:
+                return record
+        return None
+
+    assert wait_until(lambda: mine() is not None, 5)
+    record = mine()
+    assert record is not None and record["I"] == reply.usage.prompt_tokens
+    assert 0 < float(record["latency_s"]) <= answered - started  # type: ignore[arg-type]
