@@ -8,6 +8,10 @@ Targets (all in front of ONE fake backend process: ``bench/fake_backend.py``, or
   vllm-router   the Rust router from PyPI (policy round_robin), in its own venv (bench/_venvs.py)
   litellm       ``litellm[proxy]`` from PyPI, the backend as an ``openai/`` model, no telemetry,
                 no database, no UI
+  trio-floor    ``bench/trio_floor.py``: the least a trio + httptools relay does per request (one
+                upstream connection per client connection, bytes passed on whole; no routing,
+                filters, timeouts, metrics or accounting): what the design's event loop and
+                parser cost on their own, the floor under the fabric targets
   fabric-1hop   one ``fabric start`` agent supervising the backend as its engine child; the
                 client talks to that agent's ``/v1`` (ingress = serving node)
   fabric-2hop   a second agent without an engine in the same mesh is the ingress:

@@ -190,3 +190,36 @@ async def test_a_body_with_gaps_is_read_piece_by_piece_as_it_arrives() -> None:
                 await ex.read_more(5)
         ex.finish()
         nursery.cancel_scope.cancel()
+
+
+async def test_while_waiting_runs_once_the_request_is_sent_and_before_the_answer() -> None:
+    """The owner's deferred work (Ingress.settle) runs in the wait for the engine's answer: the
+    server here answers only after that work ran, so calling it before the request went out,
+    or after the answer came, or not at all, would hang the exchange."""
+    ran = trio.Event()
+    calls: list[int] = []
+
+    async def handle(stream: trio.SocketStream) -> None:
+        async with stream:
+            data = b""
+            while not data.endswith(b"{}"):
+                data += await stream.receive_some()
+            await ran.wait()
+            await stream.send_all(ANSWER)
+
+    def idle_work() -> None:
+        calls.append(1)
+        ran.set()
+
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+            nursery.start_soon(trio.serve_listeners, handle, listeners)
+            origin = listeners[0].socket.getsockname()[:2]
+            pool = UpstreamPool()
+            pool.while_waiting = idle_work
+            watchdog = Watchdog(0.05)
+            nursery.start_soon(watchdog.run)
+            assert await exchange(pool, watchdog, origin) == b"ok"
+            assert calls == [1]
+            nursery.cancel_scope.cancel()
