@@ -1,9 +1,13 @@
-"""Helpers for tests that watch real agents: free ports and an agent's view of an entry."""
+"""Helpers for tests that watch real agents: free ports, an agent's view of an entry, its
+/metrics as numbers."""
 
 from __future__ import annotations
 
+import re
 import socket
 from typing import Any
+
+import httpx
 
 from fabricnode.client import AdminClient
 from fabricnode.errors import AgentApiError
@@ -47,3 +51,12 @@ def entry(watcher: AgentProcess, sid: str) -> dict[str, Any] | None:
 def state_is(watcher: AgentProcess, sid: str, state: str) -> bool:
     e = entry(watcher, sid)
     return e is not None and e["state"] == state
+
+
+METRIC = re.compile(r"^([a-zA-Z_:][\w:]*(?:\{[^}]*\})?) (\S+)$", re.MULTILINE)
+
+
+def metrics(url: str) -> dict[str, float]:
+    """An agent's (or engine's) /metrics: each series, with its labels as written, to its value."""
+    text = httpx.get(f"{url}/metrics", timeout=2.0).text
+    return {name: float(value) for name, value in METRIC.findall(text)}

@@ -27,6 +27,7 @@ import pytest
 import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from meshview import metrics
 
 from fabricnode.identity import Identity
 from fabricnode.ingress import Ingress
@@ -243,14 +244,6 @@ def sse_events(body: bytes) -> list[str]:
     events = [e for e in body.decode().split("\n\n") if e]
     assert all(e.startswith("data: ") for e in events), events
     return [e.removeprefix("data: ") for e in events]
-
-
-METRIC = re.compile(r"^([a-zA-Z_:][\w:]*(?:\{[^}]*\})?) (\S+)$", re.MULTILINE)
-
-
-def metrics(url: str) -> dict[str, float]:
-    text = httpx.get(f"{url}/metrics", timeout=2.0).text
-    return {name: float(value) for name, value in METRIC.findall(text)}
 
 
 # == conformance: h11 as the client ==========================================================

@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from meshview import metrics
 
 from fabricnode.apikeys import ApiKeyStore
 from fabricnode.identity import ProviderKey
@@ -246,18 +247,12 @@ def test_metrics_count_requests_and_the_request_log_has_no_prompt_text(fab: Mesh
     assert mine["node"] in (fab.a.session_id, fab.b.session_id)
 
 
-def _tokens(text: str, kind: str) -> float:
-    name = f'fabric_ingress_tokens_total{{kind="{kind}",model="m1"}}'
-    for line in text.splitlines():
-        if line.startswith(name):
-            return float(line.split()[-1])
-    return 0.0
-
-
 def test_bookkeeping_is_settled_before_it_is_read(fab: Mesh) -> None:
     """Usage, metrics and the request log are kept off the client's path (Ingress.settle), but
     whoever reads them right after an answer sees it counted, with its own start time."""
-    before_text = httpx.get(fab.c.http_url + "/metrics").text
+    completion = 'fabric_ingress_tokens_total{kind="completion",model="m1"}'
+    prompt = 'fabric_ingress_tokens_total{kind="prompt",model="m1"}'
+    before = metrics(fab.c.http_url)
     started = time.time()
     reply = fab.client().chat.completions.create(
         model="m1", messages=[{"role": "user", "content": "count me"}], max_tokens=3
@@ -265,11 +260,9 @@ def test_bookkeeping_is_settled_before_it_is_read(fab: Mesh) -> None:
     answered = time.time()
     assert reply.usage is not None
     # Read at once: no other request has come through since, and no timer had to fire.
-    after_text = httpx.get(fab.c.http_url + "/metrics").text
-    gained = _tokens(after_text, "completion") - _tokens(before_text, "completion")
-    assert gained == reply.usage.completion_tokens == 3
-    prompt_gained = _tokens(after_text, "prompt") - _tokens(before_text, "prompt")
-    assert prompt_gained == reply.usage.prompt_tokens
+    after = metrics(fab.c.http_url)
+    assert after[completion] - before.get(completion, 0) == reply.usage.completion_tokens == 3
+    assert after[prompt] - before.get(prompt, 0) == reply.usage.prompt_tokens
 
     def mine() -> dict[str, object] | None:
         if not fab.request_log.exists():
