@@ -168,10 +168,6 @@ class Exchange:
         return self._parser.status
 
     @property
-    def headers(self) -> list[tuple[bytes, bytes]]:
-        return self._parser.headers
-
-    @property
     def chunked(self) -> bool:
         return self._parser.chunked
 
