@@ -69,13 +69,11 @@ from fabricnode.registry import State
 from fabricnode.routetable import CircuitBreaker, Origin, Route, RouteTable
 from fabricnode.sockio import (
     LoopClock,
+    Reactor,
     SocketClosed,
     Watchdog,
     Watched,
     close,
-    recv_some,
-    send_all,
-    try_recv,
     try_send,
 )
 from fabricnode.upstream import BrokenResponse, Exchange, UpstreamError, UpstreamPool
@@ -117,11 +115,12 @@ class IngressStatistics:
 class _Conn:
     """One client connection."""
 
-    __slots__ = ("closing", "sock", "watch")
+    __slots__ = ("closing", "reactor", "sock", "watch")
 
-    def __init__(self, sock: socket.socket, watch: Watched) -> None:
+    def __init__(self, sock: socket.socket, watch: Watched, reactor: Reactor) -> None:
         self.sock = sock
         self.watch = watch
+        self.reactor = reactor  # the one its socket is registered with
         self.closing = False
 
 
@@ -225,9 +224,11 @@ class Ingress:
         self.breaker = CircuitBreaker(base_s=cfg.eject_base_s, max_s=cfg.eject_max_s)
         # Bound to the trio run's clock when serving starts (see LoopClock).
         self.clock = LoopClock()
-        self.pool = UpstreamPool(clock=self.clock)
+        # Every data-plane socket (clients, upstreams) waits through this one reactor.
+        self.reactor = Reactor()
+        self.pool = UpstreamPool(clock=self.clock, reactor=self.reactor)
         self.pool.while_waiting = self.settle
-        self.watchdog = Watchdog(cfg.watchdog_interval_s)
+        self.watchdog = Watchdog(cfg.watchdog_interval_s, self.reactor)
         self.watchdog.clock = self.clock
         self.forwards = ForwardVerifier(core.keyring, max_skew_s=cfg.forward_max_skew_s)
         self.metrics = IngressMetrics()
@@ -287,6 +288,7 @@ class Ingress:
         sock.setblocking(False)
         sock.listen(1024)
         async with trio.open_nursery() as nursery:
+            await nursery.start(self.reactor.run)
             await nursery.start(self.watchdog.run)
             nursery.start_soon(self._settle_loop)
             async with trio.open_nursery() as conn_nursery:
@@ -300,7 +302,7 @@ class Ingress:
                 for conn in list(self._conns):
                     conn.closing = True  # finish the current request, then close
                     if conn.watch.deadline != math.inf:  # idle between requests: close now
-                        close(conn.sock)
+                        self.reactor.close(conn.sock)
                 with trio.move_on_after(grace_s):
                     while self._conns:
                         await trio.sleep(0.05)
@@ -328,12 +330,13 @@ class Ingress:
                     continue
                 client.setblocking(False)
                 client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                self.reactor.register(client)
                 nursery.start_soon(self._connection, client)
 
     async def _connection(self, sock: socket.socket) -> None:
         cfg = self.config
         watch = Watched(sock, self.clock.now() + cfg.keepalive_timeout_s)
-        conn = _Conn(sock, watch)
+        conn = _Conn(sock, watch, self.reactor)
         self._conns.add(conn)
         self.watchdog.watched.add(watch)
         self.connections += 1
@@ -342,6 +345,7 @@ class Ingress:
             max_headers=cfg.max_headers,
             max_body_bytes=cfg.max_body_bytes,
         )
+        reactor = self.reactor
         sent_continue = False
         answered = False  # a response just went out: the client's next bytes are not here yet
         try:
@@ -366,7 +370,7 @@ class Ingress:
                 if parser.head_complete and not sent_continue:
                     pending = parser.pending
                     if pending is not None and pending.expect_continue:
-                        await send_all(sock, CONTINUE_RESPONSE)
+                        await reactor.send_all(sock, CONTINUE_RESPONSE)
                     sent_continue = True
                 data: bytes | None = None
                 if answered and not parser.mid_request:
@@ -374,12 +378,12 @@ class Ingress:
                     # answer: wait for it instead of trying a read that would fail.
                     answered = False
                     try:
-                        await trio.lowlevel.wait_readable(sock)
+                        await reactor.wait_readable(sock)
                     except (trio.ClosedResourceError, OSError):
                         break  # closed by the watchdog (keep-alive timeout) or at shutdown
-                    data = try_recv(sock)
+                    data = reactor.try_recv(sock)
                 if data is None:
-                    data = await recv_some(sock)
+                    data = await reactor.recv_some(sock)
                 if not data:
                     break  # the client closed (or half-closed: we cannot answer a request it
                     # did not finish sending; a complete one was already queued and answered)
@@ -395,7 +399,7 @@ class Ingress:
             self.watchdog.watched.discard(watch)
             self._conns.discard(conn)
             self.connections -= 1
-            close(sock)
+            reactor.close(sock)
 
     async def _send_error(
         self,
@@ -408,7 +412,7 @@ class Ingress:
         extra: list[tuple[bytes, bytes]] | None = None,
         head_only: bool = False,
     ) -> None:
-        await send_all(
+        await self.reactor.send_all(
             conn.sock,
             full_response(
                 status,
@@ -456,7 +460,7 @@ class Ingress:
         kept = [(n, v) for n, v in headers if n.lower() not in HOP_RESPONSE_HEADERS]
         kept.append((b"content-length", b"%d" % len(body)))
         head = build_head(status, kept)
-        await send_all(conn.sock, head if req.method == b"HEAD" else head + body)
+        await self.reactor.send_all(conn.sock, head if req.method == b"HEAD" else head + body)
         return True
 
     def _handle_v1(self, conn: _Conn, req: Request, path: bytes) -> Coroutine[Any, Any, bool]:
@@ -475,7 +479,7 @@ class Ingress:
         return self._method_not_allowed(conn, b"POST")
 
     async def _answer(self, conn: _Conn, body: bytes, *, head_only: bool) -> bool:
-        await send_all(conn.sock, full_response(200, body, head_only=head_only))
+        await self.reactor.send_all(conn.sock, full_response(200, body, head_only=head_only))
         return True
 
     async def _answer_error(self, conn: _Conn, status: int, message: str, code: str) -> bool:
@@ -1143,7 +1147,7 @@ async def _send_rest(conn: _Conn, data: bytes, sent: int, idle_s: float) -> None
     watch = conn.watch
     watch.deadline = trio.current_time() + idle_s
     try:
-        await send_all(conn.sock, memoryview(data)[sent:])
+        await conn.reactor.send_all(conn.sock, memoryview(data)[sent:])
     except SocketClosed:
         raise ClientGone from None
     watch.deadline = math.inf

@@ -24,16 +24,12 @@ import trio
 from fabricnode.http1 import ResponseParser
 from fabricnode.sockio import (
     LoopClock,
+    Reactor,
     SocketClosed,
     Watchdog,
     Watched,
-    close,
     connect,
     peer_closed,
-    recv_later,
-    recv_some,
-    send_all,
-    try_recv,
     try_send,
 )
 
@@ -56,8 +52,11 @@ class UpstreamPool:
         max_idle_s: float = 4.0,
         trust_recent_s: float = 0.5,
         clock: LoopClock | None = None,
+        reactor: Reactor | None = None,
     ) -> None:
         self.clock = clock if clock is not None else LoopClock()
+        # Pooled connections are registered here once, when they connect.
+        self.reactor = reactor if reactor is not None else Reactor()
         # Work to do while a sent request is being answered (the owner's deferred bookkeeping):
         # the engine is busy with the request then, and this task would only wait.
         self.while_waiting: Callable[[], None] | None = None
@@ -92,18 +91,19 @@ class UpstreamPool:
                 self.reuses += 1
                 return sock
             self.stale_dropped += 1
-            sock.close()
+            self.reactor.close(sock)
         return None
 
     async def new_connection(self, origin: Origin) -> socket.socket:
         sock = await connect(origin[0], origin[1])
+        self.reactor.register(sock)
         self.connects += 1
         return sock
 
     def release(self, origin: Origin, sock: socket.socket) -> None:
         idle = self._idle.setdefault(origin, [])
         if len(idle) >= self.max_idle_per_origin:
-            sock.close()
+            self.reactor.close(sock)
             return
         idle.append((sock, self.clock.now()))
 
@@ -123,7 +123,7 @@ class UpstreamPool:
 
     def close_origin(self, origin: Origin) -> None:
         for sock, _ in self._idle.pop(origin, []):
-            sock.close()
+            self.reactor.close(sock)
 
     def close_all(self) -> None:
         for origin in list(self._idle):
@@ -207,6 +207,7 @@ class Exchange:
         sock = self.pool.take_idle(self.origin, now)
         reused = sock is not None
         parser = self._parser
+        reactor = self.pool.reactor
         # One coroutine for the whole hot path (no helper per attempt or per read): each level
         # of ``await`` costs twice per wait.
         while True:
@@ -219,17 +220,17 @@ class Exchange:
                 try:
                     sent = try_send(sock, request)
                     if sent < len(request):
-                        await send_all(sock, memoryview(request)[sent:])
+                        await reactor.send_all(sock, memoryview(request)[sent:])
                     idle_work = self.pool.while_waiting
                     if idle_work is not None:
                         idle_work()
                     # The answer cannot be there yet: wait for it rather than try a read that
                     # would fail (a system call and an exception).
-                    await trio.lowlevel.wait_readable(sock)
-                    data = try_recv(sock)
+                    await reactor.wait_readable(sock)
+                    data = reactor.try_recv(sock)
                     while True:
                         if data is None:
-                            data = await recv_some(sock)
+                            data = await reactor.recv_some(sock)
                         if not data:
                             if reused and not parser.headers and parser.status == 0:
                                 raise _Stale
@@ -288,10 +289,11 @@ class Exchange:
         try:
             # Read at once while the body comes back to back; once a read found nothing (an
             # engine streaming tokens), wait for readiness first: the next piece is not there.
-            data = None if self._gaps else try_recv(sock)
+            reactor = self.pool.reactor
+            data = None if self._gaps else reactor.try_recv(sock)
             if data is None:
                 self._gaps = True
-                data = await recv_later(sock)
+                data = await reactor.recv_later(sock)
         except SocketClosed as exc:
             raise BrokenResponse(watch.expired or str(exc)) from None
         if not data:
@@ -314,7 +316,7 @@ class Exchange:
             self.pool.release(self.origin, sock)
             self.pool.spare_parser(parser)
         else:
-            close(sock)
+            self.pool.reactor.close(sock)
 
     def _drop(self) -> None:
         sock, watch = self.sock, self.watch
@@ -322,7 +324,7 @@ class Exchange:
         if watch is not None:
             self.watchdog.watched.discard(watch)
         if sock is not None:
-            close(sock)
+            self.pool.reactor.close(sock)
 
 
 class _Stale(Exception):
