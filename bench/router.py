@@ -10,8 +10,9 @@ Targets (all in front of ONE fake backend process: ``bench/fake_backend.py``, or
                 no database, no UI
   trio-floor    ``bench/trio_floor.py``: the least a trio + httptools relay does per request (one
                 upstream connection per client connection, bytes passed on whole; no routing,
-                filters, timeouts, metrics or accounting): what the design's event loop and
-                parser cost on their own, the floor under the fabric targets
+                filters, timeouts, metrics or accounting; the data plane's reactor): what the
+                design's event loop, reactor and parser cost on their own, the floor under the
+                fabric targets
   fabric-1hop   one ``fabric start`` agent supervising the backend as its engine child; the
                 client talks to that agent's ``/v1`` (ingress = serving node)
   fabric-2hop   a second agent without an engine in the same mesh is the ingress:

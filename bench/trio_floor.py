@@ -2,9 +2,11 @@
 
 One task per client connection, one upstream connection per client connection, the request
 and the response framed by httptools and passed on whole: no routing, filters, metrics,
-accounting, timeouts or error handling. ``bench/router.py --targets trio-floor`` runs it in
-front of the same backend as the other routers, so the agent's figures can be read against
-what its event loop and parser cost on their own.
+accounting, timeouts or error handling. Sockets wait through the data plane's own reactor
+(``fabricnode.sockio.Reactor``, compiled when the native build is current), as the agent's
+do. ``bench/router.py --targets trio-floor`` runs it in front of the same backend as the other
+routers, so the agent's figures can be read against what its event loop, reactor and parser
+cost on their own.
 
 Usage: python bench/trio_floor.py --port PORT --upstream-port PORT
 """
@@ -17,7 +19,7 @@ import socket
 import httptools
 import trio
 
-RECV_BYTES = 256 * 1024
+from fabricnode.sockio import Reactor, SocketClosed
 
 
 class _Framing:
@@ -30,30 +32,23 @@ class _Framing:
         self.done = True
 
 
-async def _recv(sock: socket.socket) -> bytes:
-    await trio.lowlevel.wait_readable(sock)
-    return sock.recv(RECV_BYTES)
-
-
-async def _relay(client: socket.socket, upstream_port: int) -> None:
+async def _relay(reactor: Reactor, client: socket.socket, upstream_port: int) -> None:
     upstream = socket.create_connection(("127.0.0.1", upstream_port))
     upstream.setblocking(False)
     upstream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    reactor.register(upstream)
     request = _Framing()
     request_parser = httptools.HttpRequestParser(request)
     try:
         while True:
-            try:
-                data = await _recv(client)
-            except BlockingIOError:
-                continue
+            data = await reactor.recv_later(client)
             if not data:
                 return
             request.done = False
             request_parser.feed_data(data)
             pieces = [data]
             while not request.done:
-                data = await _recv(client)
+                data = await reactor.recv_later(client)
                 if not data:
                     return
                 request_parser.feed_data(data)
@@ -63,17 +58,17 @@ async def _relay(client: socket.socket, upstream_port: int) -> None:
             response_parser = httptools.HttpResponseParser(response)
             pieces = []
             while not response.done:
-                data = await _recv(upstream)
+                data = await reactor.recv_later(upstream)
                 if not data:
                     return
                 response_parser.feed_data(data)
                 pieces.append(data)
             client.sendall(b"".join(pieces))
-    except OSError:
+    except (OSError, SocketClosed):
         pass
     finally:
-        upstream.close()
-        client.close()
+        reactor.close(upstream)
+        reactor.close(client)
 
 
 async def serve(port: int, upstream_port: int) -> None:
@@ -82,7 +77,9 @@ async def serve(port: int, upstream_port: int) -> None:
     listener.bind(("127.0.0.1", port))
     listener.listen(1024)
     listener.setblocking(False)
+    reactor = Reactor()
     async with trio.open_nursery() as nursery:
+        await nursery.start(reactor.run)
         while True:
             await trio.lowlevel.wait_readable(listener)
             try:
@@ -91,7 +88,8 @@ async def serve(port: int, upstream_port: int) -> None:
                 continue
             client.setblocking(False)
             client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            nursery.start_soon(_relay, client, upstream_port)
+            reactor.register(client)
+            nursery.start_soon(_relay, reactor, client, upstream_port)
 
 
 def main() -> None:
