@@ -205,6 +205,11 @@ class IngressMetrics:
         self.connections = Gauge(
             "fabric_ingress_connections", "Open client connections", registry=r
         )
+        self.reactor_waits = Counter(
+            "fabric_ingress_reactor_waits",
+            "Socket waits the data plane batched through its reactor (it does under load)",
+            registry=r,
+        )
         self.malformed = Counter(
             "fabric_ingress_malformed",
             "Malformed or refused HTTP requests",

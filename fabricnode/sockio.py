@@ -12,12 +12,12 @@ Why a reactor of our own: ``trio.lowlevel.wait_readable`` re-arms a one-shot epo
 on every wait (an ``epoll_ctl`` system call) and runs trio's interpreted registration bookkeeping
 twice per wait, and the data plane waits twice per proxied request. ``Reactor`` registers each
 data-plane socket once, edge-triggered, in an epoll set of its own; one trio task waits for that
-set to become readable and wakes the tasks whose sockets are ready. Measured on the trio floor
-relay (bench/trio_floor.py against the same relay on a reactor, 2-core VM, c=32): 0.072-0.085 ->
-0.042-0.055 ms of CPU per request; at c=1 the latency did not get worse. Edge-triggered means
-"wake me when something new arrives", so a wait must follow a read that drained the socket:
-the reactor remembers an edge that came while nobody waited, and a read that filled its whole
-buffer (more may be queued), and such a wait returns at once (after a checkpoint).
+set to become readable and wakes the tasks whose sockets are ready. Measured with
+bench/router_ab.py (the agent before and after, c=32 JSON, alternating cells): 0.90x the agent's
+CPU per request, 1.11x its throughput. Edge-triggered means "wake me when something new
+arrives", so a wait must follow a read that drained the socket: the reactor remembers an edge
+that came while nobody waited, and a read that filled its whole buffer (more may be queued),
+and such a wait returns at once (after a checkpoint).
 
 System calls per proxied JSON request on a pooled upstream connection: ``recv`` client, ``send``
 upstream, ``recv`` upstream, ``send`` client, plus ``epoll_wait`` calls shared by every task ready
@@ -102,13 +102,23 @@ _WRITE_EVENTS = select.EPOLLOUT | select.EPOLLHUP | select.EPOLLERR
 _MAX_EVENTS = 1024
 
 
+class _Parked:
+    """How many tasks wait in a reactor (shared by the reactor and its registrations)."""
+
+    __slots__ = ("count",)
+
+    def __init__(self) -> None:
+        self.count = 0
+
+
 class _Registration:
     """One socket in a reactor: who waits on it, and what it may have that nobody waited for."""
 
-    __slots__ = ("fd", "readable", "reader", "want_out", "writable", "writer")
+    __slots__ = ("fd", "parked", "readable", "reader", "want_out", "writable", "writer")
 
-    def __init__(self, fd: int) -> None:
+    def __init__(self, fd: int, parked: _Parked) -> None:
         self.fd = fd
+        self.parked = parked
         self.reader: trio.lowlevel.Task | None = None
         self.writer: trio.lowlevel.Task | None = None
         # An edge that came while nobody waited, or a read that filled its whole buffer: the
@@ -119,10 +129,12 @@ class _Registration:
 
     def abort_read(self, raise_cancel: object) -> trio.lowlevel.Abort:
         self.reader = None
+        self.parked.count -= 1
         return trio.lowlevel.Abort.SUCCEEDED
 
     def abort_write(self, raise_cancel: object) -> trio.lowlevel.Abort:
         self.writer = None
+        self.parked.count -= 1
         return trio.lowlevel.Abort.SUCCEEDED
 
     def wake_closed(self) -> None:
@@ -130,8 +142,10 @@ class _Registration:
         reader, writer = self.reader, self.writer
         self.reader = self.writer = None
         if reader is not None:
+            self.parked.count -= 1
             trio.lowlevel.reschedule(reader, outcome.Error(trio.ClosedResourceError("closed")))
         if writer is not None:
+            self.parked.count -= 1
             trio.lowlevel.reschedule(writer, outcome.Error(trio.ClosedResourceError("closed")))
 
 
@@ -139,15 +153,27 @@ class Reactor:
     """Waits for the data plane's sockets (see the module docstring for why and how).
 
     ``register`` a socket once, right after accept or connect; wait and read through the
-    reactor's methods; close through ``close``. ``run`` is the task that delivers readiness:
-    until it runs (tests that drive an ``Exchange`` on its own), and for sockets never
-    registered, the waits fall back to trio's own ``wait_readable``/``wait_writable``.
+    reactor's methods; close through ``close``. ``run`` is the task that delivers readiness.
+
+    Batching pays only under load: with one request at a time, every wait through the reactor
+    is one trio wait (on the epoll set) plus a second task step to wake the waiter, where
+    trio's own wait is one (measured at c=1: +18% CPU per request, bench/router_ab.py). So the
+    owner sets ``batching`` while it is busy, and the waits go straight to trio's
+    ``wait_readable``/``wait_writable`` otherwise; sockets stay registered either way (edges
+    meanwhile only leave flags, which cost at most one empty ``recv`` later). The reactor's
+    task listens only while some task waits through it. Until ``run`` starts (tests that drive
+    an ``Exchange`` on its own), and for sockets never registered, waits use trio's.
     """
 
     def __init__(self) -> None:
         self._epoll = select.epoll()
         self._regs: dict[int, _Registration] = {}
+        self._parked = _Parked()
+        self._task: trio.lowlevel.Task | None = None  # run's task, when it idles
+        self._idle = False
         self.running = False
+        self.batching = True  # the owner turns it off while it is quiet (see above)
+        self.parks = 0  # waits that went through the reactor (statistics)
 
     def register(self, sock: socket.socket) -> None:
         fd = sock.fileno()
@@ -158,10 +184,15 @@ class Reactor:
         old = self._regs.get(fd)
         if old is not None:
             old.wake_closed()  # nobody can wait on a socket that was closed; to be sure
-        self._regs[fd] = _Registration(fd)
+        self._regs[fd] = _Registration(fd, self._parked)
 
     def registered(self, sock: socket.socket) -> bool:
         return sock.fileno() in self._regs
+
+    @property
+    def waiting(self) -> int:
+        """Tasks waiting through the reactor now."""
+        return self._parked.count
 
     def close(self, sock: socket.socket) -> None:
         """Close a socket a task may be waiting on (it wakes with ``ClosedResourceError``).
@@ -180,11 +211,19 @@ class Reactor:
         """Deliver readiness until cancelled (start it before any registered socket waits)."""
         epoll = self._epoll
         regs = self._regs
+        parked = self._parked
         reschedule = trio.lowlevel.reschedule
         self.running = True
         task_status.started()
         try:
             while True:
+                if parked.count == 0:
+                    # Nobody waits through us: stop listening (edges queue in the epoll set)
+                    # until a task parks and wakes us.
+                    self._task = trio.lowlevel.current_task()
+                    self._idle = True
+                    await trio.lowlevel.wait_task_rescheduled(self._abort_idle)
+                    continue
                 await trio.lowlevel.wait_readable(epoll.fileno())
                 while True:
                     events = epoll.poll(0, _MAX_EVENTS)
@@ -198,6 +237,7 @@ class Reactor:
                                 reg.readable = True
                             else:
                                 reg.reader = None
+                                parked.count -= 1
                                 reschedule(task)
                         if flags & _WRITE_EVENTS:
                             task = reg.writer
@@ -205,13 +245,29 @@ class Reactor:
                                 reg.writable = True
                             else:
                                 reg.writer = None
+                                parked.count -= 1
                                 reschedule(task)
                     if len(events) < _MAX_EVENTS:
                         break
         finally:
             self.running = False
+            self._idle = False
             for reg in regs.values():  # nobody would ever wake them now
                 reg.wake_closed()
+
+    def _abort_idle(self, raise_cancel: object) -> trio.lowlevel.Abort:
+        self._idle = False
+        return trio.lowlevel.Abort.SUCCEEDED
+
+    def _park(self) -> None:
+        """A task is about to wait through the reactor: wake the reactor if it idles."""
+        self._parked.count += 1
+        self.parks += 1
+        if self._idle:
+            self._idle = False
+            task = self._task
+            if task is not None:
+                trio.lowlevel.reschedule(task)
 
     async def wait_readable(self, sock: socket.socket, drained: bool = False) -> None:
         """Until ``sock`` may have something to read (``drained``: a read just found nothing).
@@ -219,7 +275,7 @@ class Reactor:
         Raises ``trio.ClosedResourceError`` when the socket is closed meanwhile.
         """
         reg = self._regs.get(sock.fileno())
-        if reg is None or not self.running:
+        if reg is None or not self.running or not self.batching:
             await trio.lowlevel.wait_readable(sock)
             return
         if drained:
@@ -231,12 +287,13 @@ class Reactor:
         if reg.reader is not None:
             raise trio.BusyResourceError("another task is already waiting to read this socket")
         reg.reader = trio.lowlevel.current_task()
+        self._park()
         await trio.lowlevel.wait_task_rescheduled(reg.abort_read)
 
     async def wait_writable(self, sock: socket.socket) -> None:
         """Until a send that found the buffer full may go on."""
         reg = self._regs.get(sock.fileno())
-        if reg is None or not self.running:
+        if reg is None or not self.running or not self.batching:
             await trio.lowlevel.wait_writable(sock)
             return
         reg.writable = False  # the send before this found no room
@@ -247,6 +304,7 @@ class Reactor:
         if reg.writer is not None:
             raise trio.BusyResourceError("another task is already waiting to write this socket")
         reg.writer = trio.lowlevel.current_task()
+        self._park()
         await trio.lowlevel.wait_task_rescheduled(reg.abort_write)
 
     def _maybe_more(self, sock: socket.socket) -> None:

@@ -17,6 +17,7 @@ import socket
 import struct
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -643,6 +644,55 @@ def test_many_connections_opened_and_dropped_do_not_hurt_the_agent(agents: Agent
     for sock in socks:
         sock.close()
     assert wait_until(lambda: metrics(agents.edge.http_url)["fabric_ingress_connections"] <= 1, 5)
+
+
+def test_overlapping_requests_through_both_hops_are_batched_and_answered_whole(
+    agents: Agents,
+) -> None:
+    """Many requests at once (pipelined pairs, streams and JSON): both agents wait through their
+    reactors (sockio.Reactor batches only under load), and every answer comes back whole."""
+
+    def waits() -> list[float]:
+        return [
+            metrics(a.http_url).get("fabric_ingress_reactor_waits_total", 0.0)
+            for a in (agents.edge, agents.serve)
+        ]
+
+    before = waits()
+
+    def client(i: int) -> list[tuple[int, bool, bytes]]:
+        answers = []
+        with connect(agents.edge) as sock:
+            reader = Reader(sock)
+            for turn in range(3):
+                # Two pipelined requests per turn: one streamed, one not.
+                stream_first = (i + turn) % 2 == 0
+                sock.sendall(
+                    http_request("POST", CHAT_PATH, chat_body(max_tokens=6, stream=stream_first))
+                    + http_request(
+                        "POST", CHAT_PATH, chat_body(max_tokens=6, stream=not stream_first)
+                    )
+                )
+                for stream in (stream_first, not stream_first):
+                    resp = reader.response()
+                    answers.append((resp.status, stream, resp.body))
+        return answers
+
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        results = [a for answers in pool.map(client, range(16)) for a in answers]
+    assert len(results) == 16 * 3 * 2
+    for status, stream, body in results:
+        assert status == 200, body[:200]
+        if stream:
+            events = [e for e in body.split(b"\n\n") if e.strip()]
+            assert events[-1] == b"data: [DONE]", body[-200:]
+            assert all(e.startswith(b"data: ") for e in events)
+            assert not any(b'"error"' in e for e in events)
+        else:
+            assert json.loads(body)["object"] == "chat.completion"
+    after = waits()
+    assert after[0] > before[0], "the ingress never batched a wait"
+    assert after[1] > before[1], "the serving agent never batched a wait"
 
 
 BASE_REQUESTS = [

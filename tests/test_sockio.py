@@ -89,11 +89,12 @@ async def test_a_waiting_reader_wakes_when_data_arrives() -> None:
         async def reader() -> None:
             got.append(await reactor.recv_later(b))
 
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(reader)
-            await trio.sleep(0.02)
-            assert not got
-            a.send(b"hello")
+        with trio.fail_after(2):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(reader)
+                await trio.sleep(0.02)
+                assert not got
+                a.send(b"hello")
         assert got == [b"hello"]
     a.close()
     b.close()
@@ -285,3 +286,57 @@ async def test_a_socket_number_reused_after_an_unseen_close_registers_again() ->
 async def _send_later(sock: socket.socket, data: bytes) -> None:
     await trio.sleep(0.02)
     sock.send(data)
+
+
+async def test_while_not_batching_waits_go_to_trio_and_the_reactor_stays_idle() -> None:
+    a, b = nonblocking_pair()
+    async with running_reactor() as reactor:
+        reactor.batching = False
+        reactor.register(b)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_send_later, a, b"direct")
+            with trio.fail_after(2):
+                assert await reactor.recv_later(b) == b"direct"
+        assert reactor.parks == 0 and reactor.waiting == 0
+    a.close()
+    b.close()
+
+
+async def test_an_edge_queued_while_the_reactor_idled_wakes_the_next_waiter() -> None:
+    a, b = nonblocking_pair()
+    async with running_reactor() as reactor:
+        reactor.register(b)
+        await trio.sleep(0.02)  # nobody waits: the reactor does not listen
+        a.send(b"queued")
+        await trio.sleep(0.02)
+        with trio.fail_after(2):
+            assert await reactor.recv_later(b) == b"queued"
+        assert reactor.waiting == 0
+    a.close()
+    b.close()
+
+
+async def test_the_count_of_waiting_tasks_follows_parks_wakes_aborts_and_closes() -> None:
+    pairs = [nonblocking_pair() for _ in range(3)]
+    async with running_reactor() as reactor:
+        for _, b in pairs:
+            reactor.register(b)
+        async with trio.open_nursery() as nursery:
+            for _, b in pairs:
+                nursery.start_soon(_recv_quietly, reactor, b)
+            await trio.sleep(0.02)
+            assert reactor.waiting == 3
+            pairs[0][0].send(b"x")  # woken by data
+            reactor.close(pairs[1][1])  # woken by close
+            await trio.sleep(0.02)
+            assert reactor.waiting == 1
+            nursery.cancel_scope.cancel()  # the last one aborted
+        assert reactor.waiting == 0
+    for a, b in pairs:
+        a.close()
+        b.close()
+
+
+async def _recv_quietly(reactor: Reactor, sock: socket.socket) -> None:
+    with contextlib.suppress(SocketClosed):
+        await reactor.recv_later(sock)
