@@ -12,16 +12,19 @@ Why a reactor of our own: ``trio.lowlevel.wait_readable`` re-arms a one-shot epo
 on every wait (an ``epoll_ctl`` system call) and runs trio's interpreted registration bookkeeping
 twice per wait, and the data plane waits twice per proxied request. ``Reactor`` registers each
 data-plane socket once, edge-triggered, in an epoll set of its own; one trio task waits for that
-set to become readable and wakes the tasks whose sockets are ready. Measured with
-bench/router_ab.py (the agent before and after, c=32 JSON, alternating cells): 0.90x the agent's
-CPU per request, 1.11x its throughput. Edge-triggered means "wake me when something new
-arrives", so a wait must follow a read that drained the socket: the reactor remembers an edge
-that came while nobody waited, and a read that filled its whole buffer (more may be queued),
-and such a wait returns at once (after a checkpoint).
+set to become readable and wakes the tasks whose sockets are ready. That pays under load, when
+one wakeup serves many sockets, and costs a second task step per wait when requests come one at
+a time, so the owner turns ``batching`` on only while requests overlap (see ``Reactor``).
+Measured with bench/router_ab.py against trio's waits: 0.92x the agent's CPU per request at c=32
+JSON (1.10x throughput), 0.90x at c=32 SSE, unchanged at c=1. Edge-triggered means "wake me
+when something new arrives", so a wait must follow a read that drained the socket: the reactor
+remembers an edge that came while nobody waited, and a read that filled its whole buffer (more
+may be queued), and such a wait returns at once (after a checkpoint).
 
-System calls per proxied JSON request on a pooled upstream connection: ``recv`` client, ``send``
-upstream, ``recv`` upstream, ``send`` client, plus ``epoll_wait`` calls shared by every task ready
-at the same time (two per request when idle, a few per hundred under load).
+System calls per proxied JSON request on a pooled upstream connection, batching: ``recv``
+client, ``send`` upstream, ``recv`` upstream, ``send`` client, plus ``epoll_wait`` calls shared by
+every task ready at the same time (a few per hundred requests under load); through trio's waits,
+one ``epoll_ctl`` more per wait.
 
 Timeouts cost nothing per request: a socket that has a deadline is registered with a
 ``Watchdog`` (a set insert), and one task wakes every ``interval_s`` to close the sockets whose
@@ -127,6 +130,26 @@ class _Registration:
         self.writable = False
         self.want_out = False  # EPOLLOUT is asked for (only once a send found the buffer full)
 
+    def readable_now(self) -> None:
+        """An edge for reading: wake the reader, or remember it for the next one."""
+        task = self.reader
+        if task is None:
+            self.readable = True
+        else:
+            self.reader = None
+            self.parked.count -= 1
+            trio.lowlevel.reschedule(task)
+
+    def writable_now(self) -> None:
+        """An edge for writing: wake the writer, or remember it for the next one."""
+        task = self.writer
+        if task is None:
+            self.writable = True
+        else:
+            self.writer = None
+            self.parked.count -= 1
+            trio.lowlevel.reschedule(task)
+
     def abort_read(self, raise_cancel: object) -> trio.lowlevel.Abort:
         self.reader = None
         self.parked.count -= 1
@@ -212,7 +235,6 @@ class Reactor:
         epoll = self._epoll
         regs = self._regs
         parked = self._parked
-        reschedule = trio.lowlevel.reschedule
         self.running = True
         task_status.started()
         try:
@@ -232,21 +254,9 @@ class Reactor:
                         if reg is None:
                             continue
                         if flags & _READ_EVENTS:
-                            task = reg.reader
-                            if task is None:
-                                reg.readable = True
-                            else:
-                                reg.reader = None
-                                parked.count -= 1
-                                reschedule(task)
+                            reg.readable_now()
                         if flags & _WRITE_EVENTS:
-                            task = reg.writer
-                            if task is None:
-                                reg.writable = True
-                            else:
-                                reg.writer = None
-                                parked.count -= 1
-                                reschedule(task)
+                            reg.writable_now()
                     if len(events) < _MAX_EVENTS:
                         break
         finally:

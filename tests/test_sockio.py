@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 
 import pytest
 import trio
@@ -102,14 +102,21 @@ async def test_a_waiting_reader_wakes_when_data_arrives() -> None:
 
 async def test_an_edge_that_came_while_nobody_waited_is_not_lost() -> None:
     a, b = nonblocking_pair()
+    other, other_peer = nonblocking_pair()
     async with running_reactor() as reactor:
         reactor.register(b)
-        a.send(b"early")
-        await trio.sleep(0.02)  # the reactor sees the edge; nobody waits for it yet
-        with trio.fail_after(2):
-            assert await reactor.recv_later(b) == b"early"
-    a.close()
-    b.close()
+        reactor.register(other)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_recv_quietly, reactor, other)  # keeps the reactor listening
+            await trio.sleep(0.02)
+            a.send(b"early")
+            await trio.sleep(0.02)  # the reactor sees b's edge; nobody waits on b yet
+            assert reactor._regs[b.fileno()].readable
+            with trio.fail_after(2):
+                assert await reactor.recv_later(b) == b"early"
+            nursery.cancel_scope.cancel()
+    for sock in (a, b, other, other_peer):
+        sock.close()
 
 
 @pytest.mark.parametrize("first_read", ["recv_some", "try_recv"])
@@ -144,16 +151,9 @@ async def test_closing_a_socket_wakes_its_waiter() -> None:
     async with running_reactor() as reactor:
         reactor.register(b)
         outcome: list[str] = []
-
-        async def reader() -> None:
-            try:
-                await reactor.recv_later(b)
-            except SocketClosed:
-                outcome.append("closed")
-
         with trio.fail_after(2):
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(reader)
+                nursery.start_soon(_note_closed, reactor, b, outcome)
                 await trio.sleep(0.02)
                 reactor.close(b)
         assert outcome == ["closed"]
@@ -228,15 +228,8 @@ async def test_stopping_the_reactor_wakes_its_waiters() -> None:
     a, b = nonblocking_pair()
     reactor = Reactor()
     outcome: list[str] = []
-
-    async def reader() -> None:
-        try:
-            await reactor.recv_later(b)
-        except SocketClosed:
-            outcome.append("closed")
-
     with trio.fail_after(2):
-        await _reader_woken_when_the_reactor_stops(reactor, reader, b)
+        await _reader_woken_when_the_reactor_stops(reactor, b, outcome)
     assert outcome == ["closed"]
     assert not reactor.running
     a.close()
@@ -244,7 +237,7 @@ async def test_stopping_the_reactor_wakes_its_waiters() -> None:
 
 
 async def _reader_woken_when_the_reactor_stops(
-    reactor: Reactor, reader: Callable[[], Awaitable[None]], sock: socket.socket
+    reactor: Reactor, sock: socket.socket, outcome: list[str]
 ) -> None:
     async with trio.open_nursery() as outer:
         reactor_scope = trio.CancelScope()
@@ -255,7 +248,7 @@ async def _reader_woken_when_the_reactor_stops(
 
         await outer.start(run_reactor)
         reactor.register(sock)
-        outer.start_soon(reader)
+        outer.start_soon(_note_closed, reactor, sock, outcome)
         await trio.sleep(0.02)
         reactor_scope.cancel()
 
@@ -338,5 +331,12 @@ async def test_the_count_of_waiting_tasks_follows_parks_wakes_aborts_and_closes(
 
 
 async def _recv_quietly(reactor: Reactor, sock: socket.socket) -> None:
-    with contextlib.suppress(SocketClosed):
+    await _note_closed(reactor, sock, [])
+
+
+async def _note_closed(reactor: Reactor, sock: socket.socket, outcome: list[str]) -> None:
+    """Wait to read ``sock``; note "closed" if it was closed meanwhile."""
+    try:
         await reactor.recv_later(sock)
+    except SocketClosed:
+        outcome.append("closed")
