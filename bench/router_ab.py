@@ -27,20 +27,17 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from _procs import free_port
+from router import MODEL, models_listed, wait_until
+
+from fabricnode.localmesh import LocalMesh
+
 BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
-sys.path.insert(0, str(REPO))
-
-from _procs import free_port  # noqa: E402
-
-from fabricnode.localmesh import LocalMesh  # noqa: E402
-
-MODEL = "bench-model"
 
 
 @contextlib.contextmanager
@@ -105,20 +102,6 @@ def start_agent(tree: Path, workdir: Path, name: str) -> tuple[LocalMesh, Any, i
     return mesh, agent, int(agent.http_url.rsplit(":", 1)[1])
 
 
-def wait_serving(port: int, timeout_s: float = 30.0) -> None:
-    import http.client
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        with contextlib.suppress(OSError):
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-            conn.request("GET", "/v1/models")
-            if MODEL.encode() in conn.getresponse().read():
-                return
-        time.sleep(0.2)
-    raise SystemExit(f"router_ab: the agent on port {port} never listed {MODEL}")
-
-
 def cpu_ticks(pid: int) -> tuple[int, int]:
     """(utime, stime) of one process, in clock ticks."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -145,7 +128,7 @@ def main() -> None:
             for label, source in (("A", tree), ("B", REPO)):
                 mesh, agent, port = start_agent(source, Path(wd), f"agent{label}")
                 meshes.append(mesh)
-                wait_serving(port)
+                wait_until(lambda port=port: models_listed(port), 30.0, f"agent{label}")
                 agents[label] = (agent.pid, port)
             loadgen = subprocess.Popen(
                 [sys.executable, str(BENCH_DIR / "_loadgen.py")],

@@ -105,23 +105,14 @@ _WRITE_EVENTS = select.EPOLLOUT | select.EPOLLHUP | select.EPOLLERR
 _MAX_EVENTS = 1024
 
 
-class _Parked:
-    """How many tasks wait in a reactor (shared by the reactor and its registrations)."""
-
-    __slots__ = ("count",)
-
-    def __init__(self) -> None:
-        self.count = 0
-
-
 class _Registration:
     """One socket in a reactor: who waits on it, and what it may have that nobody waited for."""
 
-    __slots__ = ("fd", "parked", "readable", "reader", "want_out", "writable", "writer")
+    __slots__ = ("fd", "reactor", "readable", "reader", "want_out", "writable", "writer")
 
-    def __init__(self, fd: int, parked: _Parked) -> None:
+    def __init__(self, fd: int, reactor: Reactor) -> None:
         self.fd = fd
-        self.parked = parked
+        self.reactor = reactor  # whose count of waiting tasks a wake or an abort lowers
         self.reader: trio.lowlevel.Task | None = None
         self.writer: trio.lowlevel.Task | None = None
         # An edge that came while nobody waited, or a read that filled its whole buffer: the
@@ -137,7 +128,7 @@ class _Registration:
             self.readable = True
         else:
             self.reader = None
-            self.parked.count -= 1
+            self.reactor.waiting -= 1
             trio.lowlevel.reschedule(task)
 
     def writable_now(self) -> None:
@@ -147,17 +138,17 @@ class _Registration:
             self.writable = True
         else:
             self.writer = None
-            self.parked.count -= 1
+            self.reactor.waiting -= 1
             trio.lowlevel.reschedule(task)
 
     def abort_read(self, raise_cancel: object) -> trio.lowlevel.Abort:
         self.reader = None
-        self.parked.count -= 1
+        self.reactor.waiting -= 1
         return trio.lowlevel.Abort.SUCCEEDED
 
     def abort_write(self, raise_cancel: object) -> trio.lowlevel.Abort:
         self.writer = None
-        self.parked.count -= 1
+        self.reactor.waiting -= 1
         return trio.lowlevel.Abort.SUCCEEDED
 
     def wake_closed(self) -> None:
@@ -165,10 +156,10 @@ class _Registration:
         reader, writer = self.reader, self.writer
         self.reader = self.writer = None
         if reader is not None:
-            self.parked.count -= 1
+            self.reactor.waiting -= 1
             trio.lowlevel.reschedule(reader, outcome.Error(trio.ClosedResourceError("closed")))
         if writer is not None:
-            self.parked.count -= 1
+            self.reactor.waiting -= 1
             trio.lowlevel.reschedule(writer, outcome.Error(trio.ClosedResourceError("closed")))
 
 
@@ -191,7 +182,7 @@ class Reactor:
     def __init__(self) -> None:
         self._epoll = select.epoll()
         self._regs: dict[int, _Registration] = {}
-        self._parked = _Parked()
+        self.waiting = 0  # tasks waiting through the reactor now
         self._task: trio.lowlevel.Task | None = None  # run's task, when it idles
         self._idle = False
         self.running = False
@@ -207,15 +198,7 @@ class Reactor:
         old = self._regs.get(fd)
         if old is not None:
             old.wake_closed()  # nobody can wait on a socket that was closed; to be sure
-        self._regs[fd] = _Registration(fd, self._parked)
-
-    def registered(self, sock: socket.socket) -> bool:
-        return sock.fileno() in self._regs
-
-    @property
-    def waiting(self) -> int:
-        """Tasks waiting through the reactor now."""
-        return self._parked.count
+        self._regs[fd] = _Registration(fd, self)
 
     def close(self, sock: socket.socket) -> None:
         """Close a socket a task may be waiting on (it wakes with ``ClosedResourceError``).
@@ -234,12 +217,11 @@ class Reactor:
         """Deliver readiness until cancelled (start it before any registered socket waits)."""
         epoll = self._epoll
         regs = self._regs
-        parked = self._parked
         self.running = True
         task_status.started()
         try:
             while True:
-                if parked.count == 0:
+                if self.waiting == 0:
                     # Nobody waits through us: stop listening (edges queue in the epoll set)
                     # until a task parks and wakes us.
                     self._task = trio.lowlevel.current_task()
@@ -271,7 +253,7 @@ class Reactor:
 
     def _park(self) -> None:
         """A task is about to wait through the reactor: wake the reactor if it idles."""
-        self._parked.count += 1
+        self.waiting += 1
         self.parks += 1
         if self._idle:
             self._idle = False
@@ -343,15 +325,8 @@ class Reactor:
         Tries ``recv`` first: use it where data is likely there already.
         """
         while True:
-            try:
-                data = sock.recv(RECV_BYTES)
-            except BlockingIOError:
-                pass
-            except OSError as exc:
-                raise SocketClosed(str(exc)) from None
-            else:
-                if len(data) == RECV_BYTES:
-                    self._maybe_more(sock)
+            data = self.try_recv(sock)
+            if data is not None:
                 return data
             try:
                 await self.wait_readable(sock, True)
@@ -372,16 +347,10 @@ class Reactor:
                 await self.wait_readable(sock, drained)
             except (trio.ClosedResourceError, OSError) as exc:
                 raise SocketClosed(str(exc)) from None
-            try:
-                data = sock.recv(RECV_BYTES)
-            except BlockingIOError:
-                drained = True  # a stale edge: wait for a new one
-                continue
-            except OSError as exc:
-                raise SocketClosed(str(exc)) from None
-            if len(data) == RECV_BYTES:
-                self._maybe_more(sock)
-            return data
+            data = self.try_recv(sock)
+            if data is not None:
+                return data
+            drained = True  # a stale edge: wait for a new one
 
     async def send_all(self, sock: socket.socket, data: bytes | memoryview) -> None:
         """Send everything; ``SocketClosed`` when the peer is gone."""
