@@ -53,17 +53,21 @@ async def _relay(reactor: Reactor, client: socket.socket, upstream_port: int) ->
                     return
                 request_parser.feed_data(data)
                 pieces.append(data)
-            upstream.sendall(b"".join(pieces))
-            response = _Framing()
-            response_parser = httptools.HttpResponseParser(response)
-            pieces = []
-            while not response.done:
-                data = await reactor.recv_later(upstream)
-                if not data:
-                    return
-                response_parser.feed_data(data)
-                pieces.append(data)
-            client.sendall(b"".join(pieces))
+            reactor.request_started()  # batching under load, as the agent's reactor does
+            try:
+                upstream.sendall(b"".join(pieces))
+                response = _Framing()
+                response_parser = httptools.HttpResponseParser(response)
+                pieces = []
+                while not response.done:
+                    data = await reactor.recv_later(upstream)
+                    if not data:
+                        return
+                    response_parser.feed_data(data)
+                    pieces.append(data)
+                client.sendall(b"".join(pieces))
+            finally:
+                reactor.request_ended()
     except (OSError, SocketClosed):
         pass
     finally:
@@ -78,6 +82,7 @@ async def serve(port: int, upstream_port: int) -> None:
     listener.listen(1024)
     listener.setblocking(False)
     reactor = Reactor()
+    reactor.batching = False  # until requests overlap
     async with trio.open_nursery() as nursery:
         await nursery.start(reactor.run)
         while True:

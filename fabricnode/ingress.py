@@ -93,10 +93,6 @@ SSE = b"text/event-stream"
 # Answered requests whose bookkeeping waits (see Ingress.settle): how many, and how long.
 MAX_UNSETTLED = 256
 SETTLE_INTERVAL_S = 0.5
-# The reactor batches waits while more than BATCH_ABOVE requests are being answered at once,
-# and stops once no more than UNBATCH_AT are (sockio.Reactor: batching pays only under load).
-BATCH_ABOVE = 3
-UNBATCH_AT = 1
 
 AsgiApp = Callable[[Mapping[str, Any], Any, Any], Awaitable[None]]
 
@@ -230,8 +226,7 @@ class Ingress:
         self.clock = LoopClock()
         # Every data-plane socket (clients, upstreams) waits through this one reactor.
         self.reactor = Reactor()
-        self.reactor.batching = False  # until requests overlap (see BATCH_ABOVE)
-        self.answering = 0  # requests being answered now, over all client connections
+        self.reactor.batching = False  # until requests overlap (Reactor.request_started)
         self._parks_reported = 0  # reactor waits already added to the metrics
         self.pool = UpstreamPool(clock=self.clock, reactor=self.reactor)
         self.pool.while_waiting = self.settle
@@ -363,15 +358,11 @@ class Ingress:
                 if parser.ready:
                     req = parser.ready.popleft()
                     watch.deadline = math.inf  # our turn: no client timeout while we answer
-                    self.answering += 1
-                    if self.answering > BATCH_ABOVE:
-                        reactor.batching = True
+                    reactor.request_started()
                     try:
                         keep = await self._handle(conn, req)
                     finally:
-                        self.answering -= 1
-                        if self.answering <= UNBATCH_AT:
-                            reactor.batching = False
+                        reactor.request_ended()
                     if not keep or not req.keep_alive:
                         break
                     sent_continue = False

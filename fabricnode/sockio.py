@@ -103,6 +103,10 @@ _REGISTER = select.EPOLLIN | select.EPOLLRDHUP | select.EPOLLET
 _READ_EVENTS = select.EPOLLIN | select.EPOLLRDHUP | select.EPOLLHUP | select.EPOLLERR
 _WRITE_EVENTS = select.EPOLLOUT | select.EPOLLHUP | select.EPOLLERR
 _MAX_EVENTS = 1024
+# The reactor batches while more than BATCH_ABOVE requests are being answered at once, and stops
+# once no more than UNBATCH_AT are (see Reactor: batching pays only under load).
+BATCH_ABOVE = 3
+UNBATCH_AT = 1
 
 
 class _Registration:
@@ -172,7 +176,8 @@ class Reactor:
     Batching pays only under load: with one request at a time, every wait through the reactor
     is one trio wait (on the epoll set) plus a second task step to wake the waiter, where
     trio's own wait is one (measured at c=1: +18% CPU per request, bench/router_ab.py). So the
-    owner sets ``batching`` while it is busy, and the waits go straight to trio's
+    owner brackets each request it answers with ``request_started``/``request_ended``, which
+    turn ``batching`` on while requests overlap, and the waits go straight to trio's
     ``wait_readable``/``wait_writable`` otherwise; sockets stay registered either way (edges
     meanwhile only leave flags, which cost at most one empty ``recv`` later). The reactor's
     task listens only while some task waits through it. Until ``run`` starts (tests that drive
@@ -186,7 +191,8 @@ class Reactor:
         self._task: trio.lowlevel.Task | None = None  # run's task, when it idles
         self._idle = False
         self.running = False
-        self.batching = True  # the owner turns it off while it is quiet (see above)
+        self.batching = True  # off while the owner's requests do not overlap (see above)
+        self.answering = 0  # requests the owner is answering now (request_started/_ended)
         self.parks = 0  # waits that went through the reactor (statistics)
 
     def register(self, sock: socket.socket) -> None:
@@ -246,6 +252,18 @@ class Reactor:
             self._idle = False
             for reg in regs.values():  # nobody would ever wake them now
                 reg.wake_closed()
+
+    def request_started(self) -> None:
+        """The owner began answering a request: batch once more than BATCH_ABOVE overlap."""
+        self.answering += 1
+        if self.answering > BATCH_ABOVE:
+            self.batching = True
+
+    def request_ended(self) -> None:
+        """The owner answered a request: stop batching once no more than UNBATCH_AT are left."""
+        self.answering -= 1
+        if self.answering <= UNBATCH_AT:
+            self.batching = False
 
     def _abort_idle(self, raise_cancel: object) -> trio.lowlevel.Abort:
         self._idle = False

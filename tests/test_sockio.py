@@ -340,3 +340,16 @@ async def _note_closed(reactor: Reactor, sock: socket.socket, outcome: list[str]
         await reactor.recv_later(sock)
     except SocketClosed:
         outcome.append("closed")
+
+
+def test_batching_follows_how_many_requests_overlap() -> None:
+    reactor = Reactor()
+    reactor.batching = False
+    seen = []
+    for _ in range(5):  # 1..5 at once: batching from the 4th on
+        reactor.request_started()
+        seen.append(reactor.batching)
+    for _ in range(5):  # 4..0 left: still batching until at most 1 is
+        reactor.request_ended()
+        seen.append(reactor.batching)
+    assert seen == [False, False, False, True, True, True, True, True, False, False]
