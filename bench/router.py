@@ -282,7 +282,7 @@ class Bench:
         self.workdir = workdir
         self.procs = procs
         self.backend: Backend | None = None
-        self.mesh: Any = None  # fabricnode.localmesh.LocalMesh, imported only when needed
+        self.mesh: Any = None  # cli.localmesh.LocalMesh, imported only when needed
         self.serving_agent: Any = None
         self.targets: dict[str, Target] = {}
         self.fabric_error: str | None = None
@@ -331,9 +331,9 @@ class Bench:
 
     def start_serving_agent(self) -> None:
         try:
-            from fabricnode.localmesh import LocalMesh
+            from cli.localmesh import LocalMesh
         except Exception as exc:
-            raise Unavailable(f"cannot import fabricnode.localmesh: {exc}") from exc
+            raise Unavailable(f"cannot import cli.localmesh: {exc}") from exc
         self.mesh = LocalMesh(
             self.workdir / "mesh", provider="bench", log_level=self.args.fabric_log_level
         )

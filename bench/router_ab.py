@@ -34,7 +34,7 @@ from typing import Any
 from _procs import free_port
 from router import MODEL, models_listed, wait_until
 
-from fabricnode.localmesh import LocalMesh
+from cli.localmesh import LocalMesh
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent

@@ -90,9 +90,9 @@ import trio  # noqa: E402
 from _procs import cpu_ticks, descendants, free_port, host_ticks  # noqa: E402
 from _routing_workloads import WORKLOADS, Call, Shape, Workload  # noqa: E402
 
-from fabricnode import routing  # noqa: E402
-from fabricnode.engine_metrics import parse_samples  # noqa: E402
-from fabricnode.localmesh import AgentProcess, LocalMesh, wait_until  # noqa: E402
+from cli.localmesh import AgentProcess, LocalMesh, wait_until  # noqa: E402
+from fabricnode.dataplane import routing  # noqa: E402
+from fabricnode.engine.metrics import parse_samples  # noqa: E402
 
 MODEL = "sim-8b"
 CHAT_PATH = "/v1/chat/completions"

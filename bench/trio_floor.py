@@ -3,7 +3,7 @@
 One task per client connection, one upstream connection per client connection, the request
 and the response framed by httptools and passed on whole: no routing, filters, metrics,
 accounting, timeouts or error handling. Sockets wait through the data plane's own reactor
-(``fabricnode.sockio.Reactor``, compiled when the native build is current), as the agent's
+(``fabricnode.dataplane.sockio.Reactor``, compiled when the native build is current), as the agent's
 do. ``bench/router.py --targets trio-floor`` runs it in front of the same backend as the other
 routers, so the agent's figures can be read against what its event loop, reactor and parser
 cost on their own.
@@ -19,7 +19,7 @@ import socket
 import httptools
 import trio
 
-from fabricnode.sockio import Reactor, SocketClosed
+from fabricnode.dataplane.sockio import Reactor, SocketClosed
 
 
 class _Framing:

@@ -25,15 +25,15 @@ from rich.console import Console
 from rich.table import Table
 
 from cli.slurm_cmd import slurm_app
-from fabricnode.client import AdminClient, agent_base_url
 from fabricnode.config import (
     default_cluster_key_path,
     default_operator_key_path,
     default_provider_key_path,
 )
+from fabricnode.control.client import AdminClient, agent_base_url
 from fabricnode.errors import ConfigError, FabricError, KeyFileError
-from fabricnode.identity import OperatorKey, ProviderKey
-from fabricnode.keyring import KEY_ID_BYTES, Keyring, new_cluster_key
+from fabricnode.mesh.identity import OperatorKey, ProviderKey
+from fabricnode.mesh.keyring import KEY_ID_BYTES, Keyring, new_cluster_key
 
 DEFAULT_AGENT = "http://127.0.0.1:8080"
 STATES = ("join", "serving", "down", "left")
@@ -502,7 +502,7 @@ ApiKeysFileOption = Annotated[
 
 
 def _api_keys_path(path: Path | None) -> Path:
-    from fabricnode.apikeys import default_api_keys_path
+    from fabricnode.dataplane.apikeys import default_api_keys_path
 
     return path if path is not None else default_api_keys_path(os.environ)
 
@@ -528,7 +528,7 @@ def keys_api_new(
     keys_file: ApiKeysFileOption = None,
     as_json: JsonOption = False,
 ) -> None:
-    from fabricnode.apikeys import ApiKeyStore, RateLimit, check_key_name
+    from fabricnode.dataplane.apikeys import ApiKeyStore, RateLimit, check_key_name
 
     allow: list[str] | None = None
     try:
@@ -568,7 +568,7 @@ def keys_api_list(
 ) -> None:
     import time as _time
 
-    from fabricnode.apikeys import ApiKeyStore
+    from fabricnode.dataplane.apikeys import ApiKeyStore
 
     path = _api_keys_path(keys_file)
     store = ApiKeyStore.load(path)
@@ -605,7 +605,7 @@ def keys_api_list(
 def keys_api_revoke(
     key_id_or_name: str, keys_file: ApiKeysFileOption = None, as_json: JsonOption = False
 ) -> None:
-    from fabricnode.apikeys import ApiKeyStore
+    from fabricnode.dataplane.apikeys import ApiKeyStore
 
     path = _api_keys_path(keys_file)
     store = ApiKeyStore.load(path)
@@ -1021,7 +1021,7 @@ def demo(
         ),
     ] = None,
 ) -> None:
-    from fabricnode.demo import run_demo
+    from cli.demo import run_demo
 
     raise typer.Exit(run_demo(nodes, serve=serve, port=port))
 

@@ -18,11 +18,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from fabricnode.accounting import merge_workload_sums
-from fabricnode.assignment import AssignmentBody, SignedAssignment
-from fabricnode.client import AdminClient
+from fabricnode.control.client import AdminClient
+from fabricnode.dataplane.accounting import merge_workload_sums
 from fabricnode.errors import AgentApiError, ConfigError
-from fabricnode.identity import OperatorKey
+from fabricnode.mesh.assignment import AssignmentBody, SignedAssignment
+from fabricnode.mesh.identity import OperatorKey
 from scheduler.catalog import Catalog
 from scheduler.errors import CatalogError, WorkloadError
 from scheduler.node_assign import MeshNode, NodeAssignment, NodePlan

@@ -20,7 +20,7 @@ from typing import Annotated, NoReturn
 import typer
 
 from fabricnode.config import fabric_home
-from fabricnode.slurm_env import (
+from fabricnode.host.slurm import (
     SubmitRequest,
     find_sbatch_script,
     parse_sbatch_job_id,

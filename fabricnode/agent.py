@@ -50,27 +50,21 @@ from typing import TYPE_CHECKING, TextIO
 import trio
 
 from fabricnode import native
-from fabricnode.accounting import RequestLog
 from fabricnode.addr import join_hostport
-from fabricnode.admin import AdminApp
-from fabricnode.apikeys import ApiKeyStore
-from fabricnode.asgi_serving import bind_http_socket, serve_http
-from fabricnode.assignment import SignedAssignment
 from fabricnode.config import AgentConfig
-from fabricnode.engine import EngineService
-from fabricnode.engine_cmd import EngineCommand
+from fabricnode.control.app import AdminApp
+from fabricnode.control.asgi import bind_http_socket, serve_http
+from fabricnode.control.views import liveness_of
+from fabricnode.dataplane.accounting import RequestLog
+from fabricnode.dataplane.apikeys import ApiKeyStore
+from fabricnode.dataplane.ingress import Ingress
+from fabricnode.engine.command import EngineCommand
+from fabricnode.engine.service import EngineService
 from fabricnode.errors import ConfigError, FabricError
-from fabricnode.gossip import GossipService, UdpTcpTransport
-from fabricnode.hardware import default_host
-from fabricnode.hardware import discover as discover_gpus
-from fabricnode.identity import Identity, ProviderKey
-from fabricnode.ingress import Ingress
-from fabricnode.keyring import Keyring
-from fabricnode.membership import Liveness
-from fabricnode.mesh import MeshCore
-from fabricnode.registry import Addresses, EngineInfo, EntryBody, Hardware, State
-from fabricnode.rendezvous import announce, read_peers
-from fabricnode.slurm_env import (
+from fabricnode.host.hardware import default_host
+from fabricnode.host.hardware import discover as discover_gpus
+from fabricnode.host.rendezvous import announce, read_peers
+from fabricnode.host.slurm import (
     LeavePlan,
     SlurmJob,
     discover_job,
@@ -78,7 +72,13 @@ from fabricnode.slurm_env import (
     query_end_time,
     replan_leave,
 )
-from fabricnode.views import liveness_of
+from fabricnode.mesh.assignment import SignedAssignment
+from fabricnode.mesh.core import MeshCore
+from fabricnode.mesh.identity import Identity, ProviderKey
+from fabricnode.mesh.keyring import Keyring
+from fabricnode.mesh.membership import Liveness
+from fabricnode.mesh.registry import Addresses, EngineInfo, EntryBody, Hardware, State
+from fabricnode.mesh.service import GossipService, UdpTcpTransport
 
 if TYPE_CHECKING:
     pass

@@ -32,14 +32,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from fabricnode.addr import join_hostport, split_hostport
-from fabricnode.engine_cmd import EngineCommand, inspect_engine_cmd
-from fabricnode.engine_template import EngineTemplate, parse_template
+from fabricnode.dataplane.ingress_config import IngressConfig
+from fabricnode.dataplane.routing import POLICY_NAMES
+from fabricnode.engine.command import EngineCommand, inspect_engine_cmd
+from fabricnode.engine.template import EngineTemplate, parse_template
 from fabricnode.errors import ConfigError
-from fabricnode.hardware import parse_sim_gpu
-from fabricnode.ingress_config import IngressConfig
-from fabricnode.mesh import MeshConfig
-from fabricnode.routing import POLICY_NAMES
-from fabricnode.slurm_env import DEFAULT_LEAVE_BEFORE_END_S
+from fabricnode.host.hardware import parse_sim_gpu
+from fabricnode.host.slurm import DEFAULT_LEAVE_BEFORE_END_S
+from fabricnode.mesh.core import MeshConfig
 
 DEFAULT_HTTP = "0.0.0.0:8080"
 DEFAULT_GOSSIP = "0.0.0.0:7946"

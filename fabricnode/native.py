@@ -1,15 +1,17 @@
 """The data plane compiled to C with mypyc, and the switch between it and the plain sources.
 
-The ``/v1`` hot path (HTTP parsing glue, relay, routing, metrics and accounting) is the
-modules in ``DATA_PLANE``. They are ordinary, strictly typed Python; mypyc compiles the same
-files into extension modules that run the same code with ~37% less CPU per request under load
-(docs/benchmarks.md). Nothing else changes: trio and httptools still run underneath.
+The ``/v1`` hot path (HTTP parsing glue, relay, routing, metrics and accounting) is every module
+of ``fabricnode/dataplane/`` (``DATA_PLANE``). They are ordinary, strictly typed Python; mypyc
+compiles the same files into extension modules that run the same code with less CPU per request
+(docs/benchmarks.md has the figures). Nothing else changes: trio and httptools still run
+underneath.
 
-The compiled modules live in ``fabricnode/_native/`` next to a stamp naming the digest of the
-sources they were built from. ``activate`` (called when the package is imported) puts that
-directory first on the package's ``__path__`` only when the stamp matches the sources as they
-are now, so an edited source is never shadowed by a stale build: it runs interpreted until
-``make native`` (``python -m fabricnode.native_build``, see there) compiles it again.
+The compiled modules live in ``fabricnode/dataplane/_native/`` next to a stamp naming the digest
+of the sources they were built from. ``activate`` (called when ``fabricnode.dataplane`` is
+imported) puts that directory first on that package's ``__path__`` only when the stamp matches
+the sources as they are now, so an edited source is never shadowed by a stale build: it runs
+interpreted until ``make native`` (``python -m fabricnode.native_build``, see there) compiles it
+again.
 
 ``FABRIC_NATIVE=0`` forces the interpreted sources (for debugging, or a machine without a C
 compiler); ``python -m fabricnode.native_build status`` says which is in use and why.
@@ -24,24 +26,15 @@ import sys
 import sysconfig
 from pathlib import Path
 
-PACKAGE_DIR = Path(__file__).resolve().parent
+PACKAGE = "fabricnode.dataplane"
+PACKAGE_DIR = Path(__file__).resolve().parent / "dataplane"
 BUILD_DIR = PACKAGE_DIR / "_native"
 STAMP_NAME = "stamp.json"
-GROUP = "fabricnode._dataplane"  # mypyc's group: the modules share one library, SHARED_LIB
+GROUP = f"{PACKAGE}._compiled"  # mypyc's group: the modules share one library, SHARED_LIB
 SHARED_LIB = GROUP.rpartition(".")[2] + "__mypyc"
 EXT_SUFFIX = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
-DATA_PLANE = (
-    "accounting",
-    "apikeys",
-    "forward_auth",
-    "http1",
-    "ingress",
-    "ingress_metrics",
-    "routetable",
-    "routing",
-    "sockio",
-    "upstream",
-)
+# The folder is the group: every module in it is compiled, none is listed by hand.
+DATA_PLANE = tuple(sorted(p.stem for p in PACKAGE_DIR.glob("*.py") if p.stem != "__init__"))
 ENV = "FABRIC_NATIVE"
 
 # Why the data plane runs as it does: set by activate() at import.

@@ -1,7 +1,7 @@
 """Build the compiled data plane: ``python -m fabricnode.native_build [build|status]``.
 
-mypyc compiles the modules in ``native.DATA_PLANE`` into ``fabricnode/_native/`` and stamps
-the build with the digest of its sources; ``native.activate`` uses the build only while that
+mypyc compiles the modules in ``native.DATA_PLANE`` into ``fabricnode/dataplane/_native/`` and
+stamps the build with the digest of its sources; ``native.activate`` uses the build only while that
 digest matches. Needs mypy (which ships mypyc) and a C compiler with the Python headers.
 """
 
@@ -35,7 +35,7 @@ class BuildError(Exception):
 
 
 def build(*, force: bool = False, quiet: bool = True) -> str:
-    """Compile the data plane into ``fabricnode/_native`` unless current: "built"/"up to date"."""
+    """Compile the data plane into ``dataplane/_native`` unless current: "built"/"up to date"."""
     digest = native.sources_digest()
     if not force and native.check(honour_env=False)[0]:
         return "up to date"
@@ -58,7 +58,7 @@ def build(*, force: bool = False, quiet: bool = True) -> str:
             raise BuildError(f"mypyc build failed (exit {proc.returncode}):\n{tail}")
         elif not quiet:
             print(proc.stdout[-2000:])
-        built = sorted((work / "lib" / "fabricnode").glob("*.so"))
+        built = sorted((work / "lib" / native.PACKAGE.replace(".", "/")).glob("*.so"))
         if not built:
             raise BuildError("mypyc build produced no extension modules")
         native.BUILD_DIR.mkdir(exist_ok=True)

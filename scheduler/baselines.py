@@ -18,7 +18,7 @@ On the paper's instance (24 A100-80G + 32 GH200; Llama-2-13B, CodeLlama-34B, Lla
 110, 185.5 and 221 req/s) the demands are 6.1%, 26.9% and 67.0%, i.e. 0.86, 3.76 and 9.38 of
 the 14 four-GPU blocks, rounded to 1, 4 and 9 blocks: 4, 16 and 36 GPUs. The 70B takes the 32
 GH200 and 4 A100, the 34B 16 A100 and the 13B 4 A100: Table 1's MemP row exactly
-(tests/test_scheduler_solver.py).
+(tests/unit/scheduler/test_solver.py).
 
 The exact optimum minimises ``Problem.cost`` (lexicographic key of the mode) by dynamic
 programming over models. The cost is separable by model and the only coupling is C1, so with

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build (or reuse) the CPU-only vLLM virtualenv used by tests/test_real_vllm.py.
+# Build (or reuse) the CPU-only vLLM virtualenv used by tests/slurm/test_real_vllm.py.
 #
 # Idempotent: a venv that already imports vllm is reused. The venv lives outside the
 # clone (default /var/cache/fabricnode/vllm-cpu-venv, override with FABRIC_VLLM_VENV) so

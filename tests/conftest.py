@@ -6,9 +6,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from slurmcluster import slurm, slurm_cluster  # noqa: F401 (fixtures for the real-Slurm tests)
 
-from fabricnode.localmesh import LocalMesh
+from cli.localmesh import LocalMesh
+from tests.support.slurmcluster import slurm, slurm_cluster  # noqa: F401 (fixtures for the real-Slurm tests)
 
 
 @pytest.fixture

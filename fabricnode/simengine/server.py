@@ -36,9 +36,9 @@ from typing import TYPE_CHECKING, Any, cast
 
 import trio
 
-from fabricnode.asgi_serving import Receive, Send, lifespan, serve_http
-from fabricnode.prometheus import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from fabricnode.prometheus import MetricsText
+from fabricnode.control.asgi import Receive, Send, lifespan, serve_http
+from fabricnode.control.prometheus import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from fabricnode.control.prometheus import MetricsText
 from fabricnode.simengine.model import (
     EngineConfig,
     Scheduler,

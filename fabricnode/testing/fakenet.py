@@ -66,7 +66,7 @@ class EndpointStatistics:
 
 
 class FakeTransport:
-    """One node's end of a ``FakeNetwork``; implements ``fabricnode.gossip.Transport``."""
+    """One node's end of a ``FakeNetwork``; implements ``fabricnode.mesh.service.Transport``."""
 
     def __init__(self, network: FakeNetwork, addr: str, rng: random.Random) -> None:
         self.network = network

@@ -16,10 +16,10 @@ import random
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from fabricnode.identity import Identity, Verifier
-from fabricnode.keyring import Keyring
-from fabricnode.mesh import MeshConfig, MeshCore
-from fabricnode.registry import Addresses, EngineInfo, EntryBody, Hardware, State
+from fabricnode.mesh.core import MeshConfig, MeshCore
+from fabricnode.mesh.identity import Identity, Verifier
+from fabricnode.mesh.keyring import Keyring
+from fabricnode.mesh.registry import Addresses, EngineInfo, EntryBody, Hardware, State
 
 EPOCH = 1_750_000_000.0
 

@@ -1,0 +1,416 @@
+"""The agent's read-only control surface: a raw ASGI app (no framework) for hypercorn's trio worker.
+
+Endpoints (all GET; HEAD is answered like GET without a body):
+
+* ``/health`` — 200 ``{"status": "ok"}`` while the process runs.
+* ``/ready`` — 200 ``{"status": "ready"}`` once the agent has joined (see ``agent.JoinTracker``),
+  else 503 ``{"status": "joining"}``; 503 ``{"status": "left"}`` once it is leaving.
+* ``/fabric/v1/self`` — this agent's own entry (the entry view of ``views``).
+* ``/fabric/v1/nodes`` — ``{"nodes": [...]}``; query filters ``state``, ``model``, ``gpu``,
+  ``label=K=V`` (repeatable, all must match).
+* ``/fabric/v1/nodes/{session_id}`` — one entry; a unique prefix of the id is accepted
+  (404 unknown, 409 ambiguous prefix).
+* ``/fabric/v1/models`` — ``{"models": [...]}``, see ``views.models_view``.
+* ``/fabric/v1/assignments`` — GET: the engine assignments this agent holds
+  (``fabricnode.mesh.assignment``); POST ``{"assignments": [{"signed", "signature"}, ...]}``
+  (operator-signed, base64; what ``fabric plan --apply`` sends): each is verified, stored and
+  spread through the mesh; the answer lists each one's outcome (``new``, ``stale``,
+  ``untrusted``, ...). 400 malformed, 413 too large.
+* ``/fabric/v1/workload`` — this ingress's request log summarised per model over the last
+  ``window`` seconds (default 3600): request count and token sums, the planner's workload.
+* ``/metrics`` — Prometheus text, every name prefixed ``fabric_``.
+
+Errors have the OpenAI shape ``{"error": {"message", "type", "code"}}``: 400 bad query, 404 unknown
+path or session, 405 wrong method, 409 ambiguous prefix, 500 a bug (logged). The app reads the
+``MeshCore`` synchronously from the same trio thread that drives it, so every response is a
+consistent snapshot without locks.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+from urllib.parse import parse_qsl, unquote
+
+import trio
+
+from fabricnode.control.asgi import Receive, Send, lifespan
+from fabricnode.control.prometheus import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from fabricnode.control.prometheus import MetricsText
+from fabricnode.control.views import Json, entry_view, match_sessions, models_view, node_views
+from fabricnode.dataplane.accounting import (
+    TraceRecord,
+    read_request_log,
+    request_log_files,
+    workload_sums,
+)
+from fabricnode.errors import DecodeError, FabricError
+from fabricnode.mesh.assignment import SignedAssignment
+from fabricnode.mesh.core import MeshCore
+from fabricnode.mesh.registry import State
+from fabricnode.mesh.service import TransportStatistics
+
+log = logging.getLogger("fabricnode.control.app")
+
+Scope = Mapping[str, Any]
+
+NODES_PREFIX = "/fabric/v1/nodes/"
+ASSIGNMENTS_PATH = "/fabric/v1/assignments"
+WORKLOAD_PATH = "/fabric/v1/workload"
+MAX_POST_BYTES = 1024 * 1024
+MAX_ASSIGNMENTS_PER_POST = 4096
+DEFAULT_WORKLOAD_WINDOW_S = 3600.0
+NODE_FILTERS = ("state", "model", "gpu", "label")
+
+
+class HasTransportStatistics(Protocol):
+    def statistics(self) -> TransportStatistics: ...
+
+
+class KeyringReloads(Protocol):
+    keyring_reloads: int
+    keyring_errors: int
+
+
+@dataclass(frozen=True)
+class Response:
+    status: int
+    body: bytes
+    content_type: str = "application/json"
+
+
+class HttpError(Exception):
+    """Raised inside a handler to answer with an OpenAI-shaped error body."""
+
+    def __init__(self, status: int, message: str, code: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+
+
+def json_response(doc: Json, status: int = 200) -> Response:
+    return Response(status, json.dumps(doc, separators=(",", ":")).encode())
+
+
+def error_response(status: int, message: str, code: str) -> Response:
+    kind = "server_error" if status >= 500 else "invalid_request_error"
+    return json_response({"error": {"message": message, "type": kind, "code": code}}, status)
+
+
+class AdminApp:
+    """ASGI callable over one ``MeshCore`` plus the agent facts the core does not know.
+
+    ``agent_endpoints=False`` serves only ``/health`` and ``/ready``: that is the public port
+    when ``--admin`` moves the agent endpoints to a port of their own.
+    """
+
+    def __init__(
+        self,
+        core: MeshCore,
+        *,
+        is_ready: Callable[[], bool] = lambda: True,
+        transport: HasTransportStatistics | None = None,
+        keyring: KeyringReloads | None = None,
+        wall_clock: Callable[[], float] = time.time,
+        agent_endpoints: bool = True,
+        extra_metrics: Callable[[], bytes] | None = None,
+        request_log_path: Path | None = None,
+    ) -> None:
+        self.core = core
+        self.is_ready = is_ready
+        self.transport = transport
+        self.keyring = keyring
+        self.wall_clock = wall_clock
+        self.agent_endpoints = agent_endpoints
+        self.extra_metrics = extra_metrics  # the data plane's prometheus-client registry
+        self.request_log_path = request_log_path
+        self.started_at = wall_clock()
+        self.requests = 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return  # websockets are not served; hypercorn closes the connection
+        self.requests += 1
+        method = scope["method"]
+        path = scope["path"]
+        posting = self.agent_endpoints and path == ASSIGNMENTS_PATH
+        try:
+            if posting and method == "POST":
+                response = self.post_assignments(await _read_body(receive, MAX_POST_BYTES))
+            elif method not in ("GET", "HEAD"):
+                self.route(path)  # unknown paths are 404 whatever the method
+                allowed = "GET or POST" if posting else "GET"
+                raise HttpError(
+                    405, f"method {method} not allowed; use {allowed}", "method_not_allowed"
+                )
+            elif self.agent_endpoints and path == WORKLOAD_PATH:
+                response = await self.workload(_query(scope))
+            else:
+                response = self.route(path)(_query(scope))
+        except HttpError as exc:
+            response = error_response(exc.status, exc.message, exc.code)
+        except Exception:
+            log.exception("admin request %s %s failed", method, scope.get("path"))
+            response = error_response(500, "internal error", "internal_error")
+        headers = [
+            (b"content-type", response.content_type.encode()),
+            (b"content-length", str(len(response.body)).encode()),
+            (b"cache-control", b"no-store"),
+        ]
+        if response.status == 405:
+            headers.append((b"allow", b"GET, HEAD, POST" if posting else b"GET, HEAD"))
+        await send({"type": "http.response.start", "status": response.status, "headers": headers})
+        body = b"" if method == "HEAD" else response.body
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
+    # -- routing ----------------------------------------------------------------------------
+
+    def route(self, path: str) -> Callable[[list[tuple[str, str]]], Response]:
+        if path == "/health":
+            return self.health
+        if path == "/ready":
+            return self.ready
+        if self.agent_endpoints:
+            if path == "/fabric/v1/self":
+                return self.self_entry
+            if path == "/fabric/v1/nodes":
+                return self.nodes
+            if path.startswith(NODES_PREFIX) and len(path) > len(NODES_PREFIX):
+                sid = unquote(path[len(NODES_PREFIX) :])
+                return lambda query: self.node(sid)
+            if path == "/fabric/v1/models":
+                return self.models
+            if path == ASSIGNMENTS_PATH:
+                return self.assignments
+            if path == WORKLOAD_PATH:
+                return lambda query: json_response({})  # answered in __call__ (async)
+            if path == "/metrics":
+                return self.metrics
+        raise HttpError(404, f"no such endpoint: {path}", "not_found")
+
+    # -- handlers ---------------------------------------------------------------------------
+
+    def health(self, query: list[tuple[str, str]]) -> Response:
+        return json_response({"status": "ok"})
+
+    def ready(self, query: list[tuple[str, str]]) -> Response:
+        if self.core.left:
+            return json_response({"status": "left"}, 503)
+        if self.is_ready():
+            return json_response({"status": "ready"})
+        return json_response({"status": "joining"}, 503)
+
+    def self_entry(self, query: list[tuple[str, str]]) -> Response:
+        return json_response(entry_view(self.core, self.core.self_entry, self.wall_clock()))
+
+    def nodes(self, query: list[tuple[str, str]]) -> Response:
+        filters: dict[str, str] = {}
+        labels: list[tuple[str, str]] = []
+        for key, value in query:
+            if key not in NODE_FILTERS:
+                raise HttpError(
+                    400,
+                    f"unknown query parameter {key!r} (use {', '.join(NODE_FILTERS)})",
+                    "invalid_parameter",
+                )
+            if key == "label":
+                k, sep, v = value.partition("=")
+                if not sep or not k:
+                    raise HttpError(
+                        400, f"label {value!r}: expected KEY=VALUE", "invalid_parameter"
+                    )
+                labels.append((k, v))
+            else:
+                filters[key] = value
+        state: State | None = None
+        if "state" in filters:
+            try:
+                state = State.parse(filters["state"])
+            except ValueError as exc:
+                raise HttpError(400, str(exc), "invalid_parameter") from None
+        views = node_views(
+            self.core,
+            self.wall_clock(),
+            state=state,
+            model=filters.get("model") or None,
+            gpu=filters.get("gpu") or None,
+            labels=labels,
+        )
+        return json_response({"nodes": views})
+
+    def node(self, prefix: str) -> Response:
+        matches = match_sessions(self.core, prefix)
+        if not matches:
+            raise HttpError(404, f"no node with session id {prefix!r}", "not_found")
+        if len(matches) > 1:
+            shown = ", ".join(e.session_id[:12] for e in matches[:5])
+            raise HttpError(
+                409,
+                f"session id prefix {prefix!r} is ambiguous ({len(matches)} nodes: {shown})",
+                "ambiguous_session_id",
+            )
+        return json_response(entry_view(self.core, matches[0], self.wall_clock()))
+
+    def models(self, query: list[tuple[str, str]]) -> Response:
+        return json_response({"models": models_view(self.core, self.wall_clock())})
+
+    def assignments(self, query: list[tuple[str, str]]) -> Response:
+        items = [a.describe() for a in self.core.assignments]
+        trusted = sorted(self.core.assignments.trusted)
+        return json_response({"assignments": items, "trusted_operators": trusted})
+
+    def post_assignments(self, body: bytes) -> Response:
+        try:
+            doc = json.loads(body)
+        except (ValueError, UnicodeDecodeError):
+            raise HttpError(400, "body is not valid JSON", "invalid_json") from None
+        raw = doc.get("assignments") if isinstance(doc, dict) else None
+        if not isinstance(raw, list) or not raw:
+            raise HttpError(
+                400, 'expected {"assignments": [{"signed", "signature"}, ...]}', "invalid_body"
+            )
+        if len(raw) > MAX_ASSIGNMENTS_PER_POST:
+            raise HttpError(
+                413, f"at most {MAX_ASSIGNMENTS_PER_POST} assignments per request", "too_large"
+            )
+        try:
+            items = [SignedAssignment.from_json(item) for item in raw]
+        except DecodeError as exc:
+            raise HttpError(400, f"malformed assignment: {exc}", "invalid_assignment") from None
+        now = self.wall_clock()
+        results = []
+        for item in items:
+            outcome = self.core.publish_assignment(item, now)
+            results.append({"target": item.target, "result": outcome.value})
+            log.info(
+                "assignment for %s (plan %s, operator %s): %s",
+                item.target[:8],
+                item.body.plan_id,
+                item.operator,
+                outcome.value,
+            )
+        return json_response({"results": results})
+
+    async def workload(self, query: list[tuple[str, str]]) -> Response:
+        params = dict(query)
+        unknown = set(params) - {"window"}
+        if unknown:
+            raise HttpError(
+                400,
+                f"unknown query parameter {sorted(unknown)[0]!r} (use window)",
+                "invalid_parameter",
+            )
+        try:
+            window = float(params.get("window", DEFAULT_WORKLOAD_WINDOW_S))
+        except ValueError:
+            window = math.nan
+        if not 0 < window <= 366 * 86400:
+            raise HttpError(400, "window: expected seconds, more than 0", "invalid_parameter")
+        path = self.request_log_path
+        if path is None:
+            return json_response({"window_s": window, "models": {}, "request_log": None})
+        now = self.wall_clock()
+        try:
+            records = await trio.to_thread.run_sync(_read_log, path)
+        except FabricError as exc:
+            raise HttpError(500, str(exc), "request_log_unreadable") from None
+        recent = [r for r in records if r.t >= now - window]
+        return json_response(
+            {"window_s": window, "models": workload_sums(recent), "request_log": str(path)}
+        )
+
+    def metrics(self, query: list[tuple[str, str]]) -> Response:
+        body = render_metrics(self).encode()
+        if self.extra_metrics is not None:
+            body += self.extra_metrics()
+        return Response(200, body, METRICS_CONTENT_TYPE)
+
+
+def render_metrics(app: AdminApp) -> str:
+    core = app.core
+    stats = core.statistics()
+    registry = core.registry.statistics()
+    m = MetricsText()
+    m.gauge("info", "Agent identity", 1, {"session_id": core.self_id, "provider": _provider(app)})
+    m.gauge("ready", "1 once the agent has joined the mesh", int(app.is_ready()))
+    m.gauge("left", "1 once the agent has signed LEFT", int(core.left))
+    m.gauge("uptime_seconds", "Seconds since the agent started", app.wall_clock() - app.started_at)
+    for state, count in registry.by_state.items():
+        m.gauge("registry_entries", "Registry entries by lifecycle state", count, {"state": state})
+    m.gauge("registry_tombstones", "Collected sessions remembered as tombstones", stats.tombstones)
+    for outcome, count in stats.merges.items():
+        m.counter("registry_merges_total", "Merges by outcome", count, {"outcome": outcome})
+    for liveness, count in stats.members.items():
+        m.gauge("members", "Members by local liveness view", count, {"liveness": liveness})
+    m.gauge("gossip_incarnation", "Our liveness incarnation (refutations)", stats.incarnation)
+    m.counter("gossip_packets_in_total", "Sealed packets received", stats.packets_in)
+    m.counter("gossip_packets_out_total", "Sealed packets sent", stats.packets_out)
+    m.counter("gossip_bytes_in_total", "Sealed bytes received", stats.bytes_in)
+    m.counter("gossip_bytes_out_total", "Sealed bytes sent", stats.bytes_out)
+    for reason, count in sorted(stats.dropped.items()):
+        m.counter("gossip_dropped_total", "Inputs dropped, by reason", count, {"reason": reason})
+    m.gauge("gossip_broadcast_queue", "Records waiting to be gossiped", stats.broadcast_queue)
+    m.gauge("gossip_load_queue", "Load reports waiting to be gossiped", stats.load_queue)
+    m.counter("signatures_verified_total", "Ed25519 verifications", core.verifier.verified)
+    m.counter("signature_cache_hits_total", "Verifications saved", core.verifier.cache_hits)
+    if app.transport is not None:
+        t = app.transport.statistics()
+        m.counter("transport_datagrams_in_total", "UDP datagrams received", t.datagrams_in)
+        m.counter("transport_datagrams_out_total", "UDP datagrams sent", t.datagrams_out)
+        m.counter("transport_streams_in_total", "TCP frames received", t.streams_in)
+        m.counter("transport_streams_out_total", "TCP frames sent", t.streams_out)
+        m.counter("transport_send_errors_total", "Sends that failed", t.send_errors)
+        m.counter("transport_oversized_total", "Packets over the size limit", t.oversized)
+    if app.keyring is not None:
+        m.counter(
+            "keyring_reloads_total", "Cluster keyring file reloads", app.keyring.keyring_reloads
+        )
+        m.counter(
+            "keyring_reload_errors_total",
+            "Keyring file edits that could not be loaded",
+            app.keyring.keyring_errors,
+        )
+    m.gauge("cluster_keys", "Keys in the cluster keyring", len(core.keyring.keys))
+    m.counter("admin_requests_total", "Requests to the admin API", app.requests)
+    return m.render()
+
+
+def _provider(app: AdminApp) -> str:
+    return app.core.self_entry.body.provider
+
+
+def _read_log(path: Path) -> list[TraceRecord]:
+    if not request_log_files(path):
+        return []  # nothing logged yet
+    return read_request_log(path, include_rotated=True)
+
+
+async def _read_body(receive: Receive, limit: int) -> bytes:
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            raise HttpError(400, "request body incomplete", "invalid_body")
+        chunk = bytes(message.get("body", b""))
+        size += len(chunk)
+        if size > limit:
+            raise HttpError(413, f"body larger than {limit} bytes", "too_large")
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def _query(scope: Scope) -> list[tuple[str, str]]:
+    raw = scope.get("query_string", b"")
+    return parse_qsl(raw.decode("latin-1"), keep_blank_values=True)

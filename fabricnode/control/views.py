@@ -1,0 +1,170 @@
+"""JSON views of the registry, as the admin API and ``fabric --json`` show them (SPEC "Registry
+entry").
+
+A view joins three things that live apart on purpose: the owner-signed entry (what a node says
+about itself), this agent's *local* liveness view of it (a crashed node cannot sign its own
+death, so liveness is never part of the entry), and the latest unsigned load report. Keys are
+stable and always present (``null`` when unknown), so scripts can rely on the shape.
+
+Entry view keys, in order: ``session_id, provider, verified_provider, state, version,
+liveness, addresses{http,gossip}, hardware{gpu_type,gpu_count,gpu_memory_gb,host},
+engine{kind,version,url}, models[{id,max_model_len,quantization}], labels{}, load{waiting,
+running,kv_usage,inflight,updated_at}|null, started_at, updated_at, expires_at`` (times are Unix
+seconds). ``verified_provider`` is the fingerprint of a provider key that certified the session,
+or ``null``: the free-text ``provider`` is only a claim.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from fabricnode.mesh.core import MeshCore
+from fabricnode.mesh.membership import Liveness
+from fabricnode.mesh.registry import SignedEntry, State
+
+Json = dict[str, Any]
+
+
+def liveness_of(core: MeshCore, entry: SignedEntry) -> Liveness:
+    """This agent's view; a signed LEFT is final whatever the member table says.
+
+    A session known only from its entry (not yet probed, or already forgotten by the member
+    table) counts as alive, exactly as ``membership`` treats it.
+    """
+    if entry.body.state == State.LEFT:
+        return Liveness.LEFT
+    status = core.liveness(entry.session_id)
+    return Liveness.ALIVE if status is None else status
+
+
+def entry_view(core: MeshCore, entry: SignedEntry, now: float) -> Json:
+    body = entry.body
+    load = core.loads.get(entry.session_id)
+    return {
+        "session_id": body.session_id,
+        "provider": body.provider,
+        "verified_provider": entry.verified_provider(now, core.verifier),
+        "state": body.state.label,
+        "version": body.version,
+        "liveness": liveness_of(core, entry).label,
+        "addresses": {"http": body.addresses.http, "gossip": body.addresses.gossip},
+        "hardware": {
+            "gpu_type": body.hardware.gpu_type,
+            "gpu_count": body.hardware.gpu_count,
+            "gpu_memory_gb": body.hardware.gpu_memory_gb,
+            "host": body.hardware.host,
+        },
+        "engine": {
+            "kind": body.engine.kind,
+            "version": body.engine.version,
+            "url": body.engine.url,
+        },
+        "models": [
+            {"id": m.id, "max_model_len": m.max_model_len, "quantization": m.quantization}
+            for m in body.models
+        ],
+        "labels": dict(body.labels),
+        "load": None
+        if load is None
+        else {
+            "waiting": load.waiting,
+            "running": load.running,
+            "kv_usage": load.kv_usage,
+            "inflight": load.inflight,
+            "updated_at": load.at,
+        },
+        "started_at": body.started_at,
+        "updated_at": body.updated_at,
+        "expires_at": body.expires_at,
+    }
+
+
+def node_views(
+    core: MeshCore,
+    now: float,
+    *,
+    state: State | None = None,
+    model: str | None = None,
+    gpu: str | None = None,
+    labels: Iterable[tuple[str, str]] = (),
+) -> list[Json]:
+    """Entries matching every filter given, ordered by session id (stable across calls)."""
+    entries = core.registry.query(state=state, model=model, gpu=gpu, labels=labels)
+    return [entry_view(core, e, now) for e in sorted(entries, key=lambda e: e.session_id)]
+
+
+def match_sessions(core: MeshCore, prefix: str) -> list[SignedEntry]:
+    """Entries whose session id is ``prefix`` or starts with it (an exact match wins)."""
+    prefix = prefix.lower()
+    exact = core.registry.get(prefix)
+    if exact is not None:
+        return [exact]
+    if not prefix:
+        return []
+    return sorted(
+        (e for e in core.registry if e.session_id.startswith(prefix)),
+        key=lambda e: e.session_id,
+    )
+
+
+def models_view(core: MeshCore, now: float) -> list[Json]:
+    """Per model announced by a JOIN or SERVING entry: where it runs and its aggregate load.
+
+    ``nodes`` counts the SERVING entries this agent does not know dead or left, as
+    ``/v1/models`` does (``routetable.RouteTable.listing``); ``serving`` only those it sees
+    alive (not suspect: the ones a request goes to first). ``gpu_types``, ``gpus`` and the load
+    (the latest reports summed; ``kv_usage`` their mean) are of the ``nodes`` nodes, so a
+    crashed node's hardware and last report drop out. ``max_model_len``, ``quantizations`` and
+    ``providers`` are of every announcing entry.
+    """
+    acc: dict[str, Json] = {}
+    for entry in sorted(core.registry, key=lambda e: e.session_id):
+        body = entry.body
+        if body.state not in (State.JOIN, State.SERVING):
+            continue
+        live = liveness_of(core, entry)
+        counted = body.state == State.SERVING and live not in (Liveness.DEAD, Liveness.LEFT)
+        load = core.loads.get(entry.session_id)
+        for m in body.models:
+            row = acc.setdefault(
+                m.id,
+                {
+                    "id": m.id,
+                    "nodes": 0,
+                    "serving": 0,
+                    "gpu_types": set(),
+                    "gpus": 0,
+                    "max_model_len": None,
+                    "quantizations": set(),
+                    "providers": set(),
+                    "load": {"waiting": 0, "running": 0, "inflight": 0, "kv_usage": []},
+                },
+            )
+            if m.max_model_len is not None:
+                row["max_model_len"] = max(row["max_model_len"] or 0, m.max_model_len)
+            if m.quantization:
+                row["quantizations"].add(m.quantization)
+            row["providers"].add(body.provider)
+            if not counted:
+                continue
+            row["nodes"] += 1
+            if live == Liveness.ALIVE:
+                row["serving"] += 1
+            if body.hardware.gpu_type:
+                row["gpu_types"].add(body.hardware.gpu_type)
+            row["gpus"] += body.hardware.gpu_count
+            if load is not None:
+                row["load"]["waiting"] += load.waiting
+                row["load"]["running"] += load.running
+                row["load"]["inflight"] += load.inflight
+                row["load"]["kv_usage"].append(load.kv_usage)
+    out = []
+    for model_id in sorted(acc):
+        row = acc[model_id]
+        usages: list[float] = row["load"]["kv_usage"]
+        row["load"]["kv_usage"] = sum(usages) / len(usages) if usages else None
+        for key in ("gpu_types", "quantizations", "providers"):
+            row[key] = sorted(row[key])
+        out.append(row)
+    return out

@@ -1,0 +1,33 @@
+"""The data plane's limits and timeouts (its own module so ``config`` can import it cheaply)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fabricnode.dataplane import routing
+
+
+@dataclass(frozen=True)
+class IngressConfig:
+    """Every data-plane limit and timeout, with its unit in the name."""
+
+    max_body_bytes: int = 16 * 1024 * 1024
+    max_head_bytes: int = 32 * 1024
+    max_headers: int = 100
+    max_connections: int = 4096
+    request_timeout_s: float = 30.0  # a request's head and body must arrive within this
+    keepalive_timeout_s: float = 75.0  # idle time between requests on a connection
+    connect_timeout_s: float = 3.0
+    # Until the response head: long, because a non-streamed answer of a reasoning model only
+    # starts when it is complete. A node that goes DOWN or dead meanwhile is given up at once.
+    first_byte_timeout_s: float = 1800.0
+    stream_idle_timeout_s: float = 600.0  # between body bytes of a response
+    max_attempts: int = 3
+    retry_budget_s: float = 60.0
+    eject_base_s: float = 2.0
+    eject_max_s: float = 60.0
+    hold_max_s: float = 2.0  # pending-aware policy: longest an ingress holds a request
+    retry_after_s: int = 1
+    policy: str = routing.DEFAULT_POLICY
+    watchdog_interval_s: float = 0.5
+    forward_max_skew_s: float = 30.0

@@ -1,0 +1,242 @@
+"""Which nodes may take a request: the registry, reduced to what the ingress needs per model.
+
+``RouteTable`` caches, per model, the SERVING entries with their static routing facts
+(``routing.NodeInfo``), and rebuilds only when the registry's ``generation`` moves, so the hot
+path does a dict lookup instead of walking and verifying entries. Per request it adds what
+changes by the millisecond: local liveness (the SWIM view), the circuit breaker, the last
+gossiped load report and this ingress's own in-flight count (``eligible``).
+
+Filter order (issue: filters before the policy): model served → SERVING, lease not expired,
+locally alive (DEAD/LEFT never; SUSPECT only when no ALIVE node is left) → provider allowlist
+against the *verified* provider → ``X-Fabric-Require`` constraints → not ejected by the circuit
+breaker (unless every remaining node is: then they are tried anyway, a breaker must not turn a
+brief blip into an outage).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+
+from fabricnode.addr import split_hostport
+from fabricnode.dataplane.routing import (
+    Candidate,
+    LoadSnapshot,
+    NodeInfo,
+    Requirements,
+    meets,
+    provider_allowed,
+)
+from fabricnode.errors import ConfigError
+from fabricnode.mesh.core import MeshCore
+from fabricnode.mesh.membership import Liveness
+from fabricnode.mesh.registry import SignedEntry, State
+from fabricnode.mesh.wire import Load
+
+Origin = tuple[str, int]
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """One node serving one model."""
+
+    info: NodeInfo
+    origin: Origin  # the node agent's HTTP address
+    expires_at: float
+    is_self: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ModelListing:
+    id: str
+    max_model_len: int | None
+    nodes: int
+    created: int
+
+
+class CircuitBreaker:
+    """Ejects a node for a while after it failed a request; doubles on repeated failures."""
+
+    def __init__(self, *, base_s: float = 2.0, max_s: float = 60.0) -> None:
+        self.base_s = base_s
+        self.max_s = max_s
+        self._until: dict[str, float] = {}
+        self._failures: dict[str, int] = {}
+        self.ejections = 0
+
+    def ejected(self, sid: str, now: float) -> bool:
+        until = self._until.get(sid)
+        return until is not None and until > now
+
+    def failed(self, sid: str, now: float) -> None:
+        n = self._failures.get(sid, 0) + 1
+        self._failures[sid] = n
+        self._until[sid] = now + min(self.max_s, self.base_s * (2 ** (n - 1)))
+        self.ejections += 1
+
+    def succeeded(self, sid: str) -> None:
+        if sid in self._failures:
+            del self._failures[sid]
+            self._until.pop(sid, None)
+
+    def forget(self, sid: str) -> None:
+        self._failures.pop(sid, None)
+        self._until.pop(sid, None)
+
+
+class RouteTable:
+    def __init__(self, core: MeshCore, wall_clock: Callable[[], float]) -> None:
+        self.core = core
+        self.wall_clock = wall_clock
+        self._generation = -1
+        self._self_id = ""
+        self._by_model: dict[str, list[Route]] = {}
+        self._listing: list[ModelListing] = []
+        self._snapshots: dict[str, tuple[Load, LoadSnapshot]] = {}
+        self.rebuilds = 0
+        self.removed: list[str] = []  # sessions that left the table since the last take
+
+    def _refresh(self) -> None:
+        core = self.core
+        if core.registry.generation == self._generation and core.self_id == self._self_id:
+            return
+        self._generation = core.registry.generation
+        self._self_id = core.self_id
+        now = self.wall_clock()
+        before = {r.info.session_id for routes in self._by_model.values() for r in routes}
+        by_model: dict[str, list[Route]] = {}
+        for entry in core.registry:
+            body = entry.body
+            if body.state != State.SERVING or not body.addresses.http:
+                continue
+            origin = _origin(body.addresses.http)
+            if origin is None:
+                continue
+            verified = entry.verified_provider(now, core.verifier)
+            for model in body.models:
+                info = NodeInfo(
+                    session_id=body.session_id,
+                    url=body.addresses.http,
+                    provider=body.provider,
+                    verified_provider=verified,
+                    certified_name=body.provider if verified else None,
+                    gpu_type=body.hardware.gpu_type,
+                    gpu_count=body.hardware.gpu_count,
+                    max_model_len=model.max_model_len,
+                    quantization=model.quantization,
+                )
+                route = Route(info, origin, body.expires_at, body.session_id == core.self_id)
+                by_model.setdefault(model.id, []).append(route)
+        self._by_model = by_model
+        self._listing = _listing(core, by_model)
+        after = {r.info.session_id for routes in by_model.values() for r in routes}
+        self.removed.extend(before - after)
+        self.rebuilds += 1
+
+    def routes(self, model: str) -> list[Route] | None:
+        """Every SERVING entry that announces ``model`` (None: nobody announces it)."""
+        self._refresh()
+        return self._by_model.get(model)
+
+    def listing(self) -> list[ModelListing]:
+        """Models with at least one SERVING node that is not known dead (``/v1/models``), each
+        with the number of such nodes (liveness is not part of the cached table: count now)."""
+        self._refresh()
+        core = self.core
+        out = []
+        for m in self._listing:
+            usable = sum(_usable(core, r) for r in self._by_model.get(m.id, ()))
+            if usable:
+                out.append(m if usable == m.nodes else replace(m, nodes=usable))
+        return out
+
+    def take_removed(self) -> list[str]:
+        removed, self.removed = self.removed, []
+        return removed
+
+    def load_of(self, sid: str) -> LoadSnapshot | None:
+        load = self.core.loads.get(sid)
+        if load is None:
+            return None
+        cached = self._snapshots.get(sid)
+        if cached is not None and cached[0] is load:
+            return cached[1]
+        snap = LoadSnapshot(load.waiting, load.running, load.kv_usage, load.inflight, load.at)
+        self._snapshots[sid] = (load, snap)
+        return snap
+
+    def eligible(
+        self,
+        routes: list[Route],
+        *,
+        now: float,
+        wall_now: float,
+        inflight: Mapping[str, int],
+        breaker: CircuitBreaker,
+        providers: frozenset[str],
+        requirements: Requirements | None,
+        exclude: str | None = None,
+    ) -> list[Candidate]:
+        """Candidates that pass every filter, ALIVE ones before SUSPECT ones."""
+        core = self.core
+        alive: list[Candidate] = []
+        suspect: list[Candidate] = []
+        ejected: list[Candidate] = []
+        for r in routes:
+            info = r.info
+            sid = info.session_id
+            if r.expires_at <= wall_now or sid == exclude:
+                continue
+            if r.is_self:
+                if core.left:
+                    continue
+                status: Liveness | None = Liveness.ALIVE
+            else:
+                status = core.members.status(sid)
+            if status is Liveness.DEAD or status is Liveness.LEFT:
+                continue
+            if providers and not provider_allowed(info, providers):
+                continue
+            if requirements is not None and not meets(info, requirements):
+                continue
+            cand = Candidate(info, self.load_of(sid), inflight.get(sid, 0))
+            if breaker.ejected(sid, now):
+                ejected.append(cand)
+            elif status is Liveness.SUSPECT:
+                suspect.append(cand)
+            else:
+                alive.append(cand)
+        return alive or suspect or ejected
+
+
+def _usable(core: MeshCore, r: Route) -> bool:
+    if r.is_self:
+        return not core.left
+    status = core.members.status(r.info.session_id)
+    return status is not Liveness.DEAD and status is not Liveness.LEFT
+
+
+def _listing(core: MeshCore, by_model: Mapping[str, list[Route]]) -> list[ModelListing]:
+    out = []
+    for model_id in sorted(by_model):
+        routes = by_model[model_id]
+        lens = [r.info.max_model_len for r in routes if r.info.max_model_len]
+        created = min(int(_started(core, r)) for r in routes)
+        out.append(ModelListing(model_id, max(lens) if lens else None, len(routes), created))
+    return out
+
+
+def _started(core: MeshCore, r: Route) -> float:
+    entry: SignedEntry | None = core.registry.get(r.info.session_id)
+    return entry.body.started_at if entry is not None else 0.0
+
+
+def _origin(url: str) -> Origin | None:
+    rest = url.split("://", 1)[-1].split("/", 1)[0]
+    try:
+        host, port = split_hostport(rest)
+    except ConfigError:
+        return None
+    if not host or not port:
+        return None
+    return host, port

@@ -1,0 +1,216 @@
+"""The engine service: the supervised child's lifecycle, as the mesh sees it.
+
+    spawn ── loading ──► /health + /v1/models answer ──► SERVING (models, engine kind, url)
+                │                                         │ scrape /metrics every
+                │                                         │ ``metrics_interval_s`` → load channel
+                └── exits, or stops answering /health ────┴─► DOWN signed and pushed at once
+
+A child exit is noticed through its pidfd the moment it happens, so DOWN reaches the mesh in
+well under a second. A hang (no /health answer ``unhealthy_after`` times in a row) is DOWN too,
+and the hung child is stopped. On shutdown the agent signs LEFT first, then calls ``stop``.
+
+Restart policy (``restart``: ``no``, ``on-failure`` — a non-zero exit or a hang — or
+``always``; at most ``max_restarts`` times, waiting ``restart_backoff_s`` times the attempt
+number): a restarted engine is a new session. ``new_session`` (from the agent) retires the
+old session as LEFT and continues under a fresh key from JOIN, so nothing the old engine
+announced carries over.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import trio
+
+from fabricnode.engine.command import EngineCommand, option_values
+from fabricnode.engine.metrics import engine_load, parse_samples
+from fabricnode.engine.process import EngineError, EngineProcess, wait_ready
+from fabricnode.mesh.core import MeshCore
+from fabricnode.mesh.registry import EngineInfo, ModelInfo, State
+from fabricnode.mesh.service import GossipService
+
+log = logging.getLogger("fabricnode.engine.service")
+
+RESTART_POLICIES = ("no", "on-failure", "always")
+
+
+@dataclass(frozen=True)
+class EngineStatistics:
+    state: str  # loading | serving | down | stopped
+    pid: int | None
+    returncode: int | None
+    scrapes: int
+    scrape_errors: int
+
+
+class EngineService:
+    def __init__(
+        self,
+        command: EngineCommand,
+        core: MeshCore,
+        gossip: GossipService,
+        *,
+        log_path: Path | None = None,
+        wall_clock: Callable[[], float] = time.time,
+        metrics_interval_s: float = 0.5,
+        health_interval_s: float = 1.0,
+        unhealthy_after: int = 3,
+        kill_after_s: float = 10.0,
+        restart: str = "no",
+        max_restarts: int = 3,
+        restart_backoff_s: float = 1.0,
+        new_session: Callable[[], None] | None = None,
+        inflight: Callable[[], int] = lambda: 0,
+    ) -> None:
+        if restart not in RESTART_POLICIES:
+            raise ValueError(f"restart policy {restart!r} not in {RESTART_POLICIES}")
+        self.command = command
+        self.core = core
+        self.gossip = gossip
+        self.wall_clock = wall_clock
+        self.metrics_interval_s = metrics_interval_s
+        self.health_interval_s = health_interval_s
+        self.unhealthy_after = unhealthy_after
+        self.log_path = log_path
+        self.kill_after_s = kill_after_s
+        self.restart = restart
+        self.max_restarts = max_restarts
+        self.restart_backoff_s = restart_backoff_s
+        self.new_session = new_session
+        self.inflight = inflight  # requests the agent has in flight to the engine
+        self.restarts = 0
+        self.process = self._new_process()
+        self.state = "loading"
+        self.stopping = False
+        self.scrapes = 0
+        self.scrape_errors = 0
+
+    def statistics(self) -> EngineStatistics:
+        return EngineStatistics(
+            self.state, self.process.pid, self.process.returncode, self.scrapes, self.scrape_errors
+        )
+
+    def _new_process(self) -> EngineProcess:
+        return EngineProcess(
+            self.command.argv, log_path=self.log_path, kill_after_s=self.kill_after_s
+        )
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        started = False
+        async with httpx.AsyncClient() as client:
+            while True:
+                async with trio.open_nursery() as nursery:
+                    await nursery.start(self.process.run)
+                    if not started:
+                        task_status.started()
+                        started = True
+                    nursery.start_soon(self._serve, client)
+                    await self.process.exited.wait()
+                    nursery.cancel_scope.cancel()
+                if self.stopping:
+                    return
+                code = self.process.returncode
+                self._mark_down(f"engine exited with status {code}")
+                if not self._should_restart(code):
+                    return
+                self.restarts += 1
+                await trio.sleep(self.restart_backoff_s * self.restarts)
+                if self.stopping:
+                    return
+                log.info("restarting the engine (%d of %d)", self.restarts, self.max_restarts)
+                if self.new_session is not None:
+                    self.new_session()
+                self.state = "loading"
+                self.process = self._new_process()
+
+    def _should_restart(self, code: int | None) -> bool:
+        if self.restarts >= self.max_restarts or self.restart == "no":
+            return False
+        return self.restart == "always" or code != 0
+
+    async def stop(self) -> None:
+        """Stop the child (after the agent signed LEFT): group SIGTERM, then SIGKILL."""
+        self.stopping = True
+        await self.process.stop()
+        if self.state != "down":
+            self.state = "stopped"
+
+    async def _serve(self, client: httpx.AsyncClient) -> None:
+        url = self.command.url
+        try:
+            models = await wait_ready(url, client=client, exited=self.process.exited)
+        except EngineError:
+            return  # the exit watcher marks DOWN
+        if self.stopping:
+            return
+        version = await self._engine_version(client)
+        quant = option_values(self.command.argv, "--quantization", "-q")
+        quantization = quant[-1][:64] if quant else None
+        self.core.update_self(
+            self.wall_clock(),
+            state=State.SERVING,
+            models=tuple(ModelInfo(m.id, m.max_model_len, quantization) for m in models),
+            engine=EngineInfo(self.command.kind, version, url),
+        )
+        self.gossip.poke()
+        self.state = "serving"
+        log.info("engine ready at %s: serving %s", url, ", ".join(m.id for m in models))
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._scrape_metrics, client)
+            await self._watch_health(client)
+            nursery.cancel_scope.cancel()
+        # Hung: DOWN first (routing stops at once), then stop the child; the exit watcher
+        # will see it exit and leave DOWN as it is.
+        self._mark_down(f"engine stopped answering {url}/health")
+        await self.process.stop()
+
+    async def _engine_version(self, client: httpx.AsyncClient) -> str:
+        """``/version`` as vLLM (and the simulated engine) answer it; "" when not offered."""
+        try:
+            r = await client.get(f"{self.command.url}/version", timeout=2.0)
+            version = r.json().get("version") if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return ""
+        return version[:64] if isinstance(version, str) else ""
+
+    async def _watch_health(self, client: httpx.AsyncClient) -> None:
+        failures = 0
+        while failures < self.unhealthy_after:
+            await trio.sleep(self.health_interval_s)
+            try:
+                r = await client.get(f"{self.command.url}/health", timeout=self.health_interval_s)
+                failures = 0 if r.status_code == 200 else failures + 1
+            except httpx.HTTPError:
+                failures += 1
+
+    async def _scrape_metrics(self, client: httpx.AsyncClient) -> None:
+        while True:
+            try:
+                r = await client.get(f"{self.command.url}/metrics", timeout=2.0)
+                r.raise_for_status()
+                load = engine_load(parse_samples(r.text))
+                self.scrapes += 1
+                self.core.publish_load(
+                    self.wall_clock(),
+                    waiting=load.waiting,
+                    running=load.running,
+                    kv_usage=min(1.0, max(0.0, load.kv_usage)),
+                    inflight=self.inflight(),
+                )
+                self.gossip.poke()
+            except httpx.HTTPError:
+                self.scrape_errors += 1
+            await trio.sleep(self.metrics_interval_s)
+
+    def _mark_down(self, why: str) -> None:
+        if self.state == "down" or self.core.left:
+            return
+        self.state = "down"
+        log.warning("%s: announcing DOWN", why)
+        self.core.update_self(self.wall_clock(), state=State.DOWN)
+        self.gossip.poke()

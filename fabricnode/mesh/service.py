@@ -1,0 +1,282 @@
+"""The gossip service: drives a ``MeshCore`` with real time and real sockets (trio shell).
+
+One UDP socket carries probes and piggybacked gossip; a TCP listener on the same port number
+carries anti-entropy and other reliable messages as one length-prefixed frame per connection
+(sealed exactly like a datagram). The transport is a seam: ``UdpTcpTransport`` for real
+sockets, ``fabricnode.testing.fakenet`` for a seeded lossy network under trio's MockClock.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import struct
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import trio
+
+from fabricnode.addr import join_hostport, split_hostport
+from fabricnode.errors import ConfigError, FabricError
+from fabricnode.mesh.core import MeshCore
+from fabricnode.mesh.keyring import Keyring, file_signature
+
+log = logging.getLogger("fabricnode.mesh.service")
+
+FRAME_HEADER = struct.Struct("!I")
+
+
+class Transport(Protocol):
+    local_addr: str
+
+    async def send(self, addr: str, data: bytes, reliable: bool) -> None:
+        """Send one sealed packet; failures are counted, never raised."""
+
+    async def receive(self) -> tuple[bytes, str | None, bool]:
+        """Next packet: (data, source address or None, arrived over a stream)."""
+        ...
+
+
+@dataclass(frozen=True)
+class TransportStatistics:
+    datagrams_in: int
+    datagrams_out: int
+    streams_in: int
+    streams_out: int
+    send_errors: int
+    oversized: int
+    stream_errors: int = 0  # incoming connections that broke mid-frame
+
+
+class UdpTcpTransport:
+    """UDP for datagrams, short-lived TCP connections for reliable frames, one port number."""
+
+    def __init__(
+        self,
+        udp: trio.socket.SocketType,
+        listeners: list[trio.SocketListener],
+        advertise_host: str,
+        *,
+        max_datagram_bytes: int = 65507,
+        max_frame_bytes: int = 16 * 1024 * 1024,
+        stream_timeout_s: float = 5.0,
+    ) -> None:
+        self._udp = udp
+        self._listeners = listeners
+        port = udp.getsockname()[1]
+        self.local_addr = join_hostport(advertise_host, port)
+        self.max_datagram_bytes = max_datagram_bytes
+        self.max_frame_bytes = max_frame_bytes
+        self.stream_timeout_s = stream_timeout_s
+        self._send_in, self._recv_out = trio.open_memory_channel[tuple[bytes, str | None, bool]](
+            1024
+        )
+        self._stream_limit = trio.CapacityLimiter(32)
+        self._nursery: trio.Nursery | None = None
+        self.datagrams_in = self.datagrams_out = self.streams_in = self.streams_out = 0
+        self.send_errors = self.oversized = self.stream_errors = 0
+
+    @classmethod
+    async def bind(cls, host: str, port: int, advertise_host: str) -> UdpTcpTransport:
+        """Bind UDP and TCP on the same port (port 0: find one free for both)."""
+        last_error: OSError | None = None
+        for _ in range(20):
+            udp = trio.socket.socket(
+                socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM
+            )
+            try:
+                await udp.bind((host, port))
+                bound_port = udp.getsockname()[1]
+                listeners = await trio.open_tcp_listeners(bound_port, host=host)
+                return cls(udp, listeners, advertise_host)
+            except OSError as exc:
+                udp.close()
+                last_error = exc
+                if port != 0:
+                    break
+        raise ConfigError(f"cannot bind gossip on {join_hostport(host, port)}: {last_error}")
+
+    def statistics(self) -> TransportStatistics:
+        return TransportStatistics(
+            self.datagrams_in,
+            self.datagrams_out,
+            self.streams_in,
+            self.streams_out,
+            self.send_errors,
+            self.oversized,
+            self.stream_errors,
+        )
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            nursery.start_soon(self._udp_loop)
+            nursery.start_soon(trio.serve_listeners, self._handle_stream, self._listeners)
+            task_status.started()
+
+    async def _udp_loop(self) -> None:
+        while True:
+            data, source = await self._udp.recvfrom(65536)
+            self.datagrams_in += 1
+            try:
+                self._send_in.send_nowait((data, join_hostport(source[0], source[1]), False))
+            except trio.WouldBlock:
+                self.send_errors += 1  # receiver overloaded: dropping is what UDP would do
+
+    async def _handle_stream(self, stream: trio.SocketStream) -> None:
+        async with stream:
+            with trio.move_on_after(self.stream_timeout_s):
+                try:
+                    header = await _receive_exactly(stream, FRAME_HEADER.size)
+                    if header is None:
+                        return
+                    (length,) = FRAME_HEADER.unpack(header)
+                    if length > self.max_frame_bytes:
+                        self.oversized += 1
+                        return
+                    body = await _receive_exactly(stream, length)
+                except trio.BrokenResourceError:
+                    # The peer reset the connection: its problem, never the listener's.
+                    self.stream_errors += 1
+                    return
+                if body is None:
+                    return
+                self.streams_in += 1
+                await self._send_in.send((body, None, True))
+
+    async def receive(self) -> tuple[bytes, str | None, bool]:
+        return await self._recv_out.receive()
+
+    async def send(self, addr: str, data: bytes, reliable: bool) -> None:
+        try:
+            host, port = split_hostport(addr)
+        except ConfigError:
+            self.send_errors += 1
+            return
+        if not reliable:
+            if len(data) > self.max_datagram_bytes:
+                self.oversized += 1
+                return
+            try:
+                await self._udp.sendto(data, (host, port))
+                self.datagrams_out += 1
+            except OSError:
+                self.send_errors += 1
+            return
+        if self._nursery is None:
+            self.send_errors += 1
+            return
+        self._nursery.start_soon(self._send_stream, host, port, data)
+
+    async def _send_stream(self, host: str, port: int, data: bytes) -> None:
+        async with self._stream_limit:
+            try:
+                with trio.fail_after(self.stream_timeout_s):
+                    stream = await trio.open_tcp_stream(host, port)
+                    async with stream:
+                        await stream.send_all(FRAME_HEADER.pack(len(data)) + data)
+                self.streams_out += 1
+            except (OSError, trio.TooSlowError, trio.BrokenResourceError):
+                self.send_errors += 1
+
+
+async def _receive_exactly(stream: trio.SocketStream, n: int) -> bytes | None:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = await stream.receive_some(min(65536, n - len(buf)))
+        if not chunk:
+            return None
+        buf += chunk
+    return bytes(buf)
+
+
+class GossipService:
+    """Runs the core's timers, feeds it packets and sends what it asks for."""
+
+    def __init__(
+        self,
+        core: MeshCore,
+        transport: Transport,
+        *,
+        wall_clock: Callable[[], float] = time.time,
+        keyring_path: Path | None = None,
+        keyring_poll_s: float = 1.0,
+    ) -> None:
+        self.core = core
+        self.transport = transport
+        self.wall_clock = wall_clock
+        self.keyring_path = keyring_path
+        self.keyring_poll_s = keyring_poll_s
+        self._wake = trio.Event()
+        self.keyring_reloads = 0
+        self.keyring_errors = 0
+
+    def poke(self) -> None:
+        """Re-evaluate timers now (after our entry, load or keys changed outside the loop)."""
+        self._wake.set()
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._receive_loop)
+            if self.keyring_path is not None:
+                nursery.start_soon(self._watch_keyring, self.keyring_path)
+            nursery.start_soon(self._timer_loop)
+            task_status.started()
+
+    async def flush(self) -> None:
+        for out in self.core.take_outbound():
+            await self.transport.send(out.addr, out.data, out.reliable)
+
+    async def _timer_loop(self) -> None:
+        while True:
+            self.core.tick(self.wall_clock())
+            await self.flush()
+            delay = self.core.next_deadline() - self.wall_clock()
+            if delay > 0:
+                with trio.move_on_after(delay):
+                    await self._wake.wait()
+            else:
+                await trio.lowlevel.checkpoint()
+            self._wake = trio.Event()
+
+    async def _receive_loop(self) -> None:
+        while True:
+            data, source, stream = await self.transport.receive()
+            self.core.receive(data, self.wall_clock(), source, stream=stream)
+            await self.flush()
+            self._wake.set()
+
+    async def _watch_keyring(self, path: Path) -> None:
+        seen = file_signature(path)
+        while True:
+            await trio.sleep(self.keyring_poll_s)
+            current = file_signature(path)
+            if current == seen or current is None:
+                continue
+            seen = current
+            try:
+                ring = Keyring.load(path)
+            except FabricError as exc:
+                self.keyring_errors += 1
+                log.warning("keyring %s not reloaded: %s", path, exc)
+                continue
+            self.core.keyring.replace_with(ring)
+            self.keyring_reloads += 1
+            log.info(
+                "keyring reloaded: keys %s, primary %s",
+                ",".join(ring.key_ids()),
+                ring.primary.hex(),
+            )
+
+    async def leave(self, linger_s: float = 1.0) -> None:
+        """Sign LEFT, push it, and keep gossiping it for ``linger_s`` so it spreads."""
+        self.core.leave(self.wall_clock())
+        await self.flush()
+        with trio.move_on_after(linger_s):
+            while True:
+                self.core.tick(self.wall_clock())
+                await self.flush()
+                await trio.sleep(self.core.config.gossip_interval_s)

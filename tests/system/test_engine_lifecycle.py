@@ -1,0 +1,215 @@
+"""`fabric start -- ENGINE_CMD` with real processes: SERVING, load, crash/hang → DOWN, leave."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from cli.localmesh import AgentProcess, LocalMesh, wait_until
+from fabricnode.control.client import AdminClient
+from fabricnode.errors import AgentApiError
+from tests.support import SUPPORT
+from tests.support.meshview import entry, free_port, state_is
+
+pytestmark = pytest.mark.slow
+
+STUB_ENGINE = SUPPORT / "stub_engine.py"
+
+
+def engine_args(port: int, *extra: str) -> list[str]:
+    url = f"http://127.0.0.1:{port}"
+    return [
+        "--engine-url",
+        url,
+        "--",
+        sys.executable,
+        str(STUB_ENGINE),
+        str(port),
+        "0.3",
+        "0",
+        *extra,
+    ]
+
+
+def engine_pids(mesh: LocalMesh, agent: AgentProcess) -> tuple[int, int]:
+    logs = list((mesh.workdir / "logs").glob(f"*-{agent.session_id[:8]}/engine.log"))
+    assert logs, "no engine log under $FABRIC_HOME/logs"
+    found = dict(line.split() for line in logs[0].read_text().splitlines() if line[:1] in "ew")
+    return int(found["engine"]), int(found["worker"])
+
+
+def gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_engine_node_serves_reports_load_and_leaves_without_orphans(mesh: LocalMesh) -> None:
+    watcher = mesh.start("watcher")
+    node = mesh.start("engine", args=["--sim-gpu", "H100:2", *engine_args(free_port())])
+    sid = node.session_id
+    assert wait_until(lambda: state_is(watcher, sid, "serving"), 20), entry(watcher, sid)
+    e = entry(watcher, sid)
+    assert e is not None
+    assert (e["hardware"]["gpu_type"], e["hardware"]["gpu_count"]) == ("H100", 2)
+    assert e["models"] == [{"id": "tiny-llama", "max_model_len": 512, "quantization": None}]
+    assert e["engine"]["kind"] == "openai" and e["engine"]["url"].startswith("http://127.0.0.1:")
+    assert httpx.get(f"{node.http_url}/ready", timeout=2).status_code == 200
+
+    def load_seen() -> bool:
+        got = entry(watcher, sid)
+        return got is not None and got["load"] is not None and got["load"]["running"] == 5
+
+    assert wait_until(load_seen, 10), entry(watcher, sid)
+    e = entry(watcher, sid)
+    assert e is not None and e["load"]["waiting"] == 2 and e["load"]["kv_usage"] == 0.25
+
+    engine, worker = engine_pids(mesh, node)
+    node.proc.send_signal(signal.SIGTERM)
+    assert node.proc.wait(15) == 0
+    assert state_is(watcher, sid, "left")
+    assert wait_until(lambda: gone(engine) and gone(worker), 5), "engine outlived its agent"
+
+
+def test_engine_crash_is_down_everywhere_within_a_second(mesh: LocalMesh) -> None:
+    watcher = mesh.start("watcher")
+    node = mesh.start("engine", args=engine_args(free_port()))
+    sid = node.session_id
+    assert wait_until(lambda: state_is(watcher, sid, "serving"), 20)
+    engine, worker = engine_pids(mesh, node)
+    os.kill(engine, signal.SIGKILL)
+    t0 = time.monotonic()
+    assert wait_until(lambda: state_is(watcher, sid, "down"), 5, interval_s=0.05)
+    assert time.monotonic() - t0 < 1.5
+    assert node.running  # the agent stays, announcing DOWN, until it is told to leave
+    assert httpx.get(f"{node.http_url}/ready", timeout=2).status_code == 503
+    assert wait_until(lambda: gone(worker), 5), "the engine's worker was left behind"
+
+
+def test_hung_engine_is_announced_down_and_stopped(mesh: LocalMesh) -> None:
+    watcher = mesh.start("watcher")
+    node = mesh.start("engine", args=engine_args(free_port(), "2"))
+    sid = node.session_id
+    assert wait_until(lambda: state_is(watcher, sid, "serving"), 20)
+    engine, _ = engine_pids(mesh, node)
+    assert wait_until(lambda: state_is(watcher, sid, "down"), 20)
+    assert wait_until(lambda: gone(engine), 15), "hung engine not stopped"
+
+
+def test_engine_that_never_starts_is_down_and_the_agent_survives(mesh: LocalMesh) -> None:
+    watcher = mesh.start("watcher")
+    args = ["--", sys.executable, "-c", "raise SystemExit(3)", "--port", str(free_port())]
+    node = mesh.start("engine", args=args)
+    sid = node.session_id
+    assert wait_until(lambda: state_is(watcher, sid, "down"), 10)
+    assert node.running
+
+
+def sim_engine_args(port: int, *faults: str) -> list[str]:
+    cmd = [sys.executable, "-m", "fabricnode.simengine", "--model", "sim-llama-8b"]
+    cmd += ["--port", str(port), "--gpu", "H100", *faults]
+    return ["--engine-url", f"http://127.0.0.1:{port}", "--", *cmd]
+
+
+def test_simulated_engine_crash_is_down_everywhere(mesh: LocalMesh) -> None:
+    watcher = mesh.start("watcher")
+    node = mesh.start("engine", args=sim_engine_args(free_port(), "--crash-after-s", "2"))
+    sid = node.session_id
+    assert wait_until(lambda: state_is(watcher, sid, "serving"), 20), entry(watcher, sid)
+    e = entry(watcher, sid)
+    assert e is not None and e["engine"]["version"]  # read from the engine's /version
+    assert wait_until(lambda: state_is(watcher, sid, "down"), 10), entry(watcher, sid)
+    assert node.running
+
+
+def test_simulated_engine_hang_is_down_and_the_engine_is_stopped(mesh: LocalMesh) -> None:
+    watcher = mesh.start("watcher")
+    port = free_port()
+    node = mesh.start("engine", args=sim_engine_args(port, "--hang-after-s", "2"))
+    sid = node.session_id
+    assert wait_until(lambda: state_is(watcher, sid, "serving"), 20), entry(watcher, sid)
+    assert wait_until(lambda: state_is(watcher, sid, "down"), 20), entry(watcher, sid)
+
+    def engine_gone() -> bool:
+        try:
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=0.5)
+        except httpx.ConnectError:
+            return True
+        except httpx.HTTPError:
+            return False
+        return False
+
+    assert wait_until(engine_gone, 20), "hung engine still listening"
+    assert node.running
+
+
+def test_sigterm_lets_in_flight_requests_finish_then_leaves(mesh: LocalMesh) -> None:
+    watcher = mesh.start("watcher")
+    port = free_port()
+    node = mesh.start("engine", args=sim_engine_args(port, "--slowdown", "3"))
+    sid = node.session_id
+    assert wait_until(lambda: state_is(watcher, sid, "serving"), 20), entry(watcher, sid)
+    result: dict[str, Any] = {}
+    finished: list[float] = []
+
+    def ask() -> None:
+        body = {"model": "sim-llama-8b", "prompt": "hello there", "max_tokens": 200}
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60)
+        result["status"] = r.status_code
+        result["tokens"] = r.json()["usage"]["completion_tokens"]
+        finished.append(time.monotonic())
+
+    import threading
+
+    asker = threading.Thread(target=ask)
+    asker.start()
+    time.sleep(0.5)  # the request is being decoded
+    t0 = time.monotonic()
+    node.proc.send_signal(signal.SIGTERM)
+    asker.join(30)
+    assert result == {"status": 200, "tokens": 200}  # finished, not cut off
+    assert finished and finished[0] > t0 + 0.2, "the request was not in flight at SIGTERM"
+    assert node.proc.wait(20) == 0
+    assert state_is(watcher, sid, "left")
+    assert time.monotonic() - t0 < 15
+
+
+def test_restarted_engine_is_a_new_serving_session_and_the_old_one_left(mesh: LocalMesh) -> None:
+    watcher = mesh.start("watcher")
+    port = free_port()
+    args = ["--restart", "on-failure", "--max-restarts", "1"]
+    node = mesh.start("engine", args=args + sim_engine_args(port, "--crash-after-s", "2"))
+    first = node.session_id
+    assert wait_until(lambda: state_is(watcher, first, "serving"), 20), entry(watcher, first)
+
+    def new_sessions() -> list[dict[str, Any]]:
+        try:
+            with AdminClient(watcher.http_url, timeout_s=2.0) as client:
+                nodes = client.nodes()
+        except AgentApiError:
+            return []
+        return [
+            n
+            for n in nodes
+            if n["addresses"]["gossip"] == node.gossip_addr and n["session_id"] != first
+        ]
+
+    assert wait_until(lambda: [n["state"] for n in new_sessions()] == ["serving"], 30), (
+        entry(watcher, first),
+        new_sessions(),
+    )
+    assert state_is(watcher, first, "left")  # retired, not merely dead
+    assert node.running
+    # The restarted engine crashes again after 2 s; with one restart allowed it stays DOWN.
+    second = new_sessions()[0]["session_id"]
+    assert wait_until(lambda: state_is(watcher, second, "down"), 15)
+    time.sleep(3)
+    assert [n["session_id"] for n in new_sessions()] == [second]

@@ -1,0 +1,180 @@
+"""Reading an engine command line: kind, model, served name and URL."""
+
+from __future__ import annotations
+
+import pytest
+
+from fabricnode.engine.command import (
+    OPENAI,
+    SGLANG,
+    VLLM,
+    EngineCommand,
+    detect_kind,
+    inspect_engine_cmd,
+    option_values,
+)
+from fabricnode.errors import ConfigError
+
+LLAMA = "meta-llama/Llama-3.1-8B-Instruct"
+
+
+def test_vllm_serve_defaults() -> None:
+    argv = ["vllm", "serve", LLAMA, "--tensor-parallel-size", "4", "--max-model-len", "8192"]
+    cmd = inspect_engine_cmd(argv)
+    assert cmd == EngineCommand(tuple(argv), VLLM, LLAMA, (), "http://127.0.0.1:8000")
+    assert cmd.model_hint == LLAMA
+
+
+def test_argv_is_kept_exactly() -> None:
+    argv = ["vllm", "serve", LLAMA, "--chat-template", "{% for m in messages %} x {% endfor %}"]
+    assert inspect_engine_cmd(argv).argv == tuple(argv)
+
+
+def test_vllm_port_host_and_served_name() -> None:
+    cmd = inspect_engine_cmd(
+        [
+            *["vllm", "serve", LLAMA, "--host", "0.0.0.0", "--port", "8011"],
+            *["--served-model-name", "llama-3-8b", "--dtype", "bfloat16"],
+        ]
+    )
+    assert (cmd.url, cmd.model, cmd.served_model_names) == (
+        "http://127.0.0.1:8011",
+        LLAMA,
+        ("llama-3-8b",),
+    )
+    assert cmd.model_hint == "llama-3-8b"
+
+
+def test_equals_forms_and_last_occurrence_win() -> None:
+    cmd = inspect_engine_cmd(
+        ["vllm", "serve", LLAMA, "--port=9000", "--host=gpu-node-07", "--port", "9001"]
+    )
+    assert cmd.url == "http://gpu-node-07:9001"
+
+
+def test_vllm_served_model_name_takes_several_names_first_is_the_hint() -> None:
+    cmd = inspect_engine_cmd(
+        ["vllm", "serve", LLAMA, "--served-model-name", "llama", "llama-8b", "--port", "8001"]
+    )
+    assert cmd.served_model_names == ("llama", "llama-8b")
+    assert cmd.model_hint == "llama"
+    underscored = inspect_engine_cmd(["vllm", "serve", LLAMA, "--served_model_name", "x"])
+    assert underscored.model_hint == "x"
+
+
+def test_vllm_openai_api_server_module() -> None:
+    argv = [
+        "/opt/venvs/vllm/bin/python3",
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        "/scratch/models/tiny-llama",
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "512",
+        "--port",
+        "8123",
+    ]
+    cmd = inspect_engine_cmd(argv)
+    assert (cmd.kind, cmd.model, cmd.url) == (
+        VLLM,
+        "/scratch/models/tiny-llama",
+        "http://127.0.0.1:8123",
+    )
+
+
+def test_vllm_cli_module_with_serve() -> None:
+    cmd = inspect_engine_cmd(["python", "-m", "vllm.entrypoints.cli.main", "serve", LLAMA])
+    assert (cmd.kind, cmd.model) == (VLLM, LLAMA)
+
+
+def test_vllm_serve_with_model_flag() -> None:
+    cmd = inspect_engine_cmd(["vllm", "serve", "--model", LLAMA, "--port", "8002"])
+    assert (cmd.model, cmd.url) == (LLAMA, "http://127.0.0.1:8002")
+
+
+def test_sglang_launch_server_defaults_and_flags() -> None:
+    cmd = inspect_engine_cmd(["python3", "-m", "sglang.launch_server", "--model-path", LLAMA])
+    assert (cmd.kind, cmd.model, cmd.url) == (SGLANG, LLAMA, "http://127.0.0.1:30000")
+    cmd = inspect_engine_cmd(
+        [
+            *["python", "-m", "sglang.launch_server", "--model-path", LLAMA],
+            *["--host", "::", "--port", "30001", "--tp", "2", "--served-model-name", "llama"],
+        ]
+    )
+    assert (cmd.url, cmd.model_hint) == ("http://127.0.0.1:30001", "llama")
+
+
+def test_launchers_in_front_do_not_hide_the_engine() -> None:
+    srun = ["srun", "--gpus=4", "vllm", "serve", LLAMA, "--port", "8100"]
+    assert inspect_engine_cmd(srun).kind == VLLM
+    apptainer = ["apptainer", "exec", "--nv", "vllm.sif", "vllm", "serve", LLAMA]
+    assert inspect_engine_cmd(apptainer).model == LLAMA
+    uv = ["uv", "run", "python", "-m", "sglang.launch_server", "--model-path", LLAMA]
+    assert inspect_engine_cmd(uv).kind == SGLANG
+    assert detect_kind(["/usr/local/bin/vllm", "serve", "m"]) == (VLLM, 2)
+
+
+def test_unknown_engine_is_openai_and_must_say_its_port() -> None:
+    cmd = inspect_engine_cmd(["llama-server", "-m", "model.gguf", "--port", "8080"])
+    assert (cmd.kind, cmd.url, cmd.model) == (OPENAI, "http://127.0.0.1:8080", None)
+    with pytest.raises(ConfigError, match="--engine-url"):
+        inspect_engine_cmd(["./my-server.sh"])
+
+
+def test_dash_m_without_python_is_not_a_module() -> None:
+    assert detect_kind(["llama-server", "-m", "vllm.gguf"])[0] == OPENAI
+
+
+def test_engine_url_override_wins() -> None:
+    cmd = inspect_engine_cmd(
+        ["vllm", "serve", LLAMA, "--port", "8000"], engine_url="http://10.0.0.5:9999/"
+    )
+    assert cmd.url == "http://10.0.0.5:9999"
+    assert inspect_engine_cmd(["./my-server.sh"], engine_url="https://h:1").url == "https://h:1"
+
+
+@pytest.mark.parametrize(
+    ("host", "url"),
+    [
+        ("0.0.0.0", "http://127.0.0.1:8000"),
+        ("::", "http://127.0.0.1:8000"),
+        ("localhost", "http://localhost:8000"),
+        ("10.1.2.3", "http://10.1.2.3:8000"),
+        ("::1", "http://[::1]:8000"),
+        ("[fe80::1]", "http://[fe80::1]:8000"),
+    ],
+)
+def test_hosts_become_connectable_urls(host: str, url: str) -> None:
+    assert inspect_engine_cmd(["vllm", "serve", LLAMA, "--host", host]).url == url
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["vllm", "serve", LLAMA, "--port", "eighty"], "not a port number"),
+        (["vllm", "serve", LLAMA, "--port=80a"], "not a port number"),
+        (["vllm", "serve", LLAMA, "--port", "-1"], "not a port number"),
+        (["vllm", "serve", LLAMA, "--port", "0"], "outside 1-65535"),
+        (["vllm", "serve", LLAMA, "--port", "70000"], "outside 1-65535"),
+        (["vllm", "serve", LLAMA, "--port"], "--port needs a value"),
+        (["vllm", "serve", LLAMA, "--port", "--host", "x"], "--port needs a value"),
+        (["vllm", "serve", LLAMA, "--host", "bad host!"], "not a host"),
+        ([], "empty"),
+    ],
+)
+def test_nonsense_is_a_clear_config_error(argv: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        inspect_engine_cmd(argv)
+
+
+@pytest.mark.parametrize("url", ["10.0.0.5:9999", "ftp://h:1", "http://", "http://h:1 x"])
+def test_bad_engine_url_is_a_config_error(url: str) -> None:
+    with pytest.raises(ConfigError, match="--engine-url"):
+        inspect_engine_cmd(["vllm", "serve", LLAMA], engine_url=url)
+
+
+def test_option_values_absent_is_none() -> None:
+    assert option_values(["vllm", "serve", "m"], "--port") is None
+    assert option_values(["--portx", "1"], "--port") is None
