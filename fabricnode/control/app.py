@@ -32,17 +32,26 @@ import json
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import parse_qsl, unquote
 
 import trio
+from prometheus_client import generate_latest
+from prometheus_client.core import Metric
+from prometheus_client.registry import Collector
 
 from fabricnode.control.asgi import Receive, Send, lifespan
-from fabricnode.control.prometheus import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from fabricnode.control.prometheus import MetricsText
+from fabricnode.control.metricfamilies import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from fabricnode.control.metricfamilies import (
+    counter,
+    counters_by,
+    gauge,
+    gauges_by,
+    registry_of,
+)
 from fabricnode.control.views import Json, entry_view, match_sessions, models_view, node_views
 from fabricnode.dataplane.accounting import (
     TraceRecord,
@@ -133,6 +142,7 @@ class AdminApp:
         self.request_log_path = request_log_path
         self.started_at = wall_clock()
         self.requests = 0
+        self.metrics_registry = registry_of(AdminMetrics(self))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -330,59 +340,101 @@ class AdminApp:
         )
 
     def metrics(self, query: list[tuple[str, str]]) -> Response:
-        body = render_metrics(self).encode()
+        body = generate_latest(self.metrics_registry)
         if self.extra_metrics is not None:
             body += self.extra_metrics()
         return Response(200, body, METRICS_CONTENT_TYPE)
 
 
-def render_metrics(app: AdminApp) -> str:
-    core = app.core
-    stats = core.statistics()
-    registry = core.registry.statistics()
-    m = MetricsText()
-    m.gauge("info", "Agent identity", 1, {"session_id": core.self_id, "provider": _provider(app)})
-    m.gauge("ready", "1 once the agent has joined the mesh", int(app.is_ready()))
-    m.gauge("left", "1 once the agent has signed LEFT", int(core.left))
-    m.gauge("uptime_seconds", "Seconds since the agent started", app.wall_clock() - app.started_at)
-    for state, count in registry.by_state.items():
-        m.gauge("registry_entries", "Registry entries by lifecycle state", count, {"state": state})
-    m.gauge("registry_tombstones", "Collected sessions remembered as tombstones", stats.tombstones)
-    for outcome, count in stats.merges.items():
-        m.counter("registry_merges_total", "Merges by outcome", count, {"outcome": outcome})
-    for liveness, count in stats.members.items():
-        m.gauge("members", "Members by local liveness view", count, {"liveness": liveness})
-    m.gauge("gossip_incarnation", "Our liveness incarnation (refutations)", stats.incarnation)
-    m.counter("gossip_packets_in_total", "Sealed packets received", stats.packets_in)
-    m.counter("gossip_packets_out_total", "Sealed packets sent", stats.packets_out)
-    m.counter("gossip_bytes_in_total", "Sealed bytes received", stats.bytes_in)
-    m.counter("gossip_bytes_out_total", "Sealed bytes sent", stats.bytes_out)
-    for reason, count in sorted(stats.dropped.items()):
-        m.counter("gossip_dropped_total", "Inputs dropped, by reason", count, {"reason": reason})
-    m.gauge("gossip_broadcast_queue", "Records waiting to be gossiped", stats.broadcast_queue)
-    m.gauge("gossip_load_queue", "Load reports waiting to be gossiped", stats.load_queue)
-    m.counter("signatures_verified_total", "Ed25519 verifications", core.verifier.verified)
-    m.counter("signature_cache_hits_total", "Verifications saved", core.verifier.cache_hits)
-    if app.transport is not None:
-        t = app.transport.statistics()
-        m.counter("transport_datagrams_in_total", "UDP datagrams received", t.datagrams_in)
-        m.counter("transport_datagrams_out_total", "UDP datagrams sent", t.datagrams_out)
-        m.counter("transport_streams_in_total", "TCP frames received", t.streams_in)
-        m.counter("transport_streams_out_total", "TCP frames sent", t.streams_out)
-        m.counter("transport_send_errors_total", "Sends that failed", t.send_errors)
-        m.counter("transport_oversized_total", "Packets over the size limit", t.oversized)
-    if app.keyring is not None:
-        m.counter(
-            "keyring_reloads_total", "Cluster keyring file reloads", app.keyring.keyring_reloads
+class AdminMetrics(Collector):
+    """The agent's own families (identity, registry, gossip, transport, keyring, admin API),
+    read from the mesh core and the app's collaborators at each scrape."""
+
+    def __init__(self, app: AdminApp) -> None:
+        self.app = app
+
+    def collect(self) -> Iterator[Metric]:
+        app = self.app
+        core = app.core
+        stats = core.statistics()
+        registry = core.registry.statistics()
+        identity = {"session_id": core.self_id, "provider": _provider(app)}
+        yield gauge("fabric_info", "Agent identity", 1, identity)
+        yield gauge("fabric_ready", "1 once the agent has joined the mesh", int(app.is_ready()))
+        yield gauge("fabric_left", "1 once the agent has signed LEFT", int(core.left))
+        uptime = app.wall_clock() - app.started_at
+        yield gauge("fabric_uptime_seconds", "Seconds since the agent started", uptime)
+        yield from gauges_by(
+            "fabric_registry_entries",
+            "Registry entries by lifecycle state",
+            "state",
+            registry.by_state,
         )
-        m.counter(
-            "keyring_reload_errors_total",
-            "Keyring file edits that could not be loaded",
-            app.keyring.keyring_errors,
+        yield gauge(
+            "fabric_registry_tombstones",
+            "Collected sessions remembered as tombstones",
+            stats.tombstones,
         )
-    m.gauge("cluster_keys", "Keys in the cluster keyring", len(core.keyring.keys))
-    m.counter("admin_requests_total", "Requests to the admin API", app.requests)
-    return m.render()
+        yield from counters_by(
+            "fabric_registry_merges_total", "Merges by outcome", "outcome", stats.merges
+        )
+        yield from gauges_by(
+            "fabric_members", "Members by local liveness view", "liveness", stats.members
+        )
+        yield gauge(
+            "fabric_gossip_incarnation", "Our liveness incarnation (refutations)", stats.incarnation
+        )
+        yield counter("fabric_gossip_packets_in_total", "Sealed packets received", stats.packets_in)
+        yield counter("fabric_gossip_packets_out_total", "Sealed packets sent", stats.packets_out)
+        yield counter("fabric_gossip_bytes_in_total", "Sealed bytes received", stats.bytes_in)
+        yield counter("fabric_gossip_bytes_out_total", "Sealed bytes sent", stats.bytes_out)
+        yield from counters_by(
+            "fabric_gossip_dropped_total",
+            "Inputs dropped, by reason",
+            "reason",
+            dict(sorted(stats.dropped.items())),
+        )
+        yield gauge(
+            "fabric_gossip_broadcast_queue",
+            "Records waiting to be gossiped",
+            stats.broadcast_queue,
+        )
+        yield gauge(
+            "fabric_gossip_load_queue", "Load reports waiting to be gossiped", stats.load_queue
+        )
+        yield counter(
+            "fabric_signatures_verified_total", "Ed25519 verifications", core.verifier.verified
+        )
+        yield counter(
+            "fabric_signature_cache_hits_total", "Verifications saved", core.verifier.cache_hits
+        )
+        if app.transport is not None:
+            t = app.transport.statistics()
+            yield counter(
+                "fabric_transport_datagrams_in_total", "UDP datagrams received", t.datagrams_in
+            )
+            yield counter(
+                "fabric_transport_datagrams_out_total", "UDP datagrams sent", t.datagrams_out
+            )
+            yield counter("fabric_transport_streams_in_total", "TCP frames received", t.streams_in)
+            yield counter("fabric_transport_streams_out_total", "TCP frames sent", t.streams_out)
+            yield counter("fabric_transport_send_errors_total", "Sends that failed", t.send_errors)
+            yield counter(
+                "fabric_transport_oversized_total", "Packets over the size limit", t.oversized
+            )
+        if app.keyring is not None:
+            yield counter(
+                "fabric_keyring_reloads_total",
+                "Cluster keyring file reloads",
+                app.keyring.keyring_reloads,
+            )
+            yield counter(
+                "fabric_keyring_reload_errors_total",
+                "Keyring file edits that could not be loaded",
+                app.keyring.keyring_errors,
+            )
+        yield gauge("fabric_cluster_keys", "Keys in the cluster keyring", len(core.keyring.keys))
+        yield counter("fabric_admin_requests_total", "Requests to the admin API", app.requests)
 
 
 def _provider(app: AdminApp) -> str:

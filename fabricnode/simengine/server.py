@@ -30,15 +30,18 @@ import random
 import socket
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, cast
 
 import trio
+from prometheus_client import generate_latest
+from prometheus_client.core import Metric
+from prometheus_client.registry import Collector
 
 from fabricnode.control.asgi import Receive, Send, lifespan, serve_http
-from fabricnode.control.prometheus import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from fabricnode.control.prometheus import MetricsText
+from fabricnode.control.metricfamilies import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from fabricnode.control.metricfamilies import counter, gauge, registry_of
 from fabricnode.simengine.model import (
     EngineConfig,
     Scheduler,
@@ -165,6 +168,58 @@ class EngineDriver:
 # -- the app ----------------------------------------------------------------------------------
 
 
+class EngineMetrics(Collector):
+    """vLLM's metric families, each labelled ``model_name``, read from the scheduler at each
+    scrape."""
+
+    def __init__(self, app: SimEngineApp) -> None:
+        self.app = app
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.app.driver.scheduler.statistics()
+        labels = {"model_name": self.app.model}
+        yield gauge("vllm:num_requests_running", "Requests in the running batch", s.running, labels)
+        yield gauge(
+            "vllm:num_requests_waiting", "Requests waiting to be scheduled", s.waiting, labels
+        )
+        yield gauge(
+            "vllm:kv_cache_usage_perc",
+            "KV-cache usage (1 means 100 percent)",
+            s.kv_cache_usage,
+            labels,
+        )
+        yield counter(
+            "vllm:prefix_cache_queries_total",
+            "Prefix cache queries, in tokens",
+            s.prefix_cache_queries,
+            labels,
+        )
+        yield counter(
+            "vllm:prefix_cache_hits_total",
+            "Prefix cache hits, in tokens",
+            s.prefix_cache_hits,
+            labels,
+        )
+        yield counter(
+            "vllm:prompt_tokens_total", "Prefill tokens processed", s.prompt_tokens, labels
+        )
+        yield counter(
+            "vllm:generation_tokens_total",
+            "Generation tokens processed",
+            s.generation_tokens,
+            labels,
+        )
+        yield counter(
+            "vllm:request_success_total", "Finished requests", s.requests_finished, labels
+        )
+        yield counter(
+            "vllm:num_preemptions_total",
+            "Cumulative number of preemptions from the engine",
+            s.num_preemptions,
+            labels,
+        )
+
+
 class SimEngineApp:
     """ASGI callable over one ``EngineDriver``."""
 
@@ -186,6 +241,7 @@ class SimEngineApp:
         self.inference_requests = 0
         self.errors_injected = 0
         self._ids = 0
+        self.metrics_registry = registry_of(EngineMetrics(self))
 
     def statistics(self) -> EngineStatistics:
         return EngineStatistics(self.inference_requests, self.errors_injected, self.driver.hung)
@@ -219,7 +275,7 @@ class SimEngineApp:
             "/health": lambda: (200, b"", "text/plain"),
             "/version": lambda: (200, _dumps({"version": VERSION}), "application/json"),
             "/v1/models": lambda: (200, _dumps(self.models_doc()), "application/json"),
-            "/metrics": lambda: (200, self.metrics_text().encode(), METRICS_CONTENT_TYPE),
+            "/metrics": lambda: (200, generate_latest(self.metrics_registry), METRICS_CONTENT_TYPE),
         }
         posts = {
             "/v1/chat/completions": self.chat,
@@ -307,37 +363,6 @@ class SimEngineApp:
             "max_model_len": cfg.max_model_len,
         }
         return {"object": "list", "data": [card]}
-
-    def metrics_text(self) -> str:
-        s = self.driver.scheduler.statistics()
-        labels = {"model_name": self.model}
-        m = MetricsText(prefix="vllm:")
-        m.gauge("num_requests_running", "Requests in the running batch", s.running, labels)
-        m.gauge("num_requests_waiting", "Requests waiting to be scheduled", s.waiting, labels)
-        m.gauge(
-            "kv_cache_usage_perc", "KV-cache usage (1 means 100 percent)", s.kv_cache_usage, labels
-        )
-        m.counter(
-            "prefix_cache_queries_total",
-            "Prefix cache queries, in tokens",
-            s.prefix_cache_queries,
-            labels,
-        )
-        m.counter(
-            "prefix_cache_hits_total", "Prefix cache hits, in tokens", s.prefix_cache_hits, labels
-        )
-        m.counter("prompt_tokens_total", "Prefill tokens processed", s.prompt_tokens, labels)
-        m.counter(
-            "generation_tokens_total", "Generation tokens processed", s.generation_tokens, labels
-        )
-        m.counter("request_success_total", "Finished requests", s.requests_finished, labels)
-        m.counter(
-            "num_preemptions_total",
-            "Cumulative number of preemptions from the engine",
-            s.num_preemptions,
-            labels,
-        )
-        return m.render()
 
     # -- inference --
 

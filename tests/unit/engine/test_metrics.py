@@ -7,8 +7,11 @@ import math
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from prometheus_client import generate_latest
+from prometheus_client.core import Metric
+from prometheus_client.registry import Collector
 
-from fabricnode.control.prometheus import MetricsText
+from fabricnode.control.metricfamilies import gauge, registry_of
 from fabricnode.engine.metrics import (
     EngineLoad,
     Sample,
@@ -188,7 +191,7 @@ def test_malformed_lines_do_not_hide_good_ones() -> None:
     assert parse_engine_load(text) == EngineLoad(kind="vllm", running=2)
 
 
-# Names and values the writer in fabricnode.control.prometheus can produce.
+# Names and values our pages (prometheus-client, fabricnode.control.metricfamilies) can hold.
 _names = st.from_regex(r"\A[a-zA-Z_:][a-zA-Z0-9_:]{0,20}\Z")
 _label_keys = st.from_regex(r"\A[a-zA-Z_][a-zA-Z0-9_]{0,10}\Z")
 _label_values = st.text(max_size=20)
@@ -202,10 +205,19 @@ _label_values = st.text(max_size=20)
 def test_what_our_writer_writes_parses_back(
     name: str, labels: dict[str, str], value: float
 ) -> None:
-    page = MetricsText(prefix="")
-    page.gauge(name, "help", value, labels)
-    samples = parse_samples(page.render())
-    assert samples == [Sample(name, tuple(labels.items()), float(value))]
+    family = gauge(name, "help", value, labels)
+    page = generate_latest(registry_of(_Families([family]))).decode()
+    samples = parse_samples(page)
+    # prometheus-client writes the labels sorted by name
+    assert samples == [Sample(name, tuple(sorted(labels.items())), float(value))]
+
+
+class _Families(Collector):
+    def __init__(self, families: list[Metric]) -> None:
+        self.families = families
+
+    def collect(self) -> list[Metric]:
+        return self.families
 
 
 @given(st.text())
