@@ -107,7 +107,8 @@ class ForwardVerifier:
             mac = bytes.fromhex(mac_hex.decode("ascii"))
             sent_at = int(ms) / 1000.0
             sender_id = sender.decode("ascii")
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, OverflowError):
+            # OverflowError: a time of hundreds of digits is an int no float can hold
             raise ForwardRejected("malformed forward header") from None
         key = self.keyring.keys.get(kid)
         if key is None:
