@@ -1,0 +1,24 @@
+"""The ``fabric`` command (typer): parses, calls library code, renders. Nothing else lives here.
+
+Owns the user's side of the product: the command line, its exit statuses (0 success, 1 a failed
+operation, 2 bad usage) and its output, tables or ``--json``. The work is done by ``fabricnode``
+and ``scheduler``; a command turns flags into a call and the answer into lines.
+
+May import: ``fabricnode`` (through its public modules: ``agent``, ``config``,
+``control.client``, the key modules, ...), ``scheduler`` and itself. Nothing in ``fabricnode``
+or ``scheduler`` imports ``cli`` (checked by ``make lint``); the tests and benches use
+``cli.localmesh`` to run real agents.
+
+Modules, in reading order:
+
+* ``main``       the typer app, entry point ``fabric`` (``cli.main:main``): ``start``,
+                 ``nodes``, ``node``, ``models``, ``keys ...``, ``plan``, ``demo``,
+                 ``slurm ...``, ``sim-engine``.
+* ``slurm_cmd``  ``fabric slurm submit`` around ``slurm/fabric-serve.sbatch``; ``slurm ports``.
+* ``plan_cmd``   ``fabric plan``'s inventory and workload from the mesh, and ``--apply``.
+* ``localmesh``  ``LocalMesh``: real ``fabric start`` subprocesses on 127.0.0.1, always reaped.
+* ``demo``       ``fabric demo``: a local mesh shown step by step (registry, requests, a crash,
+                 a graceful leave).
+
+docs/admin-guide.md describes every command.
+"""

@@ -1,3 +1,38 @@
-"""fabricnode: a peer-to-peer agent that turns Slurm GPU jobs into one OpenAI-compatible service."""
+"""fabricnode: a peer-to-peer agent that turns Slurm GPU jobs into one OpenAI-compatible service.
+
+One agent (``fabric start``) runs per Slurm job. Agents gossip a signed registry of who serves
+what, watch each other's liveness, and route OpenAI requests to each other: every agent is an
+ingress. The map of the agent, in reading order:
+
+Packages:
+
+* ``mesh``       the replicated registry, membership and gossip: a pure protocol core
+                 (``mesh.core.MeshCore``) and its trio shell (``mesh.service``).
+* ``dataplane``  the ``/v1`` ingress on trio + httptools: decode, route, forward, fail over,
+                 account; compiled with mypyc when built.
+* ``engine``     the supervised engine child and the node's lifecycle JOIN -> SERVING -> DOWN;
+                 following an operator's assignments.
+* ``host``       GPUs, the Slurm job and its lease, the rendezvous file.
+* ``control``    the admin API (raw ASGI on hypercorn), JSON views, metric families, the client.
+* ``simengine``  a simulated vLLM-like engine for machines without GPUs.
+* ``testing``    seeded fake networks for tests and benches (never imported by the agent).
+
+Top-level modules:
+
+* ``agent``         the composition root: builds every service from one ``AgentConfig`` and
+                    owns them in one trio nursery; the only module that builds services.
+* ``config``        ``AgentConfig`` from CLI flags and the environment: the only reader of the
+                    environment (but for ``FABRIC_NATIVE``, which ``native`` reads at import).
+* ``logs``          logging setup (stderr, each line tagged with the short session id).
+* ``errors``        the one exception tree (``FabricError`` and its subclasses).
+* ``addr``          ``HOST:PORT`` strings, IPv6 in brackets.
+* ``native``        the switch between the compiled data plane and its sources (``FABRIC_NATIVE``).
+* ``native_build``  builds the compiled data plane: ``python -m fabricnode.native_build``.
+
+Layers: the mesh imports only itself, ``errors`` and ``addr``; the data plane never imports
+``engine``, ``host``, ``control``, ``config`` or ``agent``; nothing here imports ``testing``,
+``cli`` or ``bench``. ``make lint`` checks these rules (CONTRIBUTING.md). docs/architecture.md
+explains the design.
+"""
 
 __version__ = "0.1.0"

@@ -1,4 +1,38 @@
-"""TODO"""
+"""The ``/v1`` data plane: every agent's OpenAI-compatible ingress, on trio + httptools.
+
+Owns the request path: parse, authenticate, decode, filter, route, forward to a node's agent
+or the local engine, fail over before the first byte, relay, account. Every module in this
+folder is compiled with mypyc (``fabricnode.native``: the folder is the compiled group, no
+module is listed by hand), so each is strictly typed Python that must behave the same compiled
+and interpreted; ``make test`` runs the data plane's tests both ways.
+
+May import: ``fabricnode.mesh`` (the registry, liveness and keyring it routes by),
+``fabricnode.errors``, ``fabricnode.addr`` and itself. Never ``fabricnode.engine``, ``host``,
+``control``, ``config`` or ``agent``: the agent builds the ingress and hands it what it needs
+(checked by ``make lint``).
+
+Modules, in reading order (pure first, then the shell that uses them):
+
+* ``request``         the pure request decoder: a request and the caller's key in, a routed
+                      request or an OpenAI error out; the ``X-Fabric-Require`` and
+                      ``X-Fabric-Providers`` header grammars.
+* ``routing``         the pure routing core: load scores, prompt prefix hashing, the policies
+                      (``make_policy``: round robin, least load, p2c, prefix, prefix-pending).
+* ``routetable``      the registry reduced to the candidates of each model, and the filters.
+* ``forward_auth``    the HMAC header that proves an agent-to-agent forward holds the cluster key.
+* ``apikeys``         API keys of the ingress: lookup, the keys file, rate limits.
+* ``accounting``      token usage per request, totals per key and model, the request log.
+* ``metrics``         the data plane's Prometheus metrics, kept as plain counters.
+* ``http1``           sans-IO HTTP/1.1 parsing with hard limits (httptools underneath).
+* ``sockio``          non-blocking sockets, the reactor that waits for them, the deadline watchdog.
+* ``upstream``        pooled keep-alive connections to agents and engines.
+* ``ingress_config``  every limit and timeout of the data plane (``IngressConfig``).
+* ``ingress``         ``Ingress``: one task per client connection, the endpoint table
+                      ``ENDPOINTS``, routing, failover and relay; start reading here for the flow.
+
+docs/architecture.md ("The data plane") describes the design; docs/user-guide.md what clients
+see; docs/benchmarks.md the measured costs.
+"""
 
 from fabricnode import native as _native
 

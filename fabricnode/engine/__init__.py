@@ -1,1 +1,29 @@
-"""TODO"""
+"""One node's engine: the supervised child process (vLLM, SGLang, any OpenAI server, or the
+simulated engine), as the mesh sees it.
+
+Owns the engine's lifecycle: reading the engine command, running the child without orphans,
+probing readiness, scraping its load, and moving the node's signed entry JOIN -> SERVING ->
+DOWN. On a JOIN-only node it also follows the operator's plan: an assignment for this node is
+rendered through the engine template and launched like an engine given after ``--``.
+
+May import: ``fabricnode.mesh`` (the node's entry and its load reports), ``fabricnode.errors``,
+``fabricnode.addr`` and ``fabricnode.simengine.model`` (the GPU types the ``sim`` template can
+simulate). Not the data plane, ``control`` or ``agent``; it reads no environment (only
+``fabricnode.config`` does) and builds no other service (only ``fabricnode.agent`` does).
+
+Modules, in reading order:
+
+* ``command``   what an engine argv says: kind, model, URL (pure).
+* ``metrics``   engine load from its Prometheus ``/metrics`` page, vLLM and SGLang (pure).
+* ``template``  the engine command a JOIN-only node renders for an assignment
+                (``--engine-template``).
+* ``process``   the child: its own process group, parent-death signal, pidfd, output pump,
+                ``wait_ready``.
+* ``service``   ``EngineService``: spawn, SERVING, load scraping, DOWN on exit or hang,
+                restarts; start reading here.
+* the assignment follower: JOIN-only nodes launch what an operator's plan assigns them
+  (``fabricnode.mesh.assignment`` carries the signed plan).
+
+docs/researcher-guide.md says how to run an engine under an agent; docs/scheduler.md how a plan
+is applied.
+"""

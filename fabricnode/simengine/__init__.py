@@ -1,1 +1,19 @@
-"""A simulated OpenAI-compatible LLM engine: a pure scheduler (``model``) and a trio server."""
+"""A simulated OpenAI-compatible LLM engine, so a mesh runs without GPUs.
+
+Owns an engine that behaves like vLLM where the mesh can see it: continuous batching under a
+paged KV cache with a prefix cache, timed by a roofline model of a GPU type; vLLM's HTTP surface
+and metric names; injectable faults (crash, hang, slow-down, errors). ``fabric start --sim``,
+the ``sim`` engine template, ``fabric demo``, the system tests and ``bench/routing.py`` run it
+as a child engine (``python -m fabricnode.simengine``), supervised like any other.
+
+May import: ``fabricnode.control`` (ASGI serving and metric families), ``fabricnode.errors``,
+``fabricnode.addr`` and itself; ``model`` imports nothing of fabricnode at all. Never the mesh,
+the data plane or the agent: to them it is just an engine behind a URL.
+
+Modules, in reading order:
+
+* ``model``     the pure scheduler: admission, preemption, prefix cache, roofline step times;
+                ``GPU_PROFILES``.
+* ``server``    the trio driver of the scheduler and the raw ASGI app with vLLM's endpoints.
+* ``__main__``  the command line: flags, the ready line, graceful exit on SIGTERM.
+"""
