@@ -1,6 +1,6 @@
 """Workloads (per-model Poisson arrivals with normal input/output lengths) and inventories.
 
-File formats (SPEC.md, ``fabric plan``):
+File formats (``fabric plan``, docs/scheduler.md):
 
 * Inventory (TOML): a ``[gpus]`` table of GPU type to count, ``A100-80G = 24``.
 * Workload (TOML): ``[[model]]`` entries with ``name`` (catalog id), ``rate`` (req/s),

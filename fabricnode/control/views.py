@@ -1,5 +1,5 @@
-"""JSON views of the registry, as the admin API and ``fabric --json`` show them (SPEC "Registry
-entry").
+"""JSON views of the registry, as the admin API and ``fabric --json`` show them
+(docs/admin-guide.md, "JSON reference").
 
 A view joins three things that live apart on purpose: the owner-signed entry (what a node says
 about itself), this agent's *local* liveness view of it (a crashed node cannot sign its own

@@ -3,10 +3,10 @@
 The metrics every request touches (requests, latency, TTFT, tokens, policy decisions,
 candidates) are plain dicts of numbers kept by the event loop (``FastCounter``,
 ``FastHistogram``) and turned into Prometheus families only when ``/metrics`` is scraped: a
-prometheus-client child takes a lock and a few Python calls per ``inc``/``observe`` (4.6 µs per
-request for these six, against about 1 µs here). The rare ones (retries, ejections, malformed
-requests, forwards, gauges) are prometheus-client metrics, their children cached in a
-``LabelCache``. Names are prefixed ``fabric_``.
+prometheus-client child takes a lock and a few Python calls per ``inc``/``observe``, several
+times what these counters cost (docs/benchmarks.md, "Per-call costs behind the data plane").
+The rare ones (retries, ejections, malformed requests, forwards, gauges) are prometheus-client
+metrics, their children cached in a ``LabelCache``. Names are prefixed ``fabric_``.
 
 Only the event loop's thread updates or renders these (the control app runs on that loop too).
 """

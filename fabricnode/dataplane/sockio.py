@@ -2,11 +2,11 @@
 watchdog that times them out.
 
 The data plane does not use ``trio.SocketStream``: each of its calls is a checkpoint, and a
-timeout scope per read costs ≈27 µs (notes/data-plane-measurements.md), an eighth of the whole
-per-request budget. Here a read is one ``recv`` system call when data is there, and a wait on the
-``Reactor`` only when it is not; where data cannot be there yet (an answer to what we just sent)
-the wait comes first, so no read fails with ``EAGAIN``. A send is one ``send`` (``try_send``, no
-coroutine) unless the socket buffer is full.
+timeout scope per read costs a sizeable share of the whole per-request budget
+(docs/benchmarks.md, "Per-call costs behind the data plane"). Here a read is one ``recv`` system
+call when data is there, and a wait on the ``Reactor`` only when it is not; where data cannot be
+there yet (an answer to what we just sent) the wait comes first, so no read fails with
+``EAGAIN``. A send is one ``send`` (``try_send``, no coroutine) unless the socket buffer is full.
 
 Why a reactor of our own: ``trio.lowlevel.wait_readable`` re-arms a one-shot epoll registration
 on every wait (an ``epoll_ctl`` system call) and runs trio's interpreted registration bookkeeping
@@ -15,11 +15,11 @@ data-plane socket once, edge-triggered, in an epoll set of its own; one trio tas
 set to become readable and wakes the tasks whose sockets are ready. That pays under load, when
 one wakeup serves many sockets, and costs a second task step per wait when requests come one at
 a time, so the owner turns ``batching`` on only while requests overlap (see ``Reactor``).
-Measured with bench/router_ab.py against trio's waits: 0.92x the agent's CPU per request at c=32
-JSON (1.10x throughput), 0.90x at c=32 SSE, unchanged at c=1. Edge-triggered means "wake me
-when something new arrives", so a wait must follow a read that drained the socket: the reactor
-remembers an edge that came while nobody waited, and a read that filled its whole buffer (more
-may be queued), and such a wait returns at once (after a checkpoint).
+Against trio's waits it lowers the agent's CPU per request under load and changes nothing at
+c=1 (docs/benchmarks.md, "2026-11-24: the data plane's own reactor"). Edge-triggered means
+"wake me when something new arrives", so a wait must follow a read that drained the socket: the
+reactor remembers an edge that came while nobody waited, and a read that filled its whole
+buffer (more may be queued), and such a wait returns at once (after a checkpoint).
 
 System calls per proxied JSON request on a pooled upstream connection, batching: ``recv``
 client, ``send`` upstream, ``recv`` upstream, ``send`` client, plus ``epoll_wait`` calls shared by
@@ -175,11 +175,12 @@ class Reactor:
 
     Batching pays only under load: with one request at a time, every wait through the reactor
     is one trio wait (on the epoll set) plus a second task step to wake the waiter, where
-    trio's own wait is one (measured at c=1: +18% CPU per request, bench/router_ab.py). So the
-    owner brackets each request it answers with ``request_started``/``request_ended``, which
-    turn ``batching`` on while requests overlap, and the waits go straight to trio's
-    ``wait_readable``/``wait_writable`` otherwise; sockets stay registered either way (edges
-    meanwhile only leave flags, which cost at most one empty ``recv`` later). The reactor's
+    trio's own wait is one (more CPU per request at c=1: docs/benchmarks.md, "2026-11-24: the
+    data plane's own reactor"). So the owner brackets each request it answers with
+    ``request_started``/``request_ended``, which turn ``batching`` on while requests overlap,
+    and the waits go straight to trio's ``wait_readable``/``wait_writable`` otherwise; sockets
+    stay registered either way (edges meanwhile only leave flags, which cost at most one empty
+    ``recv`` later). The reactor's
     task listens only while some task waits through it. Until ``run`` starts (tests that drive
     an ``Exchange`` on its own), and for sockets never registered, waits use trio's.
     """

@@ -26,7 +26,7 @@ Rules
 Theory of operation
 -------------------
 ``MemberTable`` is pure: it holds members, applies records by the rules above and reports what
-changed; ``mesh.MeshCore`` decides what to send. Times are wall-clock seconds passed in.
+changed; ``core.MeshCore`` decides what to send. Times are wall-clock seconds passed in.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A seeded fake network for the real trio gossip shell (``gossip.Transport``), on virtual time.
+"""A seeded fake network for the real trio gossip shell (``service.Transport``), on virtual time.
 
 Use it under ``trio.testing.MockClock(autojump_threshold=0)`` (pytest-trio's
 ``autojump_clock`` fixture): every delay is a ``trio`` sleep in one delivery task, so virtual
@@ -7,7 +7,7 @@ minutes pass in real milliseconds when all nodes are idle::
     net = FakeNetwork(seed=1, loss=0.1, duplicate=0.05)
     async with trio.open_nursery() as nursery:
         await nursery.start(net.run)              # the delivery task
-        transport = net.endpoint("10.0.0.1:7946")  # one per node; a gossip.Transport
+        transport = net.endpoint("10.0.0.1:7946")  # one per node; a service.Transport
         ...
         net.partition(group_a, group_b); net.heal(); net.crash(addr)
 
