@@ -11,14 +11,19 @@ or ``scheduler`` imports ``cli`` (checked by ``make lint``); the tests and bench
 
 Modules, in reading order:
 
-* ``main``       the typer app, entry point ``fabric`` (``cli.main:main``): ``start``,
-                 ``nodes``, ``node``, ``models``, ``keys ...``, ``plan``, ``demo``,
-                 ``slurm ...``, ``sim-engine``.
-* ``slurm_cmd``  ``fabric slurm submit`` around ``slurm/fabric-serve.sbatch``; ``slurm ports``.
-* ``plan_cmd``   ``fabric plan``'s inventory and workload from the mesh, and ``--apply``.
-* ``localmesh``  ``LocalMesh``: real ``fabric start`` subprocesses on 127.0.0.1, always reaped.
-* ``demo``       ``fabric demo``: a local mesh shown step by step (registry, requests, a crash,
-                 a graceful leave).
+* ``main``          the typer app, entry point ``fabric`` (``cli.main:main``): global options,
+                    the command list, one-line errors and exit statuses.
+* ``common``        what every command shares: ``--agent``/``--debug``, ``handled``, output.
+* ``start_cmd``     ``fabric start -- ENGINE_CMD``: run an agent.
+* ``registry_cmd``  ``fabric nodes``, ``node``, ``models``.
+* ``plan_cmd``      ``fabric plan``; ``planning`` reads inventory and workload from the mesh
+                    and follows ``--apply``.
+* ``keys_cmd``      ``fabric keys ...``: cluster, provider, operator and ingress API keys.
+* ``slurm_cmd``     ``fabric slurm submit`` around ``slurm/fabric-serve.sbatch``; ``slurm ports``.
+* ``demo_cmd``      ``fabric demo`` and ``fabric sim-engine``.
+* ``localmesh``     ``LocalMesh``: real ``fabric start`` subprocesses on 127.0.0.1, always reaped.
+* ``demo``          ``fabric demo``: a local mesh shown step by step (registry, requests, a
+                    crash, a graceful leave).
 
 docs/admin-guide.md describes every command.
 """

@@ -1,247 +1,245 @@
-"""``fabric plan``: inventory and workload from files or the live mesh, the placement, ``--apply``.
+"""``fabric plan``: solve a placement and print it; ``--apply`` assigns it to JOIN-only nodes.
 
-The typer command lives in ``cli.main``; this module does the work it needs besides solving:
-
-* inventory from the mesh: alive JOIN and SERVING nodes, GPU types resolved in the catalog;
-* workload from the mesh: every alive agent's request log over the last ``window`` seconds
-  (``GET /fabric/v1/workload`` returns mergeable sums), merged into per-model rates;
-* apply: map the placement onto nodes (``scheduler.node_assign``), sign one assignment per JOIN
-  node with the operator key, hand them to the agent, and follow the targets until each serves,
-  fails, or the wait runs out.
+The inventory and the workload come from files or the live mesh (``cli.planning`` reads them and
+follows an applied plan); ``scheduler.plan`` solves. The scheduler is an optional extra, so it
+is imported when the command runs and a missing one is a one-line error naming the extra.
 """
 
 from __future__ import annotations
 
-import secrets
+import os
+import sys
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Annotated, Any
 
-from fabricnode.control.client import AdminClient
-from fabricnode.dataplane.accounting import merge_workload_sums
-from fabricnode.errors import AgentApiError, ConfigError
-from fabricnode.mesh.assignment import AssignmentBody, SignedAssignment
+import typer
+from rich.table import Table
+
+from cli.common import (
+    JsonOption,
+    agent_client,
+    command_group,
+    console,
+    handled,
+    print_json,
+    usage_error,
+)
+from fabricnode.config import default_operator_key_path
+from fabricnode.errors import ConfigError
 from fabricnode.mesh.identity import OperatorKey
-from scheduler.catalog import Catalog
-from scheduler.errors import CatalogError, WorkloadError
-from scheduler.node_assign import MeshNode, NodeAssignment, NodePlan
-from scheduler.replica import tp_options
-from scheduler.workload import Workload
 
-Json = dict[str, Any]
-
-# Terminal outcomes of an assignment as its target's entry shows them.
-SERVING = "serving"
-FAILED = "failed"
-REFUSED = "refused"
-GONE = "gone"
-TERMINAL = (SERVING, FAILED, REFUSED, GONE)
+commands = command_group()
 
 
-@dataclass(frozen=True)
-class MeshView:
-    inventory: dict[str, int]
-    nodes: tuple[MeshNode, ...]
-    notes: tuple[str, ...]
-
-    @property
-    def largest_node(self) -> dict[str, int]:
-        """GPU type -> the most GPUs one node of it has (a replica cannot span nodes)."""
-        out: dict[str, int] = {}
-        for n in self.nodes:
-            out[n.gpu] = max(out.get(n.gpu, 0), n.gpus)
-        return out
-
-
-def mesh_view(nodes: Iterable[Json], catalog: Catalog) -> MeshView:
-    """Inventory and plannable nodes from ``/fabric/v1/nodes`` rows (alive JOIN/SERVING)."""
-    inventory: dict[str, int] = {}
-    plannable: list[MeshNode] = []
+@commands.command(
+    help="Place models on GPUs: how many GPUs of each type each model gets, with what TP x DP, "
+    "predicted against memP. Inventory and workload come from files or the live mesh "
+    "(alive JOIN/SERVING nodes; the agents' request logs). --apply assigns JOIN-only nodes."
+)
+@handled
+def plan(
+    workload: Annotated[
+        Path | None,
+        typer.Option(
+            metavar="FILE", help="Workload TOML ([[model]] name, rate, input_mean, output_mean)."
+        ),
+    ] = None,
+    inventory: Annotated[
+        Path | None,
+        typer.Option(metavar="FILE", help="Inventory TOML ([gpus] TYPE = COUNT); default: mesh."),
+    ] = None,
+    catalog: Annotated[
+        list[Path] | None,
+        typer.Option(metavar="FILE", help="Extra GPU/model catalog TOML (repeatable)."),
+    ] = None,
+    mode: Annotated[
+        str, typer.Option(metavar="MODE", help="latency | throughput | fair.")
+    ] = "latency",
+    solver: Annotated[str, typer.Option(metavar="NAME", help="cpsat | exact | greedy.")] = "cpsat",
+    time_limit: Annotated[
+        float, typer.Option(metavar="SECONDS", min=0.1, max=3600, help="Solver time limit.")
+    ] = 10.0,
+    window: Annotated[
+        float,
+        typer.Option(metavar="SECONDS", help="Request-log window for the mesh workload (3600)."),
+    ] = 3600.0,
+    apply: Annotated[
+        bool, typer.Option("--apply", help="Assign the plan to JOIN-only nodes and follow them.")
+    ] = False,
+    operator_key: Annotated[
+        Path | None,
+        typer.Option(metavar="PATH", help="Operator key for --apply ($FABRIC_HOME/operator.key)."),
+    ] = None,
+    wait: Annotated[
+        float,
+        typer.Option(
+            metavar="SECONDS", min=0, max=86400, help="--apply: follow nodes this long (300)."
+        ),
+    ] = 300.0,
+    ttl: Annotated[
+        float,
+        typer.Option(
+            metavar="SECONDS", min=10, max=7 * 86400, help="--apply: assignments expire after."
+        ),
+    ] = 1800.0,
+    as_json: JsonOption = False,
+) -> None:
+    try:
+        from cli import planning
+        from scheduler.catalog import load_catalog
+        from scheduler.node_assign import PoolAllocation, assign_nodes
+        from scheduler.plan import plan as solve_plan
+        from scheduler.workload import load_inventory, load_workloads
+    except ImportError as exc:  # the optional extra is missing
+        raise ConfigError(
+            f"the placement planner needs fabricnode[scheduler] ({exc.name} is missing): "
+            "pip install 'fabricnode[scheduler]'"
+        ) from None
+    try:
+        planning.check_window(window)
+    except ConfigError as exc:
+        usage_error("plan", str(exc))
+    key = None
+    if apply:  # a missing key must fail before minutes of solving, not after
+        key = OperatorKey.load(operator_key or default_operator_key_path(os.environ))
+    cat = load_catalog(catalog or ())
     notes: list[str] = []
-    unknown_types: dict[str, int] = {}
-    outside = 0
-    for n in nodes:
-        if n.get("liveness") != "alive" or n.get("state") not in ("join", "serving"):
-            continue
-        hw = n.get("hardware") or {}
-        count = int(hw.get("gpu_count") or 0)
-        if count <= 0:
-            continue
-        try:
-            gpu = catalog.gpu(str(hw.get("gpu_type") or "")).name
-        except CatalogError:
-            name = str(hw.get("gpu_type") or "?")
-            unknown_types[name] = unknown_types.get(name, 0) + count
-            continue
-        models: list[str] = []
-        if n["state"] == "serving":
-            try:
-                models = [catalog.model(str(m["id"])).name for m in n.get("models", [])]
-            except CatalogError:
-                outside += count  # its GPUs are taken by a model the planner does not know
-                continue
-        inventory[gpu] = inventory.get(gpu, 0) + count
-        plannable.append(MeshNode(str(n["session_id"]), gpu, count, n["state"], tuple(models)))
-    for name, count in sorted(unknown_types.items()):
-        notes.append(f"{count} GPUs of type {name!r} left out: not in the catalog (--catalog FILE)")
-    if outside:
-        notes.append(f"{outside} GPUs left out: their nodes serve models not in the catalog")
-    return MeshView(inventory, tuple(plannable), tuple(notes))
-
-
-def mesh_workloads(
-    nodes: Iterable[Json],
-    window_s: float,
-    catalog: Catalog,
-    *,
-    client_for: Callable[[str], AdminClient] = AdminClient,
-) -> tuple[list[Workload], list[str]]:
-    """Per-model workload from the request logs of every alive agent (see module doc)."""
-    parts: list[dict[str, dict[str, float]]] = []
-    notes: list[str] = []
-    asked = 0
-    for n in nodes:
-        url = (n.get("addresses") or {}).get("http")
-        if n.get("liveness") != "alive" or n.get("state") == "left" or not url:
-            continue
-        asked += 1
-        try:
-            with client_for(url) as client:
-                doc = client.workload(window_s)
-        except AgentApiError as exc:
-            notes.append(f"no request log from {str(n['session_id'])[:12]}: {exc}")
-            continue
-        models = doc.get("models")
-        if isinstance(models, dict):
-            parts.append(models)
-    summary = merge_workload_sums(parts, window_s)
-    workloads: list[Workload] = []
-    merged: dict[str, dict[str, float]] = {}
-    for served, row in summary.items():
-        try:
-            name = catalog.model(served).name
-        except CatalogError:
-            notes.append(f"traffic for {served!r} left out: not in the catalog (--catalog FILE)")
-            continue
-        if name in merged:  # two served names of one catalog model: add their traffic
-            prev = merged[name]
-            total = prev["rate"] + row["rate"]
-            for key in ("input_mean", "output_mean", "input_std", "output_std"):
-                prev[key] = (prev[key] * prev["rate"] + row[key] * row["rate"]) / total
-            prev["rate"] = total
-        else:
-            merged[name] = dict(row)
-    for name, row in sorted(merged.items()):
-        if row["input_mean"] < 1 or row["output_mean"] < 1:
-            notes.append(f"{name}: no token counts in the request logs; assuming 1 token each")
-        workloads.append(
-            Workload(
-                name,
-                row["rate"],
-                max(1.0, row["input_mean"]),
-                max(1.0, row["output_mean"]),
-                row["input_std"],
-                row["output_std"],
+    view = None
+    found: list[dict[str, Any]] = []
+    if inventory is None or workload is None or apply:
+        with agent_client("plan") as client:
+            found = client.nodes()
+        view = planning.mesh_view(found, cat)
+        notes += view.notes
+    if inventory is not None:
+        inv = load_inventory(inventory, cat)
+    else:
+        assert view is not None
+        if not view.inventory:
+            raise ConfigError(
+                "no GPUs in the mesh: no alive JOIN or SERVING node announces GPUs of a catalog "
+                "type (start agents, or pass --inventory FILE)"
             )
+        inv = view.inventory
+    if workload is not None:
+        loads = load_workloads(workload, cat)
+    else:
+        loads, more = planning.mesh_workloads(found, window, cat)
+        notes += more
+
+    if apply and inventory is not None:
+        notes.append("--apply places on the mesh's nodes, whatever --inventory said")
+
+    def progress(p: Any) -> None:
+        if not as_json:
+            print(f"  {p.elapsed_s:6.1f}s {p.phase:<8} {p.message}", file=sys.stderr)
+
+    # Planned for the mesh's nodes: no replica wider than the biggest node of its GPU type.
+    max_tp = view.largest_node if view is not None and (apply or inventory is None) else None
+    result = solve_plan(
+        inv, loads, catalog=cat, mode=mode, solver=solver, time_limit_s=time_limit,
+        progress=progress, max_tp=max_tp,
+    )  # fmt: skip
+    doc = result.to_json()
+    doc["notes"] = [*notes, *result.notes]
+    doc["workload"] = [
+        {"model": w.model, "rate": w.rate_rps, "input_mean": w.input_mean,
+         "output_mean": w.output_mean, "input_std": w.input_std, "output_std": w.output_std}
+        for w in loads
+    ]  # fmt: skip
+    if not as_json:
+        _render_plan(doc)
+    if not apply:
+        if as_json:
+            print_json(doc)
+        return
+    assert key is not None and view is not None
+    pools = [PoolAllocation(a.model, a.gpu, a.tp, a.dp) for a in result.placement.allocations]
+    node_plan = assign_nodes(pools, view.nodes, planning.smallest_tp_for(cat, loads))
+    plan_id = planning.new_plan_id()
+    signed = planning.sign_assignments(node_plan, key, plan_id, time.time(), ttl)
+    applied: dict[str, Any] = {"plan_id": plan_id, "operator": key.fingerprint}
+    applied.update(node_plan.to_json())
+    if not as_json:
+        _render_node_plan(node_plan, plan_id)
+    failed = False
+    if signed:
+        with agent_client("plan") as client:
+            results = client.post_assignments([a.to_json() for a in signed])
+            refused = [r for r in results if r.get("result") not in ("new", "stale")]
+            for r in refused:
+                failed = True
+                if not as_json:
+                    print(f"  {r['target'][:12]}: the agent refused it ({r['result']})")
+            if refused and any(r["result"] == "untrusted" for r in refused) and not as_json:
+                print(
+                    f"  (agents act on plans of trusted operators only: start them with "
+                    f"--trust-operator {key.fingerprint})"
+                )
+
+            def changed(sid: str, status: str) -> None:
+                if not as_json:
+                    print(f"  {sid[:12]}  {status}")
+
+            status = planning.follow(
+                client, node_plan.assignments, plan_id, timeout_s=wait, on_change=changed
+            )
+        applied["status"] = status
+        not_serving = [sid for sid, st in status.items() if st != planning.SERVING]
+        failed = failed or bool(not_serving)
+        if not as_json:
+            done = len(status) - len(not_serving)
+            print(f"{done} of {len(status)} assigned nodes serving (plan {plan_id})")
+    elif not as_json:
+        print("nothing to apply: no JOIN-only node is needed (or none can host the plan)")
+    doc["apply"] = applied
+    if as_json:
+        print_json(doc)
+    if failed:
+        raise typer.Exit(1)
+
+
+def _fmt(value: Any, unit: str = "", digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}{unit}"
+
+
+def _render_plan(doc: dict[str, Any]) -> None:
+    table = Table(box=None, header_style="bold", pad_edge=False)
+    for column in ("MODEL", "GPU", "GPUS", "TP", "DP"):
+        table.add_column(column)
+    for a in doc["allocations"]:
+        table.add_row(a["model"], a["gpu"], str(a["gpus"]), str(a["tp"]), str(a["dp"]))
+    solver = doc["solver"]
+    print(f"placement ({doc['mode']} mode, {solver['name']} in {solver['seconds']:.1f} s)")
+    console().print(table)
+    summary = Table(box=None, header_style="bold", pad_edge=False)
+    for column in ("PREDICTED", "THROUGHPUT", "SERVED", "E2E MEAN", "TTFT MEAN"):
+        summary.add_column(column)
+    for name, p in (("this plan", doc["predicted"]), ("memP", doc["memp"]["predicted"])):
+        summary.add_row(
+            name,
+            _fmt(p["throughput_rps"], " req/s"),
+            _fmt(None if p["served_fraction"] is None else 100 * p["served_fraction"], "%", 1),
+            _fmt(p["e2e_s"], " s"),
+            _fmt(p["ttft_s"], " s", 3),
         )
-    if not workloads:
-        raise WorkloadError(
-            f"no workload: the request logs of {asked} agents hold no request for a catalog "
-            f"model in the last {window_s:g} s; pass --workload FILE or a longer --window"
-        )
-    return workloads, notes
+    console().print(summary)
+    for u in doc["unservable"]:
+        print(f"cannot serve {u['model']}: {'; '.join(u['reasons'])}")
+    for note in doc["notes"]:
+        print(f"note: {note}")
 
 
-def smallest_tp_for(
-    catalog: Catalog, workloads: Iterable[Workload]
-) -> Callable[[str, str, int], int | None]:
-    """``scheduler.node_assign``'s substitution check: the smallest TP that fits a node."""
-    by_model = {w.model: w for w in workloads}
-
-    def smallest(model: str, gpu: str, node_gpus: int) -> int | None:
-        w = by_model.get(model)
-        if w is None:
-            return None
-        spec = catalog.model(model)
-        options = tp_options(spec, catalog.gpu(gpu), w.lengths(spec.max_context), max_tp=node_gpus)
-        return options[0] if options else None
-
-    return smallest
-
-
-def new_plan_id() -> str:
-    return time.strftime("%m%d%H%M") + "-" + secrets.token_hex(2)
-
-
-def sign_assignments(
-    node_plan: NodePlan, key: OperatorKey, plan_id: str, now: float, ttl_s: float
-) -> list[SignedAssignment]:
-    return [
-        AssignmentBody(
-            target=a.session_id,
-            plan_id=plan_id,
-            issued_at=now,
-            expires_at=now + ttl_s,
-            model=a.model,
-            tp=a.tp,
-            dp=a.dp,
-            operator_key=key.public_key,
-        ).sign(key)
-        for a in node_plan.assignments
-    ]
-
-
-def target_status(entry: Json | None, plan_id: str) -> str:
-    """Where one target is with ``plan_id``, from its registry entry."""
-    if entry is None or entry.get("state") == "left":
-        return GONE
-    labels = entry.get("labels") or {}
-    if labels.get("fabric.plan") != plan_id:
-        return "pending"
-    status = str(labels.get("fabric.plan_status", ""))
-    if entry.get("state") == "serving":
-        return SERVING
-    if entry.get("state") == "down" or entry.get("liveness") == "dead":
-        return FAILED
-    if status and status != "launching":
-        return f"{REFUSED}: {status}"
-    return "launching"
-
-
-def is_terminal(status: str) -> bool:
-    return status.split(":", 1)[0] in TERMINAL
-
-
-def follow(
-    client: AdminClient,
-    targets: Iterable[NodeAssignment],
-    plan_id: str,
-    *,
-    timeout_s: float,
-    poll_s: float = 0.5,
-    on_change: Callable[[str, str], None] | None = None,
-    clock: Callable[[], float] = time.monotonic,
-    sleep: Callable[[float], None] = time.sleep,
-) -> dict[str, str]:
-    """Poll the registry until every target is terminal or ``timeout_s`` passed."""
-    wanted = [t.session_id for t in targets]
-    status = dict.fromkeys(wanted, "pending")
-    deadline = clock() + timeout_s
-    while True:
-        by_id = {n["session_id"]: n for n in client.nodes()}
-        for sid in wanted:
-            now_status = target_status(by_id.get(sid), plan_id)
-            if now_status != status[sid]:
-                status[sid] = now_status
-                if on_change is not None:
-                    on_change(sid, now_status)
-        if all(is_terminal(s) for s in status.values()) or clock() >= deadline:
-            return status
-        sleep(poll_s)
-
-
-def check_window(window_s: float) -> float:
-    if not 0 < window_s <= 366 * 86400:
-        raise ConfigError(f"--window {window_s:g}: expected seconds, more than 0")
-    return window_s
+def _render_node_plan(node_plan: Any, plan_id: str) -> None:
+    print(f"apply (plan {plan_id}):")
+    for a in node_plan.assignments:
+        idle = f", {a.idle_gpus} GPUs idle" if a.idle_gpus else ""
+        sub = " (substitute: the plan's nodes ran out)" if a.substitute else ""
+        print(f"  {a.session_id[:12]}  {a.model} on {a.tp}x{a.dp} {a.gpu}{idle}{sub}")
+    for (model, gpu), gpus in sorted(node_plan.serving_gpus.items()):
+        print(f"  already serving: {model} on {gpus} {gpu}")
+    for u in node_plan.unplaced:
+        print(f"  not placed: {u.replicas} x {u.model} (tp={u.tp}) on {u.gpu}: no JOIN node fits")
+    if node_plan.idle_nodes:
+        print(f"  {len(node_plan.idle_nodes)} JOIN nodes stay unassigned")

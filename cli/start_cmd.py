@@ -1,0 +1,180 @@
+"""``fabric start -- ENGINE_CMD``: run an agent (the options become an ``AgentConfig``).
+
+The engine command after ``--`` is passed through exactly; ``fabricnode.config.load_config``
+checks the options (a bad one is exit status 2) and ``fabricnode.agent.run_agent`` runs the
+agent until it leaves. trio and hypercorn are imported only here, when an agent runs.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from cli.common import command_group, handled, usage_error
+from fabricnode.errors import ConfigError
+
+commands = command_group()
+
+
+@commands.command(
+    context_settings={"allow_interspersed_args": False},
+    help="Run an agent: join the mesh and serve the agent API. SIGTERM/SIGINT leave gracefully.",
+)
+@handled
+def start(
+    engine_cmd: Annotated[
+        list[str] | None,
+        typer.Argument(
+            metavar="-- ENGINE_CMD",
+            help="Engine to supervise, e.g. -- vllm serve MODEL --port 8000.",
+            show_default=False,
+        ),
+    ] = None,
+    http: Annotated[
+        str | None,
+        typer.Option(metavar="HOST:PORT", help="HTTP API (0.0.0.0:8080; port 0 = free)."),
+    ] = None,
+    gossip: Annotated[
+        str | None,
+        typer.Option(metavar="HOST:PORT", help="Gossip, UDP+TCP (0.0.0.0:7946; 0 = free)."),
+    ] = None,
+    admin: Annotated[
+        str | None, typer.Option(metavar="HOST:PORT", help="Serve the agent endpoints separately.")
+    ] = None,
+    advertise: Annotated[
+        str | None,
+        typer.Option(metavar="HOST", help="Host peers should use (default: primary address)."),
+    ] = None,
+    join: Annotated[
+        list[str] | None,
+        typer.Option(metavar="HOST:PORT", help="Gossip address of any member (repeatable)."),
+    ] = None,
+    rendezvous: Annotated[
+        str | None,
+        typer.Option(metavar="PATH", help="Shared rendezvous file ($FABRIC_HOME/rendezvous)."),
+    ] = None,
+    cluster_key: Annotated[
+        str | None, typer.Option(metavar="PATH", help="Cluster keyring ($FABRIC_CLUSTER_KEY).")
+    ] = None,
+    provider: Annotated[
+        str | None, typer.Option(metavar="NAME", help="Provider name (default $USER).")
+    ] = None,
+    engine_url: Annotated[
+        str | None,
+        typer.Option(metavar="URL", help="Where the engine serves (default: from its --port)."),
+    ] = None,
+    restart: Annotated[
+        str | None,
+        typer.Option(metavar="POLICY", help="Restart the engine: no|on-failure|always (no)."),
+    ] = None,
+    max_restarts: Annotated[
+        int | None, typer.Option(metavar="N", help="At most N engine restarts (3).")
+    ] = None,
+    sim: Annotated[
+        str | None,
+        typer.Option(metavar="MODEL", help="Run the built-in simulated engine serving MODEL."),
+    ] = None,
+    sim_gpu: Annotated[
+        str | None,
+        typer.Option(metavar="TYPE[:N[:GB]]", help="Announce these GPUs instead of nvidia-smi's."),
+    ] = None,
+    provider_key: Annotated[
+        str | None,
+        typer.Option(
+            metavar="PATH",
+            help="Provider key that certifies this agent (see `fabric keys new-provider`).",
+        ),
+    ] = None,
+    label: Annotated[
+        list[str] | None, typer.Option(metavar="KEY=VALUE", help="Label (repeatable).")
+    ] = None,
+    log_level: Annotated[
+        str, typer.Option(metavar="LEVEL", help="debug|info|warning|error.")
+    ] = "info",
+    policy: Annotated[
+        str | None,
+        typer.Option(metavar="NAME", help="Routing policy (default prefix-pending)."),
+    ] = None,
+    api_keys: Annotated[
+        str | None,
+        typer.Option(
+            metavar="PATH", help="API keys file ($FABRIC_HOME/api-keys.json; absent = open)."
+        ),
+    ] = None,
+    request_log: Annotated[
+        str | None,
+        typer.Option(metavar="PATH", help="Request log, JSON lines ('' = off)."),
+    ] = None,
+    max_body_mb: Annotated[
+        float | None, typer.Option(metavar="MB", help="Largest request body (16).")
+    ] = None,
+    drain_timeout: Annotated[
+        float | None,
+        typer.Option(metavar="SECONDS", help="On leave, let accepted requests finish (30)."),
+    ] = None,
+    leave_before_end: Annotated[
+        float | None,
+        typer.Option(
+            metavar="SECONDS",
+            help="In a Slurm job, start leaving this long before its time limit (120; 0 = off).",
+        ),
+    ] = None,
+    engine_template: Annotated[
+        str | None,
+        typer.Option(
+            metavar="CMD",
+            help="No engine yet: launch CMD when `fabric plan --apply` assigns a model "
+            "({model} {model_path} {tp} {dp} {gpus} {port}; 'sim' = simulated engine; "
+            "$FABRIC_ENGINE_TEMPLATE).",
+        ),
+    ] = None,
+    model_path: Annotated[
+        list[str] | None,
+        typer.Option(metavar="MODEL=PATH", help="{model_path} of MODEL (repeatable)."),
+    ] = None,
+    trust_operator: Annotated[
+        list[str] | None,
+        typer.Option(
+            metavar="FINGERPRINT",
+            help="Accept assignments signed by this operator key (repeatable; "
+            "$FABRIC_TRUST_OPERATORS).",
+        ),
+    ] = None,
+) -> None:
+    from fabricnode.config import load_config
+
+    try:
+        config = load_config(
+            http=http,
+            gossip=gossip,
+            admin=admin,
+            advertise=advertise,
+            join=join or (),
+            rendezvous=rendezvous,
+            cluster_key=cluster_key,
+            provider=provider,
+            provider_key=provider_key,
+            engine_cmd=engine_cmd or (),
+            engine_url=engine_url,
+            sim=sim,
+            sim_gpu=sim_gpu,
+            restart=restart,
+            max_restarts=max_restarts,
+            labels=label or (),
+            log_level=log_level,
+            policy=policy,
+            api_keys=api_keys,
+            request_log=request_log,
+            max_body_mb=max_body_mb,
+            drain_timeout_s=drain_timeout,
+            leave_before_end_s=leave_before_end,
+            engine_template=engine_template,
+            model_paths=model_path or (),
+            trust_operators=trust_operator or (),
+        )
+    except ConfigError as exc:
+        usage_error("start", str(exc))
+    from fabricnode.agent import run_agent  # trio and hypercorn: only when running an agent
+
+    raise typer.Exit(run_agent(config))
