@@ -1,7 +1,7 @@
 """MeshCore: one node's whole gossip protocol, sans I/O.
 
 It owns the registry replica, the member table, the load table and the broadcast queues, and
-speaks the wire format. The shell (``gossip.GossipService`` for real sockets, the simulators in
+speaks the wire format. The shell (``service.GossipService`` for real sockets, the simulators in
 ``fabricnode.testing`` and ``bench/gossip.py`` for virtual ones) feeds it sealed packets and the
 time, and sends what it asks::
 
@@ -23,6 +23,13 @@ Protocol summary (parameters in ``MeshConfig``):
   anything gossip lost; every ``reconnect_interval_s`` one with a member believed dead, so two
   sides of a healed partition find each other again.
 * Load: a small, frequent, unsigned (AEAD-only) channel, separate from the signed registry.
+
+Why one ~900-line module: it is one state machine. Its handlers read and write the same member
+table, registry, probe set and queues in a single step (an ack settles a probe, refreshes a
+member and piggybacks news), so splitting it by message type would spread one protocol step
+over several files and make them share private state. The parts that stand on their own are
+already their own modules (``membership``, ``registry``, ``broadcast``, ``assignment``,
+``wire``), as in aioquic, whose ``QuicConnection`` is likewise one module.
 """
 
 from __future__ import annotations
