@@ -26,6 +26,10 @@ Top-level modules:
 * ``logs``          logging setup (stderr, each line tagged with the short session id).
 * ``errors``        the one exception tree (``FabricError`` and its subclasses).
 * ``addr``          ``HOST:PORT`` strings, IPv6 in brackets.
+* ``asgi``          serving a raw ASGI app with hypercorn's trio worker on a socket we bound
+                    (the admin app and the simulated engine).
+* ``metricfamilies`` prometheus-client families and collectors over live objects; a registry
+                    per app, never the global one.
 * ``native``        the switch between the compiled data plane and its sources (``FABRIC_NATIVE``).
 * ``native_build``  builds the compiled data plane: ``python -m fabricnode.native_build``.
 

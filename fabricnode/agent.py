@@ -51,9 +51,9 @@ import trio
 
 from fabricnode import native
 from fabricnode.addr import join_hostport
+from fabricnode.asgi import bind_http_socket, serve_http
 from fabricnode.config import AgentConfig
 from fabricnode.control.app import AdminApp
-from fabricnode.control.asgi import bind_http_socket, serve_http
 from fabricnode.control.views import liveness_of
 from fabricnode.dataplane.accounting import RequestLog
 from fabricnode.dataplane.apikeys import ApiKeyStore

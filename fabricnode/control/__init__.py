@@ -7,18 +7,18 @@ registry entries that the API and ``fabric --json`` show; the Prometheus familie
 live objects at scrape time; and the synchronous httpx client the CLI and the tests use.
 
 May import: ``fabricnode.mesh``, ``fabricnode.dataplane`` (the request log it summarises),
-``fabricnode.errors``, ``fabricnode.addr`` and itself. Not ``engine``, ``host``, ``config`` or
-``agent``: the agent builds the app and passes in what it reads.
+the shared top-level modules (``errors``, ``addr``, ``asgi``, ``metricfamilies``) and itself.
+Not ``engine``, ``host``, ``config`` or ``agent``: the agent builds the app and passes in what
+it reads. Serving it with hypercorn
+(``fabricnode.asgi``) and the prometheus-client helpers (``fabricnode.metricfamilies``) are
+top-level shared modules, because the simulated engine serves its own HTTP API with them.
 
 Modules, in reading order:
 
-* ``views``          JSON views of registry entries and models (stable keys, SPEC order).
-* ``metricfamilies`` prometheus-client families and collectors over live objects; a registry
-                     per app, never the global one.
-* ``asgi``           serving a raw ASGI app with hypercorn's trio worker on a socket we bound.
-* ``app``            ``AdminApp``: the endpoints; start reading here.
-* ``client``         ``AdminClient`` (httpx, synchronous): the admin API for the CLI, the demo
-                     and the tests.
+* ``views``   JSON views of registry entries and models (stable keys, SPEC order).
+* ``app``     ``AdminApp``: the endpoints; start reading here.
+* ``client``  ``AdminClient`` (httpx, synchronous): the admin API for the CLI, the demo
+              and the tests.
 
 docs/admin-guide.md and docs/operators.md describe the endpoints and metrics.
 """

@@ -43,15 +43,7 @@ from prometheus_client import generate_latest
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
-from fabricnode.control.asgi import Receive, Send, lifespan
-from fabricnode.control.metricfamilies import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from fabricnode.control.metricfamilies import (
-    counter,
-    counters_by,
-    gauge,
-    gauges_by,
-    registry_of,
-)
+from fabricnode.asgi import Receive, Send, lifespan
 from fabricnode.control.views import Json, entry_view, match_sessions, models_view, node_views
 from fabricnode.dataplane.accounting import (
     TraceRecord,
@@ -64,6 +56,14 @@ from fabricnode.mesh.assignment import SignedAssignment
 from fabricnode.mesh.core import MeshCore
 from fabricnode.mesh.registry import State
 from fabricnode.mesh.service import TransportStatistics
+from fabricnode.metricfamilies import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from fabricnode.metricfamilies import (
+    counter,
+    counters_by,
+    gauge,
+    gauges_by,
+    registry_of,
+)
 
 log = logging.getLogger("fabricnode.control.app")
 

@@ -16,7 +16,7 @@ import sys
 import trio
 
 from fabricnode.addr import join_hostport
-from fabricnode.control.asgi import bind_http_socket
+from fabricnode.asgi import bind_http_socket
 from fabricnode.errors import ConfigError
 from fabricnode.simengine.model import ADMISSION_MODES, GPU_PROFILES, EngineConfig, gpu_profile
 from fabricnode.simengine.server import FaultConfig, SimConfig, serve

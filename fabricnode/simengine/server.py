@@ -39,9 +39,9 @@ from prometheus_client import generate_latest
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
-from fabricnode.control.asgi import Receive, Send, lifespan, serve_http
-from fabricnode.control.metricfamilies import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from fabricnode.control.metricfamilies import counter, gauge, registry_of
+from fabricnode.asgi import Receive, Send, lifespan, serve_http
+from fabricnode.metricfamilies import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from fabricnode.metricfamilies import counter, gauge, registry_of
 from fabricnode.simengine.model import (
     EngineConfig,
     Scheduler,

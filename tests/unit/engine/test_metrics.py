@@ -11,7 +11,6 @@ from prometheus_client import generate_latest
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
-from fabricnode.control.metricfamilies import gauge, registry_of
 from fabricnode.engine.metrics import (
     EngineLoad,
     Sample,
@@ -20,6 +19,7 @@ from fabricnode.engine.metrics import (
     parse_line,
     parse_samples,
 )
+from fabricnode.metricfamilies import gauge, registry_of
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 
@@ -191,7 +191,7 @@ def test_malformed_lines_do_not_hide_good_ones() -> None:
     assert parse_engine_load(text) == EngineLoad(kind="vllm", running=2)
 
 
-# Names and values our pages (prometheus-client, fabricnode.control.metricfamilies) can hold.
+# Names and values our pages (prometheus-client, fabricnode.metricfamilies) can hold.
 _names = st.from_regex(r"\A[a-zA-Z_:][a-zA-Z0-9_:]{0,20}\Z")
 _label_keys = st.from_regex(r"\A[a-zA-Z_][a-zA-Z0-9_]{0,10}\Z")
 _label_values = st.text(max_size=20)
