@@ -25,7 +25,8 @@ Method (shared/notes/data-plane-measurements.md): closed-loop clients on keep-al
 (bench/_loadgen.py, a process of its own: asyncio protocols + httptools, cheap next to any
 router), 2000-byte prompts, cells = concurrency x {json, sse}, ``--seconds`` per cell after a
 short warm-up, ``--rounds`` rounds. Within a round every cell runs every target back to back (the
-order rotates each round), so host noise hits all targets alike. Reported per target and cell:
+order rotates each round), so host noise hits all targets alike. Reported per target and cell
+(computed in bench/_router_report.py):
 
   mean / p50 / p99   latency of whole requests (last byte), pooled over rounds, ms
   +mean              target mean minus direct mean in the same round and cell; median of rounds
@@ -63,12 +64,10 @@ import contextlib
 import ctypes
 import http.client
 import json
-import math
 import os
 import platform
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -87,12 +86,22 @@ if str(BENCH_DIR) not in sys.path:
 
 import _venvs  # noqa: E402
 from _procs import argv_of, cpu_steal, descendants, free_port, rss_mb  # noqa: E402
+from _router_report import (  # noqa: E402
+    Cell,
+    bystanders_pct,
+    finite,
+    fmt,
+    mean,
+    median,
+    others_pct,
+    render,
+    summarize,
+)
 
 from fabricnode import native  # noqa: E402
 
 MODEL = "bench-model"
 CHAT_PATH = "/v1/chat/completions"
-SSE_EVENTS = 18  # 16 content chunks + usage chunk + [DONE], as bench/fake_backend.py sends
 ALL_TARGETS = ("direct", "vllm-router", "litellm", "trio-floor", "fabric-1hop", "fabric-2hop")
 FABRIC_TARGETS = ("fabric-1hop", "fabric-2hop")
 
@@ -570,16 +579,6 @@ class Bench:
 # -- measurement --------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Cell:
-    concurrency: int
-    stream: bool
-
-    @property
-    def label(self) -> str:
-        return f"c={self.concurrency} {'sse' if self.stream else 'json'}"
-
-
 class LoadGen:
     """The load generator process: one JSON spec in, one JSON result out, per cell."""
 
@@ -613,22 +612,6 @@ def loadgen_python(args: argparse.Namespace) -> str:
         return str(_venvs.ensure("aiohttp-backend", install=not args.no_install).python)
     except _venvs.VenvUnavailable as exc:
         raise SystemExit(f"bench: aiohttp client unavailable: {exc}") from exc
-
-
-def percentile(sorted_values: list[int], q: float) -> float:
-    if not sorted_values:
-        return math.nan
-    k = min(len(sorted_values) - 1, max(0, math.ceil(q * len(sorted_values)) - 1))
-    return float(sorted_values[k])
-
-
-def mean(values: list[float]) -> float:
-    return statistics.fmean(values) if values else math.nan
-
-
-def median(values: list[float]) -> float:
-    values = [v for v in values if not math.isnan(v)]
-    return statistics.median(values) if values else math.nan
 
 
 def measure(
@@ -679,191 +662,6 @@ def measure(
                     f"errors {res.get('errors', res.get('fatal'))}"
                 )
     return results
-
-
-def others_pct(run: dict[str, Any]) -> float:
-    """Share of all CPUs busy with anything but this bench's processes (router, backend,
-    client, idle routers of other targets), in %: other work on the machine, kernel softirq."""
-    total = run.get("host_total_ticks", 0)
-    if not total:
-        return math.nan
-    ours = sum(run.get("cpu_ticks", {}).values()) + run.get("client_ticks", 0)
-    return max(0.0, 100.0 * (run.get("host_busy_ticks", 0) - ours) / total)
-
-
-def bystanders_pct(run: dict[str, Any]) -> float:
-    """Share of all CPUs that the other targets' idle routers used during the window, in %."""
-    total = run.get("host_total_ticks", 0)
-    ticks = run.get("cpu_ticks", {}).get("bystanders", 0)
-    return 100.0 * ticks / total if total else math.nan
-
-
-def summarize(
-    targets: list[Target],
-    cells: list[Cell],
-    raw: dict[tuple[str, str], list[dict[str, Any]]],
-) -> dict[str, dict[str, dict[str, Any]]]:
-    """Per target, per cell: the figures of the table (see the module docstring)."""
-
-    def round_means(name: str, label: str) -> dict[int, float]:
-        runs = raw.get((name, label), [])
-        return {r["round"]: mean(r.get("latencies_us") or []) / 1000.0 for r in runs}
-
-    def per_req(ticks: int, clk: int, completed: int) -> float:
-        return ticks * 1000.0 / clk / completed if completed else math.nan
-
-    direct = {c.label: round_means("direct", c.label) for c in cells}
-    added: dict[tuple[str, str], dict[int, float]] = {}
-    summary: dict[str, dict[str, dict[str, Any]]] = {}
-    for target in targets:
-        per_cell: dict[str, dict[str, Any]] = {}
-        for cell in cells:
-            runs = raw.get((target.name, cell.label), [])
-            lat = sorted(x for r in runs for x in r.get("latencies_us") or [])
-            ttft = [x for r in runs for x in r.get("ttft_us") or []]
-            completed = sum(r.get("completed", 0) for r in runs)
-            clk = runs[0].get("clk_tck", 100) if runs else 100
-
-            def ticks(key: str, runs: list[dict[str, Any]] = runs) -> int:
-                return sum(r.get("cpu_ticks", {}).get(key, 0) for r in runs)
-
-            base = direct[cell.label]
-            by_round = {
-                rnd: m - base[rnd]
-                for rnd, m in round_means(target.name, cell.label).items()
-                if rnd in base
-            }
-            added[(target.name, cell.label)] = by_round
-            is_router = target.name != "direct"
-            per_cell[cell.label] = {
-                "requests": completed,
-                "errors": sum(r.get("errors", 0) for r in runs),
-                "error_samples": [s for r in runs for s in r.get("error_samples", [])][:3],
-                "fatal": [r["fatal"] for r in runs if "fatal" in r],
-                "mean_ms": mean(lat) / 1000.0,
-                "p50_ms": percentile(lat, 0.50) / 1000.0,
-                "p99_ms": percentile(lat, 0.99) / 1000.0,
-                "ttft_mean_ms": mean(ttft) / 1000.0 if cell.stream else math.nan,
-                "added_mean_ms": median(list(by_round.values())) if is_router else math.nan,
-                "added_mean_ms_by_round": by_round if is_router else {},
-                "cpu_ms_per_req": per_req(ticks("router"), clk, completed)
-                if is_router
-                else math.nan,
-                "backend_cpu_ms_per_req": per_req(ticks("backend"), clk, completed),
-                "client_cpu_ms_per_req": per_req(
-                    sum(r.get("client_ticks", 0) for r in runs), clk, completed
-                ),
-                "others_cpu_pct": median([others_pct(r) for r in runs]),
-                "bystanders_cpu_pct": median([bystanders_pct(r) for r in runs]),
-                "req_per_s": median(
-                    [r["completed"] / r["window_s"] for r in runs if r.get("window_s")]
-                ),
-            }
-        summary[target.name] = per_cell
-    for cell in cells:
-        vr = summary.get("vllm-router", {}).get(cell.label, {}).get("added_mean_ms", math.nan)
-        json_label = Cell(cell.concurrency, False).label
-        for name, per_cell in summary.items():
-            s = per_cell[cell.label]
-            ok = vr > 0 and not math.isnan(s["added_mean_ms"])
-            s["ratio_vs_vllm_router"] = s["added_mean_ms"] / vr if ok else math.nan
-            if cell.stream and name != "direct" and json_label in per_cell:
-                sse, plain = added[(name, cell.label)], added[(name, json_label)]
-                per_chunk = [(sse[r] - plain[r]) * 1000.0 / SSE_EVENTS for r in sse if r in plain]
-                s["added_us_per_chunk"] = median(per_chunk)
-                cpu_sse, cpu_json = s["cpu_ms_per_req"], per_cell[json_label]["cpu_ms_per_req"]
-                s["cpu_us_per_chunk"] = (cpu_sse - cpu_json) * 1000.0 / SSE_EVENTS
-    return summary
-
-
-def finite(value: Any) -> Any:
-    """The document with NaN as null (JSON has no NaN)."""
-    if isinstance(value, float) and math.isnan(value):
-        return None
-    if isinstance(value, dict):
-        return {str(k): finite(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [finite(v) for v in value]
-    return value
-
-
-def fmt(value: float, digits: int = 3) -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "-"
-    return f"{value:.{digits}f}"
-
-
-def render(
-    targets: list[Target],
-    cells: list[Cell],
-    summary: dict[str, dict[str, dict[str, Any]]],
-    header: list[str],
-) -> str:
-    cols = [
-        ("cell", 9),
-        ("target", 12),
-        ("mean ms", 8),
-        ("p50 ms", 8),
-        ("p99 ms", 8),
-        ("+mean ms", 9),
-        ("x vllm", 7),
-        ("CPU/req ms", 10),
-        ("req/s", 8),
-        ("TTFT ms", 8),
-        ("+us/chunk", 9),
-        ("CPU us/chunk", 12),
-        ("err", 5),
-    ]
-    lines = [*header, ""]
-    lines.append(
-        "  ".join(f"{name:>{w}}" if i > 1 else f"{name:<{w}}" for i, (name, w) in enumerate(cols))
-    )
-    lines.append("  ".join("-" * w for _, w in cols))
-    for cell in cells:
-        for target in targets:
-            if target.unavailable:
-                continue
-            s = summary[target.name][cell.label]
-            row = [
-                cell.label,
-                target.name,
-                fmt(s["mean_ms"]),
-                fmt(s["p50_ms"]),
-                fmt(s["p99_ms"]),
-                fmt(s["added_mean_ms"]) if target.name != "direct" else "",
-                fmt(s["ratio_vs_vllm_router"], 2) if target.name != "direct" else "",
-                fmt(s["cpu_ms_per_req"]) if target.name != "direct" else "",
-                fmt(s["req_per_s"], 0),
-                fmt(s["ttft_mean_ms"]) if cell.stream else "",
-                fmt(s.get("added_us_per_chunk", math.nan), 1)
-                if cell.stream and target.name != "direct"
-                else "",
-                fmt(s.get("cpu_us_per_chunk", math.nan), 1)
-                if cell.stream and target.name != "direct"
-                else "",
-                str(s["errors"]),
-            ]
-            lines.append(
-                "  ".join(
-                    f"{v:>{w}}" if i > 1 else f"{v:<{w}}"
-                    for i, (v, (_, w)) in enumerate(zip(row, cols, strict=True))
-                )
-            )
-        lines.append("")
-    for target in targets:
-        if target.unavailable:
-            lines.append(f"{target.name}: unavailable: {target.unavailable}")
-    for target in targets:
-        for cell in cells:
-            if target.unavailable:
-                continue
-            s = summary[target.name][cell.label]
-            if s["error_samples"] or s["fatal"]:
-                lines.append(
-                    f"{target.name} {cell.label}: {s['errors']} errors, e.g. "
-                    f"{(s['fatal'] or s['error_samples'])[0]}"
-                )
-    return "\n".join(lines).rstrip() + "\n"
 
 
 # -- main ---------------------------------------------------------------------------------------
