@@ -1,6 +1,6 @@
 """The router benchmark's second fake backend: the same answers as ``fake_backend.py``, served by
-aiohttp handlers, the setup of shared/notes/data-plane-measurements.md and of the issue's
-reference figures (direct-to-backend ≈ 0.9 ms mean at c=1).
+aiohttp handlers: the setup the data plane's first targets were measured under
+(direct-to-backend ≈ 0.9 ms mean at c=1; docs/benchmarks.md).
 
 ``fake_backend.py`` answers in ≈ 0.03 ms, so in front of it a router's own CPU is the whole
 story; this one costs what a typical Python web stack costs per request, the condition the

@@ -21,7 +21,7 @@ Targets (all in front of ONE fake backend process: ``bench/fake_backend.py``, or
 When a fabric target is asked for, the backend IS the serving agent's engine child, and every
 other target uses that same process; otherwise the bench starts the backend itself.
 
-Method (shared/notes/data-plane-measurements.md): closed-loop clients on keep-alive connections
+Method (results in docs/benchmarks.md): closed-loop clients on keep-alive connections
 (bench/_loadgen.py, a process of its own: asyncio protocols + httptools, cheap next to any
 router), 2000-byte prompts, cells = concurrency x {json, sse}, ``--seconds`` per cell after a
 short warm-up, ``--rounds`` rounds. Within a round every cell runs every target back to back (the

@@ -3,7 +3,8 @@
 One call builds the problem (analytic tables for every feasible (model, GPU type, TP)), solves
 it (CP-SAT by default; ``solver="exact"`` for the DP optimum on small instances, ``"greedy"`` for
 greedy + local search without OR-Tools), checks C1-C3 on the result, and predicts it and the
-memP baseline with the same analytic model. ``PlanResult.to_json()`` is SPEC's ``--json`` shape:
+memP baseline with the same analytic model. ``PlanResult.to_json()`` is ``fabric plan --json``'s
+shape (docs/admin-guide.md):
 ``{"allocations": [{"model", "gpu", "gpus", "tp", "dp"}], "predicted": {...}, "memp": {...}}``
 plus ``mode``, ``notes``, ``unservable`` and ``solver``. Non-finite numbers become ``null``.
 """

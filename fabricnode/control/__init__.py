@@ -15,7 +15,8 @@ top-level shared modules, because the simulated engine serves its own HTTP API w
 
 Modules, in reading order:
 
-* ``views``   JSON views of registry entries and models (stable keys, SPEC order).
+* ``views``   JSON views of registry entries and models (stable keys, in the order of
+              docs/admin-guide.md's JSON reference).
 * ``app``     ``AdminApp``: the endpoints; start reading here.
 * ``client``  ``AdminClient`` (httpx, synchronous): the admin API for the CLI, the demo
               and the tests.

@@ -13,7 +13,8 @@ from cli.localmesh import AgentProcess
 from fabricnode.control.client import AdminClient
 from fabricnode.errors import AgentApiError
 
-# An entry's fields in SPEC.md's order, as the admin API and `fabric ... --json` give them.
+# An entry's fields in the order of docs/admin-guide.md's JSON reference, as the admin API and
+# `fabric ... --json` give them.
 ENTRY_KEYS = [
     "session_id",
     "provider",

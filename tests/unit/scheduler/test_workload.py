@@ -1,5 +1,5 @@
-"""Workload and inventory files (SPEC.md formats), length moments, and the placement
-constraints C1-C3."""
+"""Workload and inventory files (the formats in docs/scheduler.md), length moments, and the
+placement constraints C1-C3."""
 
 from __future__ import annotations
 
