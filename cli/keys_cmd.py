@@ -17,6 +17,7 @@ from rich.table import Table
 
 from cli.common import JsonOption, command_group, console, handled, print_json, usage_error
 from fabricnode.config import (
+    default_api_keys_path,
     default_cluster_key_path,
     default_operator_key_path,
     default_provider_key_path,
@@ -204,8 +205,6 @@ ApiKeysFileOption = Annotated[
 
 
 def _api_keys_path(path: Path | None) -> Path:
-    from fabricnode.dataplane.apikeys import default_api_keys_path
-
     return path if path is not None else default_api_keys_path(os.environ)
 
 

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from fabricnode.errors import ConfigError
 
+# Hosts that mean "every interface" when a server binds to them: never an address to connect to
+# or to advertise. "[::]" and "*" are how engines' --host flags spell them too.
+WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::", "[::]", "*"})
+
 
 def split_hostport(text: str, *, default_port: int | None = None) -> tuple[str, int]:
     text = text.strip()

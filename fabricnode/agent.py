@@ -37,7 +37,6 @@ extended. A SIGTERM that arrives after such a leave began is the first signal, n
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import socket
 import sys
@@ -246,7 +245,7 @@ class Agent:
             version=1,
             provider=provider,
             addresses=Addresses(http=http_url, gossip=gossip_addr),
-            hardware=hardware or Hardware(host=default_host(os.environ)),
+            hardware=hardware or Hardware(host=default_host(self.config.host_env)),
             engine=EngineInfo(),
             models=(),
             labels=tuple(labels),
@@ -258,7 +257,7 @@ class Agent:
 
     def discover_host(self) -> tuple[Hardware, SlurmJob | None]:
         """GPUs and Slurm job of this process (runs nvidia-smi/scontrol: call in a thread)."""
-        env = os.environ
+        env = self.config.host_env
         gpus = discover_gpus(env, host=default_host(env), sim_gpu=self.config.sim_gpu)
         return gpus.to_hardware(), discover_job(env)
 
@@ -571,8 +570,7 @@ class Agent:
             return self.config.job_log_dir / "engine.log"
         if self.config.log_dir is None:
             return None
-        job = os.environ.get("SLURM_JOB_ID", "local")
-        return self.config.log_dir / f"{job}-{session_id[:8]}" / "engine.log"
+        return self.config.log_dir / f"{self.config.job_id}-{session_id[:8]}" / "engine.log"
 
     async def _announce_and_read(self, gossip_addr: str) -> list[str]:
         path = self.config.rendezvous_path

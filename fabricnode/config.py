@@ -26,25 +26,23 @@ import getpass
 import ipaddress
 import os
 import socket
-import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from fabricnode.addr import join_hostport, split_hostport
+from fabricnode.addr import WILDCARD_HOSTS, join_hostport, split_hostport
 from fabricnode.dataplane.ingress_config import IngressConfig
 from fabricnode.dataplane.routing import POLICY_NAMES
-from fabricnode.engine.command import EngineCommand, inspect_engine_cmd
+from fabricnode.engine.command import EngineCommand, inspect_engine_cmd, sim_engine_command
 from fabricnode.engine.template import EngineTemplate, parse_template
 from fabricnode.errors import ConfigError
 from fabricnode.host.hardware import parse_sim_gpu
-from fabricnode.host.slurm import DEFAULT_LEAVE_BEFORE_END_S
+from fabricnode.host.slurm import DEFAULT_LEAVE_BEFORE_END_S, job_id_of
 from fabricnode.mesh.core import MeshConfig
 
 DEFAULT_HTTP = "0.0.0.0:8080"
 DEFAULT_GOSSIP = "0.0.0.0:7946"
 LOG_LEVELS = ("debug", "info", "warning", "error")
-WILDCARD_HOSTS = ("", "0.0.0.0", "::")
 MAX_LABEL_KEY = 64
 
 
@@ -88,6 +86,11 @@ class AgentConfig:
     api_keys_path: Path | None = None  # hashed API keys; no file = the ingress runs open
     request_log_path: Path | None = None  # trace-schema request log (JSON lines); None = off
     request_log_flush_s: float = 1.0
+    # The Slurm job id ("local" outside Slurm): it names the engine's and the request log.
+    job_id: str = "local"
+    # The environment as the agent started: GPU and Slurm discovery read it (nvidia-smi's
+    # CUDA_VISIBLE_DEVICES, SLURM_*), so that no module but this one reads os.environ.
+    host_env: Mapping[str, str] = field(default_factory=dict, hash=False, compare=False, repr=False)
     mesh: MeshConfig = field(default_factory=MeshConfig)
     ingress: IngressConfig = field(default_factory=IngressConfig)
 
@@ -124,6 +127,11 @@ def default_provider_key_path(env: Mapping[str, str]) -> Path:
 
 def default_operator_key_path(env: Mapping[str, str]) -> Path:
     return fabric_home(env) / "operator.key"
+
+
+def default_api_keys_path(env: Mapping[str, str]) -> Path:
+    """``$FABRIC_HOME/api-keys.json`` (shared by ``fabric keys api-*`` and the agent)."""
+    return fabric_home(env) / "api-keys.json"
 
 
 def load_config(
@@ -185,7 +193,8 @@ def load_config(
     if level not in LOG_LEVELS:
         raise ConfigError(f"--log-level {log_level!r}: choose one of {', '.join(LOG_LEVELS)}")
     home = fabric_home(env)
-    keys_path = Path(api_keys).expanduser() if api_keys else home / "api-keys.json"
+    job_id = job_id_of(env) or "local"
+    keys_path = Path(api_keys).expanduser() if api_keys else default_api_keys_path(env)
     log_dir = Path(env["FABRIC_LOG_DIR"]).expanduser() if env.get("FABRIC_LOG_DIR") else None
     log_dir = log_dir or home / "logs"
     job_log_dir = env.get("FABRIC_JOB_LOG_DIR", "").strip()
@@ -193,8 +202,7 @@ def load_config(
     if request_log is None and job_logs is not None:
         log_path: Path | None = job_logs / "requests.jsonl"
     elif request_log is None:
-        job = env.get("SLURM_JOB_ID", "local")
-        log_path = log_dir / f"requests-{job}-{os.getpid()}.jsonl"
+        log_path = log_dir / f"requests-{job_id}-{os.getpid()}.jsonl"
     else:
         log_path = Path(request_log).expanduser() if request_log else None
     engine = _engine(engine_cmd, engine_url, sim, sim_gpu)
@@ -227,6 +235,8 @@ def load_config(
         join=join_addrs,
         labels=parse_labels(labels),
         log_level=level,
+        job_id=job_id,
+        host_env=dict(env),
         mesh=replace(mesh or MeshConfig(), trusted_operators=operators),
     )
 
@@ -310,25 +320,6 @@ def _engine(
     if not sim:
         return None
     return sim_engine_command(sim, (sim_gpu or "H100").split(":")[0])
-
-
-def sim_engine_command(
-    model: str, gpu_type: str, *extra: str, port: int | None = None
-) -> EngineCommand:
-    """The built-in simulated engine as a child, on ``port`` (default: a free loopback port)."""
-    from fabricnode.simengine.model import GPU_PROFILES  # the profiles it can simulate
-
-    if gpu_type not in GPU_PROFILES:
-        raise ConfigError(
-            f"--sim-gpu {gpu_type!r}: the simulated engine knows {', '.join(GPU_PROFILES)}"
-        )
-    if port is None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-    argv: tuple[str, ...] = (sys.executable, "-m", "fabricnode.simengine", "--model", model)
-    argv += ("--port", str(port), "--gpu", gpu_type, *extra)
-    return EngineCommand(argv, "sim", model, (), f"http://127.0.0.1:{port}")
 
 
 def _engine_template(

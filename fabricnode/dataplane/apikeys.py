@@ -41,14 +41,13 @@ import re
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from fabricnode.config import fabric_home
 from fabricnode.errors import ConfigError, KeyFileError
-from fabricnode.mesh.identity import _write_private
+from fabricnode.mesh.identity import write_private
 from fabricnode.mesh.keyring import file_signature
 
 FILE_FORMAT = "fabric-api-keys"
@@ -66,11 +65,6 @@ _KEY_ID_RE = re.compile(r"[0-9a-f]{8}")
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
 # Compared against when the key id is unknown, so that path costs the same as a wrong secret.
 _NO_SUCH_KEY = hashlib.sha256(b"fabric: no such key").digest()
-
-
-def default_api_keys_path(env: Mapping[str, str]) -> Path:
-    """``$FABRIC_HOME/api-keys.json`` (shared by ``fabric keys api-*`` and the agent)."""
-    return fabric_home(env) / "api-keys.json"
 
 
 def bearer_token(authorization: str | None) -> str | None:
@@ -466,7 +460,7 @@ class ApiKeyStore:
 
     def save(self) -> None:
         """Write the file atomically (temp file + rename), readable by its owner only."""
-        _write_private(self.path, self.to_json().encode())
+        write_private(self.path, self.to_json().encode())
         self._signature = file_signature(self.path)
         self._enabled = True
 

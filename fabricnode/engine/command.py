@@ -22,16 +22,18 @@ from __future__ import annotations
 
 import os
 import re
+import socket
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from fabricnode.addr import WILDCARD_HOSTS
 from fabricnode.errors import ConfigError
 
 VLLM = "vllm"
 SGLANG = "sglang"
 OPENAI = "openai"
 DEFAULT_PORTS = {VLLM: 8000, SGLANG: 30000}
-WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::", "[::]", "*"})
 CONNECT_HOST = "127.0.0.1"
 
 _PYTHON = re.compile(r"python(\d+(\.\d+)?)?")
@@ -193,3 +195,27 @@ def inspect_engine_cmd(argv: Sequence[str], engine_url: str | None = None) -> En
             )
         url = f"http://{host}:{port}"
     return EngineCommand(tuple(argv), kind, model, served, url)
+
+
+def free_port(host: str = CONNECT_HOST) -> int:
+    """A TCP port free on ``host`` now, for an engine we launch to bind a moment later."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def sim_engine_command(
+    model: str, gpu_type: str, *extra: str, port: int | None = None
+) -> EngineCommand:
+    """The built-in simulated engine as a child, on ``port`` (default: a free loopback port)."""
+    from fabricnode.simengine.model import GPU_PROFILES  # the profiles it can simulate
+
+    if gpu_type not in GPU_PROFILES:
+        raise ConfigError(
+            f"--sim-gpu {gpu_type!r}: the simulated engine knows {', '.join(GPU_PROFILES)}"
+        )
+    if port is None:
+        port = free_port()
+    argv: tuple[str, ...] = (sys.executable, "-m", "fabricnode.simengine", "--model", model)
+    argv += ("--port", str(port), "--gpu", gpu_type, *extra)
+    return EngineCommand(argv, "sim", model, (), f"http://{CONNECT_HOST}:{port}")

@@ -21,12 +21,16 @@ with spaces stays one argument. Placeholders:
 from __future__ import annotations
 
 import shlex
-import socket
 import string
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from fabricnode.engine.command import EngineCommand, inspect_engine_cmd
+from fabricnode.engine.command import (
+    EngineCommand,
+    free_port,
+    inspect_engine_cmd,
+    sim_engine_command,
+)
 from fabricnode.errors import ConfigError
 
 PLACEHOLDERS = frozenset({"model", "model_path", "tp", "dp", "gpus", "port", "host"})
@@ -112,14 +116,7 @@ def _model_paths(specs: Sequence[str]) -> dict[str, str]:
     return paths
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((ENGINE_HOST, 0))
-        return int(s.getsockname()[1])
-
-
 def _sim_command(model: str, gpu_type: str, port: int) -> EngineCommand:
-    from fabricnode.config import sim_engine_command
     from fabricnode.simengine.model import GPU_PROFILES
 
     known = {name.lower(): name for name in GPU_PROFILES}

@@ -57,10 +57,15 @@ class SlurmJob:
 # -- environment -------------------------------------------------------------------------------
 
 
+def job_id_of(env: Mapping[str, str]) -> str | None:
+    """The Slurm job id, None outside Slurm (``SLURM_JOBID`` is its older spelling)."""
+    return (env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID") or "").strip() or None
+
+
 def job_from_env(env: Mapping[str, str]) -> SlurmJob | None:
     """What the environment says about the job, None outside Slurm."""
-    job_id = (env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID") or "").strip()
-    if not job_id:
+    job_id = job_id_of(env)
+    if job_id is None:
         return None
     end_time = None
     end_text = env.get("SLURM_JOB_END_TIME", "").strip()

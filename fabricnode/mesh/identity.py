@@ -174,7 +174,7 @@ class ProviderKey:
             ["fabric-provider-key", 1, self.provider, self.identity.private_bytes()],
             use_bin_type=True,
         )
-        _write_private(path, body)
+        write_private(path, body)
 
     @classmethod
     def load(cls, path: Path) -> ProviderKey:
@@ -218,7 +218,7 @@ class OperatorKey:
 
     def save(self, path: Path) -> None:
         body = msgpack.packb([self.FILE_TAG, 1, self.identity.private_bytes()], use_bin_type=True)
-        _write_private(path, body)
+        write_private(path, body)
 
     @classmethod
     def load(cls, path: Path) -> OperatorKey:
@@ -240,7 +240,7 @@ class OperatorKey:
         return cls(Identity(Ed25519PrivateKey.from_private_bytes(private)))
 
 
-def _write_private(path: Path, body: bytes) -> None:
+def write_private(path: Path, body: bytes) -> None:
     """Write a secret file readable by its owner only (atomic replace)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")

@@ -29,7 +29,7 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 
 from fabricnode.errors import CryptoError, KeyFileError
-from fabricnode.mesh.identity import _write_private
+from fabricnode.mesh.identity import write_private
 
 MAGIC = b"FB"
 FORMAT_VERSION = 1
@@ -138,7 +138,7 @@ class Keyring:
         return json.dumps(doc, indent=2) + "\n"
 
     def save(self, path: Path) -> None:
-        _write_private(path, self.to_json().encode())
+        write_private(path, self.to_json().encode())
 
     @classmethod
     def load(cls, path: Path) -> Keyring:

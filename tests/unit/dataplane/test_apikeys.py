@@ -16,7 +16,6 @@ from fabricnode.dataplane.apikeys import (
     ApiKeyStore,
     RateLimiter,
     bearer_token,
-    default_api_keys_path,
 )
 from fabricnode.errors import ConfigError, KeyFileError
 
@@ -30,11 +29,6 @@ def bump_mtime(path: Path, seconds: int = 10) -> None:
     """Make an edit visible to ``file_signature`` whatever the filesystem's mtime granularity."""
     st = path.stat()
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + seconds * 1_000_000_000))
-
-
-def test_default_path_is_in_fabric_home(tmp_path: Path) -> None:
-    env = {"FABRIC_HOME": str(tmp_path)}
-    assert default_api_keys_path(env) == tmp_path / "api-keys.json"
 
 
 # -- lookup -----------------------------------------------------------------------------------

@@ -1,0 +1,53 @@
+"""``load_config``: what the agent takes from the environment, read once and only here."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fabricnode.config import default_api_keys_path, load_config
+from fabricnode.engine.command import connect_host
+
+
+def env_in(tmp_path: Path, **extra: str) -> dict[str, str]:
+    return {"FABRIC_HOME": str(tmp_path), "USER": "alice", **extra}
+
+
+def test_default_api_keys_path_is_in_fabric_home(tmp_path: Path) -> None:
+    assert default_api_keys_path(env_in(tmp_path)) == tmp_path / "api-keys.json"
+    assert load_config(env=env_in(tmp_path)).api_keys_path == tmp_path / "api-keys.json"
+
+
+@pytest.mark.parametrize("variable", ["SLURM_JOB_ID", "SLURM_JOBID"])
+def test_job_id_names_the_request_log_under_either_spelling(tmp_path: Path, variable: str) -> None:
+    config = load_config(env=env_in(tmp_path, **{variable: "4242"}))
+    assert config.job_id == "4242"
+    assert config.request_log_path is not None
+    assert config.request_log_path.name.startswith("requests-4242-")
+
+
+def test_outside_slurm_the_job_is_local(tmp_path: Path) -> None:
+    config = load_config(env=env_in(tmp_path))
+    assert config.job_id == "local"
+    assert config.request_log_path is not None
+    assert config.request_log_path.name.startswith("requests-local-")
+
+
+def test_the_environment_is_captured_for_host_discovery(tmp_path: Path) -> None:
+    env = env_in(tmp_path, CUDA_VISIBLE_DEVICES="1,3", SLURMD_NODENAME="gpu17")
+    config = load_config(env=env)
+    assert config.host_env == env
+    env["CUDA_VISIBLE_DEVICES"] = "0"  # a later change of the caller's mapping is not seen
+    assert config.host_env["CUDA_VISIBLE_DEVICES"] == "1,3"
+
+
+@pytest.mark.parametrize("wildcard", ["0.0.0.0", "[::]", "*"])
+def test_a_wildcard_bind_is_never_advertised(tmp_path: Path, wildcard: str) -> None:
+    config = load_config(http=f"{wildcard}:0", gossip=f"{wildcard}:0", env=env_in(tmp_path))
+    assert config.advertise_host not in {"", "0.0.0.0", "::", "[::]", "*"}
+
+
+@pytest.mark.parametrize("wildcard", ["0.0.0.0", "::", "[::]", "*", ""])
+def test_an_engine_bound_to_a_wildcard_is_reached_on_loopback(wildcard: str) -> None:
+    assert connect_host(wildcard) == "127.0.0.1"
