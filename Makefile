@@ -22,9 +22,12 @@ native: $(STAMP)
 demo: native
 	$(BIN)/fabric demo $(DEMO_ARGS)
 
+# lint-imports checks the architecture's import rules ([tool.importlinter] in pyproject.toml);
+# ruff's banned-api the per-folder rules (fabricnode/ruff.toml).
 lint: $(STAMP)
 	$(BIN)/ruff check fabricnode scheduler cli tests bench
 	$(BIN)/ruff format --check fabricnode scheduler cli tests bench
+	$(BIN)/lint-imports --no-cache
 
 types: $(STAMP)
 	$(BIN)/mypy fabricnode scheduler cli
