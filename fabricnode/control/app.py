@@ -51,6 +51,7 @@ from fabricnode.dataplane.accounting import (
     request_log_files,
     workload_sums,
 )
+from fabricnode.dataplane.request import error_body
 from fabricnode.errors import DecodeError, FabricError
 from fabricnode.mesh.assignment import SignedAssignment
 from fabricnode.mesh.core import MeshCore
@@ -109,8 +110,8 @@ def json_response(doc: Json, status: int = 200) -> Response:
 
 
 def error_response(status: int, message: str, code: str) -> Response:
-    kind = "server_error" if status >= 500 else "invalid_request_error"
-    return json_response({"error": {"message": message, "type": kind, "code": code}}, status)
+    """The same OpenAI error body (and ``type`` per status) as the data plane's."""
+    return Response(status, error_body(status, message, code))
 
 
 class AdminApp:

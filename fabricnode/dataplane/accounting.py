@@ -324,15 +324,15 @@ class TraceRecord:
             "v": TRACE_VERSION,
             "T": _opt_float(self.t) or 0.0,
             "M": str(self.model)[:MAX_MODEL_CHARS],
-            "I": _opt_int(self.input_tokens),
-            "O": _opt_int(self.output_tokens),
+            "I": opt_int(self.input_tokens),
+            "O": opt_int(self.output_tokens),
             "latency_s": _opt_float(self.latency_s) or 0.0,
             "ttft_s": _opt_float(self.ttft_s),
-            "status": _opt_int(self.status) or 0,
+            "status": opt_int(self.status) or 0,
             "node": str(self.node)[:MAX_MODEL_CHARS],
             "key": str(self.key)[:MAX_MODEL_CHARS],
             "stream": self.stream is True,
-            "max_tokens": _opt_int(self.max_tokens),
+            "max_tokens": opt_int(self.max_tokens),
             "temperature": _opt_float(self.temperature),
         }
 
@@ -347,15 +347,15 @@ class TraceRecord:
         return cls(
             t=float(t),
             model=model,
-            input_tokens=_opt_int(doc.get("I")),
-            output_tokens=_opt_int(doc.get("O")),
+            input_tokens=opt_int(doc.get("I")),
+            output_tokens=opt_int(doc.get("O")),
             latency_s=float(doc["latency_s"]) if _is_number(doc.get("latency_s")) else 0.0,
             ttft_s=float(doc["ttft_s"]) if _is_number(doc.get("ttft_s")) else None,
-            status=_opt_int(doc.get("status")) or 0,
+            status=opt_int(doc.get("status")) or 0,
             node=doc["node"] if isinstance(doc.get("node"), str) else "",
             key=doc["key"] if isinstance(doc.get("key"), str) else ANONYMOUS,
             stream=doc.get("stream") is True,
-            max_tokens=_opt_int(doc.get("max_tokens")),
+            max_tokens=opt_int(doc.get("max_tokens")),
             temperature=float(doc["temperature"]) if _is_number(doc.get("temperature")) else None,
         )
 
@@ -364,7 +364,7 @@ def _is_number(value: Any) -> TypeGuard[int | float]:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _opt_int(value: Any) -> int | None:
+def opt_int(value: Any) -> int | None:
     """An int that fits any JSON reader (64-bit), else None."""
     if isinstance(value, int) and not isinstance(value, bool) and -(2**63) <= value < 2**63:
         return value
@@ -398,7 +398,7 @@ RawTrace = tuple[
     str,  # node
     str,  # key
     bool,  # stream
-    int | None,  # max_tokens (already checked: see ``_opt_int``)
+    int | None,  # max_tokens (already checked: see ``opt_int``)
     float | None,  # temperature (already a float)
 ]
 

@@ -355,3 +355,21 @@ def full_response(
         headers.extend(extra)
     head = response_head(status, headers, keep_alive=keep_alive)
     return head if head_only else head + body
+
+
+def frame(pieces: list[bytes], chunked: bool) -> bytes:
+    """Response body pieces as they go on the wire: joined, or each as one chunk."""
+    if not chunked:
+        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+    out = []
+    for piece in pieces:
+        if piece:
+            out.append(b"%x\r\n" % len(piece))
+            out.append(piece)
+            out.append(b"\r\n")
+    return b"".join(out)
+
+
+def text_of(raw: bytes) -> str:
+    """The start of a raw request field, for an error message."""
+    return raw[:200].decode("latin-1")

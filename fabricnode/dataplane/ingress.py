@@ -11,9 +11,16 @@ order (pipelined ones queue in the parser). Bodies are forwarded as received, ne
 re-encoded: the body is parsed once (orjson) only to read ``model``, ``stream`` and the prompt
 for cache-aware routing. Responses are relayed piece by piece as they arrive.
 
-Paths outside ``/v1/`` go to the agent's ASGI control app (``admin.AdminApp``) through a small
-inline adapter, so one public port serves both (SPEC). With ``--admin`` that app is also served
-on its own port by hypercorn.
+Paths outside ``/v1/`` go to the agent's ASGI control app (``control.app.AdminApp``, handed in
+by the agent) through a small inline adapter (``asgi_call``), so one public port serves both.
+With ``--admin`` that app is also served on its own port by hypercorn.
+
+What is not here: the checks before routing and the header grammars (``request``), the client
+connection and its sends (``clientconn``), a request's record (``job``) and its bookkeeping
+once answered (``settle``). What stays, about 900 lines, is the shell that owns the per-request
+state of the hot path: the accept and connection loops, dispatch, hold, failover, the relay of
+an attempt and forwarded requests. Splitting those further would pass that state between
+modules on every request.
 
 Request outcomes (OpenAI error shape ``{"error": {"message", "type", "code"}}``):
 
@@ -38,18 +45,22 @@ import logging
 import math
 import random
 import socket
-from collections import deque
-from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import unquote_to_bytes
 
 import orjson
 import trio
 
 from fabricnode.dataplane import routing
-from fabricnode.dataplane.accounting import RequestLog, StreamUsage, UsageLedger, usage_from_json
-from fabricnode.dataplane.apikeys import ApiKey, ApiKeyStore, RateLimiter
+from fabricnode.dataplane.accounting import (
+    RequestLog,
+    StreamUsage,
+    UsageLedger,
+)
+from fabricnode.dataplane.apikeys import ApiKeyStore, RateLimiter
+from fabricnode.dataplane.asgi_call import AsgiApp, call_asgi
+from fabricnode.dataplane.clientconn import ClientConn, ClientGone, client_send, send_now, send_rest
 from fabricnode.dataplane.forward_auth import HEADER as FORWARD_HEADER
 from fabricnode.dataplane.forward_auth import ForwardRejected, ForwardVerifier, sign_forward
 from fabricnode.dataplane.http1 import (
@@ -57,13 +68,32 @@ from fabricnode.dataplane.http1 import (
     HOP_RESPONSE_HEADERS,
     Request,
     RequestParser,
+    frame,
     full_response,
     status_line,
+    text_of,
 )
 from fabricnode.dataplane.http1 import response_head as build_head
 from fabricnode.dataplane.ingress_config import IngressConfig
-from fabricnode.dataplane.metrics import IngressMetrics, LabelCache
-from fabricnode.dataplane.routetable import CircuitBreaker, Origin, Route, RouteTable
+from fabricnode.dataplane.job import Job
+from fabricnode.dataplane.metrics import IngressMetrics, LabelCache, failure_reason
+from fabricnode.dataplane.request import (
+    Rejection,
+    Requirements,
+    decode,
+    error_body,
+    malformed_code,
+    prompt_text,
+)
+from fabricnode.dataplane.routetable import (
+    CircuitBreaker,
+    Origin,
+    Route,
+    RouteTable,
+    origin_of,
+    route_of,
+)
+from fabricnode.dataplane.settle import SETTLE_INTERVAL_S, Settler
 from fabricnode.dataplane.sockio import (
     LoopClock,
     Reactor,
@@ -71,7 +101,6 @@ from fabricnode.dataplane.sockio import (
     Watchdog,
     Watched,
     close,
-    try_send,
 )
 from fabricnode.dataplane.upstream import BrokenResponse, Exchange, UpstreamError, UpstreamPool
 from fabricnode.mesh.core import MeshCore
@@ -90,11 +119,6 @@ RETRYABLE_STATUS = (502, 503, 504)
 FORWARDED_REQUEST_HEADERS = (b"accept", b"x-request-id", b"openai-organization")
 JSON = b"application/json"
 SSE = b"text/event-stream"
-# Answered requests whose bookkeeping waits (see Ingress.settle): how many, and how long.
-MAX_UNSETTLED = 256
-SETTLE_INTERVAL_S = 0.5
-
-AsgiApp = Callable[[Mapping[str, Any], Any, Any], Awaitable[None]]
 
 
 @dataclass
@@ -110,89 +134,6 @@ class IngressStatistics:
     pool_connects: int
     pool_reuses: int
     route_rebuilds: int
-
-
-class _Conn:
-    """One client connection."""
-
-    __slots__ = ("closing", "reactor", "sock", "watch")
-
-    def __init__(self, sock: socket.socket, watch: Watched, reactor: Reactor) -> None:
-        self.sock = sock
-        self.watch = watch
-        self.reactor = reactor  # the one its socket is registered with
-        self.closing = False
-
-
-class _Job:
-    """What the data plane knows of one routed request.
-
-    A plain class, not a dataclass: one is made per request, and the compiled data plane
-    runs a plain class's ``__init__`` natively (a dataclass's generated one stays interpreted).
-    """
-
-    __slots__ = (
-        "body",
-        "candidates",
-        "close",
-        "completion_tokens",
-        "doc",
-        "ended",
-        "headers",
-        "http10",
-        "key",
-        "kind",
-        "model",
-        "path",
-        "prompt_tokens",
-        "response",
-        "response_sse",
-        "served_by",
-        "started",
-        "status",
-        "stream",
-        "ttft_s",
-    )
-
-    def __init__(
-        self,
-        kind: str,
-        model: str,
-        stream: bool,
-        body: bytes,
-        path: bytes,
-        headers: Mapping[bytes, bytes],
-        key: ApiKey | None,
-        started: float,
-        doc: dict[str, Any] | None = None,
-    ) -> None:
-        self.kind = kind
-        self.model = model
-        self.stream = stream
-        self.body = body
-        self.path = path
-        self.headers = headers
-        self.key = key
-        self.started = started
-        # The parsed body: the request log's fields are read from it once the answer is out.
-        self.doc = doc
-        self.http10 = False  # an HTTP/1.0 client: no chunked coding, the body ends at close
-        self.close = False  # the client connection must close after this response
-        self.served_by = ""
-        self.status = 0
-        self.ttft_s: float | None = None
-        self.prompt_tokens = 0
-        self.completion_tokens = 0
-        # Set when the answer is out; the rest of the bookkeeping waits for ``Ingress.settle``.
-        self.ended = 0.0
-        self.candidates = -1  # eligible nodes for the first attempt (-1: not routed)
-        # A whole response body whose usage is read at settling (None: nothing to read).
-        self.response: list[bytes] | None = None
-        self.response_sse = False
-
-
-class ClientGone(Exception):
-    """The client went away while we were answering it."""
 
 
 class Ingress:
@@ -218,7 +159,6 @@ class Ingress:
         self.rate_limiter = RateLimiter()
         self.request_log = request_log
         self.ledger = UsageLedger()
-        self._finished: deque[_Job] = deque()  # answered, not yet settled (see settle)
         self.table = RouteTable(core, wall_clock)
         self.policy = routing.make_policy(cfg.policy, rng=rng or random.Random())
         self.breaker = CircuitBreaker(base_s=cfg.eject_base_s, max_s=cfg.eject_max_s)
@@ -228,12 +168,14 @@ class Ingress:
         self.reactor = Reactor()
         self.reactor.batching = False  # until requests overlap (Reactor.request_started)
         self._parks_reported = 0  # reactor waits already added to the metrics
+        self.metrics = IngressMetrics()
+        # Answered requests' bookkeeping, deferred to moments the data plane waits anyway.
+        self.settler = Settler(self.metrics, self.ledger, request_log, wall_clock, self.clock)
         self.pool = UpstreamPool(clock=self.clock, reactor=self.reactor)
-        self.pool.while_waiting = self.settle
+        self.pool.while_waiting = self.settler.settle
         self.watchdog = Watchdog(cfg.watchdog_interval_s, self.reactor)
         self.watchdog.clock = self.clock
         self.forwards = ForwardVerifier(core.keyring, max_skew_s=cfg.forward_max_skew_s)
-        self.metrics = IngressMetrics()
         self._forwards_served = LabelCache(self.metrics.forwards_served)
         self.remote_inflight: dict[str, int] = {}  # session id -> our requests in flight to it
         self.local_inflight = 0  # requests in flight to our own engine
@@ -245,8 +187,8 @@ class Ingress:
         self._holders = 0
         self._released = trio.Event()
         self._local_idle: trio.Event | None = None  # for wait_local_idle, made on demand
-        self._local_origin_cache: tuple[str, Origin] | None = None
-        self._conns: set[_Conn] = set()
+        self._local_origin_cache: tuple[str, Origin | None] | None = None
+        self._conns: set[ClientConn] = set()
         self._accepting = True
 
     # == statistics ==========================================================================
@@ -341,7 +283,7 @@ class Ingress:
     async def _connection(self, sock: socket.socket) -> None:
         cfg = self.config
         watch = Watched(sock, self.clock.now() + cfg.keepalive_timeout_s)
-        conn = _Conn(sock, watch, self.reactor)
+        conn = ClientConn(sock, watch, self.reactor)
         self._conns.add(conn)
         self.watchdog.watched.add(watch)
         self.connections += 1
@@ -374,7 +316,8 @@ class Ingress:
                 if parser.error is not None:
                     status, message = parser.error
                     self.metrics.malformed.labels(str(status)).inc()
-                    await self._send_error(conn, status, message, _error_code(status), close=True)
+                    code = malformed_code(status)
+                    await self._send_error(conn, status, message, code, close=True)
                     break
                 if parser.head_complete and not sent_continue:
                     pending = parser.pending
@@ -412,7 +355,7 @@ class Ingress:
 
     async def _send_error(
         self,
-        conn: _Conn,
+        conn: ClientConn,
         status: int,
         message: str,
         code: str,
@@ -432,18 +375,10 @@ class Ingress:
             ),
         )
 
-    async def _reject(
-        self,
-        conn: _Conn,
-        status: int,
-        message: str,
-        code: str,
-        *,
-        extra: list[tuple[bytes, bytes]] | None = None,
-    ) -> bool:
+    async def _reject(self, conn: ClientConn, why: Rejection) -> bool:
         """An error answer to a request that was refused before routing (counted as such)."""
-        self.metrics.done("-", status, 0.0)
-        await self._send_error(conn, status, message, code, extra=extra)
+        self.metrics.done("-", why.status, 0.0)
+        await self._send_error(conn, why.status, why.message, why.code, extra=why.headers)
         return True
 
     # == dispatch ============================================================================
@@ -452,7 +387,7 @@ class Ingress:
     # request, not coroutines awaiting it: every level of ``await`` is crossed twice per wait
     # (suspend and resume), and the hot path waits twice per request.
 
-    def _handle(self, conn: _Conn, req: Request) -> Coroutine[Any, Any, bool]:
+    def _handle(self, conn: ClientConn, req: Request) -> Coroutine[Any, Any, bool]:
         """Answer one request (await the result); False closes the connection."""
         self.requests += 1
         path = req.path
@@ -460,7 +395,7 @@ class Ingress:
             return self._handle_v1(conn, req, path)
         return self._handle_control(conn, req)
 
-    async def _handle_control(self, conn: _Conn, req: Request) -> bool:
+    async def _handle_control(self, conn: ClientConn, req: Request) -> bool:
         if self.control_app is None:
             await self._send_error(conn, 404, "no such endpoint", "not_found")
             return True
@@ -472,7 +407,7 @@ class Ingress:
         await self.reactor.send_all(conn.sock, head if req.method == b"HEAD" else head + body)
         return True
 
-    def _handle_v1(self, conn: _Conn, req: Request, path: bytes) -> Coroutine[Any, Any, bool]:
+    def _handle_v1(self, conn: ClientConn, req: Request, path: bytes) -> Coroutine[Any, Any, bool]:
         kind = ENDPOINTS.get(path)
         if kind is not None and req.method == b"POST":
             forward = req.headers.get(FORWARD_HEADER)
@@ -484,18 +419,18 @@ class Ingress:
                 return self._method_not_allowed(conn, b"GET, HEAD")
             return self._answer(conn, self.models_body(), head_only=req.method == b"HEAD")
         if kind is None:
-            return self._answer_error(conn, 404, f"no such endpoint: {_text(path)}", "not_found")
+            return self._answer_error(conn, 404, f"no such endpoint: {text_of(path)}", "not_found")
         return self._method_not_allowed(conn, b"POST")
 
-    async def _answer(self, conn: _Conn, body: bytes, *, head_only: bool) -> bool:
+    async def _answer(self, conn: ClientConn, body: bytes, *, head_only: bool) -> bool:
         await self.reactor.send_all(conn.sock, full_response(200, body, head_only=head_only))
         return True
 
-    async def _answer_error(self, conn: _Conn, status: int, message: str, code: str) -> bool:
+    async def _answer_error(self, conn: ClientConn, status: int, message: str, code: str) -> bool:
         await self._send_error(conn, status, message, code)
         return True
 
-    async def _method_not_allowed(self, conn: _Conn, allow: bytes) -> bool:
+    async def _method_not_allowed(self, conn: ClientConn, allow: bytes) -> bool:
         await self._send_error(
             conn,
             405,
@@ -522,71 +457,38 @@ class Ingress:
     # == routing =============================================================================
 
     def _route(
-        self, conn: _Conn, req: Request, path: bytes, kind: str
+        self, conn: ClientConn, req: Request, path: bytes, kind: str
     ) -> Coroutine[Any, Any, bool]:
         """Check and route a request: the coroutine that answers it (await it)."""
         started = self.clock.now()
-        key: ApiKey | None = None
-        store = self.api_keys
-        if store is not None and store.enabled:
-            key = store.lookup(_bearer(req.headers.get(b"authorization")))
-            if key is None:
-                return self._reject(
-                    conn,
-                    401,
-                    "missing or invalid API key (Authorization: Bearer KEY)",
-                    "invalid_api_key",
-                )
-            rate = key.rate
-            if rate is not None:
-                wait_s = self.rate_limiter.check(key.key_id, rate.rate_per_s, rate.burst, started)
-                if wait_s > 0:
-                    return self._reject(
-                        conn,
-                        429,
-                        f"rate limit of {rate.rate_per_s:g} requests/s exceeded",
-                        "rate_limit_exceeded",
-                        extra=[(b"retry-after", b"%d" % max(1, math.ceil(wait_s)))],
-                    )
         body = req.body
-        try:
-            doc = orjson.loads(body)
-        except orjson.JSONDecodeError:
-            return self._reject(conn, 400, "request body is not valid JSON", "invalid_json")
-        if not isinstance(doc, dict):
-            return self._reject(conn, 400, "request body must be a JSON object", "invalid_json")
-        model = doc.get("model")
-        if not isinstance(model, str) or not model:
-            return self._reject(
-                conn, 400, "'model' is required and must be a string", "invalid_model"
-            )
-        stream = doc.get("stream") is True and kind != "embeddings"
-        try:
-            providers = _providers(req.headers, key)
-            requirements = _requirements(req.headers)
-        except ValueError as exc:
-            return self._reject(conn, 400, str(exc), "invalid_header")
+        decoded = decode(kind, req.headers, body, self.api_keys, self.rate_limiter, started)
+        if isinstance(decoded, Rejection):
+            return self._reject(conn, decoded)
+        model = decoded.model
         routes = self.table.routes(model)
         self._forget_removed()
         if not routes:
             return self._reject(
-                conn, 404, f"model {model!r} is not served by any node", "model_not_found"
+                conn,
+                Rejection(404, f"model {model!r} is not served by any node", "model_not_found"),
             )
-        job = _Job(kind, model, stream, body, path, req.headers, key, started, doc)
+        doc = decoded.doc
+        job = Job(kind, model, decoded.stream, body, path, req.headers, decoded.key, started, doc)
         if req.http_version == "1.0":
             job.http10 = True
         rreq = routing.RouteRequest(
             model,
             self._prefix_blocks(doc, kind) if len(routes) > 1 else (),
-            _session_key(req.headers, doc),
+            decoded.session,
             len(body) // 4,
         )
-        return self._dispatch(conn, job, rreq, routes, providers, requirements)
+        return self._dispatch(conn, job, rreq, routes, decoded.providers, decoded.requirements)
 
     def _prefix_blocks(self, doc: dict[str, Any], kind: str) -> tuple[int, ...]:
         if not self.policy.name.startswith("prefix"):
             return ()
-        return routing.prompt_blocks(_prompt_text(doc, kind))
+        return routing.prompt_blocks(prompt_text(doc, kind))
 
     def _forget_removed(self) -> None:
         if not self.table.removed:
@@ -598,12 +500,12 @@ class Ingress:
 
     async def _dispatch(
         self,
-        conn: _Conn,
-        job: _Job,
+        conn: ClientConn,
+        job: Job,
         rreq: routing.RouteRequest,
         routes: list[Route],
         providers: frozenset[str],
-        requirements: routing.Requirements | None,
+        requirements: Requirements | None,
     ) -> bool:
         """Try the candidates in turn until one answers (else 503), then account the request.
 
@@ -638,7 +540,7 @@ class Ingress:
                     if not ranked:
                         break
                 pick = ranked[0].node.session_id
-                route = _route_of(routes, pick)
+                route = route_of(routes, pick)
                 tried.add(pick)
                 policy.on_routed(rreq, pick, wall)
                 attempt = self._attempt(conn, job, route, now)
@@ -655,7 +557,7 @@ class Ingress:
                 self.breaker.failed(pick, self.clock.now())
                 self.metrics.ejections.inc()
                 self.retries += 1
-                self.metrics.retries.labels(_reason_label(outcome)).inc()
+                self.metrics.retries.labels(failure_reason(outcome)).inc()
                 log.info("attempt on %s failed before the first byte: %s", pick[:8], outcome)
             if answered:
                 keep = job.status != 0 and not job.close
@@ -680,7 +582,7 @@ class Ingress:
         self,
         routes: list[Route],
         providers: frozenset[str],
-        requirements: routing.Requirements | None,
+        requirements: Requirements | None,
         tried: set[str],
         now: float,
         wall_now: float,
@@ -702,7 +604,7 @@ class Ingress:
         rreq: routing.RouteRequest,
         routes: list[Route],
         providers: frozenset[str],
-        requirements: routing.Requirements | None,
+        requirements: Requirements | None,
         tried: set[str],
     ) -> list[routing.Candidate] | None:
         """Pending-aware pushing: wait (bounded) until some node has room, then rank again."""
@@ -735,7 +637,7 @@ class Ingress:
     # == one attempt =========================================================================
 
     def _attempt(
-        self, conn: _Conn, job: _Job, route: Route, now: float
+        self, conn: ClientConn, job: Job, route: Route, now: float
     ) -> Coroutine[Any, Any, str | None] | str:
         """Try one node: await the result, None when the client got an answer (any status),
         else why not; a str right away when the node cannot be tried."""
@@ -745,6 +647,8 @@ class Ingress:
             if url is None:
                 return "local engine not serving"
             origin = self._local_origin(url)
+            if origin is None:
+                return "local engine URL has no HOST:PORT"
             request = self._upstream_request(job, origin, forward=None)
             return self._relay(conn, job, origin, request, sid, None, now, local=True)
         forward = sign_forward(
@@ -761,10 +665,10 @@ class Ingress:
             conn, job, route.origin, request, sid, self._node_ok(sid), now, local=False
         )
 
-    def _local_origin(self, url: str) -> Origin:
+    def _local_origin(self, url: str) -> Origin | None:
         cached = self._local_origin_cache
         if cached is None or cached[0] != url:
-            self._local_origin_cache = cached = (url, _origin_of(url))
+            self._local_origin_cache = cached = (url, origin_of(url))
         return cached[1]
 
     def _node_ok(self, sid: str) -> Callable[[], bool]:
@@ -789,7 +693,7 @@ class Ingress:
             self._local_idle = trio.Event()  # set by _relay when the last one ends
         await self._local_idle.wait()
 
-    def _upstream_request(self, job: _Job, origin: Origin, *, forward: bytes | None) -> bytes:
+    def _upstream_request(self, job: Job, origin: Origin, *, forward: bytes | None) -> bytes:
         lines = [
             b"POST %s HTTP/1.1\r\nhost: %s:%d\r\n"
             b"content-type: application/json\r\ncontent-length: %d\r\n"
@@ -811,8 +715,8 @@ class Ingress:
 
     async def _relay(
         self,
-        conn: _Conn,
-        job: _Job,
+        conn: ClientConn,
+        job: Job,
         origin: Origin,
         request: bytes,
         sid: str,
@@ -855,12 +759,12 @@ class Ingress:
                 pieces = ex.take_pieces()
                 if pieces and job.stream:
                     job.ttft_s = self.clock.now() - job.started
-                out = head + _frame(pieces, chunked) if pieces else head
+                out = head + frame(pieces, chunked) if pieces else head
                 if chunked:
                     out += b"0\r\n\r\n"
-                sent = _send_now(conn, out)
+                sent = send_now(conn, out)
                 if sent < len(out):
-                    await _send_rest(conn, out, sent, cfg.stream_idle_timeout_s)
+                    await send_rest(conn, out, sent, cfg.stream_idle_timeout_s)
                 # Usage is read when the request is settled, off the client's path.
                 job.response = pieces
                 job.response_sse = ex.content_type.startswith(SSE)
@@ -882,7 +786,9 @@ class Ingress:
                     inflight.pop(sid, None)
             self._release()
 
-    def _response_head(self, conn: _Conn, job: _Job, ex: Exchange, sid: str) -> tuple[bytes, bool]:
+    def _response_head(
+        self, conn: ClientConn, job: Job, ex: Exchange, sid: str
+    ) -> tuple[bytes, bool]:
         """Our response head for the upstream's, and whether the body goes out chunked."""
         length = ex.content_length
         chunked = length is None
@@ -908,21 +814,8 @@ class Ingress:
         )
         return b"".join(parts), chunked
 
-    def _count_tokens(self, job: _Job, body: list[bytes], sse: bool) -> None:
-        """Token counts from a whole response body's usage."""
-        if sse:
-            usage = StreamUsage()
-            for piece in body:
-                usage.feed(piece)
-            prompt, completion = usage.result()
-            job.prompt_tokens, job.completion_tokens = prompt or 0, completion
-        elif job.status == 200:
-            found = usage_from_json(b"".join(body))
-            if found is not None:
-                job.prompt_tokens, job.completion_tokens = found
-
     async def _relay_body(
-        self, conn: _Conn, job: _Job, ex: Exchange, sid: str, head: bytes, chunked: bool
+        self, conn: ClientConn, job: Job, ex: Exchange, sid: str, head: bytes, chunked: bool
     ) -> None:
         """Relay a body that is still coming, piece by piece as it arrives."""
         cfg = self.config
@@ -937,7 +830,7 @@ class Ingress:
                 if first and job.stream:
                     job.ttft_s = self.clock.now() - job.started
                 first = False
-                out = _frame(pieces, chunked)
+                out = frame(pieces, chunked)
             else:
                 out = b""
             if head:
@@ -947,9 +840,9 @@ class Ingress:
             if complete and chunked:
                 out += b"0\r\n\r\n"
             if out:
-                sent = _send_now(conn, out)
+                sent = send_now(conn, out)
                 if sent < len(out):
-                    await _send_rest(conn, out, sent, idle_s)
+                    await send_rest(conn, out, sent, idle_s)
             # Usage is read after the piece went out, not on its way to the client.
             if usage is not None:
                 for piece in pieces:
@@ -976,7 +869,7 @@ class Ingress:
                         )
                         + b"\n\n"
                     )
-                    await _client_send(conn, _frame([event], True) + b"0\r\n\r\n", idle_s)
+                    await client_send(conn, frame([event], True) + b"0\r\n\r\n", idle_s)
                     return
                 # A body with a length (or no framing) cannot be ended early: close.
                 job.close = True
@@ -991,7 +884,9 @@ class Ingress:
 
     # == forwarded requests (we are the serving node) ========================================
 
-    async def _serve_forward(self, conn: _Conn, req: Request, path: bytes, forward: bytes) -> bool:
+    async def _serve_forward(
+        self, conn: ClientConn, req: Request, path: bytes, forward: bytes
+    ) -> bool:
         try:
             self.forwards.verify(
                 forward,
@@ -1006,7 +901,8 @@ class Ingress:
             await self._send_error(conn, 403, f"forward refused: {exc}", "forward_refused")
             return True
         url = self.serving_engine_url()
-        if self.leaving or url is None:
+        origin = self._local_origin(url) if url is not None else None
+        if self.leaving or origin is None:
             self._forwards_served("unavailable").inc()
             why = "node is leaving" if self.leaving else "no serving engine on this node"
             await self._send_error(
@@ -1018,8 +914,7 @@ class Ingress:
             )
             return True
         started = self.clock.now()
-        job = _Job("forward", "", False, req.body, path, req.headers, None, started)
-        origin = self._local_origin(url)
+        job = Job("forward", "", False, req.body, path, req.headers, None, started)
         request = self._upstream_request(job, origin, forward=None)
         outcome = await self._relay(
             conn, job, origin, request, self.core.self_id, None, started, local=True
@@ -1034,79 +929,13 @@ class Ingress:
 
     # == accounting ==========================================================================
 
-    def _account(self, job: _Job, candidates: int = -1) -> None:
+    def _account(self, job: Job, candidates: int = -1) -> None:
         """The request is answered: note when, and leave the rest to ``settle``."""
-        job.ended = self.clock.now()
-        job.candidates = candidates
-        finished = self._finished
-        finished.append(job)
-        if len(finished) >= MAX_UNSETTLED:
-            self.settle()
+        self.settler.answered(job, candidates, self.clock.now())
 
     def settle(self) -> None:
-        """The bookkeeping of every request answered since the last call: metrics, usage (read
-        from the response), the ledger and the request log.
-
-        Deferred from the answer, which would otherwise hold up the client's next request on
-        its connection, to moments the data plane would spend waiting anyway: just after a
-        request went to its engine, while the engine works on it (``UpstreamPool.while_waiting``).
-        Also before anything reads what it updates (``render_metrics``, the request log's
-        flush), every ``SETTLE_INTERVAL_S`` while no request comes, and at most
-        ``MAX_UNSETTLED`` requests late.
-        """
-        finished = self._finished
-        if not finished:
-            return
-        wall_offset = self.wall_clock() - self.clock.now()
-        while finished:
-            job = finished.popleft()
-            try:
-                self._settle_one(job, wall_offset)
-            except Exception:  # one request's bookkeeping must not fail the one that runs it
-                log.exception("bookkeeping of an answered request failed")
-
-    def _settle_one(self, job: _Job, wall_offset: float) -> None:
-        if job.response is not None:
-            self._count_tokens(job, job.response, job.response_sse)
-            job.response = None
-        if job.candidates >= 0:
-            self.metrics.candidates.observe((), job.candidates)
-        latency = job.ended - job.started
-        status = job.status or 499
-        self.metrics.done(job.model, status, latency)
-        if job.ttft_s is not None:
-            self.metrics.first_token(job.model, job.ttft_s)
-        self.metrics.count_tokens(job.model, job.prompt_tokens, job.completion_tokens)
-        name = job.key.name if job.key is not None else "anonymous"
-        self.ledger.record(
-            name, job.model, job.prompt_tokens, job.completion_tokens, error=status >= 400
-        )
-        if self.request_log is not None:
-            max_tokens: int | None = None
-            temperature: float | None = None
-            doc = job.doc
-            if doc is not None:
-                max_tokens = _opt_int(doc.get("max_tokens") or doc.get("max_completion_tokens"))
-                value = doc.get("temperature")
-                if isinstance(value, (int, float)) and not isinstance(value, bool):
-                    temperature = float(value)
-            # A tuple in TraceRecord's field order: the record is built in the flush thread.
-            self.request_log.append(
-                (
-                    job.started + wall_offset,
-                    job.model,
-                    job.prompt_tokens or None,
-                    job.completion_tokens if status == 200 else None,
-                    latency,
-                    job.ttft_s,
-                    status,
-                    job.served_by,
-                    name,
-                    job.stream,
-                    max_tokens,
-                    temperature,
-                )
-            )
+        """The bookkeeping of every request answered so far (see ``Settler.settle``)."""
+        self.settler.settle()
 
     async def _settle_loop(self) -> None:
         while True:
@@ -1115,200 +944,3 @@ class Ingress:
 
 
 # == helpers =================================================================================
-
-
-def error_body(status: int, message: str, code: str) -> bytes:
-    kind = {
-        401: "authentication_error",
-        403: "permission_error",
-        404: "not_found_error",
-        429: "rate_limit_error",
-    }.get(status, "server_error" if status >= 500 else "invalid_request_error")
-    return orjson.dumps({"error": {"message": message, "type": kind, "code": code}})
-
-
-def _error_code(status: int) -> str:
-    return {
-        400: "bad_request",
-        408: "request_timeout",
-        413: "request_too_large",
-        414: "uri_too_long",
-        431: "headers_too_large",
-        505: "http_version_not_supported",
-    }.get(status, "bad_request")
-
-
-def _send_now(conn: _Conn, data: bytes) -> int:
-    """Send what fits at once (most responses do: no coroutine); ``ClientGone`` if gone."""
-    try:
-        return try_send(conn.sock, data)
-    except SocketClosed:
-        raise ClientGone from None
-
-
-async def _send_rest(conn: _Conn, data: bytes, sent: int, idle_s: float) -> None:
-    """Send ``data[sent:]``; ``ClientGone`` if the client is gone or stopped reading.
-
-    A client that stops reading must not hold the connection (and the upstream) for ever: when
-    its socket buffer is full, it gets ``idle_s`` to take the rest of the piece (the same idle
-    deadline as the upstream's). A send that goes through at once needs no deadline.
-    """
-    watch = conn.watch
-    watch.deadline = trio.current_time() + idle_s
-    try:
-        await conn.reactor.send_all(conn.sock, memoryview(data)[sent:])
-    except SocketClosed:
-        raise ClientGone from None
-    watch.deadline = math.inf
-
-
-async def _client_send(conn: _Conn, data: bytes, idle_s: float) -> None:
-    """Send a piece of a response (see ``_send_rest``)."""
-    sent = _send_now(conn, data)
-    if sent < len(data):
-        await _send_rest(conn, data, sent, idle_s)
-
-
-def _frame(pieces: list[bytes], chunked: bool) -> bytes:
-    if not chunked:
-        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
-    out = []
-    for piece in pieces:
-        if piece:
-            out.append(b"%x\r\n" % len(piece))
-            out.append(piece)
-            out.append(b"\r\n")
-    return b"".join(out)
-
-
-def _route_of(routes: list[Route], sid: str) -> Route:
-    for route in routes:
-        if route.info.session_id == sid:
-            return route
-    raise KeyError(sid)  # a policy ranks only the candidates it was given
-
-
-def _bearer(value: bytes | None) -> str:
-    if not value:
-        return ""
-    scheme, _, token = value.partition(b" ")
-    if scheme.lower() != b"bearer":
-        return ""
-    return token.strip().decode("latin-1")
-
-
-def _providers(headers: Mapping[bytes, bytes], key: ApiKey | None) -> frozenset[str]:
-    raw = headers.get(b"x-fabric-providers")
-    allowed = routing.parse_providers(raw.decode("latin-1")) if raw else frozenset()
-    if key is not None and key.providers is not None:
-        # The key's allowlist always applies; a header can only narrow it.
-        own = frozenset(key.providers)
-        allowed = allowed & own if allowed else own
-        if not allowed:
-            raise ValueError("X-Fabric-Providers names no provider this API key may use")
-    return allowed
-
-
-def _requirements(headers: Mapping[bytes, bytes]) -> routing.Requirements | None:
-    raw = headers.get(b"x-fabric-require")
-    return routing.parse_require(raw.decode("latin-1")) if raw else None
-
-
-def _session_key(headers: Mapping[bytes, bytes], doc: dict[str, Any]) -> str | None:
-    raw = headers.get(b"x-session-id")
-    if raw:
-        return raw.decode("latin-1")[:256]
-    user = doc.get("user")
-    return user[:256] if isinstance(user, str) and user else None
-
-
-def _prompt_text(doc: dict[str, Any], kind: str) -> str:
-    if kind == "chat":
-        messages = doc.get("messages")
-        if not isinstance(messages, list):
-            return ""
-        parts: list[str] = []
-        for m in messages:
-            if not isinstance(m, dict):
-                continue
-            content = m.get("content")
-            role = m.get("role")
-            parts.append(role if isinstance(role, str) else "")
-            if isinstance(content, str):
-                parts.append(content)
-            elif isinstance(content, list):
-                for c in content:
-                    if isinstance(c, dict) and isinstance(c.get("text"), str):
-                        parts.append(c["text"])
-        return "\x1e".join(parts)
-    prompt = doc.get("prompt") if kind == "completions" else doc.get("input")
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-        return str(prompt[0])
-    return ""
-
-
-def _opt_int(value: object) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def _origin_of(url: str) -> Origin:
-    rest = url.split("://", 1)[-1].split("/", 1)[0]
-    host, _, port = rest.rpartition(":")
-    return host.strip("[]"), int(port)
-
-
-def _reason_label(outcome: str) -> str:
-    if "answered" in outcome:
-        return "status"
-    if "no response" in outcome or "timed out" in outcome:
-        return "timeout"
-    if "eligible" in outcome:
-        return "ineligible"
-    return "connect"
-
-
-def _text(raw: bytes) -> str:
-    return raw[:200].decode("latin-1")
-
-
-async def call_asgi(app: AsgiApp, req: Request) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
-    """Run one request through an ASGI app in this task (no hypercorn on the public port)."""
-    raw_path, _, query = req.target.partition(b"?")
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0", "spec_version": "2.3"},
-        "http_version": "1.1",
-        "method": req.method.decode("latin-1"),
-        "scheme": "http",
-        "path": unquote_to_bytes(raw_path).decode("utf-8", "replace"),
-        "raw_path": raw_path,
-        "query_string": query,
-        "root_path": "",
-        "headers": list(req.headers.items()),
-        "server": None,
-        "client": None,
-    }
-    body_sent = False
-    status = 500
-    headers: list[tuple[bytes, bytes]] = []
-    chunks: list[bytes] = []
-
-    async def receive() -> dict[str, Any]:
-        nonlocal body_sent
-        if body_sent:
-            await trio.sleep_forever()
-        body_sent = True
-        return {"type": "http.request", "body": req.body, "more_body": False}
-
-    async def send(message: dict[str, Any]) -> None:
-        nonlocal status, headers
-        if message["type"] == "http.response.start":
-            status = int(message["status"])
-            headers = [(bytes(k), bytes(v)) for k, v in message.get("headers", [])]
-        elif message["type"] == "http.response.body":
-            chunks.append(bytes(message.get("body", b"")))
-
-    await app(scope, receive, send)
-    return status, headers, b"".join(chunks)

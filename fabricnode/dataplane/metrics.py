@@ -235,3 +235,14 @@ class IngressMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def failure_reason(outcome: str) -> str:
+    """The ``reason`` label of a retry, from the outcome of the failed attempt."""
+    if "answered" in outcome:
+        return "status"
+    if "no response" in outcome or "timed out" in outcome:
+        return "timeout"
+    if "eligible" in outcome:
+        return "ineligible"
+    return "connect"

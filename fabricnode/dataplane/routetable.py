@@ -19,11 +19,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
 from fabricnode.addr import split_hostport
+from fabricnode.dataplane.request import Requirements
 from fabricnode.dataplane.routing import (
     Candidate,
     LoadSnapshot,
     NodeInfo,
-    Requirements,
     meets,
     provider_allowed,
 )
@@ -109,7 +109,7 @@ class RouteTable:
             body = entry.body
             if body.state != State.SERVING or not body.addresses.http:
                 continue
-            origin = _origin(body.addresses.http)
+            origin = origin_of(body.addresses.http)
             if origin is None:
                 continue
             verified = entry.verified_provider(now, core.verifier)
@@ -231,7 +231,8 @@ def _started(core: MeshCore, r: Route) -> float:
     return entry.body.started_at if entry is not None else 0.0
 
 
-def _origin(url: str) -> Origin | None:
+def origin_of(url: str) -> Origin | None:
+    """``(host, port)`` of an ``http://HOST:PORT[/...]`` URL, None when it has no usable one."""
     rest = url.split("://", 1)[-1].split("/", 1)[0]
     try:
         host, port = split_hostport(rest)
@@ -240,3 +241,10 @@ def _origin(url: str) -> Origin | None:
     if not host or not port:
         return None
     return host, port
+
+
+def route_of(routes: list[Route], sid: str) -> Route:
+    for route in routes:
+        if route.info.session_id == sid:
+            return route
+    raise KeyError(sid)  # a policy ranks only the candidates it was given

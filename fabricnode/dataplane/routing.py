@@ -81,6 +81,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from fabricnode.dataplane.request import Requirements
+
 # -- node facts and requests --------------------------------------------------------------------
 
 
@@ -732,97 +734,6 @@ def make_policy(
 
 
 # -- filters ------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Requirements:
-    """What a request demands of a node's signed facts. ``gpu`` is matched case-insensitively
-    (stored lower-cased); None = no constraint."""
-
-    gpu: frozenset[str] | None = None  # allowed GPU types
-    min_quant_bits: int | None = None  # quantization bits >= this (16 = unquantized)
-    min_context: int | None = None  # max_model_len >= this (unknown length fails the check)
-
-    def __post_init__(self) -> None:
-        if self.gpu is not None:
-            object.__setattr__(self, "gpu", frozenset(g.lower() for g in self.gpu))
-
-
-MAX_REQUIRE_CHARS = 1024
-MAX_GPU_ALTERNATIVES = 32
-MAX_CONTEXT_TOKENS = 1 << 30
-MAX_PROVIDERS = 32
-MAX_PROVIDER_CHARS = 128
-
-_TERM = re.compile(r"([A-Za-z_]+)\s*(>=|=)\s*(.*)")
-_TERM_HELP = "expected gpu=TYPE[|TYPE...], quant>=BITS or ctx>=TOKENS"
-
-
-def parse_require(header: str) -> Requirements:
-    """``gpu=H100|A100-80G,quant>=8,ctx>=32768`` -> Requirements; blank -> no constraint.
-
-    Strict on purpose: a typo that silently dropped a constraint would route to hardware the
-    user excluded. ValueError with one line naming the bad term.
-    """
-    if len(header) > MAX_REQUIRE_CHARS:
-        raise ValueError(f"requirements longer than {MAX_REQUIRE_CHARS} characters")
-    if not header.strip():
-        return Requirements()
-    gpu: frozenset[str] | None = None
-    quant: int | None = None
-    ctx: int | None = None
-    seen: set[str] = set()
-    for raw in header.split(","):
-        term = raw.strip()
-        shown = repr(term[:64])
-        if not term:
-            raise ValueError("empty requirement term (stray comma)")
-        m = _TERM.fullmatch(term)
-        if m is None:
-            raise ValueError(f"bad requirement {shown}: {_TERM_HELP}")
-        key, op, value = m.group(1).lower(), m.group(2), m.group(3).strip()
-        if key in seen:
-            raise ValueError(f"bad requirement {shown}: {key} given twice")
-        seen.add(key)
-        if key == "gpu" and op == "=":
-            types = [t.strip() for t in value.split("|")]
-            if not all(types) or len(types) > MAX_GPU_ALTERNATIVES or max(map(len, types)) > 64:
-                raise ValueError(
-                    f"bad requirement {shown}: gpu needs 1 to {MAX_GPU_ALTERNATIVES} non-empty "
-                    "types of at most 64 characters, separated by |"
-                )
-            gpu = frozenset(types)
-        elif key == "quant" and op == ">=":
-            quant = _bounded_int(value, 1, 32, shown, "BITS")
-        elif key == "ctx" and op == ">=":
-            ctx = _bounded_int(value, 1, MAX_CONTEXT_TOKENS, shown, "TOKENS")
-        else:
-            raise ValueError(f"bad requirement {shown}: {_TERM_HELP}")
-    return Requirements(gpu=gpu, min_quant_bits=quant, min_context=ctx)
-
-
-def _bounded_int(value: str, lo: int, hi: int, shown: str, what: str) -> int:
-    if not (value.isascii() and value.isdigit()) or not lo <= int(value) <= hi:
-        raise ValueError(f"bad requirement {shown}: {what} must be an integer from {lo} to {hi}")
-    return int(value)
-
-
-def parse_providers(header: str) -> frozenset[str]:
-    """``"p1, p2"`` -> {"p1", "p2"}: provider names or key fingerprints. ValueError on an empty
-    list or item, more than MAX_PROVIDERS items, or an item over MAX_PROVIDER_CHARS."""
-    if len(header) > MAX_PROVIDERS * (MAX_PROVIDER_CHARS + 2):
-        raise ValueError("provider list too long")
-    items = [p.strip() for p in header.split(",")]
-    if not any(items):
-        raise ValueError("empty provider list")
-    if not all(items):
-        raise ValueError("empty provider name in list (stray comma)")
-    if len(items) > MAX_PROVIDERS:
-        raise ValueError(f"more than {MAX_PROVIDERS} providers in list")
-    for item in items:
-        if len(item) > MAX_PROVIDER_CHARS:
-            raise ValueError(f"provider name {item[:32]!r}... longer than {MAX_PROVIDER_CHARS}")
-    return frozenset(items)
 
 
 # Weight bits of the quantization methods vLLM and SGLang name (lower-cased). Methods whose

@@ -15,6 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from fabricnode.dataplane.request import Requirements, parse_require
 from fabricnode.dataplane.routing import (
     DEFAULT_POLICY,
     POLICY_NAMES,
@@ -22,14 +23,11 @@ from fabricnode.dataplane.routing import (
     LoadSnapshot,
     NodeInfo,
     Policy,
-    Requirements,
     RouteRequest,
     RoutingConfig,
     load_score,
     make_policy,
     meets,
-    parse_providers,
-    parse_require,
     prompt_blocks,
     provider_allowed,
     quant_bits,
@@ -554,52 +552,6 @@ def test_prompt_blocks_are_cumulative() -> None:
 
 
 @pytest.mark.parametrize(
-    ("header", "expected"),
-    [
-        ("", Requirements()),
-        ("  ", Requirements()),
-        ("gpu=H100", Requirements(gpu=frozenset({"h100"}))),
-        ("gpu=H100|A100-80G", Requirements(gpu=frozenset({"h100", "a100-80g"}))),
-        ("quant>=8", Requirements(min_quant_bits=8)),
-        ("ctx>=32768", Requirements(min_context=32768)),
-        (
-            " gpu = h100 , quant >= 16 , CTX>=4096 ",
-            Requirements(gpu=frozenset({"h100"}), min_quant_bits=16, min_context=4096),
-        ),
-    ],
-)
-def test_parse_require_accepts_good_terms(header: str, expected: Requirements) -> None:
-    assert parse_require(header) == expected
-
-
-@pytest.mark.parametrize(
-    ("header", "named"),
-    [
-        ("gpu=H100,", "empty requirement"),
-        ("gpu", "'gpu'"),
-        ("gpu>=H100", "'gpu>=H100'"),
-        ("gpu=", "'gpu='"),
-        ("gpu=H100||A100", "'gpu=H100||A100'"),
-        ("quant=8", "'quant=8'"),
-        ("quant>=eight", "'quant>=eight'"),
-        ("quant>=64", "'quant>=64'"),
-        ("ctx>=-5", "'ctx>=-5'"),
-        ("ctx>=0", "'ctx>=0'"),
-        ("ctx>=32k", "'ctx>=32k'"),
-        ("vram>=80", "'vram>=80'"),
-        ("quant>=8,quant>=4", "given twice"),
-        ("gpu=" + "|".join(["H100"] * 40), "gpu needs"),
-        ("gpu=" + "x" * 2000, "longer than"),
-    ],
-)
-def test_parse_require_rejects_bad_terms_with_one_clear_line(header: str, named: str) -> None:
-    with pytest.raises(ValueError) as info:
-        parse_require(header)
-    message = str(info.value)
-    assert named in message and "\n" not in message and len(message) < 200
-
-
-@pytest.mark.parametrize(
     ("quantization", "bits"),
     [
         (None, 16),
@@ -643,27 +595,6 @@ def test_meets_checks_gpu_case_insensitively_and_unknown_facts_fail() -> None:
 
 
 # -- providers ----------------------------------------------------------------------------------
-
-
-def test_parse_providers_accepts_a_list() -> None:
-    assert parse_providers("p1, p2") == frozenset({"p1", "p2"})
-    assert parse_providers(FP_A) == frozenset({FP_A})
-
-
-@pytest.mark.parametrize(
-    ("header", "named"),
-    [
-        ("", "empty provider list"),
-        (" , ", "empty provider list"),
-        ("p1,,p2", "empty provider name"),
-        (",".join(f"p{i}" for i in range(33)), "more than 32"),
-        ("p" * 200, "longer than 128"),
-        ("p," * 5000, "too long"),
-    ],
-)
-def test_parse_providers_rejects_empty_and_oversized_lists(header: str, named: str) -> None:
-    with pytest.raises(ValueError, match=named):
-        parse_providers(header)
 
 
 def test_unverified_provider_is_rejected_even_when_the_claimed_name_matches() -> None:

@@ -1,0 +1,59 @@
+"""Calling the agent's ASGI control app inline, in the connection's own task.
+
+Paths outside ``/v1/`` on the public port go to ``fabricnode.control.app.AdminApp`` through this
+adapter rather than through hypercorn: one port, one HTTP parser, no second server. The app is
+passed in by the agent, so the data plane never imports the control package.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+from urllib.parse import unquote_to_bytes
+
+import trio
+
+from fabricnode.dataplane.http1 import Request
+
+AsgiApp = Callable[[Mapping[str, Any], Any, Any], Awaitable[None]]
+
+
+async def call_asgi(app: AsgiApp, req: Request) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    """Run one request through an ASGI app in this task (no hypercorn on the public port)."""
+    raw_path, _, query = req.target.partition(b"?")
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": req.method.decode("latin-1"),
+        "scheme": "http",
+        "path": unquote_to_bytes(raw_path).decode("utf-8", "replace"),
+        "raw_path": raw_path,
+        "query_string": query,
+        "root_path": "",
+        "headers": list(req.headers.items()),
+        "server": None,
+        "client": None,
+    }
+    body_sent = False
+    status = 500
+    headers: list[tuple[bytes, bytes]] = []
+    chunks: list[bytes] = []
+
+    async def receive() -> dict[str, Any]:
+        nonlocal body_sent
+        if body_sent:
+            await trio.sleep_forever()
+        body_sent = True
+        return {"type": "http.request", "body": req.body, "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        nonlocal status, headers
+        if message["type"] == "http.response.start":
+            status = int(message["status"])
+            headers = [(bytes(k), bytes(v)) for k, v in message.get("headers", [])]
+        elif message["type"] == "http.response.body":
+            chunks.append(bytes(message.get("body", b"")))
+
+    await app(scope, receive, send)
+    return status, headers, b"".join(chunks)

@@ -1,0 +1,75 @@
+"""``Job``: what the data plane knows of one routed request, from decoding to settling."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from fabricnode.dataplane.apikeys import ApiKey
+
+
+class Job:
+    """What the data plane knows of one routed request.
+
+    A plain class, not a dataclass: one is made per request, and the compiled data plane
+    runs a plain class's ``__init__`` natively (a dataclass's generated one stays interpreted).
+    """
+
+    __slots__ = (
+        "body",
+        "candidates",
+        "close",
+        "completion_tokens",
+        "doc",
+        "ended",
+        "headers",
+        "http10",
+        "key",
+        "kind",
+        "model",
+        "path",
+        "prompt_tokens",
+        "response",
+        "response_sse",
+        "served_by",
+        "started",
+        "status",
+        "stream",
+        "ttft_s",
+    )
+
+    def __init__(
+        self,
+        kind: str,
+        model: str,
+        stream: bool,
+        body: bytes,
+        path: bytes,
+        headers: Mapping[bytes, bytes],
+        key: ApiKey | None,
+        started: float,
+        doc: dict[str, Any] | None = None,
+    ) -> None:
+        self.kind = kind
+        self.model = model
+        self.stream = stream
+        self.body = body
+        self.path = path
+        self.headers = headers
+        self.key = key
+        self.started = started
+        # The parsed body: the request log's fields are read from it once the answer is out.
+        self.doc = doc
+        self.http10 = False  # an HTTP/1.0 client: no chunked coding, the body ends at close
+        self.close = False  # the client connection must close after this response
+        self.served_by = ""
+        self.status = 0
+        self.ttft_s: float | None = None
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        # Set when the answer is out; the rest of the bookkeeping waits for ``Settler.settle``.
+        self.ended = 0.0
+        self.candidates = -1  # eligible nodes for the first attempt (-1: not routed)
+        # A whole response body whose usage is read at settling (None: nothing to read).
+        self.response: list[bytes] | None = None
+        self.response_sse = False

@@ -1,0 +1,310 @@
+"""The pure request decoder of the ``/v1`` data plane: a request in, a routable request or an
+OpenAI error out.
+
+``decode`` runs every check the ingress makes before it routes, in this order, each with its own
+status and code: the API key (401 ``invalid_api_key``, only when a keys file exists), its rate
+limit (429 ``rate_limit_exceeded`` with ``Retry-After``), the body (400 ``invalid_json`` when it
+is not JSON or not an object), ``model`` (400 ``invalid_model``) and the ``X-Fabric-Providers``
+and ``X-Fabric-Require`` headers (400 ``invalid_header``). The header grammars live here too.
+No sockets, no trio, no clock reads: the rate limiter and ``now`` are passed in.
+
+The body is parsed once (orjson) and kept as ``Decoded.doc``; the prompt text for cache-aware
+routing (``prompt_text``) is only extracted when a policy asks for it. Per-request objects are
+plain classes with ``__slots__``: this module is compiled with mypyc with the rest of the folder,
+and a plain class's ``__init__`` runs natively there.
+
+``error_body`` is the one OpenAI error body of the agent's public port: the data plane and the
+control app (``fabricnode.control.app``) both answer with it.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from fabricnode.dataplane.apikeys import ApiKey, ApiKeyStore, RateLimiter, bearer_token
+
+# The OpenAI error ``type`` of each status (what the official clients map to exception classes).
+ERROR_TYPES = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    429: "rate_limit_error",
+}
+
+
+def error_type(status: int) -> str:
+    return ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+
+
+def error_body(status: int, message: str, code: str) -> bytes:
+    """``{"error": {"message", "type", "code"}}``, the shape OpenAI's API and clients use."""
+    return orjson.dumps({"error": {"message": message, "type": error_type(status), "code": code}})
+
+
+def malformed_code(status: int) -> str:
+    """The error code of a request the HTTP parser refused with ``status``."""
+    return {
+        400: "bad_request",
+        408: "request_timeout",
+        413: "request_too_large",
+        414: "uri_too_long",
+        431: "headers_too_large",
+        505: "http_version_not_supported",
+    }.get(status, "bad_request")
+
+
+class Rejection:
+    """A request refused before routing: the OpenAI error it gets."""
+
+    __slots__ = ("code", "headers", "message", "status")
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        code: str,
+        headers: list[tuple[bytes, bytes]] | None = None,
+    ) -> None:
+        self.status = status
+        self.message = message
+        self.code = code
+        self.headers = headers  # extra response headers (Retry-After)
+
+    def __repr__(self) -> str:
+        return f"Rejection({self.status}, {self.message!r}, {self.code!r})"
+
+
+class Decoded:
+    """A request that passed every check: what routing needs to know of it."""
+
+    __slots__ = ("doc", "key", "kind", "model", "providers", "requirements", "session", "stream")
+
+    def __init__(
+        self,
+        kind: str,
+        model: str,
+        stream: bool,
+        doc: dict[str, Any],
+        key: ApiKey | None,
+        providers: frozenset[str],
+        requirements: Requirements | None,
+        session: str | None,
+    ) -> None:
+        self.kind = kind  # "chat", "completions" or "embeddings"
+        self.model = model
+        self.stream = stream  # an SSE answer was asked for (never for embeddings)
+        self.doc = doc  # the parsed body, read again for the request log
+        self.key = key  # the caller's API key; None when the ingress runs open
+        self.providers = providers  # allowed providers; empty = any
+        self.requirements = requirements  # X-Fabric-Require; None = no constraint
+        self.session = session  # sticky-session key: X-Session-Id, else the body's ``user``
+
+
+def decode(
+    kind: str,
+    headers: Mapping[bytes, bytes],
+    body: bytes,
+    keys: ApiKeyStore | None,
+    limiter: RateLimiter,
+    now: float,
+) -> Decoded | Rejection:
+    """Check one ``/v1`` request of endpoint ``kind`` (see the module docstring for the order).
+
+    ``now`` is the monotonic clock the rate limiter counts in. A request within its rate takes
+    a token even if a later check refuses it, as a request that reaches a server does.
+    """
+    key: ApiKey | None = None
+    if keys is not None and keys.enabled:
+        raw = headers.get(b"authorization")
+        token = bearer_token(raw.decode("latin-1")) if raw else None
+        key = keys.lookup(token) if token is not None else None
+        if key is None:
+            return Rejection(
+                401, "missing or invalid API key (Authorization: Bearer KEY)", "invalid_api_key"
+            )
+        rate = key.rate
+        if rate is not None:
+            wait_s = limiter.check(key.key_id, rate.rate_per_s, rate.burst, now)
+            if wait_s > 0:
+                return Rejection(
+                    429,
+                    f"rate limit of {rate.rate_per_s:g} requests/s exceeded",
+                    "rate_limit_exceeded",
+                    [(b"retry-after", b"%d" % max(1, math.ceil(wait_s)))],
+                )
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return Rejection(400, "request body is not valid JSON", "invalid_json")
+    if not isinstance(doc, dict):
+        return Rejection(400, "request body must be a JSON object", "invalid_json")
+    model = doc.get("model")
+    if not isinstance(model, str) or not model:
+        return Rejection(400, "'model' is required and must be a string", "invalid_model")
+    try:
+        providers = allowed_providers(headers, key)
+        requirements = requirements_of(headers)
+    except ValueError as exc:
+        return Rejection(400, str(exc), "invalid_header")
+    stream = doc.get("stream") is True and kind != "embeddings"
+    return Decoded(
+        kind, model, stream, doc, key, providers, requirements, session_key(headers, doc)
+    )
+
+
+def allowed_providers(headers: Mapping[bytes, bytes], key: ApiKey | None) -> frozenset[str]:
+    """``X-Fabric-Providers`` within the key's allowlist: a header can only narrow it."""
+    raw = headers.get(b"x-fabric-providers")
+    allowed = parse_providers(raw.decode("latin-1")) if raw else frozenset()
+    if key is not None and key.providers is not None:
+        own = frozenset(key.providers)
+        allowed = allowed & own if allowed else own
+        if not allowed:
+            raise ValueError("X-Fabric-Providers names no provider this API key may use")
+    return allowed
+
+
+def requirements_of(headers: Mapping[bytes, bytes]) -> Requirements | None:
+    raw = headers.get(b"x-fabric-require")
+    return parse_require(raw.decode("latin-1")) if raw else None
+
+
+MAX_SESSION_KEY_CHARS = 256
+
+
+def session_key(headers: Mapping[bytes, bytes], doc: dict[str, Any]) -> str | None:
+    """The sticky-session key: ``X-Session-Id``, else the body's ``user`` (at most 256 chars)."""
+    raw = headers.get(b"x-session-id")
+    if raw:
+        return raw.decode("latin-1")[:MAX_SESSION_KEY_CHARS]
+    user = doc.get("user")
+    return user[:MAX_SESSION_KEY_CHARS] if isinstance(user, str) and user else None
+
+
+def prompt_text(doc: dict[str, Any], kind: str) -> str:
+    """The text prefix routing hashes: chat roles and contents joined by U+001E, the
+    completion ``prompt`` or the embedding ``input`` (the first one of a list)."""
+    if kind == "chat":
+        messages = doc.get("messages")
+        if not isinstance(messages, list):
+            return ""
+        parts: list[str] = []
+        for m in messages:
+            if not isinstance(m, dict):
+                continue
+            content = m.get("content")
+            role = m.get("role")
+            parts.append(role if isinstance(role, str) else "")
+            if isinstance(content, str):
+                parts.append(content)
+            elif isinstance(content, list):
+                for c in content:
+                    if isinstance(c, dict) and isinstance(c.get("text"), str):
+                        parts.append(c["text"])
+        return "\x1e".join(parts)
+    prompt = doc.get("prompt") if kind == "completions" else doc.get("input")
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        return str(prompt[0])
+    return ""
+
+
+# -- header grammars ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Requirements:
+    """What a request demands of a node's signed facts. ``gpu`` is matched case-insensitively
+    (stored lower-cased); None = no constraint."""
+
+    gpu: frozenset[str] | None = None  # allowed GPU types
+    min_quant_bits: int | None = None  # quantization bits >= this (16 = unquantized)
+    min_context: int | None = None  # max_model_len >= this (unknown length fails the check)
+
+    def __post_init__(self) -> None:
+        if self.gpu is not None:
+            object.__setattr__(self, "gpu", frozenset(g.lower() for g in self.gpu))
+
+
+MAX_REQUIRE_CHARS = 1024
+MAX_GPU_ALTERNATIVES = 32
+MAX_CONTEXT_TOKENS = 1 << 30
+MAX_PROVIDERS = 32
+MAX_PROVIDER_CHARS = 128
+
+_TERM = re.compile(r"([A-Za-z_]+)\s*(>=|=)\s*(.*)")
+_TERM_HELP = "expected gpu=TYPE[|TYPE...], quant>=BITS or ctx>=TOKENS"
+
+
+def parse_require(header: str) -> Requirements:
+    """``gpu=H100|A100-80G,quant>=8,ctx>=32768`` -> Requirements; blank -> no constraint.
+
+    Strict on purpose: a typo that silently dropped a constraint would route to hardware the
+    user excluded. ValueError with one line naming the bad term.
+    """
+    if len(header) > MAX_REQUIRE_CHARS:
+        raise ValueError(f"requirements longer than {MAX_REQUIRE_CHARS} characters")
+    if not header.strip():
+        return Requirements()
+    gpu: frozenset[str] | None = None
+    quant: int | None = None
+    ctx: int | None = None
+    seen: set[str] = set()
+    for raw in header.split(","):
+        term = raw.strip()
+        shown = repr(term[:64])
+        if not term:
+            raise ValueError("empty requirement term (stray comma)")
+        m = _TERM.fullmatch(term)
+        if m is None:
+            raise ValueError(f"bad requirement {shown}: {_TERM_HELP}")
+        key, op, value = m.group(1).lower(), m.group(2), m.group(3).strip()
+        if key in seen:
+            raise ValueError(f"bad requirement {shown}: {key} given twice")
+        seen.add(key)
+        if key == "gpu" and op == "=":
+            types = [t.strip() for t in value.split("|")]
+            if not all(types) or len(types) > MAX_GPU_ALTERNATIVES or max(map(len, types)) > 64:
+                raise ValueError(
+                    f"bad requirement {shown}: gpu needs 1 to {MAX_GPU_ALTERNATIVES} non-empty "
+                    "types of at most 64 characters, separated by |"
+                )
+            gpu = frozenset(types)
+        elif key == "quant" and op == ">=":
+            quant = _bounded_int(value, 1, 32, shown, "BITS")
+        elif key == "ctx" and op == ">=":
+            ctx = _bounded_int(value, 1, MAX_CONTEXT_TOKENS, shown, "TOKENS")
+        else:
+            raise ValueError(f"bad requirement {shown}: {_TERM_HELP}")
+    return Requirements(gpu=gpu, min_quant_bits=quant, min_context=ctx)
+
+
+def _bounded_int(value: str, lo: int, hi: int, shown: str, what: str) -> int:
+    if not (value.isascii() and value.isdigit()) or not lo <= int(value) <= hi:
+        raise ValueError(f"bad requirement {shown}: {what} must be an integer from {lo} to {hi}")
+    return int(value)
+
+
+def parse_providers(header: str) -> frozenset[str]:
+    """``"p1, p2"`` -> {"p1", "p2"}: provider names or key fingerprints. ValueError on an empty
+    list or item, more than MAX_PROVIDERS items, or an item over MAX_PROVIDER_CHARS."""
+    if len(header) > MAX_PROVIDERS * (MAX_PROVIDER_CHARS + 2):
+        raise ValueError("provider list too long")
+    items = [p.strip() for p in header.split(",")]
+    if not any(items):
+        raise ValueError("empty provider list")
+    if not all(items):
+        raise ValueError("empty provider name in list (stray comma)")
+    if len(items) > MAX_PROVIDERS:
+        raise ValueError(f"more than {MAX_PROVIDERS} providers in list")
+    for item in items:
+        if len(item) > MAX_PROVIDER_CHARS:
+            raise ValueError(f"provider name {item[:32]!r}... longer than {MAX_PROVIDER_CHARS}")
+    return frozenset(items)
