@@ -20,10 +20,10 @@ Packages:
 Top-level modules:
 
 * ``agent``         the composition root: builds every service from one ``AgentConfig`` and
-                    owns them in one trio nursery; the only module that builds services.
+                    owns them in one trio nursery; the only module that builds services. It
+                    also keeps the Slurm lease, follows assignments and sets up logging.
 * ``config``        ``AgentConfig`` from CLI flags and the environment: the only reader of the
                     environment (but for ``FABRIC_NATIVE``, which ``native`` reads at import).
-* ``logs``          logging setup (stderr, each line tagged with the short session id).
 * ``errors``        the one exception tree (``FabricError`` and its subclasses).
 * ``addr``          ``HOST:PORT`` strings, IPv6 in brackets.
 * ``asgi``          serving a raw ASGI app with hypercorn's trio worker on a socket we bound

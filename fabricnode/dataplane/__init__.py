@@ -27,6 +27,10 @@ Modules, in reading order (pure first, then the shell that uses them):
 * ``sockio``          non-blocking sockets, the reactor that waits for them, the deadline watchdog.
 * ``upstream``        pooled keep-alive connections to agents and engines.
 * ``ingress_config``  every limit and timeout of the data plane (``IngressConfig``).
+* ``job``             ``Job``: what the data plane knows of one routed request.
+* ``clientconn``      a client connection and how response pieces are sent on it.
+* ``settle``          the bookkeeping of answered requests, deferred off the client's path.
+* ``asgi_call``       paths outside ``/v1/`` through the agent's ASGI control app, inline.
 * ``ingress``         ``Ingress``: one task per client connection, the endpoint table
                       ``ENDPOINTS``, routing, failover and relay; start reading here for the flow.
 

@@ -21,8 +21,8 @@ Modules, in reading order:
                 ``wait_ready``.
 * ``service``   ``EngineService``: spawn, SERVING, load scraping, DOWN on exit or hang,
                 restarts; start reading here.
-* the assignment follower: JOIN-only nodes launch what an operator's plan assigns them
-  (``fabricnode.mesh.assignment`` carries the signed plan).
+JOIN-only nodes launch what an operator's plan assigns them: the agent follows the signed
+assignments (``fabricnode.mesh.assignment``) and renders the command with ``template``.
 
 docs/researcher-guide.md says how to run an engine under an agent; docs/scheduler.md how a plan
 is applied.

@@ -14,11 +14,11 @@ Modules, in reading order:
 
 * ``hostcmd``     run a short host command (``nvidia-smi``, ``scontrol``), tolerate its absence.
 * ``hardware``    GPU discovery in the registry's catalogue names; ``--sim-gpu``.
-* ``slurm``       the Slurm job's facts and end time; when to leave (``plan_leave``); the
-                  ``sbatch`` command line of ``fabric slurm submit``.
-* ``lease``       the Slurm lease keeper: leave before the job ends, follow time-limit changes.
-* ``rendezvous``  the shared rendezvous file (append, read, compact) and its polling while the
-                  agent knows no reachable member.
+* ``slurm``       the Slurm job's facts, id and end time; when to leave (``plan_leave``); the
+                  ``sbatch`` command line of ``fabric slurm submit``. (The agent keeps the
+                  lease: it leaves before the job ends and follows time-limit changes.)
+* ``rendezvous``  the shared rendezvous file (append, read, compact); the agent polls it while
+                  it knows no reachable member.
 
 docs/researcher-guide.md and docs/operators.md describe the rendezvous file and Slurm jobs.
 """
