@@ -317,29 +317,8 @@ class Agent:
             gossip.poke()
             log.info("new session %s for the restarted engine", self.identity.session_id)
 
-        ingress_box: list[Ingress] = []  # the engine reports the ingress's local in-flight count
-
-        def engine_service(command: EngineCommand) -> EngineService:
-            return EngineService(
-                command,
-                core,
-                gossip,
-                log_path=self._engine_log_path(core.self_id),
-                wall_clock=self.wall_clock,
-                restart=cfg.restart,
-                max_restarts=cfg.max_restarts,
-                new_session=new_session,
-                inflight=lambda: ingress_box[0].local_inflight if ingress_box else 0,
-            )
-
-        # Without an engine command the node stays JOIN-only until an operator's assignment
-        # gives it one (``_await_assignment``); everything below reads ``self.engine``.
-        self.engine = engine_service(cfg.engine) if cfg.engine is not None else None
-
-        def ready() -> bool:
-            engine = self.engine
-            return tracker.is_ready() and (engine is None or engine.state == "serving")
-
+        # The ingress first: it asks for the engine lazily (``self.engine`` when a request
+        # comes), and the engine reports the ingress's local in-flight count as its load.
         def serving_engine_url() -> str | None:
             engine = self.engine
             if engine is None or engine.state != "serving" or core.left:
@@ -355,8 +334,28 @@ class Agent:
             api_keys=self.api_keys,
             request_log=request_log,
         )
-        ingress_box.append(ingress)
         self.ingress = ingress
+
+        def engine_service(command: EngineCommand) -> EngineService:
+            return EngineService(
+                command,
+                core,
+                gossip,
+                log_path=self._engine_log_path(core.self_id),
+                wall_clock=self.wall_clock,
+                restart=cfg.restart,
+                max_restarts=cfg.max_restarts,
+                new_session=new_session,
+                inflight=lambda: ingress.local_inflight,
+            )
+
+        # Without an engine command the node stays JOIN-only until an operator's assignment
+        # gives it one (``_await_assignment``); everything below reads ``self.engine``.
+        self.engine = engine_service(cfg.engine) if cfg.engine is not None else None
+
+        def ready() -> bool:
+            engine = self.engine
+            return tracker.is_ready() and (engine is None or engine.state == "serving")
 
         def app(agent_endpoints: bool) -> AdminApp:
             return AdminApp(
