@@ -21,7 +21,8 @@ Top-level modules:
 
 * ``agent``         the composition root: builds every service from one ``AgentConfig`` and
                     owns them in one trio nursery; the only module that builds services. It
-                    also keeps the Slurm lease, follows assignments and sets up logging.
+                    wires behaviours that live in their packages (``host.lease``,
+                    ``engine.follower``, ``host.rendezvous``, ``control.memberlog``).
 * ``config``        ``AgentConfig`` from CLI flags and the environment: the only reader of the
                     environment (but for ``FABRIC_NATIVE``, which ``native`` reads at import).
 * ``errors``        the one exception tree (``FabricError`` and its subclasses).
@@ -30,6 +31,7 @@ Top-level modules:
                     (the admin app and the simulated engine).
 * ``metricfamilies`` prometheus-client families and collectors over live objects; a registry
                     per app, never the global one.
+* ``logs``          log lines to stderr, tagged with the short session id.
 * ``native``        the switch between the compiled data plane and its sources (``FABRIC_NATIVE``).
 * ``native_build``  builds the compiled data plane: ``python -m fabricnode.native_build``.
 

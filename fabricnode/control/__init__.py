@@ -20,6 +20,7 @@ Modules, in reading order:
 * ``app``     ``AdminApp``: the endpoints; start reading here.
 * ``client``  ``AdminClient`` (httpx, synchronous): the admin API for the CLI, the demo
               and the tests.
+* ``memberlog`` the agent's log of member joins and state/liveness changes.
 
 docs/admin-guide.md and docs/operators.md describe the endpoints and metrics.
 """

@@ -132,8 +132,10 @@ class AdminApp:
         agent_endpoints: bool = True,
         extra_metrics: Callable[[], bytes] | None = None,
         request_log_path: Path | None = None,
+        wake_gossip: Callable[[], None] = lambda: None,
     ) -> None:
         self.core = core
+        self.wake_gossip = wake_gossip  # sends an accepted assignment now, not at the next tick
         self.is_ready = is_ready
         self.transport = transport
         self.keyring = keyring
@@ -310,6 +312,7 @@ class AdminApp:
                 item.operator,
                 outcome.value,
             )
+        self.wake_gossip()
         return json_response({"results": results})
 
     async def workload(self, query: list[tuple[str, str]]) -> Response:

@@ -20,9 +20,11 @@ Modules, in reading order:
 * ``process``   the child: its own process group, parent-death signal, pidfd, output pump,
                 ``wait_ready``.
 * ``service``   ``EngineService``: spawn, SERVING, load scraping, DOWN on exit or hang,
-                restarts; start reading here.
-JOIN-only nodes launch what an operator's plan assigns them: the agent follows the signed
-assignments (``fabricnode.mesh.assignment``) and renders the command with ``template``.
+                restarts; start reading here. Every change to the node's entry goes through
+                the gossip service, which sends it at once.
+* ``follower``  ``AssignmentFollower``: a JOIN-only node waits for the signed assignment for
+                it (``fabricnode.mesh.assignment``), renders it with ``template`` and reports
+                the outcome as ``fabric.plan*`` labels; the agent launches the command.
 
 docs/researcher-guide.md says how to run an engine under an agent; docs/scheduler.md how a plan
 is applied.

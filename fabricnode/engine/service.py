@@ -19,7 +19,6 @@ announced carries over.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +29,6 @@ import trio
 from fabricnode.engine.command import EngineCommand, option_values
 from fabricnode.engine.metrics import engine_load, parse_samples
 from fabricnode.engine.process import EngineError, EngineProcess, wait_ready
-from fabricnode.mesh.core import MeshCore
 from fabricnode.mesh.registry import EngineInfo, ModelInfo, State
 from fabricnode.mesh.service import GossipService
 
@@ -52,11 +50,9 @@ class EngineService:
     def __init__(
         self,
         command: EngineCommand,
-        core: MeshCore,
         gossip: GossipService,
         *,
         log_path: Path | None = None,
-        wall_clock: Callable[[], float] = time.time,
         metrics_interval_s: float = 0.5,
         health_interval_s: float = 1.0,
         unhealthy_after: int = 3,
@@ -70,9 +66,7 @@ class EngineService:
         if restart not in RESTART_POLICIES:
             raise ValueError(f"restart policy {restart!r} not in {RESTART_POLICIES}")
         self.command = command
-        self.core = core
         self.gossip = gossip
-        self.wall_clock = wall_clock
         self.metrics_interval_s = metrics_interval_s
         self.health_interval_s = health_interval_s
         self.unhealthy_after = unhealthy_after
@@ -151,13 +145,11 @@ class EngineService:
         version = await self._engine_version(client)
         quant = option_values(self.command.argv, "--quantization", "-q")
         quantization = quant[-1][:64] if quant else None
-        self.core.update_self(
-            self.wall_clock(),
+        self.gossip.update_self(
             state=State.SERVING,
             models=tuple(ModelInfo(m.id, m.max_model_len, quantization) for m in models),
             engine=EngineInfo(self.command.kind, version, url),
         )
-        self.gossip.poke()
         self.state = "serving"
         log.info("engine ready at %s: serving %s", url, ", ".join(m.id for m in models))
         async with trio.open_nursery() as nursery:
@@ -195,22 +187,19 @@ class EngineService:
                 r.raise_for_status()
                 load = engine_load(parse_samples(r.text))
                 self.scrapes += 1
-                self.core.publish_load(
-                    self.wall_clock(),
+                self.gossip.publish_load(
                     waiting=load.waiting,
                     running=load.running,
                     kv_usage=min(1.0, max(0.0, load.kv_usage)),
                     inflight=self.inflight(),
                 )
-                self.gossip.poke()
             except httpx.HTTPError:
                 self.scrape_errors += 1
             await trio.sleep(self.metrics_interval_s)
 
     def _mark_down(self, why: str) -> None:
-        if self.state == "down" or self.core.left:
+        if self.state == "down" or self.gossip.core.left:
             return
         self.state = "down"
         log.warning("%s: announcing DOWN", why)
-        self.core.update_self(self.wall_clock(), state=State.DOWN)
-        self.gossip.poke()
+        self.gossip.update_self(state=State.DOWN)

@@ -6,7 +6,8 @@ the rendezvous file through which agents in different jobs find each other. Pars
 and takes an injectable ``Runner``, so it is tested without GPUs or Slurm; ``hostcmd`` is the
 one place that runs a host command.
 
-May import: ``fabricnode.mesh`` (the registry's ``Hardware`` record), ``fabricnode.errors``,
+May import: ``fabricnode.mesh`` (the registry's ``Hardware`` record, the gossip service the
+rendezvous watcher bootstraps), ``fabricnode.errors``,
 ``fabricnode.addr`` and itself. Not the data plane, ``engine``, ``control`` or ``agent``; the
 environment reaches it as a mapping passed in (only ``fabricnode.config`` reads it).
 
@@ -14,11 +15,12 @@ Modules, in reading order:
 
 * ``hostcmd``     run a short host command (``nvidia-smi``, ``scontrol``), tolerate its absence.
 * ``hardware``    GPU discovery in the registry's catalogue names; ``--sim-gpu``.
-* ``slurm``       the Slurm job's facts, id and end time; when to leave (``plan_leave``); the
-                  ``sbatch`` command line of ``fabric slurm submit``. (The agent keeps the
-                  lease: it leaves before the job ends and follows time-limit changes.)
-* ``rendezvous``  the shared rendezvous file (append, read, compact); the agent polls it while
-                  it knows no reachable member.
+* ``slurm``       the Slurm job's facts, id and end time; when to leave (``plan_leave``,
+                  ``move_leave``); the ``sbatch`` command line of ``fabric slurm submit``.
+* ``lease``       ``follow_job``: the registry lease cap and the agent's leave time follow the
+                  job's end when an admin extends or shortens the time limit (trio).
+* ``rendezvous``  the shared rendezvous file (append, read, compact), and ``watch``, which
+                  re-reads it while the agent knows no reachable member (trio).
 
 docs/researcher-guide.md and docs/operators.md describe the rendezvous file and Slurm jobs.
 """

@@ -8,16 +8,27 @@ on NFS/Lustre/GPFS for lines this short; a torn or interleaved line is simply sk
 
 The file is compacted (atomically replaced by its newest lines) when it grows past
 ``MAX_BYTES``, so it never needs an operator's care.
+
+The agent's side: ``announce_and_read`` appends our line *before* reading, so of any two agents
+starting together the later one always sees the earlier one and they cannot form two separate
+meshes; ``watch`` re-reads the file while we know no reachable member (agents that started after
+us). File access runs in a worker thread: a shared filesystem can stall.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from pathlib import Path
 
+import trio
+
 from fabricnode.addr import split_hostport
 from fabricnode.errors import ConfigError
+from fabricnode.mesh.service import GossipService
+
+log = logging.getLogger("fabricnode.host.rendezvous")
 
 MAX_BYTES = 256 * 1024
 KEEP_LINES = 512
@@ -59,6 +70,31 @@ def read_peers(path: Path, *, exclude: str = "", limit: int = 64) -> list[str]:
             if len(seen) >= limit:
                 break
     return seen
+
+
+async def announce_and_read(path: Path, gossip_addr: str, session_id: str) -> list[str]:
+    """Announce ourselves, then return the peers announced so far (our seeds)."""
+    try:
+        await trio.to_thread.run_sync(announce, path, gossip_addr, session_id)
+    except OSError as exc:
+        log.warning("cannot announce in rendezvous file %s: %s", path, exc)
+    return await _read_others(path, gossip_addr)
+
+
+async def watch(path: Path, gossip: GossipService, poll_s: float) -> None:
+    """While isolated, bootstrap from peers newly announced in the file."""
+    own = gossip.core.gossip_addr
+    while True:
+        await trio.sleep(poll_s)
+        if gossip.core.left or gossip.core.members.reachable():
+            continue
+        peers = await _read_others(path, own)
+        if peers:
+            gossip.bootstrap(peers)
+
+
+async def _read_others(path: Path, own: str) -> list[str]:
+    return await trio.to_thread.run_sync(lambda: read_peers(path, exclude=own))
 
 
 def _compact(path: Path) -> None:

@@ -17,10 +17,10 @@ A node should be gone from the mesh before Slurm kills its job, so users are mov
 nodes while it can still finish what it accepted. ``plan_leave`` turns the job's end time and the
 agent's margin (``--leave-before-end``) into the moment to start leaving: ``margin`` seconds
 before the end, but never more than half the time the job has left when the agent starts (a job
-shorter than twice the margin still serves for half its time). At that moment the agent asks
-scontrol again (``query_end_time``): ``replan_leave`` moves the moment later when the time limit
-was extended meanwhile, and otherwise the agent leaves. All of it is pure arithmetic on unix
-seconds; the agent owns the clock.
+shorter than twice the margin still serves for half its time). When scontrol
+(``query_end_time``) reports a new end, later or earlier, ``move_leave`` keeps the margin before
+it. All of it is pure arithmetic on unix seconds; ``fabricnode.host.lease`` owns the clock and
+asks scontrol when to.
 
 Submitting
 ----------
@@ -240,14 +240,10 @@ def plan_leave(end_time: float | None, margin_s: float, now: float) -> LeavePlan
     return LeavePlan(end_time, end_time - margin, margin, margin_s)
 
 
-def replan_leave(plan: LeavePlan, end_time: float | None, now: float) -> LeavePlan | None:
-    """At ``plan.leave_at``, with the job's end as scontrol says now: a later plan when the
-    time limit was extended (same margin), None to leave now. An unknown end (scontrol
-    failed) or an earlier one keeps the plan: leave now."""
-    if end_time is None or end_time <= plan.end_time:
-        return None
-    later = replace(plan, end_time=end_time, leave_at=end_time - plan.margin_s)
-    return later if later.leave_at > now else None
+def move_leave(plan: LeavePlan, end_time: float) -> LeavePlan:
+    """The plan for a job whose end moved to ``end_time`` (an admin changed the time limit):
+    the same margin before the new end. A ``leave_at`` already past means leave now."""
+    return replace(plan, end_time=end_time, leave_at=end_time - plan.margin_s)
 
 
 # -- submitting --------------------------------------------------------------------------------

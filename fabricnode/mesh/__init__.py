@@ -25,8 +25,11 @@ Modules, in reading order:
 * ``assignment``  operator-signed engine assignments, a second CRDT beside the registry.
 * ``core``        ``MeshCore``: the whole protocol of one node, ``receive``/``tick``/
                   ``take_outbound``; start reading here for the behaviour, its parts above.
+* ``join``        ``JoinTracker``: when this node counts as joined (``/ready``), clock passed in.
 * ``service``     the trio shell: ``GossipService`` drives a ``MeshCore`` with real time over
-                  a ``Transport`` (``UdpTcpTransport``: UDP datagrams, TCP frames).
+                  a ``Transport`` (``UdpTcpTransport``: UDP datagrams, TCP frames). Its
+                  ``update_self``/``relabel``/``publish_load``/``bootstrap``/``new_session``
+                  change the core and wake the timer loop, so changes leave at once.
 
 docs/architecture.md explains the registry lattice, the trust model and failure detection.
 """

@@ -12,7 +12,7 @@ import logging
 import socket
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -21,8 +21,11 @@ import trio
 
 from fabricnode.addr import join_hostport, split_hostport
 from fabricnode.errors import ConfigError, FabricError
+from fabricnode.mesh.assignment import Offer, SignedAssignment
 from fabricnode.mesh.core import MeshCore
+from fabricnode.mesh.identity import Identity
 from fabricnode.mesh.keyring import Keyring, file_signature
+from fabricnode.mesh.registry import EntryBody, SignedEntry
 
 log = logging.getLogger("fabricnode.mesh.service")
 
@@ -215,8 +218,47 @@ class GossipService:
         self.keyring_errors = 0
 
     def poke(self) -> None:
-        """Re-evaluate timers now (after our entry, load or keys changed outside the loop)."""
+        """Re-evaluate timers now. The methods below call it themselves; call it directly only
+        after changing the core some other way (tests do, with ``core.*`` and a fake clock)."""
         self._wake.set()
+
+    # -- changes to our own entry and what we gossip: each one applied, then sent at once ------
+    # (as aioquic's protocol transmits after every call into its connection, callers never
+    # need to remember to flush).
+
+    def bootstrap(self, addrs: Iterable[str]) -> None:
+        """Ask ``addrs`` (seeds, rendezvous lines) for the cluster's state."""
+        self.core.bootstrap(addrs)
+        self.poke()
+
+    def update_self(self, **changes: object) -> SignedEntry:
+        """Re-sign our entry with ``changes`` (state, models, engine, labels...) and spread it."""
+        entry = self.core.update_self(self.wall_clock(), **changes)
+        self.poke()
+        return entry
+
+    def relabel(self, prefix: str, labels: tuple[tuple[str, str], ...]) -> SignedEntry:
+        """Re-sign our entry with its labels under ``prefix`` replaced by ``labels``."""
+        kept = [(k, v) for k, v in self.core.self_entry.body.labels if not k.startswith(prefix)]
+        return self.update_self(labels=tuple(sorted([*kept, *labels])))
+
+    def publish_load(self, *, waiting: int, running: int, kv_usage: float, inflight: int) -> None:
+        now = self.wall_clock()
+        self.core.publish_load(
+            now, waiting=waiting, running=running, kv_usage=kv_usage, inflight=inflight
+        )
+        self.poke()
+
+    def publish_assignment(self, item: SignedAssignment) -> Offer:
+        """An operator's assignment (from the admin API): accepted ones spread at once."""
+        outcome = self.core.publish_assignment(item, self.wall_clock())
+        self.poke()
+        return outcome
+
+    def new_session(self, identity: Identity, body: EntryBody) -> None:
+        """Retire our session (LEFT) and go on as ``identity`` from ``body`` (a JOIN entry)."""
+        self.core.new_session(identity, body, self.wall_clock())
+        self.poke()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:

@@ -343,6 +343,15 @@ class ServeJob:
             f"{timeout_s:g} s:\n{cluster.output(self.job_id)}\n{self.agent_log[-3000:]}"
         )
 
+    def wait_logged(self, text: str, timeout_s: float = LEFT_WITHIN_S) -> None:
+        """Wait for ``text`` in the agent's log: the agent logs some events a moment after
+        they are visible elsewhere (its member log polls once a second)."""
+        deadline = time.monotonic() + timeout_s
+        while text not in self.agent_log:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{text!r} not logged in {timeout_s:g} s:\n{self.agent_log}")
+            time.sleep(0.1)
+
     @property
     def session_id(self) -> str:
         assert self.addrs is not None
@@ -553,7 +562,7 @@ def test_wrapper_job_joins_the_mesh_and_serves_through_another_agent(
     assert answer.usage.completion_tokens == 8
     # Where the logs are: the agent's (ready lines and log lines) and the engine's, per job.
     assert (job.log_dir / "engine.log").stat().st_size > 0
-    assert "ready: joined the mesh" in job.agent_log
+    job.wait_logged("ready: joined the mesh")
     assert f"logs: {job.log_dir}/agent.log" in jobs.cluster.output(job.job_id)
     assert joined < JOIN_WITHIN_S
 

@@ -10,7 +10,6 @@ from typing import Any
 import httpx
 import pytest
 
-from fabricnode.agent import JoinTracker
 from fabricnode.control.app import AdminApp
 from fabricnode.control.views import models_view
 from fabricnode.mesh.core import MeshCore
@@ -159,36 +158,6 @@ async def test_ready_is_503_once_the_agent_has_signed_left(app: AdminApp, mesh: 
     assert (response.status_code, response.json()) == (503, {"status": "left"})
     self_view = (await get(app, "/fabric/v1/self")).json()
     assert (self_view["state"], self_view["liveness"]) == ("left", "left")
-
-
-def test_join_tracker_is_ready_at_once_without_seeds(mesh: Mesh) -> None:
-    tracker = JoinTracker(mesh.core, had_seeds=False, started_at=0.0, timeout_s=10, clock=lambda: 0)
-    assert tracker.is_ready()
-
-
-def test_join_tracker_waits_for_an_alive_member_when_it_had_seeds() -> None:
-    me = Identity.from_seed(b"lonely")
-    core = MeshCore(me, Keyring.with_key(b"k" * 32), make_body(me, "10.0.0.9:7946", NOW), NOW)
-    now = [0.0]
-    tracker = JoinTracker(core, had_seeds=True, started_at=0.0, timeout_s=10, clock=lambda: now[0])
-    assert not tracker.is_ready()
-    other = Identity.from_seed(b"other")
-    core.registry.merge(make_body(other, "10.0.0.8:7946", NOW).sign(other), NOW)
-    core.members.learn_address(other.session_id, "10.0.0.8:7946", NOW)
-    assert tracker.is_ready()
-    assert tracker.reason == "joined the mesh"
-
-
-def test_join_tracker_founds_a_new_mesh_when_no_seed_answers_in_time() -> None:
-    me = Identity.from_seed(b"lonely")
-    core = MeshCore(me, Keyring.with_key(b"k" * 32), make_body(me, "10.0.0.9:7946", NOW), NOW)
-    now = [0.0]
-    tracker = JoinTracker(core, had_seeds=True, started_at=0.0, timeout_s=10, clock=lambda: now[0])
-    assert not tracker.is_ready()
-    now[0] = 10.0
-    assert tracker.is_ready()
-    now[0] = 0.0
-    assert tracker.is_ready(), "once joined, stays joined"
 
 
 # -- registry views -------------------------------------------------------------------------------

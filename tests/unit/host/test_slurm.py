@@ -11,10 +11,7 @@ from pathlib import Path
 from zoneinfo import ZoneInfo
 
 import pytest
-import trio
-import trio.testing
 
-from fabricnode.agent import follow_job_end, wait_leave_time
 from fabricnode.config import load_config
 from fabricnode.errors import ConfigError
 from fabricnode.host.hostcmd import Runner
@@ -27,6 +24,7 @@ from fabricnode.host.slurm import (
     job_from_env,
     job_from_scontrol,
     job_name,
+    move_leave,
     parse_sbatch_job_id,
     parse_scontrol_jobs,
     parse_scontrol_record,
@@ -35,7 +33,6 @@ from fabricnode.host.slurm import (
     pick_ports,
     plan_leave,
     query_end_time,
-    replan_leave,
     sbatch_argv,
     scontrol_argv,
 )
@@ -300,24 +297,11 @@ def test_a_job_already_past_its_end_leaves_at_once() -> None:
     assert plan is not None and plan.leave_at == T0 - 5 and plan.margin_s == 0
 
 
-def test_an_extended_time_limit_moves_the_leave_later_with_the_same_margin() -> None:
+def test_a_moved_end_moves_the_leave_with_the_same_margin() -> None:
     plan = plan_leave(T0 + 3600, 120, T0)
     assert plan is not None
-    later = replan_leave(plan, T0 + 7200, T0 + 3480)
-    assert later == LeavePlan(T0 + 7200, T0 + 7080, 120, 120)
-
-
-@pytest.mark.parametrize("end", [None, T0 + 3600, T0 + 1800])
-def test_unknown_same_or_earlier_end_means_leave_now(end: float | None) -> None:
-    plan = plan_leave(T0 + 3600, 120, T0)
-    assert plan is not None
-    assert replan_leave(plan, end, T0 + 3480) is None
-
-
-def test_an_extension_shorter_than_the_time_already_past_leaves_now() -> None:
-    plan = plan_leave(T0 + 3600, 120, T0)
-    assert plan is not None
-    assert replan_leave(plan, T0 + 3610, T0 + 3500) is None  # would leave at T0+3490: past
+    assert move_leave(plan, T0 + 7200) == LeavePlan(T0 + 7200, T0 + 7080, 120, 120)
+    assert move_leave(plan, T0 + 1800) == LeavePlan(T0 + 1800, T0 + 1680, 120, 120)
 
 
 def test_query_end_time_asks_scontrol_each_time() -> None:
@@ -327,68 +311,6 @@ def test_query_end_time_asks_scontrol_each_time() -> None:
     assert calls == [scontrol_argv("4242")] * 2
     assert query_end_time("4242", fake_run(None)[1]) is None
     assert query_end_time("4242", fake_run("")[1]) is None
-
-
-async def test_wait_leave_time_returns_at_the_leave_moment_by_the_wall_clock(
-    autojump_clock: trio.testing.MockClock,
-) -> None:
-    asked: list[float] = []
-
-    def wall() -> float:
-        return T0 + trio.current_time()
-
-    async def end_now() -> float | None:
-        asked.append(wall())
-        return T0 + 3600  # unchanged
-
-    plan = plan_leave(T0 + 3600, 120, wall())
-    assert plan is not None
-    acted = await wait_leave_time(plan, wall_clock=wall, end_time_now=end_now)
-    assert acted == plan
-    assert wall() == pytest.approx(T0 + 3480)
-    assert asked == [pytest.approx(T0 + 3480)]  # scontrol once, at the leave moment
-
-
-async def test_wait_leave_time_waits_again_after_an_extension(
-    autojump_clock: trio.testing.MockClock,
-) -> None:
-    ends = [T0 + 7200, T0 + 7200]
-
-    def wall() -> float:
-        return T0 + trio.current_time()
-
-    async def end_now() -> float | None:
-        return ends.pop(0)
-
-    plan = plan_leave(T0 + 3600, 120, wall())
-    assert plan is not None
-    acted = await wait_leave_time(plan, wall_clock=wall, end_time_now=end_now)
-    assert acted.end_time == T0 + 7200 and wall() == pytest.approx(T0 + 7080)
-    assert ends == []
-
-
-async def test_wait_leave_time_notices_a_wall_clock_step(
-    autojump_clock: trio.testing.MockClock,
-) -> None:
-    # The wall clock jumps 50 min ahead (a suspended VM, an NTP step): the leave still
-    # happens within ``max_sleep_s`` of the wall clock's leave moment, not 58 min later.
-    jump = [0.0]
-
-    def wall() -> float:
-        return T0 + trio.current_time() + jump[0]
-
-    async def end_now() -> float | None:
-        return T0 + 3600
-
-    plan = plan_leave(T0 + 3600, 120, wall())
-    assert plan is not None
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(
-            lambda: wait_leave_time(plan, wall_clock=wall, end_time_now=end_now, max_sleep_s=30)
-        )
-        await trio.sleep(60)
-        jump[0] = 3000.0
-    assert T0 + 3480 <= wall() <= T0 + 3480 + 30
 
 
 def test_leave_margin_from_flag_env_or_default(tmp_path: Path) -> None:
@@ -522,47 +444,3 @@ def test_find_sbatch_script_in_the_checkout_or_from_the_environment(tmp_path: Pa
     assert find_sbatch_script({"FABRIC_SBATCH_SCRIPT": str(mine)}) == mine
     assert find_sbatch_script({"FABRIC_SBATCH_SCRIPT": str(tmp_path / "none")}) is None
     assert find_sbatch_script({}, checkout=tmp_path) is None
-
-
-async def test_follow_job_end_moves_the_lease_cap_when_the_time_limit_changes(
-    autojump_clock: trio.testing.MockClock,
-) -> None:
-    """An admin extends the job by an hour 20 min in: the new end is reported well before the
-    old one, then the follower keeps asking (rarely) until the new end passes."""
-
-    def wall() -> float:
-        return T0 + trio.current_time()
-
-    asked: list[float] = []
-    moves: list[tuple[float, float]] = []
-
-    async def end_now() -> float | None:
-        asked.append(wall())
-        return T0 + 3600 if wall() < T0 + 1200 else T0 + 7200
-
-    await follow_job_end(
-        T0 + 3600,
-        wall_clock=wall,
-        end_time_now=end_now,
-        on_change=lambda end: moves.append((wall(), end)),
-    )
-    assert moves and moves[0][1] == T0 + 7200
-    assert moves[0][0] < T0 + 3600 - 600  # found long before the old end
-    assert len(moves) == 1
-    assert wall() >= T0 + 7200  # followed up to the new end
-    assert len(asked) <= 20  # halving the time left: a few queries, not one a minute
-
-
-async def test_follow_job_end_ignores_failed_queries(
-    autojump_clock: trio.testing.MockClock,
-) -> None:
-    def wall() -> float:
-        return T0 + trio.current_time()
-
-    moves: list[float] = []
-
-    async def end_now() -> float | None:
-        return None  # scontrol failed: keep what we know
-
-    await follow_job_end(T0 + 600, wall_clock=wall, end_time_now=end_now, on_change=moves.append)
-    assert moves == [] and wall() == pytest.approx(T0 + 600)
