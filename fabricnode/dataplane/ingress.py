@@ -318,6 +318,7 @@ class Ingress:
                     self.metrics.malformed.labels(str(status)).inc()
                     code = malformed_code(status)
                     await self._send_error(conn, status, message, code, close=True)
+                    await self._linger(conn, watch)
                     break
                 if parser.head_complete and not sent_continue:
                     pending = parser.pending
@@ -352,6 +353,27 @@ class Ingress:
             self._conns.discard(conn)
             self.connections -= 1
             reactor.close(sock)
+
+    async def _linger(self, conn: ClientConn, watch: Watched) -> None:
+        """After an early error answer, drop what the client still sends (bounded) so that it
+        can finish sending and read our answer, instead of a reset."""
+        cfg = self.config
+        sock = conn.sock
+        try:
+            sock.shutdown(socket.SHUT_WR)  # the answer is whole: end our side now
+        except OSError:
+            return
+        watch.deadline = self.clock.now() + cfg.linger_s + 1.0  # the watchdog as a backstop
+        left = cfg.linger_max_bytes
+        with trio.move_on_after(cfg.linger_s):
+            try:
+                while left > 0:
+                    data = await self.reactor.recv_some(sock)
+                    if not data:
+                        return
+                    left -= len(data)
+            except (SocketClosed, OSError):
+                return
 
     async def _send_error(
         self,
@@ -741,9 +763,13 @@ class Ingress:
                     first_byte_timeout_s=cfg.first_byte_timeout_s,
                     still_wanted=still_wanted,
                     now=now,
+                    client=conn.sock,
                 )
             except UpstreamError as exc:
                 return str(exc)
+            except ClientGone:
+                self.metrics.client_disconnects.labels("waiting").inc()
+                raise
             try:
                 status = ex.status
                 if status in RETRYABLE_STATUS:
@@ -769,8 +795,11 @@ class Ingress:
                 job.response = pieces
                 job.response_sse = ex.content_type.startswith(SSE)
                 return None
+            except ClientGone:
+                self.metrics.client_disconnects.labels("relaying").inc()
+                raise
             finally:
-                ex.finish()
+                ex.finish()  # closes an unfinished exchange: the engine aborts the request
         finally:
             if local:
                 self.local_inflight -= 1

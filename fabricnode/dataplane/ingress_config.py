@@ -17,6 +17,11 @@ class IngressConfig:
     max_connections: int = 4096
     request_timeout_s: float = 30.0  # a request's head and body must arrive within this
     keepalive_timeout_s: float = 75.0  # idle time between requests on a connection
+    # After an early error (413 while the body still arrives), read and drop at most this much
+    # of what the client still sends, for at most this long, before closing (nginx's lingering
+    # close): closing on unread bytes resets the connection, and the client loses our answer.
+    linger_s: float = 5.0
+    linger_max_bytes: int = 256 * 1024 * 1024
     connect_timeout_s: float = 3.0
     # Until the response head: long, because a non-streamed answer of a reasoning model only
     # starts when it is complete. A node that goes DOWN or dead meanwhile is given up at once.
@@ -29,5 +34,6 @@ class IngressConfig:
     hold_max_s: float = 2.0  # pending-aware policy: longest an ingress holds a request
     retry_after_s: int = 1
     policy: str = routing.DEFAULT_POLICY
-    watchdog_interval_s: float = 0.5
+    # Timeouts, DOWN nodes and clients that went away are noticed within this (per hop).
+    watchdog_interval_s: float = 0.25
     forward_max_skew_s: float = 30.0

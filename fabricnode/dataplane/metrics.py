@@ -190,6 +190,13 @@ class IngressMetrics:
         self.broken_streams = Counter(
             "fabric_ingress_broken_streams", "Responses broken after the first byte", registry=r
         )
+        self.client_disconnects = Counter(
+            "fabric_ingress_client_disconnects",
+            "Requests whose client went away before the answer ended (the upstream request"
+            " was aborted), by phase: waiting for the response head, or relaying it",
+            ["phase"],
+            registry=r,
+        )
         self.forwards_served = Counter(
             "fabric_forward_requests",
             "Forwarded requests served for other ingresses",

@@ -28,10 +28,12 @@ one ``epoll_ctl`` more per wait.
 
 Timeouts cost nothing per request: a socket that has a deadline is registered with a
 ``Watchdog`` (a set insert), and one task wakes every ``interval_s`` to close the sockets whose
-deadline passed (or whose ``still_wanted`` check fails). Closing goes through ``Reactor.close``,
-which wakes a task waiting on that socket with ``trio.ClosedResourceError``; the owner then reads
-``expired`` to tell a timeout from a peer's reset. Deadlines are therefore accurate to
-``interval_s``, which is plenty for timeouts of seconds.
+deadline passed, whose ``still_wanted`` check fails, or whose ``client`` went away (an
+upstream exchange answering a client that closed its connection: closing the upstream connection
+is how an engine learns to abort the request and free its sequence). Closing goes through
+``Reactor.close``, which wakes a task waiting on that socket with ``trio.ClosedResourceError``;
+the owner then reads ``expired`` to tell a timeout from a peer's reset. Deadlines are therefore
+accurate to ``interval_s``, which is plenty for timeouts of seconds.
 """
 
 from __future__ import annotations
@@ -438,10 +440,28 @@ def peer_closed(sock: socket.socket) -> bool:
     return True  # EOF, or unsolicited bytes on an idle connection: unusable either way
 
 
-class Watched:
-    """A socket with a deadline (``math.inf`` = none) and an optional liveness check."""
+def client_gone(sock: socket.socket) -> bool:
+    """True if a client that is waiting for our answer closed or reset its connection.
 
-    __slots__ = ("deadline", "expired", "sock", "still_wanted")
+    A non-blocking peek: EOF or an error means gone; bytes (a pipelined next request) or
+    nothing to read mean it is still there (EOF behind pipelined bytes is seen at our write).
+    """
+    try:
+        return not sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
+CLIENT_GONE = "client gone"  # Watched.expired when its client went away
+
+
+class Watched:
+    """A socket with a deadline (``math.inf`` = none), an optional liveness check, and the
+    client socket whose request it serves (checked by the watchdog: ``client_gone``)."""
+
+    __slots__ = ("client", "deadline", "expired", "sock", "still_wanted")
 
     def __init__(
         self,
@@ -452,6 +472,7 @@ class Watched:
         self.sock = sock
         self.deadline = deadline
         self.still_wanted = still_wanted
+        self.client: socket.socket | None = None
         self.expired = ""  # why the watchdog closed it ("" = it did not)
 
 
@@ -483,3 +504,5 @@ class Watchdog:
                     self.expire(w, "timeout")
                 elif w.still_wanted is not None and not w.still_wanted():
                     self.expire(w, "unwanted")
+                elif w.client is not None and client_gone(w.client):
+                    self.expire(w, CLIENT_GONE)

@@ -21,8 +21,10 @@ from dataclasses import dataclass
 import httptools
 import trio
 
+from fabricnode.dataplane.clientconn import ClientGone
 from fabricnode.dataplane.http1 import ResponseParser
 from fabricnode.dataplane.sockio import (
+    CLIENT_GONE,
     LoopClock,
     Reactor,
     SocketClosed,
@@ -148,7 +150,9 @@ class Exchange:
     Timeouts are deadlines on the watchdog: ``connect_timeout_s`` to connect,
     ``first_byte_timeout_s`` until the response head, ``idle_timeout_s`` between body reads.
     ``still_wanted`` is checked by the watchdog while we wait for the head (a node that went
-    DOWN or dead: give up on it and fail over).
+    DOWN or dead: give up on it and fail over). ``client`` is the connection of the client we
+    answer: when it goes away the watchdog closes ours, so the engine aborts the request, and
+    the wait raises ``ClientGone`` (never a reason to fail over).
     """
 
     __slots__ = ("_gaps", "_parser", "_pieces", "origin", "pool", "sock", "watch", "watchdog")
@@ -197,6 +201,7 @@ class Exchange:
         first_byte_timeout_s: float,
         still_wanted: Callable[[], bool] | None = None,
         now: float | None = None,
+        client: socket.socket | None = None,
     ) -> None:
         """Send ``request`` and wait for the response head (``UpstreamError`` if none).
 
@@ -215,6 +220,7 @@ class Exchange:
                 sock = await self._connect(connect_timeout_s)
             self.sock = sock
             self.watch = watch = Watched(sock, now + first_byte_timeout_s, still_wanted)
+            watch.client = client
             self.watchdog.watched.add(watch)
             try:
                 try:
@@ -246,6 +252,8 @@ class Exchange:
                 except (SocketClosed, trio.ClosedResourceError, OSError) as exc:
                     if watch.expired:
                         expired = watch.expired
+                        if expired == CLIENT_GONE:
+                            raise ClientGone from None
                         why = "no response" if expired == "timeout" else "node no longer eligible"
                         raise UpstreamError(why, timeout=expired == "timeout") from None
                     if reused:
@@ -295,6 +303,8 @@ class Exchange:
                 self._gaps = True
                 data = await reactor.recv_later(sock)
         except SocketClosed as exc:
+            if watch.expired == CLIENT_GONE:
+                raise ClientGone from None
             raise BrokenResponse(watch.expired or str(exc)) from None
         if not data:
             raise BrokenResponse("upstream closed the connection mid-response")

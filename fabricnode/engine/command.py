@@ -25,7 +25,7 @@ import re
 import socket
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fabricnode.addr import WILDCARD_HOSTS
 from fabricnode.errors import ConfigError
@@ -49,6 +49,10 @@ class EngineCommand:
     model: str | None
     served_model_names: tuple[str, ...]
     url: str
+    # A socket bound for the engine, which every child of this command inherits (``--fd``):
+    # the agent holds the port for as long as the command lives, so no other process can take
+    # it between choosing it and the engine binding it, or between two restarts.
+    listener: socket.socket | None = field(default=None, compare=False, repr=False)
 
     @property
     def model_hint(self) -> str | None:
@@ -198,24 +202,39 @@ def inspect_engine_cmd(argv: Sequence[str], engine_url: str | None = None) -> En
 
 
 def free_port(host: str = CONNECT_HOST) -> int:
-    """A TCP port free on ``host`` now, for an engine we launch to bind a moment later."""
+    """A TCP port free on ``host`` now, for an engine we launch to bind a moment later (another
+    process may take it meanwhile: engines that can inherit a socket get ``bind_listener``)."""
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
 
 
+def bind_listener(host: str = CONNECT_HOST, port: int = 0) -> socket.socket:
+    """A TCP socket bound on ``host`` (port 0: any free one) for an engine child to inherit."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"cannot bind a port for the engine on {host}: {exc}") from None
+    return sock
+
+
 def sim_engine_command(
-    model: str, gpu_type: str, *extra: str, port: int | None = None
+    model: str, gpu_type: str, *extra: str, listener: socket.socket | None = None
 ) -> EngineCommand:
-    """The built-in simulated engine as a child, on ``port`` (default: a free loopback port)."""
+    """The built-in simulated engine as a child, serving on ``listener`` (default: a new socket
+    on a free loopback port), which it inherits as ``--fd``."""
     from fabricnode.simengine.model import GPU_PROFILES  # the profiles it can simulate
 
     if gpu_type not in GPU_PROFILES:
         raise ConfigError(
             f"--sim-gpu {gpu_type!r}: the simulated engine knows {', '.join(GPU_PROFILES)}"
         )
-    if port is None:
-        port = free_port()
+    if listener is None:
+        listener = bind_listener()
+    port = listener.getsockname()[1]
     argv: tuple[str, ...] = (sys.executable, "-m", "fabricnode.simengine", "--model", model)
-    argv += ("--port", str(port), "--gpu", gpu_type, *extra)
-    return EngineCommand(argv, "sim", model, (), f"http://{CONNECT_HOST}:{port}")
+    argv += ("--fd", str(listener.fileno()), "--gpu", gpu_type, *extra)
+    return EngineCommand(argv, "sim", model, (), f"http://{CONNECT_HOST}:{port}", listener)

@@ -76,6 +76,7 @@ class EngineProcess:
         log_path: Path | None = None,
         env: dict[str, str] | None = None,
         kill_after_s: float = 10.0,
+        pass_fds: Sequence[int] = (),
     ) -> None:
         if not argv:
             raise EngineError("empty engine command")
@@ -83,6 +84,7 @@ class EngineProcess:
         self.log_path = log_path
         self.env = env
         self.kill_after_s = kill_after_s
+        self.pass_fds = tuple(pass_fds)  # inherited by the child at the same numbers
         self._process: subprocess.Popen[bytes] | None = None
         self._stdout: trio.lowlevel.FdStream | None = None
         self._log_file: IO[bytes] | None = None
@@ -113,6 +115,7 @@ class EngineProcess:
                     start_new_session=True,
                     preexec_fn=_set_parent_death_signal,
                     env=self.env,
+                    pass_fds=self.pass_fds,
                 )
             except OSError as exc:
                 raise EngineError(f"cannot start engine {self.argv[0]!r}: {exc.strerror}") from exc

@@ -90,8 +90,12 @@ class EngineService:
         )
 
     def _new_process(self) -> EngineProcess:
+        listener = self.command.listener
         return EngineProcess(
-            self.command.argv, log_path=self.log_path, kill_after_s=self.kill_after_s
+            self.command.argv,
+            log_path=self.log_path,
+            kill_after_s=self.kill_after_s,
+            pass_fds=(listener.fileno(),) if listener is not None else (),
         )
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:

@@ -52,9 +52,9 @@ class EngineTemplate:
 
     def render(self, model: str, tp: int, dp: int, gpu_type: str = "") -> EngineCommand:
         """The command for one assignment, on a free loopback port."""
-        port = free_port()
         if self.simulated:
-            return _sim_command(model, gpu_type, port)
+            return _sim_command(model, gpu_type)
+        port = free_port()
         values = {
             "model": model,
             "model_path": self.model_paths.get(model, model),
@@ -116,9 +116,9 @@ def _model_paths(specs: Sequence[str]) -> dict[str, str]:
     return paths
 
 
-def _sim_command(model: str, gpu_type: str, port: int) -> EngineCommand:
+def _sim_command(model: str, gpu_type: str) -> EngineCommand:
     from fabricnode.simengine.model import GPU_PROFILES
 
     known = {name.lower(): name for name in GPU_PROFILES}
     profile = known.get(gpu_type.lower(), "H100")  # a type it cannot simulate: the default one
-    return sim_engine_command(model, profile, port=port)
+    return sim_engine_command(model, profile)

@@ -1,9 +1,10 @@
 """``python -m fabricnode.simengine --model NAME --port PORT ...``: run the simulated engine.
 
 Prints one line ``simengine ready url=http://HOST:PORT model=NAME gpu=GPU`` to stdout once it
-listens (port 0 picks a free port; the line tells which), and exits 0 on SIGTERM or SIGINT after
-in-flight requests finish (bounded by ``--shutdown-grace-s``). Bad flags: one line on stderr and
-exit status 2.
+listens (port 0 picks a free port; the line tells which; ``--fd N`` serves on a bound socket
+inherited from the agent, which holds the port across restarts), and exits 0 on SIGTERM or
+SIGINT after in-flight requests finish (bounded by ``--shutdown-grace-s``). Bad flags: one line
+on stderr and exit status 2.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
+import socket
 import sys
 
 import trio
@@ -32,6 +34,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="model id to serve")
     p.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="listen port; 0 picks a free one")
+    p.add_argument(
+        "--fd",
+        type=int,
+        default=None,
+        help="serve on this inherited bound socket instead of --host/--port (the agent's way)",
+    )
     p.add_argument(
         "--gpu", default="H100", help=f"GPU profile: {', '.join(GPU_PROFILES)} (default H100)"
     )
@@ -111,9 +119,23 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
     return SimConfig(engine, faults, shutdown_grace_s=args.shutdown_grace_s)
 
 
-async def run(config: SimConfig, host: str, port: int) -> None:
-    sock = bind_http_socket(host, port, "--port")
-    url = f"http://{join_hostport(host, sock.getsockname()[1])}"
+def listen_socket(host: str, port: int, fd: int | None) -> socket.socket:
+    """The socket to serve on: the inherited ``--fd``, else a new one on ``--host``/``--port``."""
+    if fd is None:
+        return bind_http_socket(host, port, "--port")
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError as exc:
+        raise ConfigError(f"--fd {fd}: not an inherited socket: {exc.strerror or exc}") from None
+    if sock.type != socket.SOCK_STREAM:
+        sock.detach()
+        raise ConfigError(f"--fd {fd}: not a TCP socket")
+    return sock
+
+
+async def run(config: SimConfig, sock: socket.socket) -> None:
+    host, port = sock.getsockname()[:2]
+    url = f"http://{join_hostport(host, port)}"
     shutdown = trio.Event()
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async with trio.open_nursery() as nursery:
@@ -144,7 +166,8 @@ def main(argv: list[str]) -> int:
     )
     try:
         config = config_from_args(args)
-        trio.run(run, config, args.host, args.port)
+        sock = listen_socket(args.host, args.port, args.fd)
+        trio.run(run, config, sock)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

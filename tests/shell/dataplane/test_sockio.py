@@ -10,7 +10,16 @@ import pytest
 import trio
 import trio.testing
 
-from fabricnode.dataplane.sockio import RECV_BYTES, LoopClock, Reactor, SocketClosed
+from fabricnode.dataplane.sockio import (
+    CLIENT_GONE,
+    RECV_BYTES,
+    LoopClock,
+    Reactor,
+    SocketClosed,
+    Watchdog,
+    Watched,
+    client_gone,
+)
 
 
 def test_bound_to_the_system_clock_it_reads_the_same_time_as_trio() -> None:
@@ -353,3 +362,53 @@ def test_batching_follows_how_many_requests_overlap() -> None:
         reactor.request_ended()
         seen.append(reactor.batching)
     assert seen == [False, False, False, True, True, True, True, True, False, False]
+
+
+# == clients that went away ==================================================================
+
+
+def accepted_pair() -> tuple[socket.socket, socket.socket]:
+    """(our accepted side, the peer's side), both blocking."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        client = socket.create_connection(listener.getsockname())
+        server, _ = listener.accept()
+    return server, client
+
+
+def test_client_gone_sees_a_close_or_a_reset_but_not_a_quiet_or_pipelining_client() -> None:
+    server, client = accepted_pair()
+    with server, client:
+        assert not client_gone(server)
+        client.sendall(b"GET / HTTP/1.1\r\n")  # a pipelined next request: still there
+        assert not client_gone(server)
+        assert server.recv(100)
+        client.close()
+        assert client_gone(server)
+    server, client = accepted_pair()
+    with server:
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+        client.close()  # RST
+        assert client_gone(server)
+
+
+async def test_the_watchdog_closes_an_exchange_whose_client_went_away() -> None:
+    reactor = Reactor()
+    watchdog = Watchdog(0.01, reactor)
+    upstream, engine = accepted_pair()
+    downstream, client = accepted_pair()
+    with upstream, engine, downstream:
+        reactor.register(upstream)
+        watch = Watched(upstream)
+        watch.client = downstream
+        watchdog.watched.add(watch)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(watchdog.run)
+            with trio.fail_after(5):
+                await trio.sleep(0.05)
+                assert not watch.expired, "a client that is still there is waited for"
+                client.close()
+                with pytest.raises((SocketClosed, trio.ClosedResourceError)):
+                    await reactor.recv_later(upstream)
+            nursery.cancel_scope.cancel()
+        assert watch.expired == CLIENT_GONE
+        assert engine.recv(1) == b"", "the engine side sees the upstream connection close"

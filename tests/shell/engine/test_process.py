@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -14,6 +15,7 @@ import httpx
 import pytest
 import trio
 
+from fabricnode.engine.command import sim_engine_command
 from fabricnode.engine.process import (
     EngineError,
     EngineProcess,
@@ -182,3 +184,24 @@ def test_models_are_parsed_leniently_from_openai_lists() -> None:
     ]
     assert parse_models({"data": "x"}) == []
     assert parse_models([]) == []
+
+
+async def test_a_restarted_simulated_engine_serves_again_on_the_port_the_agent_holds() -> None:
+    # The agent binds the engine's socket once and every child inherits it (--fd): between two
+    # children the port stays ours, and the second one serves at the same URL.
+    command = sim_engine_command("held-port", "H100")
+    assert command.listener is not None
+    fds = (command.listener.fileno(),)
+    async with httpx.AsyncClient() as client:
+        for _ in range(2):
+            engine = EngineProcess(command.argv, pass_fds=fds, kill_after_s=5)
+            async with trio.open_nursery() as nursery:
+                await nursery.start(engine.run)
+                with trio.fail_after(30):
+                    models = await wait_ready(command.url, client=client, exited=engine.exited)
+                assert [m.id for m in models] == ["held-port"]
+                await engine.stop()
+                nursery.cancel_scope.cancel()
+            with socket.socket() as other, pytest.raises(OSError):
+                other.bind(("127.0.0.1", int(command.url.rsplit(":", 1)[1])))
+    command.listener.close()

@@ -16,6 +16,8 @@ import re
 import socket
 import struct
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -505,6 +507,25 @@ def test_expect_continue_with_an_oversized_body_gets_413_without_sending_it(
         resp = reader.response()
         assert_openai_error(resp, 413, "request_too_large")
         assert reader.at_eof()
+
+
+@pytest.mark.parametrize("via", ["serve", "edge"])
+def test_a_client_still_uploading_a_64_mb_body_reads_the_413_answer(
+    agents: Agents, via: str
+) -> None:
+    """urllib sends the whole body before it reads: the agent must keep reading (and dropping)
+    after its early 413, or the client gets a reset instead of the answer (lingering close)."""
+    agent = agents.serve if via == "serve" else agents.edge
+    request = urllib.request.Request(
+        agent.http_url + CHAT_PATH,
+        data=b"x" * (64 * 1024 * 1024),
+        headers={"content-type": "application/json"},
+    )
+    with pytest.raises(urllib.error.HTTPError) as answer:
+        urllib.request.urlopen(request, timeout=30)
+    assert answer.value.code == 413
+    error = json.loads(answer.value.read())["error"]
+    assert error["code"] == "request_too_large" and error["type"] == "invalid_request_error"
 
 
 # == connection handling =====================================================================

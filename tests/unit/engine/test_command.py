@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 
 from fabricnode.engine.command import (
@@ -12,6 +14,7 @@ from fabricnode.engine.command import (
     detect_kind,
     inspect_engine_cmd,
     option_values,
+    sim_engine_command,
 )
 from fabricnode.errors import ConfigError
 
@@ -178,3 +181,17 @@ def test_bad_engine_url_is_a_config_error(url: str) -> None:
 def test_option_values_absent_is_none() -> None:
     assert option_values(["vllm", "serve", "m"], "--port") is None
     assert option_values(["--portx", "1"], "--port") is None
+
+
+def test_the_simulated_engine_command_holds_its_port_for_the_engine() -> None:
+    # Regression: the port used to be chosen by binding port 0 and releasing it, so another
+    # process could take it before the engine bound it, and every restart then failed.
+    command = sim_engine_command("m", "H100")
+    assert command.listener is not None
+    port = command.listener.getsockname()[1]
+    assert command.url == f"http://127.0.0.1:{port}"
+    fd = command.argv[command.argv.index("--fd") + 1]
+    assert fd == str(command.listener.fileno())
+    with socket.socket() as other, pytest.raises(OSError):
+        other.bind(("127.0.0.1", port))
+    command.listener.close()
