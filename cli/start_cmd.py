@@ -79,6 +79,13 @@ def start(
         str | None,
         typer.Option(metavar="TYPE[:N[:GB]]", help="Announce these GPUs instead of nvidia-smi's."),
     ] = None,
+    sim_args: Annotated[
+        str | None,
+        typer.Option(
+            metavar="FLAGS",
+            help="More flags for the simulated engine, e.g. '--slowdown 10 --seed 3'.",
+        ),
+    ] = None,
     provider_key: Annotated[
         str | None,
         typer.Option(
@@ -159,6 +166,7 @@ def start(
             engine_url=engine_url,
             sim=sim,
             sim_gpu=sim_gpu,
+            sim_args=sim_args,
             restart=restart,
             max_restarts=max_restarts,
             labels=label or (),

@@ -25,6 +25,7 @@ from __future__ import annotations
 import getpass
 import ipaddress
 import os
+import shlex
 import socket
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -149,6 +150,7 @@ def load_config(
     engine_url: str | None = None,
     sim: str | None = None,
     sim_gpu: str | None = None,
+    sim_args: str | None = None,
     engine_template: str | None = None,
     model_paths: Sequence[str] = (),
     trust_operators: Iterable[str] = (),
@@ -205,7 +207,7 @@ def load_config(
         log_path = log_dir / f"requests-{job_id}-{os.getpid()}.jsonl"
     else:
         log_path = Path(request_log).expanduser() if request_log else None
-    engine = _engine(engine_cmd, engine_url, sim, sim_gpu)
+    engine = _engine(engine_cmd, engine_url, sim, sim_gpu, sim_args)
     template = _engine_template(engine_template, model_paths, env, has_engine=engine is not None)
     operators = _trusted_operators(trust_operators, env)
     return AgentConfig(
@@ -310,16 +312,33 @@ def _join_addr(text: str, source: str) -> str:
     return join_hostport(host, port)
 
 
+# Flags the agent sets itself on the simulated engine it launches.
+_SIM_OWN_FLAGS = ("--model", "--host", "--port", "--fd", "--gpu")
+
+
 def _engine(
-    argv: Sequence[str], url: str | None, sim: str | None, sim_gpu: str | None
+    argv: Sequence[str],
+    url: str | None,
+    sim: str | None,
+    sim_gpu: str | None,
+    sim_args: str | None = None,
 ) -> EngineCommand | None:
     if sim and argv:
         raise ConfigError("give either --sim MODEL or an engine command after --, not both")
+    if sim_args and not sim:
+        raise ConfigError("--sim-args needs --sim MODEL")
     if argv:
         return inspect_engine_cmd(argv, url)
     if not sim:
         return None
-    return sim_engine_command(sim, (sim_gpu or "H100").split(":")[0])
+    try:
+        extra = shlex.split(sim_args or "")
+    except ValueError as exc:
+        raise ConfigError(f"--sim-args: {exc}") from None
+    for word in extra:
+        if word.split("=", 1)[0] in _SIM_OWN_FLAGS:
+            raise ConfigError(f"--sim-args: {word.split('=', 1)[0]} is set by the agent")
+    return sim_engine_command(sim, (sim_gpu or "H100").split(":")[0], *extra)
 
 
 def _engine_template(

@@ -85,6 +85,15 @@ from fabricnode.dataplane.request import (
     malformed_code,
     prompt_text,
 )
+from fabricnode.dataplane.resume import (
+    RESUME_HEADER,
+    Splicer,
+    Transcript,
+    TranscriptBudget,
+    continuation,
+    not_resumable,
+    read_delivered,
+)
 from fabricnode.dataplane.routetable import (
     CircuitBreaker,
     Origin,
@@ -115,6 +124,8 @@ ENDPOINTS = {
     b"/v1/embeddings": "embeddings",
 }
 RETRYABLE_STATUS = (502, 503, 504)
+# An attempt's outcome when its stream broke and a continuation is ready (``_prepare_resume``).
+RESUME = "resume"
 # Request headers passed on to the upstream (anything else stays at the ingress).
 FORWARDED_REQUEST_HEADERS = (b"accept", b"x-request-id", b"openai-organization")
 JSON = b"application/json"
@@ -173,6 +184,7 @@ class Ingress:
         self.settler = Settler(self.metrics, self.ledger, request_log, wall_clock, self.clock)
         self.pool = UpstreamPool(clock=self.clock, reactor=self.reactor)
         self.pool.while_waiting = self.settler.settle
+        self.transcripts = TranscriptBudget(cfg.resume_buffer_bytes)
         self.watchdog = Watchdog(cfg.watchdog_interval_s, self.reactor)
         self.watchdog.clock = self.clock
         self.forwards = ForwardVerifier(core.keyring, max_skew_s=cfg.forward_max_skew_s)
@@ -537,11 +549,12 @@ class Ingress:
         tried: set[str] = set()
         last_error = "no eligible node"
         deadline = job.started + cfg.retry_budget_s
+        limit = cfg.max_attempts  # raised when a stream is resumed: its own attempts and time
         policy = self.policy
         answered = False
         observed = -1  # candidates for the first attempt, observed when the request is done
         try:
-            while len(tried) < cfg.max_attempts:
+            while len(tried) < limit:
                 now = self.clock.now() if tried else job.started
                 if tried and now >= deadline:
                     break
@@ -575,14 +588,33 @@ class Ingress:
                     self.breaker.succeeded(pick)
                     answered = True
                     break
-                last_error = outcome
                 self.breaker.failed(pick, self.clock.now())
                 self.metrics.ejections.inc()
+                if outcome is RESUME:
+                    # The stream broke mid-answer and a continuation is ready: it gets attempts
+                    # and time of its own, on the nodes not tried yet.
+                    last_error = "no node left to try"
+                    routes = self.table.routes(job.model) or routes  # nodes that joined since
+                    limit = len(tried) + cfg.max_attempts
+                    deadline = self.clock.now() + cfg.retry_budget_s
+                    self.metrics.stream_resumes.labels("resumed").inc()
+                    log.info("stream from %s broke: continuing it on another node", pick[:8])
+                    continue
+                last_error = outcome
                 self.retries += 1
                 self.metrics.retries.labels(failure_reason(outcome)).inc()
                 log.info("attempt on %s failed before the first byte: %s", pick[:8], outcome)
             if answered:
                 keep = job.status != 0 and not job.close
+            elif job.splice is not None:
+                # A resumed stream no node could continue: the client holds an open stream,
+                # which ends well-formed with the error event.
+                self.metrics.stream_resumes.labels("failed").inc()
+                job.status = 502
+                await self._end_stream(
+                    conn, job, f"the serving node failed mid-stream: {last_error}"
+                )
+                keep = not job.close
             else:
                 job.status = 503
                 await self._send_error(
@@ -597,6 +629,9 @@ class Ingress:
             job.status = job.status or 499
             self._account(job, observed)
             raise
+        finally:
+            if job.transcript is not None:
+                job.transcript.release()
         self._account(job, observed)
         return keep and not conn.closing
 
@@ -774,12 +809,17 @@ class Ingress:
                 status = ex.status
                 if status in RETRYABLE_STATUS:
                     return f"node answered {status}"
+                if job.splice is not None:
+                    # A continuation: the client has its response head and part of the stream.
+                    if status != 200 or not ex.content_type.startswith(SSE):
+                        return f"continuation answered {status}"
+                    job.served_by = sid
+                    return await self._relay_body(conn, job, ex, sid, b"", True)
                 job.status = status
                 job.served_by = sid
                 head, chunked = self._response_head(conn, job, ex, sid)
                 if not ex.complete:
-                    await self._relay_body(conn, job, ex, sid, head, chunked)
-                    return None
+                    return await self._relay_body(conn, job, ex, sid, head, chunked)
                 # The whole response came with its head (any short JSON answer): one send, no
                 # coroutine for the body.
                 pieces = ex.take_pieces()
@@ -845,18 +885,26 @@ class Ingress:
 
     async def _relay_body(
         self, conn: ClientConn, job: Job, ex: Exchange, sid: str, head: bytes, chunked: bool
-    ) -> None:
-        """Relay a body that is still coming, piece by piece as it arrives."""
+    ) -> str | None:
+        """Relay a body that is still coming, piece by piece as it arrives. None when the
+        client got its answer; ``RESUME`` when the stream broke and a continuation is ready."""
         cfg = self.config
         sse = ex.content_type.startswith(SSE)
         pieces = ex.take_pieces()
         usage = StreamUsage() if sse else None
         collected: list[bytes] | None = None if sse else []
+        # What the client receives of a stream, kept (bounded) to resume it on another node.
+        transcript = job.transcript
+        if transcript is None and sse and chunked and job.stream and cfg.max_resumes > 0:
+            job.transcript = transcript = Transcript(self.transcripts)
+        splice = job.splice  # set when this is a continuation: its events are rewritten
         first = True
         idle_s = cfg.stream_idle_timeout_s
         while True:
+            if splice is not None:
+                pieces = splice.feed(pieces)
             if pieces:
-                if first and job.stream:
+                if first and job.stream and job.ttft_s is None:
                     job.ttft_s = self.clock.now() - job.started
                 first = False
                 out = frame(pieces, chunked)
@@ -876,6 +924,8 @@ class Ingress:
             if usage is not None:
                 for piece in pieces:
                     usage.feed(piece)
+                if transcript is not None:
+                    transcript.add(pieces)
             elif collected is not None:
                 collected.extend(pieces)
             if complete:
@@ -886,30 +936,68 @@ class Ingress:
                 self.broken_streams += 1
                 self.metrics.broken_streams.inc()
                 log.warning("response from %s broke mid-stream: %s", sid[:8], exc)
-                job.status = 502 if job.status < 400 else job.status
+                if job.kind == "forward":
+                    # We serve another ingress: break its stream too, so that the ingress that
+                    # holds the client resumes it elsewhere or ends it (it knows the client).
+                    job.close = True
+                    conn.closing = True
+                    return None
                 if sse and chunked:
+                    if transcript is not None and self._prepare_resume(job, transcript, sid):
+                        return RESUME
+                    job.status = 502 if job.status < 400 else job.status
                     # The client gets a complete, well-framed response (error event, last
                     # chunk): the connection stays usable, and the client may already have
                     # sent its next request on it.
-                    event = (
-                        b"data: "
-                        + error_body(
-                            502, f"the serving node failed mid-stream: {exc}", "upstream_broken"
-                        )
-                        + b"\n\n"
-                    )
-                    await client_send(conn, frame([event], True) + b"0\r\n\r\n", idle_s)
-                    return
+                    await self._end_stream(conn, job, f"the serving node failed mid-stream: {exc}")
+                    return None
+                job.status = 502 if job.status < 400 else job.status
                 # A body with a length (or no framing) cannot be ended early: close.
                 job.close = True
                 conn.closing = True
-                return
+                return None
             pieces = ex.take_pieces()
         if usage is not None:
             prompt, completion = usage.result()
+            if splice is not None and not usage.reported:
+                completion += splice.got.tokens  # counted events: the first node's too
             job.prompt_tokens, job.completion_tokens = prompt or 0, completion
         elif collected is not None:
             job.response = collected
+        return None
+
+    async def _end_stream(self, conn: ClientConn, job: Job, message: str) -> None:
+        """End a stream the client holds with the error event and the last chunk."""
+        event = b"data: " + error_body(502, message, "upstream_broken") + b"\n\n"
+        await client_send(
+            conn, frame([event], True) + b"0\r\n\r\n", self.config.stream_idle_timeout_s
+        )
+
+    def _prepare_resume(self, job: Job, transcript: Transcript, sid: str) -> bool:
+        """Make the continuation of a broken stream (``resume``): True if there is one."""
+        why = ""
+        if job.resumes >= self.config.max_resumes:
+            why = "resumed too often"
+        elif transcript.full:
+            why = "too long to keep"
+        else:
+            why = not_resumable(job.kind, job.doc, job.headers.get(RESUME_HEADER))
+        if not why and job.doc is not None:
+            got = read_delivered(transcript.pieces, job.kind)
+            if isinstance(got, str):
+                why = got
+            else:
+                body = continuation(job.kind, job.doc, got)
+                if isinstance(body, str):
+                    why = body
+                else:
+                    job.body = body
+                    job.splice = Splicer(got, job.kind)
+                    job.resumes += 1
+                    return True
+        self.metrics.stream_resumes.labels("not_resumable").inc()
+        log.info("stream from %s not resumed: %s", sid[:8], why)
+        return False
 
     # == forwarded requests (we are the serving node) ========================================
 

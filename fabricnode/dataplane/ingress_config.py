@@ -36,4 +36,8 @@ class IngressConfig:
     policy: str = routing.DEFAULT_POLICY
     # Timeouts, DOWN nodes and clients that went away are noticed within this (per hop).
     watchdog_interval_s: float = 0.25
+    # A stream whose node dies mid-answer continues on another node (dataplane/resume.py), at
+    # most this many times per request (0: never); the bytes kept to do so, across all streams.
+    max_resumes: int = 3
+    resume_buffer_bytes: int = 256 * 1024 * 1024
     forward_max_skew_s: float = 30.0

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from fabricnode.dataplane.apikeys import ApiKey
+from fabricnode.dataplane.resume import Splicer, Transcript
 
 
 class Job:
@@ -31,10 +32,13 @@ class Job:
         "prompt_tokens",
         "response",
         "response_sse",
+        "resumes",
         "served_by",
+        "splice",
         "started",
         "status",
         "stream",
+        "transcript",
         "ttft_s",
     )
 
@@ -73,3 +77,8 @@ class Job:
         # A whole response body whose usage is read at settling (None: nothing to read).
         self.response: list[bytes] | None = None
         self.response_sse = False
+        # A stream resumed on another node (``resume``): what the client received so far, the
+        # rewriter of the continuation's events (set while continuing), and how many resumes.
+        self.transcript: Transcript | None = None
+        self.splice: Splicer | None = None
+        self.resumes = 0

@@ -190,6 +190,13 @@ class IngressMetrics:
         self.broken_streams = Counter(
             "fabric_ingress_broken_streams", "Responses broken after the first byte", registry=r
         )
+        self.stream_resumes = Counter(
+            "fabric_ingress_stream_resumes",
+            "Streams broken mid-answer, by outcome: resumed on another node, not_resumable"
+            " (ended with the error event), or failed (no node could continue it)",
+            ["outcome"],
+            registry=r,
+        )
         self.client_disconnects = Counter(
             "fabric_ingress_client_disconnects",
             "Requests whose client went away before the answer ended (the upstream request"

@@ -417,8 +417,30 @@ class SimEngineApp:
             raise HttpError(
                 400, "'messages' must be a non-empty list", "invalid_parameter", "messages"
             )
-        prompt = tokenize(_render_chat(messages) + "\nassistant:")
-        await self._generate(request, send, prompt, chat=True)
+        # vLLM's and SGLang's continuation of a partial answer: the last message is the start of
+        # the assistant's answer, continued without a new generation prompt.
+        continuing = request.get("continue_final_message", False)
+        if continuing is not False and continuing is not True:
+            raise HttpError(400, "'continue_final_message' must be a boolean", "invalid_parameter")
+        if continuing:
+            if request.get("add_generation_prompt", True) is not False:
+                raise HttpError(
+                    400,
+                    "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                    "invalid_parameter",
+                )
+            last = messages[-1]
+            if not isinstance(last, dict) or last.get("role") != "assistant":
+                raise HttpError(
+                    400,
+                    "continue_final_message needs an assistant message last",
+                    "invalid_parameter",
+                    "messages",
+                )
+            prompt = tokenize(_render_chat(messages))
+        else:
+            prompt = tokenize(_render_chat(messages) + "\nassistant:")
+        await self._generate(request, send, prompt, chat=True, continuing=continuing)
 
     async def completions(self, request: Json, send: Send) -> None:
         self._check_model(request)
@@ -440,9 +462,14 @@ class SimEngineApp:
                 "invalid_parameter",
                 "prompt",
             )
-        await self._generate(request, send, prompt, chat=False)
+        # A prompt that is the start of an answer (a resumed stream) continues it mid-text.
+        await self._generate(request, send, prompt, chat=False, continuing=True)
 
-    async def _generate(self, request: Json, send: Send, prompt: list[int], *, chat: bool) -> None:
+    async def _generate(
+        self, request: Json, send: Send, prompt: list[int], *, chat: bool, continuing: bool
+    ) -> None:
+        """Generate for ``prompt``; ``continuing``: the answer goes on mid-text (no leading
+        whitespace is stripped from its first piece)."""
         stream, include_usage = self._stream_flags(request)
         max_tokens = self._max_tokens(request, len(prompt))
         rid, tokens = self._submit(prompt, max_tokens)
@@ -458,7 +485,7 @@ class SimEngineApp:
                     pieces.append(detokenize(event.token))
                     reason = event.finish_reason
                 finished = True
-                text = "".join(pieces).lstrip()
+                text = "".join(pieces) if continuing else "".join(pieces).lstrip()
                 choice: Json = {"index": 0, "logprobs": None, "finish_reason": reason}
                 if chat:
                     choice["message"] = {"role": "assistant", "content": text}
@@ -502,7 +529,7 @@ class SimEngineApp:
             if chat:
                 await emit([_chunk_choice(chat, "", None, role=True)])
             count = 0
-            first = True
+            first = not continuing
             async for event in tokens:
                 count += 1
                 piece = detokenize(event.token)

@@ -8,7 +8,7 @@ together with its start time, so a recycled pid is never mistaken for the proces
 from __future__ import annotations
 
 import os
-import sys
+import shlex
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -19,31 +19,16 @@ from typing import TypeVar
 import httpx
 
 from cli.localmesh import AgentProcess
-from tests.support.meshview import free_port
 
 R = TypeVar("R")
 
 
 def sim_engine_args(model: str, gpu: str, *extra: str) -> list[str]:
-    """``fabric start`` arguments that supervise a simulated engine with extra engine flags."""
-    port = free_port()
-    return [
-        "--sim-gpu",
-        gpu,
-        "--engine-url",
-        f"http://127.0.0.1:{port}",
-        "--",
-        sys.executable,
-        "-m",
-        "fabricnode.simengine",
-        "--model",
-        model,
-        "--port",
-        str(port),
-        "--gpu",
-        gpu,
-        *extra,
-    ]
+    """``fabric start`` arguments that supervise a simulated engine with extra engine flags (the
+    agent binds the engine's port itself: no port is chosen here that another process could take
+    before the engine binds it)."""
+    args = ["--sim", model, "--sim-gpu", gpu]
+    return [*args, "--sim-args", shlex.join(extra)] if extra else args
 
 
 def serving_count(ingress: AgentProcess, model: str) -> int:

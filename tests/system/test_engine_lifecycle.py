@@ -15,6 +15,7 @@ from cli.localmesh import AgentProcess, LocalMesh, wait_until
 from fabricnode.control.client import AdminClient
 from fabricnode.errors import AgentApiError
 from tests.support import SUPPORT
+from tests.support.meshload import engine_process
 from tests.support.meshview import entry, free_port, state_is
 
 pytestmark = pytest.mark.slow
@@ -113,15 +114,20 @@ def test_engine_that_never_starts_is_down_and_the_agent_survives(mesh: LocalMesh
     assert node.running
 
 
-def sim_engine_args(port: int, *faults: str) -> list[str]:
-    cmd = [sys.executable, "-m", "fabricnode.simengine", "--model", "sim-llama-8b"]
-    cmd += ["--port", str(port), "--gpu", "H100", *faults]
-    return ["--engine-url", f"http://127.0.0.1:{port}", "--", *cmd]
+def sim_args(*faults: str) -> list[str]:
+    """The built-in simulated engine with fault flags; the agent binds its port."""
+    return ["--sim", "sim-llama-8b", "--sim-gpu", "H100", "--sim-args", " ".join(faults)]
+
+
+def engine_url_of(watcher: AgentProcess, sid: str) -> str:
+    e = entry(watcher, sid)
+    assert e is not None and e["engine"]["url"], e
+    return str(e["engine"]["url"])
 
 
 def test_simulated_engine_crash_is_down_everywhere(mesh: LocalMesh) -> None:
     watcher = mesh.start("watcher")
-    node = mesh.start("engine", args=sim_engine_args(free_port(), "--crash-after-s", "2"))
+    node = mesh.start("engine", args=sim_args("--crash-after-s", "2"))
     sid = node.session_id
     assert wait_until(lambda: state_is(watcher, sid, "serving"), 20), entry(watcher, sid)
     e = entry(watcher, sid)
@@ -132,37 +138,28 @@ def test_simulated_engine_crash_is_down_everywhere(mesh: LocalMesh) -> None:
 
 def test_simulated_engine_hang_is_down_and_the_engine_is_stopped(mesh: LocalMesh) -> None:
     watcher = mesh.start("watcher")
-    port = free_port()
-    node = mesh.start("engine", args=sim_engine_args(port, "--hang-after-s", "2"))
+    node = mesh.start("engine", args=sim_args("--hang-after-s", "2"))
     sid = node.session_id
     assert wait_until(lambda: state_is(watcher, sid, "serving"), 20), entry(watcher, sid)
+    engine = engine_process(node)
+    assert engine is not None
     assert wait_until(lambda: state_is(watcher, sid, "down"), 20), entry(watcher, sid)
-
-    def engine_gone() -> bool:
-        try:
-            httpx.get(f"http://127.0.0.1:{port}/health", timeout=0.5)
-        except httpx.ConnectError:
-            return True
-        except httpx.HTTPError:
-            return False
-        return False
-
-    assert wait_until(engine_gone, 20), "hung engine still listening"
+    assert wait_until(lambda: not engine.running(), 20), "hung engine still running"
     assert node.running
 
 
 def test_sigterm_lets_in_flight_requests_finish_then_leaves(mesh: LocalMesh) -> None:
     watcher = mesh.start("watcher")
-    port = free_port()
-    node = mesh.start("engine", args=sim_engine_args(port, "--slowdown", "3"))
+    node = mesh.start("engine", args=sim_args("--slowdown", "3"))
     sid = node.session_id
     assert wait_until(lambda: state_is(watcher, sid, "serving"), 20), entry(watcher, sid)
+    url = engine_url_of(watcher, sid)
     result: dict[str, Any] = {}
     finished: list[float] = []
 
     def ask() -> None:
         body = {"model": "sim-llama-8b", "prompt": "hello there", "max_tokens": 200}
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60)
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
         result["status"] = r.status_code
         result["tokens"] = r.json()["usage"]["completion_tokens"]
         finished.append(time.monotonic())
@@ -184,9 +181,8 @@ def test_sigterm_lets_in_flight_requests_finish_then_leaves(mesh: LocalMesh) -> 
 
 def test_restarted_engine_is_a_new_serving_session_and_the_old_one_left(mesh: LocalMesh) -> None:
     watcher = mesh.start("watcher")
-    port = free_port()
     args = ["--restart", "on-failure", "--max-restarts", "1"]
-    node = mesh.start("engine", args=args + sim_engine_args(port, "--crash-after-s", "2"))
+    node = mesh.start("engine", args=args + sim_args("--crash-after-s", "2"))
     first = node.session_id
     assert wait_until(lambda: state_is(watcher, first, "serving"), 20), entry(watcher, first)
 

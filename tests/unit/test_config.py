@@ -8,6 +8,7 @@ import pytest
 
 from fabricnode.config import default_api_keys_path, load_config
 from fabricnode.engine.command import connect_host
+from fabricnode.errors import ConfigError
 
 
 def env_in(tmp_path: Path, **extra: str) -> dict[str, str]:
@@ -51,3 +52,28 @@ def test_a_wildcard_bind_is_never_advertised(tmp_path: Path, wildcard: str) -> N
 @pytest.mark.parametrize("wildcard", ["0.0.0.0", "::", "[::]", "*", ""])
 def test_an_engine_bound_to_a_wildcard_is_reached_on_loopback(wildcard: str) -> None:
     assert connect_host(wildcard) == "127.0.0.1"
+
+
+def test_sim_args_reach_the_simulated_engine_after_the_agents_own_flags(tmp_path: Path) -> None:
+    config = load_config(sim="m1", sim_args="--slowdown 10 --seed=3", env=env_in(tmp_path))
+    assert config.engine is not None and config.engine.listener is not None
+    argv = config.engine.argv
+    assert argv[-3:] == ("--slowdown", "10", "--seed=3")
+    assert argv[argv.index("--fd") + 1] == str(config.engine.listener.fileno())
+    config.engine.listener.close()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"sim_args": "--slowdown 2"}, "--sim-args needs --sim MODEL"),
+        ({"sim": "m1", "sim_args": "--port 9000"}, "--port is set by the agent"),
+        ({"sim": "m1", "sim_args": "--fd=7"}, "--fd is set by the agent"),
+        ({"sim": "m1", "sim_args": "--seed 'unclosed"}, "--sim-args: No closing quotation"),
+    ],
+)
+def test_bad_sim_args_are_one_config_error(
+    tmp_path: Path, kwargs: dict[str, str], message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(env=env_in(tmp_path), **kwargs)  # type: ignore[arg-type]
