@@ -60,3 +60,26 @@ async def client_send(conn: ClientConn, data: bytes, idle_s: float) -> None:
     sent = send_now(conn, data)
     if sent < len(data):
         await send_rest(conn, data, sent, idle_s)
+
+
+async def linger(conn: ClientConn, linger_s: float, max_bytes: int) -> None:
+    """After an early error answer (413 while the body still arrives), end our side and drop
+    what the client still sends, at most ``max_bytes`` for at most ``linger_s``, so that it can
+    finish sending and read our answer: closing on unread bytes would reset the connection.
+    The caller closes the socket afterwards."""
+    sock = conn.sock
+    try:
+        sock.shutdown(socket.SHUT_WR)  # the answer is whole: end our side now
+    except OSError:
+        return
+    conn.watch.deadline = trio.current_time() + linger_s + 1.0  # the watchdog as a backstop
+    left = max_bytes
+    with trio.move_on_after(linger_s):
+        try:
+            while left > 0:
+                data = await conn.reactor.recv_some(sock)
+                if not data:
+                    return
+                left -= len(data)
+        except (SocketClosed, OSError):
+            return

@@ -16,11 +16,12 @@ by the agent) through a small inline adapter (``asgi_call``), so one public port
 With ``--admin`` that app is also served on its own port by hypercorn.
 
 What is not here: the checks before routing and the header grammars (``request``), the client
-connection and its sends (``clientconn``), a request's record (``job``) and its bookkeeping
-once answered (``settle``). What stays, about 900 lines, is the shell that owns the per-request
-state of the hot path: the accept and connection loops, dispatch, hold, failover, the relay of
-an attempt and forwarded requests. Splitting those further would pass that state between
-modules on every request.
+connection, its sends and its lingering close (``clientconn``), a request's record (``job``),
+its bookkeeping once answered (``settle``) and what resuming a broken stream needs to know
+(``resume``). What stays, about 1,000 lines, is the shell that owns the per-request state of the
+hot path: the accept and connection loops, dispatch, hold, failover and resume, the relay of an
+attempt and forwarded requests. Splitting those further would pass that state between modules
+on every request, and every level of ``await`` between them costs twice per wait.
 
 Request outcomes (OpenAI error shape ``{"error": {"message", "type", "code"}}``):
 
@@ -31,9 +32,10 @@ Request outcomes (OpenAI error shape ``{"error": {"message", "type", "code"}}``)
   eligible node, or every attempt failed before the first byte (``Retry-After``).
 * Failover: a connection error, a timeout before the response head, or a 502/503/504 answer is
   retried on the next candidate, at most ``max_attempts`` nodes within ``retry_budget_s``; the
-  failed node is ejected by the circuit breaker. Once the first byte went to the client nothing
-  is retried: a broken SSE stream ends with a well-formed ``data: {"error": ...}`` event and the
-  terminating chunk; any other broken body closes the connection.
+  failed node is ejected by the circuit breaker. A stream that breaks after its first byte is
+  resumed on another node (``resume``) where that can be faithful; otherwise it ends with a
+  well-formed ``data: {"error": ...}`` event and the terminating chunk, and any other broken
+  body closes the connection. A client that goes away aborts its upstream request.
 * Served locally (this agent's own engine, chosen by the policy or asked by a verified
   forward): counted in ``local_inflight``, which the engine service publishes as the node's
   ``inflight`` load. While leaving, forwards are refused with 503 so the ingress fails over.
@@ -60,7 +62,14 @@ from fabricnode.dataplane.accounting import (
 )
 from fabricnode.dataplane.apikeys import ApiKeyStore, RateLimiter
 from fabricnode.dataplane.asgi_call import AsgiApp, call_asgi
-from fabricnode.dataplane.clientconn import ClientConn, ClientGone, client_send, send_now, send_rest
+from fabricnode.dataplane.clientconn import (
+    ClientConn,
+    ClientGone,
+    client_send,
+    linger,
+    send_now,
+    send_rest,
+)
 from fabricnode.dataplane.forward_auth import HEADER as FORWARD_HEADER
 from fabricnode.dataplane.forward_auth import ForwardRejected, ForwardVerifier, sign_forward
 from fabricnode.dataplane.http1 import (
@@ -87,12 +96,9 @@ from fabricnode.dataplane.request import (
 )
 from fabricnode.dataplane.resume import (
     RESUME_HEADER,
-    Splicer,
     Transcript,
     TranscriptBudget,
-    continuation,
-    not_resumable,
-    read_delivered,
+    plan_continuation,
 )
 from fabricnode.dataplane.routetable import (
     CircuitBreaker,
@@ -330,7 +336,7 @@ class Ingress:
                     self.metrics.malformed.labels(str(status)).inc()
                     code = malformed_code(status)
                     await self._send_error(conn, status, message, code, close=True)
-                    await self._linger(conn, watch)
+                    await linger(conn, cfg.linger_s, cfg.linger_max_bytes)
                     break
                 if parser.head_complete and not sent_continue:
                     pending = parser.pending
@@ -365,27 +371,6 @@ class Ingress:
             self._conns.discard(conn)
             self.connections -= 1
             reactor.close(sock)
-
-    async def _linger(self, conn: ClientConn, watch: Watched) -> None:
-        """After an early error answer, drop what the client still sends (bounded) so that it
-        can finish sending and read our answer, instead of a reset."""
-        cfg = self.config
-        sock = conn.sock
-        try:
-            sock.shutdown(socket.SHUT_WR)  # the answer is whole: end our side now
-        except OSError:
-            return
-        watch.deadline = self.clock.now() + cfg.linger_s + 1.0  # the watchdog as a backstop
-        left = cfg.linger_max_bytes
-        with trio.move_on_after(cfg.linger_s):
-            try:
-                while left > 0:
-                    data = await self.reactor.recv_some(sock)
-                    if not data:
-                        return
-                    left -= len(data)
-            except (SocketClosed, OSError):
-                return
 
     async def _send_error(
         self,
@@ -975,29 +960,20 @@ class Ingress:
 
     def _prepare_resume(self, job: Job, transcript: Transcript, sid: str) -> bool:
         """Make the continuation of a broken stream (``resume``): True if there is one."""
-        why = ""
-        if job.resumes >= self.config.max_resumes:
-            why = "resumed too often"
-        elif transcript.full:
-            why = "too long to keep"
-        else:
-            why = not_resumable(job.kind, job.doc, job.headers.get(RESUME_HEADER))
-        if not why and job.doc is not None:
-            got = read_delivered(transcript.pieces, job.kind)
-            if isinstance(got, str):
-                why = got
-            else:
-                body = continuation(job.kind, job.doc, got)
-                if isinstance(body, str):
-                    why = body
-                else:
-                    job.body = body
-                    job.splice = Splicer(got, job.kind)
-                    job.resumes += 1
-                    return True
-        self.metrics.stream_resumes.labels("not_resumable").inc()
-        log.info("stream from %s not resumed: %s", sid[:8], why)
-        return False
+        plan = plan_continuation(
+            job.kind,
+            job.doc,
+            job.headers.get(RESUME_HEADER),
+            transcript,
+            resumes_left=self.config.max_resumes - job.resumes,
+        )
+        if isinstance(plan, str):
+            self.metrics.stream_resumes.labels("not_resumable").inc()
+            log.info("stream from %s not resumed: %s", sid[:8], plan)
+            return False
+        job.body, job.splice = plan
+        job.resumes += 1
+        return True
 
     # == forwarded requests (we are the serving node) ========================================
 

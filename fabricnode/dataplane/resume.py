@@ -203,6 +203,32 @@ def _examine_choice(choice: Any, kind: str, text: list[str], got: Delivered) -> 
     return ""
 
 
+def plan_continuation(
+    kind: str,
+    doc: dict[str, Any] | None,
+    opt_out: bytes | None,
+    transcript: Transcript,
+    *,
+    resumes_left: int,
+) -> tuple[bytes, Splicer] | str:
+    """The continuation of a broken stream: its request body and the splicer of its events,
+    or why there is none."""
+    if resumes_left <= 0:
+        return "resumed too often"
+    if transcript.full:
+        return "too long to keep"
+    why = not_resumable(kind, doc, opt_out)
+    if why or doc is None:
+        return why or "no request"
+    got = read_delivered(transcript.pieces, kind)
+    if isinstance(got, str):
+        return got
+    body = continuation(kind, doc, got)
+    if isinstance(body, str):
+        return body
+    return body, Splicer(got, kind)
+
+
 def continuation(kind: str, doc: dict[str, Any], got: Delivered) -> bytes | str:
     """The request that continues the answer on another node (or why there is none)."""
     new = dict(doc)

@@ -10,6 +10,7 @@ script leaves in ``$FABRIC_VLLM_VENV.failed``.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -17,10 +18,12 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
 from cli.localmesh import LocalMesh, wait_until
+from fabricnode.dataplane.resume import Delivered, Splicer, continuation, read_delivered
 from tests.support import REPO, SUPPORT
 from tests.support.meshview import entry, free_port, state_is
 
@@ -132,6 +135,51 @@ def vllm_mesh(mesh: LocalMesh, tiny_model: Path) -> Iterator[LocalMesh]:
                 pass
 
 
+def check_a_resumed_stream_is_one_answer(url: str) -> None:
+    """What the ingress sends when a stream breaks (dataplane/resume.py) is a request vLLM takes:
+    the partial answer continued (continue_final_message), spliced into one answer."""
+    doc = {
+        "model": MODEL_NAME,
+        "messages": [{"role": "user", "content": "Count to twenty."}],
+        "max_tokens": 12,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=doc, timeout=60) as r:
+        assert r.status_code == 200
+        first = r.read()
+    held: list[bytes] = []  # what a client had read when the node died: 4 content events
+    contents = 0
+    for event in first.split(b"\n\n"):
+        if not event.startswith(b"data: {"):
+            continue
+        held.append(event + b"\n\n")
+        choices = json.loads(event[6:])["choices"]
+        contents += bool(choices and choices[0]["delta"].get("content"))
+        if contents == 4:
+            break
+    got = read_delivered(held, "chat")
+    assert isinstance(got, Delivered), got
+    body = continuation("chat", doc, got)
+    assert isinstance(body, bytes), body
+    headers = {"content-type": "application/json"}
+    with httpx.stream("POST", f"{url}/v1/chat/completions", content=body, headers=headers) as r:
+        assert r.status_code == 200, r.read()
+        rest = r.read()
+    spliced = b"".join(Splicer(got, "chat").feed([rest]))
+    events = [e[6:] for e in spliced.split(b"\n\n") if e.startswith(b"data: ")]
+    assert events[-1] == b"[DONE]"
+    docs = [json.loads(e) for e in events[:-1]]
+    assert {d["id"] for d in docs} == {got.ident}
+    assert not any(c["delta"].get("role") for d in docs for c in d["choices"])
+    usage = docs[-1]["usage"]
+    assert usage["completion_tokens"] == 12 and usage["prompt_tokens"] > 0
+    finals = [c["finish_reason"] for d in docs for c in d["choices"] if c["finish_reason"]]
+    assert finals == ["length"]
+
+
 def test_real_vllm_serves_reports_load_answers_and_leaves(
     vllm_mesh: LocalMesh, vllm_python: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -205,6 +253,7 @@ def test_real_vllm_serves_reports_load_answers_and_leaves(
     )
     chunks = [c for c in stream if c.choices]
     assert chunks and chunks[-1].choices[0].finish_reason in ("length", "stop")
+    check_a_resumed_stream_is_one_answer(url)
 
     engine_tree = descendants(node.pid)
     assert engine_processes(tiny_model) and engine_tree, "no vLLM process found while serving"
