@@ -55,6 +55,7 @@ from fabricnode.mesh.registry import (
 )
 from fabricnode.mesh.wire import (
     DEAD,
+    MAX_MESSAGES,
     SUSPECT,
     Accusation,
     Ack,
@@ -76,6 +77,9 @@ from fabricnode.mesh.wire import (
 )
 
 PACKET_ENVELOPE_BYTES = 64  # version, sender id, seq, timestamp and array headers
+# Messages in one reliable frame: half the decoder's per-packet limit (wire.MAX_MESSAGES), so a
+# frame stays well inside it and inside the stream byte limit (records are at most ~1 KiB).
+MAX_FRAME_MESSAGES = MAX_MESSAGES // 2
 
 
 @dataclass(frozen=True)
@@ -208,6 +212,7 @@ class MeshCore:
         self._next_load_at = now + cfg.load_refresh_s
         self.stats_dropped: dict[str, int] = {}
         self._spread = True
+        self._sender = ""  # the session that sent the packet being handled
         self.packets_in = self.packets_out = self.bytes_in = self.bytes_out = 0
         self.self_entry = body.sign(identity)
         self.registry.merge(self.self_entry, now)
@@ -318,6 +323,7 @@ class MeshCore:
         Used to pre-load state in simulations and tests without a network exchange.
         """
         self._spread = False
+        self._sender = self.self_id
         self._handle_packet(Packet(self.self_id, 0, int(now * 1000), tuple(messages)), now, None)
         self._spread = True
 
@@ -409,6 +415,7 @@ class MeshCore:
             self._drop(why)
             return
         self._spread = not stream
+        self._sender = packet.sender
         self._handle_packet(packet, now, source)
 
     def _handle_packet(self, packet: Packet, now: float, source: str | None) -> None:
@@ -451,7 +458,10 @@ class MeshCore:
             return
         if not outcome.changed:
             return
-        if self._spread or outcome == MergeOutcome.UPDATED:
+        # Over a stream, a record learned for the first time is not re-gossiped (module
+        # docstring) unless its owner sent it: a joining node's bootstrap sync carries its own
+        # entry, which the seed is the first to hear and must pass on.
+        if self._spread or outcome == MergeOutcome.UPDATED or sid == self._sender:
             self.broadcasts.put(("entry", sid), EntryMsg(entry))
         if entry.body.state == State.LEFT:
             self.members.mark_left(sid, now)
@@ -864,6 +874,13 @@ class MeshCore:
         reliable: bool = False,
         piggyback: bool = False,
     ) -> None:
+        if reliable and len(messages) > MAX_FRAME_MESSAGES:
+            # A state transfer to a newcomer holds about two records per member: split it into
+            # frames the receiver's decoder accepts (wire.MAX_MESSAGES per packet). Order across
+            # frames does not matter: every record is a CRDT merge, the want list is a request.
+            for i in range(0, len(messages), MAX_FRAME_MESSAGES):
+                self._send(addr, messages[i : i + MAX_FRAME_MESSAGES], now, reliable=True)
+            return
         msgs = list(messages)
         if piggyback:
             used = sum(len(b) for b in encode_messages(msgs))

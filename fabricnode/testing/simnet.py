@@ -70,7 +70,8 @@ class SimNetwork:
         self.rng = random.Random(self.seed)
         self.nodes: dict[str, SimNode] = {}
         self.by_sid: dict[str, SimNode] = {}
-        self._heap: list[tuple[float, int, str, str, bytes | None]] = []  # t, seq, kind, dst
+        # t, seq, kind, dst, (data, sender's address for a datagram)
+        self._heap: list[tuple[float, int, str, str, tuple[bytes | None, str | None]]] = []
         self._seq = 0
         self._groups: dict[str, int] | None = None
         self.delivered = 0
@@ -118,9 +119,11 @@ class SimNetwork:
 
     # -- event loop ---------------------------------------------------------------------------
 
-    def _push(self, t: float, kind: str, addr: str, data: bytes | None = None) -> None:
+    def _push(
+        self, t: float, kind: str, addr: str, data: bytes | None = None, src: str | None = None
+    ) -> None:
         self._seq += 1
-        heapq.heappush(self._heap, (t, self._seq, kind, addr, data))
+        heapq.heappush(self._heap, (t, self._seq, kind, addr, (data, src)))
 
     def _flush(self, node: SimNode) -> None:
         for out in node.core.take_outbound():
@@ -140,14 +143,14 @@ class SimNetwork:
         if self.rng.random() < self.loss:
             self.dropped += 1
             return
-        self._push(self.now + self.rng.uniform(*self.delay_s), "recv", dst, data)
+        self._push(self.now + self.rng.uniform(*self.delay_s), "recv", dst, data, src)
         if self.duplicate and self.rng.random() < self.duplicate:
-            self._push(self.now + self.rng.uniform(*self.delay_s), "recv", dst, data)
+            self._push(self.now + self.rng.uniform(*self.delay_s), "recv", dst, data, src)
 
     def run_until(self, t: float) -> None:
         """Advance virtual time to ``t``, delivering packets and running timers on the way."""
         while self._heap and self._heap[0][0] <= t:
-            when, _, kind, addr, data = heapq.heappop(self._heap)
+            when, _, kind, addr, (data, src) = heapq.heappop(self._heap)
             self.now = when
             node = self.nodes.get(addr)
             if node is None or node.crashed:
@@ -160,7 +163,8 @@ class SimNetwork:
             else:
                 assert data is not None
                 self.delivered += 1
-                node.core.receive(data, self.wall, None, stream=kind == "stream")
+                # As on real sockets: a datagram shows its sender's address, a stream does not.
+                node.core.receive(data, self.wall, src, stream=kind == "stream")
             self._flush(node)
         self.now = max(self.now, t)
 

@@ -178,3 +178,25 @@ def test_new_session_retires_the_old_one_as_left_without_a_false_death() -> None
         assert n.core.liveness(old) == Liveness.LEFT
         assert n.core.liveness(fresh.session_id) == Liveness.ALIVE
     assert deaths == [], (old, fresh.session_id, deaths)
+
+
+def test_a_newcomer_to_a_mesh_larger_than_one_packet_receives_the_whole_state() -> None:
+    """Regression: a seed answers a newcomer's sync with about two records per member. Past
+    ~2,000 members that is more messages than one packet may hold (wire.MAX_MESSAGES), and the
+    newcomer used to drop the whole reply and stay isolated, its own entry never spread."""
+    members = 2100
+    net = SimNetwork(seed=11)
+    nodes = [net.add_node(i, start=False) for i in range(members)]
+    seed = nodes[0]
+    # Only the seed holds the formed mesh's state (the others stay silent): what the newcomer
+    # learns, it learns from the seed's reply.
+    seed.core.ingest([r for n in nodes for r in n.core.own_records()], net.wall)
+    seed.core.take_outbound()
+    for n in nodes[1:]:
+        del net.nodes[n.addr]
+    newcomer = net.add_node(members, seeds=[seed.addr])
+    net.run_for(3)
+    assert newcomer.core.stats_dropped.get("DecodeError", 0) == 0, newcomer.core.stats_dropped
+    assert len(newcomer.core.registry.session_ids()) == members + 1
+    assert newcomer.core.liveness(seed.core.self_id) == Liveness.ALIVE
+    assert newcomer.core.self_id in seed.core.registry.session_ids()
