@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -64,17 +63,6 @@ def start_mesh(local: LocalMesh, servers: int) -> Mesh:
     nodes = [local.start(f"s{i}", args=SLOW) for i in range(servers)]
     assert wait_until(lambda: models_listed(ingress) == servers, 30), "not every node serves"
     return Mesh(local, ingress, nodes)
-
-
-@pytest.fixture
-def local(tmp_path: Any) -> Iterator[LocalMesh]:
-    mesh = LocalMesh(tmp_path / "mesh")
-    try:
-        yield mesh
-    finally:
-        mesh.close()
-        for agent in mesh.agents:
-            print(f"--- {agent.name} ---\n{agent.stderr_tail(12)}")
 
 
 def unbroken_prompt_tokens(mesh: Mesh) -> int:
@@ -129,35 +117,35 @@ def assert_one_whole_answer(chunks: list[Any], prompt_tokens: int) -> None:
     assert usage.total_tokens == prompt_tokens + TOKENS
 
 
-def test_a_stream_whose_node_is_killed_continues_on_another_node(local: LocalMesh) -> None:
-    mesh = start_mesh(local, 2)
-    prompt_tokens = unbroken_prompt_tokens(mesh)
+def test_a_stream_whose_node_is_killed_continues_on_another_node(mesh: LocalMesh) -> None:
+    fab = start_mesh(mesh, 2)
+    prompt_tokens = unbroken_prompt_tokens(fab)
     killed: list[str] = []
 
     def kill(sid: str) -> None:
         killed.append(sid)
-        mesh.by_session(sid).kill()
+        fab.by_session(sid).kill()
 
-    chunks = read_with_a_kill(mesh, kill)
+    chunks = read_with_a_kill(fab, kill)
     assert killed, "the stream ended before the kill"
     assert_one_whole_answer(chunks, prompt_tokens)
-    assert mesh.resumes("resumed") == 1 and mesh.resumes("failed") == 0
+    assert fab.resumes("resumed") == 1 and fab.resumes("failed") == 0
 
 
 def test_the_wire_format_of_a_resumed_stream_is_one_terminated_sse_response(
-    local: LocalMesh,
+    mesh: LocalMesh,
 ) -> None:
-    mesh = start_mesh(local, 2)
+    fab = start_mesh(mesh, 2)
     body = {"model": MODEL, "messages": MESSAGES, "max_tokens": TOKENS, "stream": True}
     events: list[str] = []
-    with httpx.stream("POST", mesh.ingress.http_url + "/v1/chat/completions", json=body) as r:
+    with httpx.stream("POST", fab.ingress.http_url + "/v1/chat/completions", json=body) as r:
         assert r.status_code == 200
         for line in r.iter_lines():  # httpx raises if the chunked body is not terminated
             if not line.startswith("data: "):
                 continue
             events.append(line[6:])
             if len(events) == KILL_AFTER:
-                mesh.by_session(r.headers["x-fabric-node"]).kill()
+                fab.by_session(r.headers["x-fabric-node"]).kill()
     assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
     docs = [json.loads(e) for e in events[:-1]]
     assert not any("error" in d for d in docs)
@@ -166,41 +154,41 @@ def test_the_wire_format_of_a_resumed_stream_is_one_terminated_sse_response(
 
 
 def test_a_stream_whose_engine_dies_under_its_own_ingress_continues_elsewhere(
-    local: LocalMesh,
+    mesh: LocalMesh,
 ) -> None:
     """One hop: the client talks to the serving node itself, the only one at first; once the
     answer is under way a second node joins, and the first node's engine (not its agent) dies."""
-    entry_node = local.start("s0", args=[*SLOW[:-1], "--slowdown 40"])
+    entry_node = mesh.start("s0", args=[*SLOW[:-1], "--slowdown 40"])
     assert wait_until(lambda: models_listed(entry_node) == 1, 30)
-    mesh = Mesh(local, entry_node, [entry_node])
-    prompt_tokens = unbroken_prompt_tokens(mesh)
+    fab = Mesh(mesh, entry_node, [entry_node])
+    prompt_tokens = unbroken_prompt_tokens(fab)
 
     def second_node_then_kill_engine(sid: str) -> None:
         assert sid == entry_node.session_id
-        mesh.servers.append(local.start("s1", args=SLOW))
+        fab.servers.append(mesh.start("s1", args=SLOW))
         assert wait_until(lambda: models_listed(entry_node) == 2, 30)
         engine = engine_process(entry_node)
         assert engine is not None
         os.kill(engine.pid, signal.SIGKILL)
 
-    chunks = read_with_a_kill(mesh, second_node_then_kill_engine, entry_node)
+    chunks = read_with_a_kill(fab, second_node_then_kill_engine, entry_node)
     assert_one_whole_answer(chunks, prompt_tokens)
-    assert mesh.resumes("resumed", entry_node) == 1
+    assert fab.resumes("resumed", entry_node) == 1
 
 
-def test_without_another_node_the_stream_ends_with_the_error_event(local: LocalMesh) -> None:
-    mesh = start_mesh(local, 1)
+def test_without_another_node_the_stream_ends_with_the_error_event(mesh: LocalMesh) -> None:
+    fab = start_mesh(mesh, 1)
     with pytest.raises(openai.APIError) as raised:
-        read_with_a_kill(mesh, lambda sid: mesh.by_session(sid).kill())
+        read_with_a_kill(fab, lambda sid: fab.by_session(sid).kill())
     assert isinstance(raised.value.body, dict) and raised.value.body["code"] == "upstream_broken"
-    assert wait_until(lambda: mesh.resumes("failed") == 1, 5)
+    assert wait_until(lambda: fab.resumes("failed") == 1, 5)
 
 
-def test_a_client_can_turn_resuming_off(local: LocalMesh) -> None:
-    mesh = start_mesh(local, 2)
+def test_a_client_can_turn_resuming_off(mesh: LocalMesh) -> None:
+    fab = start_mesh(mesh, 2)
     with pytest.raises(openai.APIError) as raised:
         read_with_a_kill(
-            mesh, lambda sid: mesh.by_session(sid).kill(), headers={"X-Fabric-Resume": "off"}
+            fab, lambda sid: fab.by_session(sid).kill(), headers={"X-Fabric-Resume": "off"}
         )
     assert isinstance(raised.value.body, dict) and raised.value.body["code"] == "upstream_broken"
-    assert mesh.resumes("not_resumable") == 1 and mesh.resumes("resumed") == 0
+    assert fab.resumes("not_resumable") == 1 and fab.resumes("resumed") == 0
