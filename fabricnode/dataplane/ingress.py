@@ -356,8 +356,8 @@ class Ingress:
                 if data is None:
                     data = await reactor.recv_some(sock)
                 if not data:
-                    break  # the client closed (or half-closed: we cannot answer a request it
-                    # did not finish sending; a complete one was already queued and answered)
+                    break  # the client closed or half-closed (the same FIN: a hang-up; a
+                    # request it did not finish sending cannot be answered anyway)
                 was_mid = parser.mid_request
                 parser.feed(data)
                 if not was_mid and parser.mid_request and not parser.ready:

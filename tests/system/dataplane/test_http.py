@@ -551,18 +551,19 @@ def test_pipelined_requests_get_their_answers_in_order(agents: Agents) -> None:
     assert answers[4].status == 200  # and the server closed after it, as asked
 
 
-def test_half_closed_client_still_gets_its_answers(agents: Agents) -> None:
-    with connect(agents.edge) as sock:
-        sock.sendall(
-            http_request("POST", CHAT_PATH, chat_body(max_tokens=2))
-            + http_request("POST", CHAT_PATH, chat_body(max_tokens=2, stream=True))
-        )
+@pytest.mark.parametrize("via", ["serve", "edge"])
+def test_a_half_closed_client_counts_as_gone_and_its_request_is_aborted(
+    agents: Agents, via: str
+) -> None:
+    """Closing the sending side looks exactly like hanging up (a FIN either way), and nginx,
+    uvicorn and the engines treat it so: the generation stops and the connection closes."""
+    agent = agents.serve if via == "serve" else agents.edge
+    with connect(agent) as sock:
+        sock.sendall(http_request("POST", CHAT_PATH, chat_body(max_tokens=4000)))
         sock.shutdown(socket.SHUT_WR)
-        reader = Reader(sock)
-        first, second = reader.response(), reader.response()
-        assert first.status == 200 and first.json()["choices"]
-        assert second.status == 200 and sse_events(second.body)[-1] == "[DONE]"
-        assert reader.at_eof()
+        started = time.monotonic()
+        assert Reader(sock).at_eof(), "a long answer was sent to a client that hung up"
+        assert time.monotonic() - started < 5.0
 
 
 def test_half_closed_client_with_an_unfinished_request_is_closed_at_once(
@@ -764,6 +765,10 @@ def test_mutated_request_streams_get_well_formed_answers(agents: Agents, data: b
                     assert resp.status in (100, 200), resp
         except ConnectionResetError:
             pass  # the server answered an error and closed before reading all we sent
+        except EOFError:
+            # Our half-close is a hang-up: an answer still being generated when the agent's
+            # watchdog sees it is aborted, and its connection closes mid-body.
+            pass
     assert agents.edge.running
 
 
