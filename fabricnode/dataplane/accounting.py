@@ -102,6 +102,11 @@ _ERROR = re.compile(rb'^\s*\{\s*"error"\s*:')
 MAX_LINE_BYTES = 1 << 20
 
 
+def sse_data(line: bytes) -> bytes:
+    """The value of an SSE ``data:`` line (one leading space dropped, as the SSE format says)."""
+    return line[6:] if line[5:6] == b" " else line[5:]
+
+
 class StreamUsage:
     """Token usage of one streamed response, from its SSE bytes (fed in any split)."""
 
@@ -163,7 +168,7 @@ class StreamUsage:
                 self._dispatch(self._data[0] if len(self._data) == 1 else b"\n".join(self._data))
                 self._data = []
         elif line.startswith(b"data:"):
-            self._data.append(line[6:] if line[5:6] == b" " else line[5:])
+            self._data.append(sse_data(line))
         # other fields (event:, id:, retry:) and comments (":") carry no usage
 
     def _dispatch(self, data: bytes) -> None:
@@ -186,7 +191,7 @@ class StreamUsage:
         if tail.endswith(b"\r"):
             tail = tail[:-1]
         if tail.startswith(b"data:") and not self._overlong:
-            data.append(tail[6:] if tail[5:6] == b" " else tail[5:])
+            data.append(sse_data(tail))
         if not data:
             return None
         joined = b"\n".join(data)

@@ -596,9 +596,7 @@ class Ingress:
                 # which ends well-formed with the error event.
                 self.metrics.stream_resumes.labels("failed").inc()
                 job.status = 502
-                await self._end_stream(
-                    conn, job, f"the serving node failed mid-stream: {last_error}"
-                )
+                await self._end_stream(conn, f"the serving node failed mid-stream: {last_error}")
                 keep = not job.close
             else:
                 job.status = 503
@@ -934,7 +932,7 @@ class Ingress:
                     # The client gets a complete, well-framed response (error event, last
                     # chunk): the connection stays usable, and the client may already have
                     # sent its next request on it.
-                    await self._end_stream(conn, job, f"the serving node failed mid-stream: {exc}")
+                    await self._end_stream(conn, f"the serving node failed mid-stream: {exc}")
                     return None
                 job.status = 502 if job.status < 400 else job.status
                 # A body with a length (or no framing) cannot be ended early: close.
@@ -951,7 +949,7 @@ class Ingress:
             job.response = collected
         return None
 
-    async def _end_stream(self, conn: ClientConn, job: Job, message: str) -> None:
+    async def _end_stream(self, conn: ClientConn, message: str) -> None:
         """End a stream the client holds with the error event and the last chunk."""
         event = b"data: " + error_body(502, message, "upstream_broken") + b"\n\n"
         await client_send(

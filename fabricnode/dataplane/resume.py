@@ -31,6 +31,8 @@ from typing import Any
 
 import orjson
 
+from fabricnode.dataplane.accounting import sse_data
+
 RESUME_HEADER = b"x-fabric-resume"  # "off": end a broken stream with the error event instead
 MAX_TRANSCRIPT_BYTES = 4 * 1024 * 1024  # per stream; a longer stream is not resumed
 
@@ -171,7 +173,7 @@ def _payload(event: bytes) -> bytes | None:
     lines = [line for line in event.split(b"\n") if line.startswith(b"data:")]
     if not lines:
         return None
-    parts = [line[6:] if line[5:6] == b" " else line[5:] for line in lines]
+    parts = [sse_data(line) for line in lines]
     return parts[0] if len(parts) == 1 else b"\n".join(parts)
 
 
