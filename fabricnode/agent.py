@@ -286,12 +286,19 @@ class Agent:
                 return None
             return engine.command.url
 
+        def local_engine_up() -> bool:
+            # Not ``serving_engine_url``: a leaving agent takes no new requests but its
+            # engine finishes the ones it accepted.
+            engine = self.engine
+            return engine is not None and engine.state == "serving"
+
         request_log = RequestLog(cfg.request_log_path) if cfg.request_log_path else None
         ingress = Ingress(
             core,
             config=cfg.ingress,
             wall_clock=self.wall_clock,
             serving_engine_url=serving_engine_url,
+            local_engine_up=local_engine_up,
             api_keys=self.api_keys,
             request_log=request_log,
         )

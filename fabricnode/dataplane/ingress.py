@@ -161,6 +161,7 @@ class Ingress:
         config: IngressConfig | None = None,
         wall_clock: Callable[[], float],
         serving_engine_url: Callable[[], str | None] = lambda: None,
+        local_engine_up: Callable[[], bool] = lambda: True,
         control_app: AsgiApp | None = None,
         api_keys: ApiKeyStore | None = None,
         request_log: RequestLog | None = None,
@@ -171,6 +172,11 @@ class Ingress:
         self.wall_clock = wall_clock
         # Our own engine's URL while it is serving (None otherwise): one call per request.
         self.serving_engine_url = serving_engine_url
+        # Whether the engine a local relay went to still runs, checked while the relay waits
+        # for the response head: the engine's listening socket outlives the engine (the agent
+        # holds it for the next one), so a request sent as the engine died waits in the
+        # socket's queue rather than failing, and would wait ``first_byte_timeout_s``.
+        self.local_engine_up = local_engine_up
         self.control_app = control_app
         self.api_keys = api_keys
         self.rate_limiter = RateLimiter()
@@ -690,7 +696,9 @@ class Ingress:
             if origin is None:
                 return "local engine URL has no HOST:PORT"
             request = self._upstream_request(job, origin, forward=None)
-            return self._relay(conn, job, origin, request, sid, None, now, local=True)
+            return self._relay(
+                conn, job, origin, request, sid, self.local_engine_up, now, local=True
+            )
         forward = sign_forward(
             self.core.keyring,
             sender=self.core.self_id,
@@ -1008,7 +1016,14 @@ class Ingress:
         job = Job("forward", "", False, req.body, path, req.headers, None, started)
         request = self._upstream_request(job, origin, forward=None)
         outcome = await self._relay(
-            conn, job, origin, request, self.core.self_id, None, started, local=True
+            conn,
+            job,
+            origin,
+            request,
+            self.core.self_id,
+            self.local_engine_up,
+            started,
+            local=True,
         )
         if outcome is not None:
             # Our own engine failed before answering: tell the ingress to fail over.

@@ -254,7 +254,7 @@ class Exchange:
                         expired = watch.expired
                         if expired == CLIENT_GONE:
                             raise ClientGone from None
-                        why = "no response" if expired == "timeout" else "node no longer eligible"
+                        why = "no response" if expired == "timeout" else "node or engine went down"
                         raise UpstreamError(why, timeout=expired == "timeout") from None
                     if reused:
                         raise _Stale from None

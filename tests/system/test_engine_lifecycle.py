@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -145,6 +146,29 @@ def test_simulated_engine_hang_is_down_and_the_engine_is_stopped(mesh: LocalMesh
     assert engine is not None
     assert wait_until(lambda: state_is(watcher, sid, "down"), 20), entry(watcher, sid)
     assert wait_until(lambda: not engine.running(), 20), "hung engine still running"
+    assert node.running
+
+
+def test_request_queued_at_a_hung_engine_gets_an_answer_once_it_is_down(mesh: LocalMesh) -> None:
+    """The agent holds its engine's listening socket (for the next engine), so the kernel keeps
+    queueing connections while no engine accepts them: a request that reached the socket as the
+    engine hung must be given up when the engine goes DOWN, not wait out the first-byte timeout
+    (30 minutes) in the queue."""
+    node = mesh.start("engine", args=sim_args())  # --restart no: no engine takes over
+    sid = node.session_id
+    assert wait_until(lambda: state_is(node, sid, "serving"), 20), entry(node, sid)
+    engine = engine_process(node)
+    assert engine is not None
+    os.kill(engine.pid, signal.SIGSTOP)  # hung: accepts nothing, answers nothing
+    body = {"model": "sim-llama-8b", "prompt": "hello", "max_tokens": 4}
+    try:
+        r = httpx.post(f"{node.http_url}/v1/completions", json=body, timeout=30)
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # stopped by the agent by now
+            os.kill(engine.pid, signal.SIGCONT)
+    assert r.status_code == 503, r.text
+    assert r.json()["error"]["code"] == "no_eligible_node"
+    assert state_is(node, sid, "down")
     assert node.running
 
 
