@@ -491,6 +491,11 @@ def run_agent(config: AgentConfig, *, out: TextIO | None = None) -> int:
         error = _first_fabric_error(group)
         if error is not None:
             raise error from None
+        # A bug: the operator needs the whole traceback in the agent's log, not one line.
+        log.critical("the agent failed on an unexpected error", exc_info=group)
+        raise
+    except Exception:
+        log.critical("the agent failed on an unexpected error", exc_info=True)
         raise
     return 0
 
