@@ -26,6 +26,10 @@ Rules (theory of operation):
 
 ``ResponseParser`` is the client side, used on pooled upstream connections: it reports the
 status and headers, passes decoded body pieces to a callback, and says when the message ended.
+It holds upstream responses to the same kind of limits (head size and header count), consumes
+interim 1xx responses, and refuses protocol switches: what a node or engine sends cannot make
+an agent buffer without bound, relay a 1xx as the answer, or leave a pooled connection out of
+step with its responses.
 """
 
 from __future__ import annotations
@@ -259,10 +263,23 @@ def _parser_message(exc: Exception) -> str:
     return text[:120]
 
 
+# Upstream responses are held to limits like client requests: a node or engine must not be able
+# to make an agent buffer without bound or desynchronise a pooled connection.
+MAX_RESPONSE_HEAD_BYTES = 32 * 1024
+MAX_RESPONSE_HEADERS = 100
+MAX_INTERIM_RESPONSES = 8  # 1xx before the final answer (100 Continue, 103 Early Hints)
+BODILESS_STATUS = frozenset((204, 304))  # never a body, whatever the headers say
+
+
 class ResponseParser:
     """Client side of a pooled upstream connection: one response at a time.
 
     ``on_body`` receives decoded body pieces (chunked framing removed) as they are parsed.
+    Interim 1xx responses are consumed and never reported (the final response follows on the
+    same connection; relaying a 1xx as the answer would leave the real one unread for the next
+    request on the pooled connection). ``101 Switching Protocols``, a head over
+    ``MAX_RESPONSE_HEAD_BYTES`` or ``MAX_RESPONSE_HEADERS``, and framing llhttp rejects (both
+    Content-Length and Transfer-Encoding, a body after 204) raise ``httptools.HttpParserError``.
     """
 
     def __init__(self, on_body: Callable[[bytes], None] | None = None) -> None:
@@ -286,24 +303,59 @@ class ResponseParser:
         # The header lines a proxy passes on (all but HOP_RESPONSE_HEADERS), ready to write.
         self.end_to_end = b""
         self.messages = 0
+        self._head_bytes = 0  # fed while no final head was complete (interim ones included)
+        self._interim = False  # the message being parsed is a 1xx
+        self.interim_responses = 0
+        self._refused = ""  # why a callback stopped the parser (raised as the error message)
 
     @property
     def reusable(self) -> bool:
         """Exactly one response parsed, whole, on a connection that stays open."""
         return self.complete and self.keep_alive and self.messages == 1
 
+    @property
+    def bodiless(self) -> bool:
+        """A final status that never has a body (204, 304): relayed without framing."""
+        return self.status in BODILESS_STATUS
+
     def feed(self, data: bytes) -> None:
-        """Raises ``httptools.HttpParserError`` on a malformed response."""
-        self._parser.feed_data(data)
+        """Raises ``httptools.HttpParserError`` on a malformed or refused response."""
+        if self.head_complete:
+            self._parser.feed_data(data)
+            return
+        self._head_bytes += len(data)
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            raise httptools.HttpParserError("101 Switching Protocols: refused") from None
+        except httptools.HttpParserError:
+            if self._refused:
+                raise httptools.HttpParserError(self._refused) from None
+            raise
+        if not self.head_complete and self._head_bytes > MAX_RESPONSE_HEAD_BYTES:
+            raise httptools.HttpParserError(
+                f"response head over {MAX_RESPONSE_HEAD_BYTES} bytes: refused"
+            )
 
     def on_message_begin(self) -> None:
         self.messages += 1
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers.append((name, value))
+        headers = self.headers
+        if len(headers) >= MAX_RESPONSE_HEADERS:
+            self._refused = f"over {MAX_RESPONSE_HEADERS} response headers: refused"
+            raise ValueError(self._refused)  # stops llhttp; ``feed`` raises the message
+        headers.append((name, value))
 
     def on_headers_complete(self) -> None:
-        self.status = self._parser.get_status_code()
+        status = self._parser.get_status_code()
+        if status < 200:
+            # 101 stops the parser (HttpParserUpgrade, or llhttp's pause without an Upgrade
+            # header): refused in ``feed``. Any other 1xx is interim: the final answer follows.
+            self._interim = True
+            self.headers = []
+            return
+        self.status = status
         self.head_complete = True
         kept: list[bytes] = []
         for name, value in self.headers:
@@ -324,6 +376,14 @@ class ResponseParser:
             self.on_body_cb(body)
 
     def on_message_complete(self) -> None:
+        if self._interim:
+            self._interim = False
+            self.messages -= 1  # not an answer: the connection is still on its one response
+            self.interim_responses += 1
+            if self.interim_responses > MAX_INTERIM_RESPONSES:
+                self._refused = f"over {MAX_INTERIM_RESPONSES} interim (1xx) responses: refused"
+                raise ValueError(self._refused)
+            return
         self.keep_alive = self._parser.should_keep_alive()
         self.complete = True
 

@@ -136,6 +136,7 @@ RESUME = "resume"
 FORWARDED_REQUEST_HEADERS = (b"accept", b"x-request-id", b"openai-organization")
 JSON = b"application/json"
 SSE = b"text/event-stream"
+INTERNAL_ERROR_LOG_S = 10.0  # unexpected errors are logged at most this often
 
 
 @dataclass
@@ -213,6 +214,8 @@ class Ingress:
         self._local_idle: trio.Event | None = None  # for wait_local_idle, made on demand
         self._local_origin_cache: tuple[str, Origin | None] | None = None
         self._conns: set[ClientConn] = set()
+        self._internal_error_logged_at = -math.inf
+        self._internal_errors_unlogged = 0
         self._accepting = True
 
     # == statistics ==========================================================================
@@ -372,11 +375,29 @@ class Ingress:
                     watch.deadline = self.clock.now() + cfg.request_timeout_s
         except (SocketClosed, ClientGone):
             pass
+        except Exception:
+            # The error boundary: whatever a client, a node or an engine sent, one connection
+            # failing must not end the agent (the nursery would cancel every connection).
+            self.metrics.internal_errors.inc()
+            self._log_internal_error()
         finally:
             self.watchdog.watched.discard(watch)
             self._conns.discard(conn)
             self.connections -= 1
             reactor.close(sock)
+
+    def _log_internal_error(self) -> None:
+        """Log the exception being handled, at most once per ``INTERNAL_ERROR_LOG_S`` (one
+        that a request can trigger must not let its sender flood the log)."""
+        now = self.clock.now()
+        self._internal_errors_unlogged += 1
+        if now < self._internal_error_logged_at + INTERNAL_ERROR_LOG_S:
+            return
+        self._internal_error_logged_at = now
+        count, self._internal_errors_unlogged = self._internal_errors_unlogged, 0
+        log.exception(
+            "a connection failed on an unexpected error (%d since the last report)", count
+        )
 
     async def _send_error(
         self,
@@ -852,7 +873,10 @@ class Ingress:
         """Our response head for the upstream's, and whether the body goes out chunked."""
         length = ex.content_length
         chunked = length is None
-        if length is not None:
+        if ex.bodiless:
+            chunked = False  # 204 and 304 end with their head: no length, no chunks
+            framing = b""
+        elif length is not None:
             framing = b"content-length: %d\r\n" % length
         elif job.http10:
             # HTTP/1.0 has no chunked coding: send the body as it comes, end it by closing.

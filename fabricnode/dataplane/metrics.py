@@ -230,6 +230,12 @@ class IngressMetrics:
             ["status"],
             registry=r,
         )
+        self.internal_errors = Counter(
+            "fabric_ingress_internal_errors",
+            "Connections closed because answering them raised an unexpected error (a bug: the"
+            " agent logs it and serves on)",
+            registry=r,
+        )
 
     def done(self, model: str, status: int, latency_s: float) -> None:
         self.requests.inc((model, status))

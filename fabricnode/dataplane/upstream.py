@@ -193,6 +193,11 @@ class Exchange:
     def complete(self) -> bool:
         return self._parser.complete
 
+    @property
+    def bodiless(self) -> bool:
+        """A 204 or 304: the response ends with its head."""
+        return self._parser.bodiless
+
     async def start(
         self,
         request: bytes,

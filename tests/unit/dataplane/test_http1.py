@@ -5,11 +5,19 @@ from __future__ import annotations
 
 import itertools
 
+import httptools
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fabricnode.dataplane.http1 import Request, RequestParser, ResponseParser, full_response
+from fabricnode.dataplane.http1 import (
+    MAX_RESPONSE_HEAD_BYTES,
+    MAX_RESPONSE_HEADERS,
+    Request,
+    RequestParser,
+    ResponseParser,
+    full_response,
+)
 
 LIMITS = {"max_head_bytes": 1024, "max_headers": 10, "max_body_bytes": 64}
 ERROR_STATUSES = {400, 413, 414, 431, 505}
@@ -406,3 +414,89 @@ def test_error_responses_written_by_the_layer_parse_back() -> None:
     assert data.startswith(b"HTTP/1.1 413 Content Too Large\r\n")
     parser, body = feed_response(data)
     assert parser.status == 413 and body == b'{"error":{}}' and not parser.keep_alive
+
+
+# -- upstream responses held to limits (a hostile node or engine) ----------------------------
+
+FINAL = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+
+
+@pytest.mark.parametrize("pieces", [1, 3, 1000])
+@pytest.mark.parametrize(
+    "interim",
+    [
+        b"HTTP/1.1 100 Continue\r\n\r\n",
+        b"HTTP/1.1 103 Early Hints\r\nLink: </a.css>; rel=preload\r\n\r\n",
+        b"HTTP/1.1 102 Processing\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </b>\r\n\r\n",
+    ],
+)
+def test_interim_responses_are_consumed_and_the_final_one_is_the_answer(
+    interim: bytes, pieces: int
+) -> None:
+    parser, body = feed_response(interim + FINAL, pieces=pieces)
+    assert parser.status == 200 and body == b"ok" and parser.complete
+    assert parser.headers == [(b"Content-Length", b"2")]  # none of the interim ones
+    assert parser.reusable  # one answer on the connection: it can be pooled
+
+
+def test_an_interim_response_alone_is_not_a_head() -> None:
+    parser, _ = feed_response(b"HTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\n")
+    assert not parser.head_complete and parser.status == 0
+
+
+def test_an_endless_run_of_interim_responses_is_refused() -> None:
+    with pytest.raises(httptools.HttpParserError, match="interim"):
+        feed_response(b"HTTP/1.1 100 Continue\r\n\r\n" * 50 + FINAL)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: upgrade\r\n\r\nx",
+        b"HTTP/1.1 101 Switching Protocols\r\n\r\nx",
+    ],
+)
+def test_switching_protocols_is_refused(data: bytes) -> None:
+    with pytest.raises(httptools.HttpParserError):
+        feed_response(data)
+
+
+@pytest.mark.parametrize("pieces", [1, 50])
+def test_a_response_head_over_the_limit_is_refused_without_buffering_it_all(pieces: int) -> None:
+    data = b"HTTP/1.1 200 OK\r\n" + b"X-Pad: " + b"a" * (MAX_RESPONSE_HEAD_BYTES * 4)
+    with pytest.raises(httptools.HttpParserError, match="head over"):
+        feed_response(data, pieces=pieces)
+
+
+def test_too_many_response_headers_are_refused() -> None:
+    headers = b"".join(b"X-H%d: v\r\n" % i for i in range(MAX_RESPONSE_HEADERS + 1))
+    with pytest.raises(httptools.HttpParserError, match="headers"):
+        feed_response(b"HTTP/1.1 200 OK\r\n" + headers + b"Content-Length: 0\r\n\r\n")
+
+
+@pytest.mark.parametrize("status", [204, 304])
+def test_bodiless_statuses_complete_with_their_head(status: int) -> None:
+    parser, body = feed_response(b"HTTP/1.1 %d X\r\nContent-Length: 7\r\n\r\n" % status)
+    assert parser.complete and parser.bodiless and body == b"" and parser.reusable
+
+
+def test_a_big_body_after_a_small_head_is_not_counted_as_head() -> None:
+    body = b"x" * (MAX_RESPONSE_HEAD_BYTES * 3)
+    data = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+    parser, got = feed_response(data, pieces=1)
+    assert parser.complete and got == body
+
+
+@settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.binary(max_size=300), max_size=8))
+def test_arbitrary_upstream_bytes_raise_only_parser_errors(pieces: list[bytes]) -> None:
+    """Whatever a node sends, the parser raises nothing but HttpParserError (which the data
+    plane turns into a failover or a broken response), and a head it reports is a final one."""
+    parser = ResponseParser(lambda _: None)
+    try:
+        for piece in [b"HTTP/1.1 ", *pieces]:
+            parser.feed(piece)
+    except httptools.HttpParserError:
+        return
+    if parser.head_complete:
+        assert parser.status >= 200
