@@ -1,6 +1,15 @@
-"""HOST:PORT address strings (IPv6 hosts in brackets)."""
+"""HOST:PORT address strings (IPv6 hosts in brackets).
+
+A host is an IP address or a DNS name (RFC 1123: dot-separated labels of 1-63 letters, digits
+and hyphens, 253 characters at most). Everything else is refused where it is parsed: a name
+such as ``a..b`` cannot be encoded for a lookup (Python raises ``UnicodeError``, not
+``OSError``), and addresses reach the mesh from peers' packets and registry entries.
+"""
 
 from __future__ import annotations
+
+import ipaddress
+import re
 
 from fabricnode.errors import ConfigError
 
@@ -9,7 +18,25 @@ from fabricnode.errors import ConfigError
 WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::", "[::]", "*"})
 
 
+_LABEL = re.compile(r"(?!-)[A-Za-z0-9_-]{1,63}(?<!-)\Z")
+
+
+def valid_host(host: str) -> bool:
+    """An IP address or a well-formed DNS name (see the module docstring)."""
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        pass
+    if not host or len(host) > 253:
+        return False
+    name = host[:-1] if host.endswith(".") else host  # a fully qualified name's root dot
+    return all(_LABEL.match(label) for label in name.split("."))
+
+
 def split_hostport(text: str, *, default_port: int | None = None) -> tuple[str, int]:
+    """``(host, port)`` of ``HOST:PORT``; ``ConfigError`` naming what is wrong. The host must be
+    ``valid_host`` or one of the ``WILDCARD_HOSTS`` (which only a server binds to)."""
     text = text.strip()
     if text.startswith("["):
         host, _sep, rest = text[1:].partition("]")
@@ -28,6 +55,8 @@ def split_hostport(text: str, *, default_port: int | None = None) -> tuple[str, 
         raise ConfigError(f"address {text!r}: port {port_text!r} is not a number") from None
     if not 0 <= port <= 65535:
         raise ConfigError(f"address {text!r}: port out of range")
+    if host not in WILDCARD_HOSTS and not valid_host(host):
+        raise ConfigError(f"address {text!r}: {host!r} is not an IP address or a host name")
     return host, port
 
 

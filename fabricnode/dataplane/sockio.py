@@ -402,7 +402,12 @@ async def connect(host: str, port: int) -> socket.socket:
         socket.inet_pton(family, host)
         addr: tuple[str, int] = (host, port)
     except OSError:
-        infos = await trio.to_thread.run_sync(socket.getaddrinfo, host, port, 0, socket.SOCK_STREAM)
+        try:
+            infos = await trio.to_thread.run_sync(
+                socket.getaddrinfo, host, port, 0, socket.SOCK_STREAM
+            )
+        except UnicodeError:  # a name no lookup can encode (``a..b``): as if it did not resolve
+            raise OSError(f"cannot resolve {host!r}") from None
         family, _, _, _, sockaddr = infos[0]
         addr = (str(sockaddr[0]), int(sockaddr[1]))
     sock = socket.socket(family, socket.SOCK_STREAM)

@@ -12,7 +12,8 @@ from typing import Any
 
 import msgpack
 
-from fabricnode.errors import DecodeError
+from fabricnode.addr import WILDCARD_HOSTS, split_hostport
+from fabricnode.errors import ConfigError, DecodeError
 
 MAX_PACKET_BYTES = 16 * 1024 * 1024
 
@@ -55,6 +56,34 @@ def take_str(value: Any, *, max_len: int = 256, what: str = "string", empty: boo
     if not isinstance(value, str) or len(value) > max_len or (not empty and not value):
         raise DecodeError(f"{what}: expected a string of at most {max_len} characters")
     return value
+
+
+def take_addr(value: Any, *, max_len: int = 300, what: str = "address", empty: bool = False) -> str:
+    """A ``HOST:PORT`` string with a valid host (``fabricnode.addr``); ``""`` if ``empty``."""
+    text = take_str(value, max_len=max_len, what=what, empty=empty)
+    if text:
+        _check_hostport(text, what)
+    return text
+
+
+def _check_hostport(text: str, what: str, default_port: int | None = None) -> None:
+    try:
+        host, _ = split_hostport(text, default_port=default_port)
+    except ConfigError as exc:
+        raise DecodeError(f"{what}: {exc}") from None
+    if host in WILDCARD_HOSTS:  # where a server binds, never where a peer is reached
+        raise DecodeError(f"{what}: {text[:80]!r} has no host to connect to")
+
+
+def take_url(value: Any, *, max_len: int = 300, what: str = "url") -> str:
+    """``""`` or an ``http(s)://HOST[:PORT][/path]`` URL with a valid host."""
+    text = take_str(value, max_len=max_len, what=what)
+    if text:
+        scheme, sep, rest = text.partition("://")
+        if not sep or scheme not in ("http", "https"):
+            raise DecodeError(f"{what}: {text[:80]!r} is not an http(s) URL")
+        _check_hostport(rest.split("/", 1)[0], what, 443 if scheme == "https" else 80)
+    return text
 
 
 def take_opt_str(value: Any, *, max_len: int = 256, what: str = "string") -> str | None:

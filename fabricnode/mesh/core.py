@@ -909,6 +909,10 @@ class MeshCore:
     def _drop(self, reason: str, count: int = 1) -> None:
         self.stats_dropped[reason] = self.stats_dropped.get(reason, 0) + count
 
+    def count_dropped(self, reason: str) -> None:
+        """Count an input the shell dropped (``fabric_gossip_dropped_total{reason}``)."""
+        self._drop(reason)
+
 
 def _has_liveness_record(m: Member | None) -> bool:
     """Whether we held a liveness record for ``m`` (not just an address from its entry)."""

@@ -272,8 +272,8 @@ def parse_body(signed_bytes: bytes) -> EntryBody:
         version=codec.take_int(f[4], what="version"),
         provider=codec.take_str(f[5], max_len=64, what="provider"),
         addresses=Addresses(
-            codec.take_str(http, max_len=300, what="http address"),
-            codec.take_str(gossip, max_len=300, what="gossip address"),
+            codec.take_url(http, max_len=300, what="http address"),
+            codec.take_addr(gossip, max_len=300, what="gossip address", empty=True),
         ),
         hardware=Hardware(
             codec.take_str(gpu_type, max_len=64, what="gpu type"),
@@ -284,7 +284,7 @@ def parse_body(signed_bytes: bytes) -> EntryBody:
         engine=EngineInfo(
             codec.take_str(kind, max_len=64, what="engine kind"),
             codec.take_str(eversion, max_len=64, what="engine version"),
-            codec.take_str(url, max_len=300, what="engine url"),
+            codec.take_url(url, max_len=300, what="engine url"),
         ),
         models=tuple(models),
         labels=tuple(labels),

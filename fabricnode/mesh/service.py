@@ -9,6 +9,7 @@ sockets, ``fabricnode.testing.fakenet`` for a seeded lossy network under trio's 
 from __future__ import annotations
 
 import logging
+import math
 import socket
 import struct
 import time
@@ -30,6 +31,7 @@ from fabricnode.mesh.registry import EntryBody, SignedEntry
 log = logging.getLogger("fabricnode.mesh.service")
 
 FRAME_HEADER = struct.Struct("!I")
+INTERNAL_ERROR_LOG_S = 10.0  # unexpected errors are logged at most this often
 
 
 class Transport(Protocol):
@@ -166,7 +168,7 @@ class UdpTcpTransport:
             try:
                 await self._udp.sendto(data, (host, port))
                 self.datagrams_out += 1
-            except OSError:
+            except (OSError, UnicodeError):  # UnicodeError: a name no lookup can encode
                 self.send_errors += 1
             return
         if self._nursery is None:
@@ -182,7 +184,7 @@ class UdpTcpTransport:
                     async with stream:
                         await stream.send_all(FRAME_HEADER.pack(len(data)) + data)
                 self.streams_out += 1
-            except (OSError, trio.TooSlowError, trio.BrokenResourceError):
+            except (OSError, UnicodeError, trio.TooSlowError, trio.BrokenResourceError):
                 self.send_errors += 1
 
 
@@ -214,6 +216,8 @@ class GossipService:
         self.keyring_path = keyring_path
         self.keyring_poll_s = keyring_poll_s
         self._wake = trio.Event()
+        self._internal_error_logged_at = -math.inf
+        self._internal_errors_unlogged = 0
         self.keyring_reloads = 0
         self.keyring_errors = 0
 
@@ -287,9 +291,26 @@ class GossipService:
     async def _receive_loop(self) -> None:
         while True:
             data, source, stream = await self.transport.receive()
-            self.core.receive(data, self.wall_clock(), source, stream=stream)
+            try:
+                self.core.receive(data, self.wall_clock(), source, stream=stream)
+            except Exception:
+                # The error boundary: the core drops bad input itself, so this is a bug, and
+                # one packet that hits it must not end the agent.
+                self.core.count_dropped("internal_error")
+                self._log_internal_error()
             await self.flush()
             self._wake.set()
+
+    def _log_internal_error(self) -> None:
+        """Log the exception being handled, at most once per ``INTERNAL_ERROR_LOG_S`` (a
+        packet that triggers it must not let its sender flood the log)."""
+        now = time.monotonic()
+        self._internal_errors_unlogged += 1
+        if now < self._internal_error_logged_at + INTERNAL_ERROR_LOG_S:
+            return
+        self._internal_error_logged_at = now
+        count, self._internal_errors_unlogged = self._internal_errors_unlogged, 0
+        log.exception("a gossip packet failed on an unexpected error (%d since last report)", count)
 
     async def _watch_keyring(self, path: Path) -> None:
         seen = file_signature(path)

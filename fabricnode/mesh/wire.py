@@ -320,7 +320,7 @@ def _decode_message(raw: Any) -> Message | None:
         return PingReq(
             codec.take_int(fields[1], what="probe id"),
             take_sid(fields[2]),
-            codec.take_str(fields[3], max_len=MAX_ADDR, what="address", empty=False),
+            codec.take_addr(fields[3], max_len=MAX_ADDR, what="address"),
         )
     if tag == EntryMsg.TAG and n == 3:
         return EntryMsg(SignedEntry.from_wire(fields[1:]))
@@ -329,7 +329,7 @@ def _decode_message(raw: Any) -> Message | None:
             take_sid(fields[1]),
             codec.take_bytes(fields[2], size=PUBLIC_KEY_BYTES, what="public key"),
             codec.take_int(fields[3], what="incarnation"),
-            codec.take_str(fields[4], max_len=MAX_ADDR, what="address", empty=False),
+            codec.take_addr(fields[4], max_len=MAX_ADDR, what="address"),
             codec.take_bytes(fields[5], size=SIGNATURE_BYTES, what="signature"),
         )
     if tag == Accusation.TAG and n == 7:

@@ -707,3 +707,32 @@ async def test_cluster_key_rotation_through_mixed_keyrings_keeps_every_node_conn
 ) -> None:
     result = await scenario_key_rotation(seed=5, n=12, loss=0.02)
     report("key rotation", **{k: round(v, 2) for k, v in result.items()})
+
+
+async def test_a_packet_that_makes_the_core_raise_is_counted_and_the_service_goes_on(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The per-packet error boundary: the core drops bad input itself, so an exception from it
+    is a bug; one packet that hits such a bug must not end the agent."""
+    net = FakeNetwork(seed=3)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(net.run)
+        cluster = Cluster(net, nursery, seed=3)
+        a, b = await cluster.add_nodes(2)
+        real_receive = b.core.receive
+        calls = 0
+
+        def fails_once(*args: object, **kwargs: object) -> None:
+            nonlocal calls
+            calls += 1
+            if calls == 1:
+                raise RuntimeError("a bug reached by one packet")
+            real_receive(*args, **kwargs)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(b.core, "receive", fails_once)
+        await trio.sleep(30)  # the two nodes keep probing and syncing each other
+        assert calls > 10
+        assert b.core.stats_dropped.get("internal_error") == 1
+        assert b.core.members.status(a.sid) is Liveness.ALIVE
+        assert a.core.members.status(b.sid) is Liveness.ALIVE
+        nursery.cancel_scope.cancel()

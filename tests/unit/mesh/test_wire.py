@@ -10,6 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from fabricnode.addr import split_hostport
 from fabricnode.errors import DecodeError
 from fabricnode.mesh import codec
 from fabricnode.mesh.identity import Identity, ProviderKey, Verifier
@@ -55,7 +56,18 @@ FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCh
 
 sids = st.text(alphabet="0123456789abcdef", min_size=32, max_size=32)
 u63 = st.integers(0, 2**63 - 1)
-addrs = st.text(min_size=1, max_size=300)
+# Addresses as agents advertise them: an IP (v4 or bracketed v6) or a host name, and a port.
+hosts = (
+    st.ip_addresses(v=4).map(str)
+    | st.ip_addresses(v=6).map(lambda ip: f"[{ip}]")
+    | st.from_regex(r"[a-z0-9]([a-z0-9-]{0,20}[a-z0-9])?(\.[a-z0-9]{1,10}){0,3}", fullmatch=True)
+)
+addrs = st.builds(
+    lambda h, p: f"{h}:{p}",
+    hosts.filter(lambda h: h not in ("0.0.0.0", "[::]")),
+    st.integers(0, 65535),
+)
+urls = st.builds(lambda a: f"http://{a}", addrs)
 keys32 = st.binary(min_size=32, max_size=32)
 sigs64 = st.binary(min_size=64, max_size=64)
 times = st.floats(min_value=0.0, max_value=1e18, allow_nan=False, allow_infinity=False)
@@ -109,7 +121,7 @@ def entry_bodies(draw: st.DrawFn) -> EntryBody:
         state=draw(st.sampled_from(State)),
         version=draw(u63),
         provider=draw(st.text(max_size=64)),
-        addresses=Addresses(draw(st.text(max_size=300)), draw(st.text(max_size=300))),
+        addresses=Addresses(draw(st.just("") | urls), draw(st.just("") | addrs)),
         hardware=Hardware(
             draw(st.text(max_size=64)),
             draw(st.integers(0, 4096)),
@@ -117,7 +129,7 @@ def entry_bodies(draw: st.DrawFn) -> EntryBody:
             draw(st.text(max_size=255)),
         ),
         engine=EngineInfo(
-            draw(st.text(max_size=64)), draw(st.text(max_size=64)), draw(st.text(max_size=300))
+            draw(st.text(max_size=64)), draw(st.text(max_size=64)), draw(st.just("") | urls)
         ),
         models=tuple(draw(st.lists(models, max_size=4))),
         labels=tuple(draw(st.lists(labels, max_size=4))),
@@ -548,3 +560,71 @@ def test_one_member_cannot_block_another_members_packets() -> None:
     guard = ReplayGuard()
     assert guard.accept(N1, NOW_MS, NOW) is None  # an insider's packet, whatever it claims
     assert guard.accept(N2, NOW_MS, NOW) is None  # the genuine sender's next packet
+
+
+# -- addresses: a host no lookup can encode must never get past decoding ------------------------
+
+BAD_ADDRS = [
+    "0.0.0.0:7946",
+    "a..b:1",
+    "-x:7946",
+    "x" * 64 + ":1",
+    "ü.example:1",
+    "host:99999",
+    "host:",
+    ":1",
+]
+
+
+@pytest.mark.parametrize("addr", BAD_ADDRS)
+def test_a_ping_req_or_alive_with_a_bad_address_is_refused(addr: str) -> None:
+    """A PingReq is probed at its target address and an Alive's address is gossiped to: a
+    name like ``a..b`` made the agent that probed it exit (UnicodeError from the lookup)."""
+    for msg in ([PingReq.TAG, 1, SID, addr], [Alive.TAG, SID, b"k" * 32, 1, addr, b"s" * 64]):
+        with pytest.raises(DecodeError, match="address"):
+            decode_packet(raw_packet([msg]))
+
+
+@pytest.mark.parametrize(
+    ("http", "gossip", "url"),
+    [
+        ("http://a..b:80", "", ""),
+        ("ftp://10.0.0.1:21", "", ""),
+        ("10.0.0.1:80", "", ""),
+        ("", "a..b:7946", ""),
+        ("", "", "http://a..b:8000/v1"),
+    ],
+)
+def test_an_entry_with_a_bad_address_is_refused(http: str, gossip: str, url: str) -> None:
+    """A SERVING entry whose HTTP address was ``http://a..b:80`` made every ingress that
+    routed to it exit; it is now refused where the entry is decoded."""
+    body = EntryBody(
+        SID,
+        OWNER.public_key,
+        State.SERVING,
+        1,
+        "",
+        Addresses(http, gossip),
+        Hardware(),
+        EngineInfo("vllm", "1", url),
+        (),
+        (),
+        T0,
+        T0,
+        T0 + 60,
+    )
+    with pytest.raises(DecodeError, match=r"address|url"):
+        decode_packet(encode_packet(Packet(SID, 1, 1000, (EntryMsg(body.sign(OWNER)),))))
+
+
+@FAST
+@given(st.text(max_size=80))
+def test_any_address_text_decodes_to_a_resolvable_form_or_is_refused(addr: str) -> None:
+    try:
+        packet, _ = decode_packet(raw_packet([[PingReq.TAG, 1, SID, addr]]))
+    except DecodeError:
+        return
+    (msg,) = packet.messages
+    assert isinstance(msg, PingReq)
+    host, _ = split_hostport(msg.target_addr)
+    host.encode("idna")  # what the lookup does first: never a UnicodeError
