@@ -589,6 +589,8 @@ class Ingress:
                 pick = ranked[0].node.session_id
                 route = route_of(routes, pick)
                 tried.add(pick)
+                if job.splice is not None:
+                    log.info("stream continuation %d goes to %s", job.resumes, pick[:8])
                 policy.on_routed(rreq, pick, wall)
                 attempt = self._attempt(conn, job, route, now)
                 try:
