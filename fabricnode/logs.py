@@ -1,12 +1,28 @@
 """Log lines of ``fabric start``: stdlib ``logging`` to stderr, each line tagged with the short
 session id, so the lines of several agents (and of one agent's successive sessions) in one job
-log can be told apart. stdout is kept for the ready lines alone."""
+log can be told apart. stdout is kept for the ready lines alone.
+
+Messages carry values from clients and peers (model names, ids, addresses): control characters
+in a message are escaped (``\\n`` stays two characters), so nobody can forge a log line or
+rewrite the terminal of whoever reads the log. Tracebacks are the agent's own and keep their
+lines."""
 
 from __future__ import annotations
 
 import logging
 import sys
 from typing import TextIO
+
+# Every C0 control character but tab, and DEL, as the escape ``repr`` would write.
+_UNSAFE = {c: repr(chr(c))[1:-1] for c in (*range(0x20), 0x7F) if c != 0x09}
+
+
+class SafeFormatter(logging.Formatter):
+    """A ``logging.Formatter`` whose messages cannot contain line breaks or terminal escapes."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        record.message = record.message.translate(_UNSAFE)
+        return super().formatMessage(record)
 
 
 class _SessionFilter(logging.Filter):
@@ -24,7 +40,7 @@ def configure_logging(level: str, session_id: str, stream: TextIO | None = None)
     handler = logging.StreamHandler(stream or sys.stderr)
     handler.addFilter(_SessionFilter(session_id[:8]))
     handler.setFormatter(
-        logging.Formatter("%(asctime)s %(levelname)s [%(session)s] %(name)s: %(message)s")
+        SafeFormatter("%(asctime)s %(levelname)s [%(session)s] %(name)s: %(message)s")
     )
     root = logging.getLogger()
     root.handlers = [handler]

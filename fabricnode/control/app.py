@@ -32,6 +32,7 @@ import json
 import logging
 import math
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,7 +54,7 @@ from fabricnode.dataplane.accounting import (
 )
 from fabricnode.dataplane.request import error_body
 from fabricnode.errors import DecodeError, FabricError
-from fabricnode.mesh.assignment import SignedAssignment
+from fabricnode.mesh.assignment import Offer, SignedAssignment
 from fabricnode.mesh.core import MeshCore
 from fabricnode.mesh.registry import State
 from fabricnode.mesh.service import TransportStatistics
@@ -145,6 +146,7 @@ class AdminApp:
         self.request_log_path = request_log_path
         self.started_at = wall_clock()
         self.requests = 0
+        self.assignments_refused: Counter[str] = Counter()  # posted but not taken, by outcome
         self.metrics_registry = registry_of(AdminMetrics(self))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -302,15 +304,25 @@ class AdminApp:
             raise HttpError(400, f"malformed assignment: {exc}", "invalid_assignment") from None
         now = self.wall_clock()
         results = []
+        refused: Counter[str] = Counter()
         for item in items:
             outcome = self.core.publish_assignment(item, now)
             results.append({"target": item.target, "result": outcome.value})
+            if outcome is Offer.NEW:  # a trusted operator's new assignment: a line each
+                log.info(
+                    "assignment for %s (plan %s, operator %s): %s",
+                    item.target[:8],
+                    item.body.plan_id,
+                    item.operator,
+                    outcome.value,
+                )
+            else:  # anyone can post (or replay) these: counted, one line per request at most
+                refused[outcome.value] += 1
+        if refused:
+            self.assignments_refused.update(refused)
             log.info(
-                "assignment for %s (plan %s, operator %s): %s",
-                item.target[:8],
-                item.body.plan_id,
-                item.operator,
-                outcome.value,
+                "assignments not taken: %s",
+                ", ".join(f"{n} {why}" for why, n in sorted(refused.items())),
             )
         self.wake_gossip()
         return json_response({"results": results})
@@ -392,6 +404,12 @@ class AdminMetrics(Collector):
         yield counter("fabric_gossip_packets_out_total", "Sealed packets sent", stats.packets_out)
         yield counter("fabric_gossip_bytes_in_total", "Sealed bytes received", stats.bytes_in)
         yield counter("fabric_gossip_bytes_out_total", "Sealed bytes sent", stats.bytes_out)
+        yield from counters_by(
+            "fabric_assignments_refused_total",
+            "Assignments posted to this agent and not taken, by outcome (untrusted, stale, ...)",
+            "outcome",
+            dict(sorted(app.assignments_refused.items())),
+        )
         yield from counters_by(
             "fabric_gossip_dropped_total",
             "Inputs dropped, by reason",

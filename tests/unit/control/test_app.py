@@ -12,8 +12,9 @@ import pytest
 
 from fabricnode.control.app import AdminApp
 from fabricnode.control.views import models_view
+from fabricnode.mesh.assignment import AssignmentBody
 from fabricnode.mesh.core import MeshCore
-from fabricnode.mesh.identity import Identity
+from fabricnode.mesh.identity import Identity, OperatorKey
 from fabricnode.mesh.keyring import Keyring
 from fabricnode.mesh.registry import Hardware, ModelInfo, State
 from fabricnode.mesh.service import TransportStatistics
@@ -417,3 +418,29 @@ async def test_a_bug_in_a_handler_is_a_500_json_error(app: AdminApp, mesh: Mesh)
     assert_openai_error(response, 500, "internal_error")
     assert response.json()["error"]["type"] == "server_error"
     json.dumps(response.json())
+
+
+async def test_untrusted_assignments_are_counted_in_one_log_line(
+    app: AdminApp, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Anyone who can reach the admin port can post assignments; those signed by a key the
+    mesh does not trust are refused, counted in a metric, and logged once per request (3,000
+    of them used to write 3,000 lines, each carrying the poster's plan id)."""
+    intruder = OperatorKey(Identity.from_seed(b"intruder"))
+    forged = [
+        AssignmentBody(
+            "ab" * 16, f"p{i}\nforged line", NOW, NOW + 600, "m", 1, 1, intruder.public_key
+        ).sign(intruder)
+        for i in range(3000)
+    ]
+    caplog.set_level("INFO", logger="fabricnode.control.app")
+    async with client(app) as c:
+        r = await c.post(
+            "/fabric/v1/assignments", json={"assignments": [a.to_json() for a in forged]}
+        )
+    assert r.status_code == 200
+    assert {x["result"] for x in r.json()["results"]} == {"untrusted"}
+    lines = [rec.getMessage() for rec in caplog.records if "assignment" in rec.getMessage()]
+    assert lines == ["assignments not taken: 3000 untrusted"]
+    text = (await get(app, "/metrics")).text
+    assert 'fabric_assignments_refused_total{outcome="untrusted"} 3000.0' in text
