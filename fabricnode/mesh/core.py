@@ -104,6 +104,11 @@ class MeshConfig:
     max_stream_bytes: int = 16 * 1024 * 1024
     entry_ttl_s: float = 3600.0
     relay_timeout_s: float = 1.0
+    # Indirect probes we make for others, per probe interval: from one requester, and in all.
+    # A requester asks one relay at most once per failed probe, so honest peers stay far below;
+    # a key holder cannot turn one packet of PingReqs into a flood of probes.
+    relay_per_sender: int = 3
+    relay_per_interval: int = 32
     registry: RegistryLimits = field(default_factory=RegistryLimits)
     max_clock_skew_s: float = 60.0
     # Fingerprints of operator keys whose engine assignments this node accepts and relays.
@@ -197,6 +202,9 @@ class MeshCore:
         self._relays: dict[
             int, tuple[str, int, str, float]
         ] = {}  # id -> requester, id, target, end
+        self._relay_window_end = now  # relay_per_* counts are per probe interval
+        self._relayed: dict[str, int] = {}  # requester -> indirect probes made this window
+        self._relayed_total = 0
         self._out: list[Outbound] = []
         self._seeds: list[str] = []
         self._next_seed_at = now
@@ -622,14 +630,31 @@ class MeshCore:
     def _on_ping_req(self, sender: str, msg: PingReq, now: float) -> None:
         if msg.target == self.self_id:
             return
+        # Probed only for members, at the address we know for the target (not the one the
+        # request names): nobody can make us send probes to an address of their choosing.
+        requester, target = self.members.get(sender), self.members.get(msg.target)
+        if requester is None or target is None or not target.addr:
+            self._drop("ping_req_not_member")
+            return
+        cfg = self.config
+        if now >= self._relay_window_end:
+            self._relayed.clear()
+            self._relayed_total = 0
+            self._relay_window_end = now + cfg.probe_interval_s
+        made = self._relayed.get(sender, 0)
+        if made >= cfg.relay_per_sender or self._relayed_total >= cfg.relay_per_interval:
+            self._drop("ping_req_limited")
+            return
+        self._relayed[sender] = made + 1
+        self._relayed_total += 1
         self._probe_seq += 1
         self._relays[self._probe_seq] = (
             sender,
             msg.probe_id,
             msg.target,
-            now + self.config.relay_timeout_s,
+            now + cfg.relay_timeout_s,
         )
-        self._send(msg.target_addr, [Ping(self._probe_seq, msg.target)], now)
+        self._send(target.addr, [Ping(self._probe_seq, msg.target)], now)
 
     def _start_probe(self, target: str, addr: str, now: float, *, confirm: bool) -> None:
         cfg = self.config

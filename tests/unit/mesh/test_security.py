@@ -34,6 +34,8 @@ from fabricnode.mesh.wire import (
     Load,
     Message,
     Packet,
+    Ping,
+    PingReq,
     decode_packet,
     encode_packet,
 )
@@ -816,3 +818,57 @@ def test_load_from_unknown_session_is_ignored(cluster: tuple[Forger, Node, Node,
     stranger = Identity.from_seed(b"stranger").session_id
     forger.send(b, x, [Load(stranger, 1, 5, 5, 0.5, 1, T0)], T0 + 1)
     assert stranger not in x.core.loads
+
+
+# -- indirect probes: no reflection ------------------------------------------------------------
+
+
+def pings_sent(outbound: list[Outbound]) -> Counter[str]:
+    """Addresses our node sent a Ping to, and how many."""
+    sent: Counter[str] = Counter()
+    for out in outbound:
+        packet, _ = decode_packet(Keyring.with_key(CLUSTER_KEY).open(out.data))
+        sent[out.addr] += sum(isinstance(m, Ping) for m in packet.messages)
+    return sent
+
+
+def test_a_packet_of_400_ping_reqs_makes_at_most_a_few_probes(
+    cluster: tuple[Forger, Node, Node, Node],
+) -> None:
+    """One sealed datagram of 400 PingReqs made the node send 400 probes; now a requester gets
+    ``relay_per_sender`` per probe interval, and the rest are dropped and counted."""
+    forger, x, a, b = cluster
+    now = T0 + 0.01
+    reqs = [PingReq(i, b.sid, b.addr) for i in range(400)]
+    forger.send(a, x, reqs, now)
+    sent = pings_sent(x.core.take_outbound())
+    limit = x.core.config.relay_per_sender
+    assert sent == Counter({b.addr: limit})
+    assert drops(x.core)["ping_req_limited"] == 400 - limit
+    # The next probe interval, the requester gets its share again.
+    forger.send(a, x, reqs[:1], now + x.core.config.probe_interval_s)
+    assert pings_sent(x.core.take_outbound()) == Counter({b.addr: 1})
+
+
+def test_a_ping_req_is_probed_at_the_known_address_never_the_named_one(
+    cluster: tuple[Forger, Node, Node, Node],
+) -> None:
+    forger, x, a, b = cluster
+    victim = "192.0.2.7:53"  # an address of the requester's choosing
+    forger.send(a, x, [PingReq(1, b.sid, victim)], T0 + 0.01)
+    assert pings_sent(x.core.take_outbound()) == Counter({b.addr: 1})
+
+
+def test_ping_reqs_from_or_about_strangers_are_dropped(
+    cluster: tuple[Forger, Node, Node, Node],
+) -> None:
+    forger, x, a, b = cluster
+    stranger = Identity.from_seed(b"stranger")
+    forger.send(a, x, [PingReq(1, stranger.session_id, "192.0.2.7:53")], T0 + 0.01)
+    x.core.receive(
+        forger.datagram(stranger.session_id, [PingReq(2, b.sid, b.addr)], T0 + 0.02),
+        T0 + 0.02,
+        "192.0.2.7:53",
+    )
+    assert pings_sent(x.core.take_outbound()) == Counter()
+    assert drops(x.core)["ping_req_not_member"] == 2
