@@ -177,6 +177,13 @@ class RequestParser:
         if not self.head_complete and self._head_fed > self.max_head_bytes:
             self._fail(431, "request headers too large")
 
+    def release(self) -> None:
+        """The connection ended: drop the requests it holds now. This parser and httptools'
+        refer to each other, so without this their body buffers would wait for a full
+        garbage collection (uploads cut off mid-body piled up by the gigabyte)."""
+        self.pending = None
+        self.ready.clear()
+
     @property
     def mid_request(self) -> bool:
         """True while some bytes of a request arrived but not the whole request."""

@@ -87,10 +87,12 @@ from fabricnode.dataplane.ingress_config import IngressConfig
 from fabricnode.dataplane.job import Job
 from fabricnode.dataplane.metrics import IngressMetrics, LabelCache, failure_reason
 from fabricnode.dataplane.request import (
+    KEY_REJECTION,
     Rejection,
     Requirements,
     decode,
     error_body,
+    key_of,
     malformed_code,
     prompt_text,
 )
@@ -349,6 +351,18 @@ class Ingress:
                     break
                 if parser.head_complete and not sent_continue:
                     pending = parser.pending
+                    if pending is not None and self._refused_by_head(pending):
+                        # The key is checked from the head: no body is read for nobody.
+                        self.metrics.malformed.labels("401").inc()
+                        await self._send_error(
+                            conn,
+                            KEY_REJECTION.status,
+                            KEY_REJECTION.message,
+                            KEY_REJECTION.code,
+                            close=True,
+                        )
+                        await linger(conn, cfg.linger_s, cfg.linger_max_bytes)
+                        break
                     if pending is not None and pending.expect_continue:
                         await reactor.send_all(sock, CONTINUE_RESPONSE)
                     sent_continue = True
@@ -381,10 +395,21 @@ class Ingress:
             self.metrics.internal_errors.inc()
             self._log_internal_error()
         finally:
+            parser.release()
             self.watchdog.watched.discard(watch)
             self._conns.discard(conn)
             self.connections -= 1
             reactor.close(sock)
+
+    def _refused_by_head(self, req: Request) -> bool:
+        """A ``/v1`` request whose head already shows it will get 401: API keys are on and it
+        names no valid key (a forward is authenticated by its own header instead)."""
+        keys = self.api_keys
+        if keys is None or not keys.enabled or not req.target.startswith(b"/v1/"):
+            return False
+        if FORWARD_HEADER in req.headers:
+            return False
+        return key_of(req.headers, keys) is None
 
     def _log_internal_error(self) -> None:
         """Log the exception being handled, at most once per ``INTERNAL_ERROR_LOG_S`` (one

@@ -106,6 +106,18 @@ class Decoded:
         self.session = session  # sticky-session key: X-Session-Id, else the body's ``user``
 
 
+KEY_REJECTION = Rejection(
+    401, "missing or invalid API key (Authorization: Bearer KEY)", "invalid_api_key"
+)
+
+
+def key_of(headers: Mapping[bytes, bytes], keys: ApiKeyStore) -> ApiKey | None:
+    """The key the request's ``Authorization: Bearer`` names, None if none or unknown."""
+    raw = headers.get(b"authorization")
+    token = bearer_token(raw.decode("latin-1")) if raw else None
+    return keys.lookup(token) if token is not None else None
+
+
 def decode(
     kind: str,
     headers: Mapping[bytes, bytes],
@@ -121,13 +133,9 @@ def decode(
     """
     key: ApiKey | None = None
     if keys is not None and keys.enabled:
-        raw = headers.get(b"authorization")
-        token = bearer_token(raw.decode("latin-1")) if raw else None
-        key = keys.lookup(token) if token is not None else None
+        key = key_of(headers, keys)
         if key is None:
-            return Rejection(
-                401, "missing or invalid API key (Authorization: Bearer KEY)", "invalid_api_key"
-            )
+            return KEY_REJECTION
         rate = key.rate
         if rate is not None:
             wait_s = limiter.check(key.key_id, rate.rate_per_s, rate.burst, now)

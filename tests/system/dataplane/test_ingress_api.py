@@ -8,6 +8,7 @@ ingress the clients talk to, with API keys on and a small body limit.
 from __future__ import annotations
 
 import json
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -159,6 +160,25 @@ def test_missing_or_wrong_api_key_is_401(fab: Mesh) -> None:
         )
     r = httpx.post(fab.c.http_url + "/v1/completions", json={"model": "m1", "prompt": "x"})
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+
+
+@pytest.mark.parametrize("auth", ["", "Authorization: Bearer fab-00000000-not-a-real-key\r\n"])
+def test_a_request_without_a_valid_key_gets_401_from_its_head(fab: Mesh, auth: str) -> None:
+    """The key is checked once the head is in: a client without one gets its 401 before it
+    sends a byte of the body it announced (and nobody can make the agent buffer bodies with no
+    key; with keys on, the body limit here is 1 MiB)."""
+    host, port = fab.c.http_url.removeprefix("http://").rsplit(":", 1)
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        f"{auth}content-length: 1000000\r\n\r\n"
+    ).encode()
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(head)  # and no body
+        got = b""
+        while data := sock.recv(65536):  # the agent answers, then ends its side
+            got += data
+    assert got.startswith(b"HTTP/1.1 401 "), got
+    assert b'"code":"invalid_api_key"' in got.replace(b" ", b""), got
 
 
 def test_rate_limited_key_gets_429_with_retry_after(fab: Mesh) -> None:

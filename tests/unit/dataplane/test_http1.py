@@ -500,3 +500,13 @@ def test_arbitrary_upstream_bytes_raise_only_parser_errors(pieces: list[bytes]) 
         return
     if parser.head_complete:
         assert parser.status >= 200
+
+
+def test_release_drops_the_requests_a_closed_connection_held() -> None:
+    """The parser and httptools' parser refer to each other: a connection that ends mid-body
+    must hand its buffers back at once, not at the next full garbage collection."""
+    parser = RequestParser(**LIMITS)
+    parser.feed(b"POST /v1/x HTTP/1.1\r\ncontent-length: 60\r\n\r\n" + b"a" * 30)
+    assert parser.pending is not None and parser.pending.body_len == 30
+    parser.release()
+    assert parser.pending is None and not parser.ready
