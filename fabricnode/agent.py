@@ -39,6 +39,7 @@ first signal, not a second.
 from __future__ import annotations
 
 import logging
+import resource
 import signal
 import socket
 import sys
@@ -485,6 +486,7 @@ def run_agent(config: AgentConfig, *, out: TextIO | None = None) -> int:
     """
     agent = Agent(config)  # a bad key file fails here, before logging is set up
     configure_logging(config.log_level, agent.session_id)
+    _raise_open_files_limit(config.ingress.max_connections + RESERVED_FILES)
     try:
         trio.run(_main, agent, out or sys.stdout)
     except BaseExceptionGroup as group:
@@ -498,6 +500,23 @@ def run_agent(config: AgentConfig, *, out: TextIO | None = None) -> int:
         log.critical("the agent failed on an unexpected error", exc_info=True)
         raise
     return 0
+
+
+RESERVED_FILES = 1024  # descriptors beyond client connections: upstreams, gossip, logs
+
+
+def _raise_open_files_limit(wanted: int) -> None:
+    """Raise the soft limit on open files toward ``wanted`` (at most the hard limit), as nginx
+    does: the default soft limit on many clusters is 1024, far below ``max_connections``."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError) as exc:
+            log.warning("cannot raise the open files limit to %d: %s", target, exc)
+        else:
+            log.info("open files limit raised from %d to %d", soft, target)
 
 
 async def _main(agent: Agent, out: TextIO) -> None:

@@ -216,6 +216,7 @@ class Ingress:
         self._local_idle: trio.Event | None = None  # for wait_local_idle, made on demand
         self._local_origin_cache: tuple[str, Origin | None] | None = None
         self._conns: set[ClientConn] = set()
+        self._per_client: dict[str, int] = {}  # client address -> open connections
         self._internal_error_logged_at = -math.inf
         self._internal_errors_unlogged = 0
         self._accepting = True
@@ -293,7 +294,7 @@ class Ingress:
         with scope:
             while True:
                 try:
-                    client, _ = sock.accept()
+                    client, addr = sock.accept()
                 except BlockingIOError:
                     await trio.lowlevel.wait_readable(sock)
                     continue
@@ -301,17 +302,29 @@ class Ingress:
                     log.warning("accept failed: %s", exc)
                     await trio.sleep(0.1)
                     continue
-                if self.connections >= self.config.max_connections:
+                cfg = self.config
+                peer = str(addr[0]) if isinstance(addr, tuple) else ""
+                held = self._per_client.get(peer, 0)
+                if self.connections >= cfg.max_connections:
+                    self.metrics.connections_refused.labels("total").inc()
                     client.close()
                     continue
+                if held >= cfg.max_connections_per_client:
+                    self.metrics.connections_refused.labels("per_client").inc()
+                    client.close()
+                    continue
+                self._per_client[peer] = held + 1
                 client.setblocking(False)
                 client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 self.reactor.register(client)
-                nursery.start_soon(self._connection, client)
+                nursery.start_soon(self._connection, client, peer)
 
-    async def _connection(self, sock: socket.socket) -> None:
+    async def _connection(self, sock: socket.socket, peer: str = "") -> None:
         cfg = self.config
-        watch = Watched(sock, self.clock.now() + cfg.keepalive_timeout_s)
+        busy = self.connections >= cfg.busy_connections
+        watch = Watched(
+            sock, self.clock.now() + (cfg.busy_keepalive_s if busy else cfg.keepalive_timeout_s)
+        )
         conn = ClientConn(sock, watch, self.reactor)
         self._conns.add(conn)
         self.watchdog.watched.add(watch)
@@ -338,9 +351,13 @@ class Ingress:
                         break
                     sent_continue = False
                     answered = True
-                    watch.deadline = self.clock.now() + (
-                        cfg.request_timeout_s if parser.mid_request else cfg.keepalive_timeout_s
-                    )
+                    if parser.mid_request:
+                        idle_s = cfg.request_timeout_s
+                    elif self.connections > cfg.busy_connections:
+                        idle_s = cfg.busy_keepalive_s  # many held: idle ones make room sooner
+                    else:
+                        idle_s = cfg.keepalive_timeout_s
+                    watch.deadline = self.clock.now() + idle_s
                     continue
                 if parser.error is not None:
                     status, message = parser.error
@@ -399,6 +416,11 @@ class Ingress:
             self.watchdog.watched.discard(watch)
             self._conns.discard(conn)
             self.connections -= 1
+            left = self._per_client.get(peer, 1) - 1
+            if left > 0:
+                self._per_client[peer] = left
+            else:
+                self._per_client.pop(peer, None)
             reactor.close(sock)
 
     def _refused_by_head(self, req: Request) -> bool:

@@ -15,6 +15,13 @@ class IngressConfig:
     max_head_bytes: int = 32 * 1024
     max_headers: int = 100
     max_connections: int = 4096
+    # One client address may hold at most this many (a shared login node or gateway needs
+    # many; one address must still not be able to take them all), and once the agent holds
+    # more than ``busy_connections`` in all, idle keep-alive connections are cut after
+    # ``busy_keepalive_s`` instead of ``keepalive_timeout_s``.
+    max_connections_per_client: int = 1024
+    busy_connections: int = 3072
+    busy_keepalive_s: float = 5.0
     request_timeout_s: float = 30.0  # a request's head and body must arrive within this
     keepalive_timeout_s: float = 75.0  # idle time between requests on a connection
     # After an early error (413 while the body still arrives), read and drop at most this much

@@ -230,6 +230,13 @@ class IngressMetrics:
             ["status"],
             registry=r,
         )
+        self.connections_refused = Counter(
+            "fabric_ingress_connections_refused",
+            "Client connections closed at accept, by reason: the agent holds max_connections"
+            " (total) or the client's address holds max_connections_per_client (per_client)",
+            ["reason"],
+            registry=r,
+        )
         self.internal_errors = Counter(
             "fabric_ingress_internal_errors",
             "Connections closed because answering them raised an unexpected error (a bug: the"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+import resource
 import socket
 import struct
 import time
@@ -529,6 +530,45 @@ def test_a_client_still_uploading_a_64_mb_body_reads_the_413_answer(
 
 
 # == connection handling =====================================================================
+
+
+def ask_from(agent: AgentProcess, source: str) -> int:
+    """The status of one small chat request sent from the local address ``source``; 0 when the
+    agent closed the connection without an answer (refused at accept)."""
+    host, _, port = agent.http_url.removeprefix("http://").rpartition(":")
+    with socket.create_connection((host, int(port)), IO_TIMEOUT_S, (source, 0)) as sock:
+        try:
+            sock.sendall(http_request("POST", CHAT_PATH, chat_body(max_tokens=2)))
+            return Reader(sock).response().status
+        except (EOFError, ConnectionError):
+            return 0
+
+
+def test_one_client_address_cannot_take_every_connection(agents: Agents) -> None:
+    """Idle connections from one address beyond ``max_connections_per_client`` (1024) are
+    closed at accept and counted; another address is served meanwhile, and the address gets
+    its share back once it closes its connections."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 4096)), hard))
+    agent = agents.serve
+    host, _, port = agent.http_url.removeprefix("http://").rpartition(":")
+    hog = "127.0.0.2"  # any 127/8 address is loopback on Linux
+    refused = 'fabric_ingress_connections_refused_total{reason="per_client"}'
+    before = metrics(agent.http_url).get(refused, 0.0)
+    held: list[socket.socket] = []
+    try:
+        for _ in range(1024 + 40):
+            held.append(socket.create_connection((host, int(port)), IO_TIMEOUT_S, (hog, 0)))
+        assert wait_until(
+            lambda: metrics(agent.http_url).get(refused, 0.0) >= before + 40, IO_TIMEOUT_S
+        ), metrics(agent.http_url)
+        assert ask_from(agent, "127.0.0.1") == 200
+    finally:
+        for sock in held:
+            sock.close()
+    # The agent notices the closes as they come: the address is served again.
+    assert wait_until(lambda: ask_from(agent, hog) == 200, IO_TIMEOUT_S)
+    assert metrics(agent.http_url)[refused] == before + 40
 
 
 def test_pipelined_requests_get_their_answers_in_order(agents: Agents) -> None:
