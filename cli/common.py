@@ -31,6 +31,7 @@ R = TypeVar("R")
 @dataclass
 class CliState:
     agent_url: str = DEFAULT_AGENT
+    api_key: str | None = None  # sent to the agent's admin API (needed once API keys are on)
     debug: bool = False
 
 
@@ -98,7 +99,7 @@ def agent_client(command: str) -> AdminClient:
         url = agent_base_url(state().agent_url)
     except ConfigError as exc:
         usage_error(command, f"--agent: {exc}")
-    return AdminClient(url)
+    return AdminClient(url, api_key=state().api_key)
 
 
 def check_labels(labels: list[str] | None) -> list[str]:

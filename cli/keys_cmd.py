@@ -226,6 +226,14 @@ def keys_api_new(
     burst: Annotated[
         int | None, typer.Option(metavar="B", help="Burst size (default: one second's worth).")
     ] = None,
+    admin: Annotated[
+        bool,
+        typer.Option(
+            "--admin",
+            help="May also read the registry (fabric nodes, models, self) and /metrics, which "
+            "need such a key once keys are on.",
+        ),
+    ] = False,
     keys_file: ApiKeysFileOption = None,
     as_json: JsonOption = False,
 ) -> None:
@@ -247,7 +255,7 @@ def keys_api_new(
     path = _api_keys_path(keys_file)
     store = ApiKeyStore.load(path)
     try:
-        token, key = store.new_key(name, allow, rate, burst)
+        token, key = store.new_key(name, allow, rate, burst, admin=admin)
     except ConfigError as exc:
         usage_error("keys api-new", str(exc))
     if as_json:
@@ -283,13 +291,14 @@ def keys_api_list(
         print(f"no API keys file at {path}: the ingress runs open (no auth)")
         return
     table = Table(box=None, header_style="bold", pad_edge=False)
-    for column in ("KEY ID", "NAME", "STATUS", "CREATED", "PROVIDERS", "RATE"):
+    for column in ("KEY ID", "NAME", "STATUS", "SCOPE", "CREATED", "PROVIDERS", "RATE"):
         table.add_column(column, no_wrap=column != "PROVIDERS")
     for k in found:
         table.add_row(
             k.key_id,
             k.name,
             "revoked" if k.disabled else "active",
+            "admin" if k.admin else "api",
             _time.strftime("%Y-%m-%d %H:%M UTC", _time.gmtime(k.created_at)),
             ", ".join(k.providers) if k.providers is not None else "any",
             f"{k.rate.rate_per_s:g}/s burst {k.rate.burst}" if k.rate else "-",

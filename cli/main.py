@@ -53,10 +53,22 @@ def _root(
             show_envvar=False,
         ),
     ] = DEFAULT_AGENT,
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            "--api-key",
+            metavar="KEY",
+            envvar="FABRIC_API_KEY",
+            help="Admin API key for the agent's registry views, once API keys are on "
+            "(default $FABRIC_API_KEY; made by `fabric keys api-new NAME --admin`).",
+            show_envvar=False,
+        ),
+    ] = None,
     debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks on errors.")] = False,
 ) -> None:
     chosen = ctx.obj if isinstance(ctx.obj, CliState) else CliState()
     chosen.agent_url = agent
+    chosen.api_key = api_key or None
     chosen.debug = debug
     ctx.obj = chosen
     STATE.set(chosen)

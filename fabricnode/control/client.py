@@ -56,10 +56,14 @@ class AdminClient:
         *,
         timeout_s: float = 5.0,
         transport: httpx.BaseTransport | None = None,
+        api_key: str | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
-        self._http = httpx.Client(base_url=self.base_url, timeout=timeout_s, transport=transport)
+        headers = {"authorization": f"Bearer {api_key}"} if api_key else None
+        self._http = httpx.Client(
+            base_url=self.base_url, timeout=timeout_s, transport=transport, headers=headers
+        )
 
     def __enter__(self) -> AdminClient:
         return self
@@ -200,6 +204,12 @@ class AdminClient:
                     "--admin HOST:PORT serves them on that port: point --agent there)",
                     404,
                 )
+        if response.status_code in (401, 403):
+            raise AgentApiError(
+                f"{_error_message(response)}; the agent's API keys are on: give an admin key "
+                "(fabric --api-key KEY, or $FABRIC_API_KEY)",
+                response.status_code,
+            )
         raise AgentApiError(_error_message(response), response.status_code)
 
 

@@ -121,6 +121,9 @@ class ApiKey:
     rate: RateLimit | None = None
     disabled: bool = False
     revoked_at: float | None = None
+    # May read the agent's registry views and /metrics (engine addresses, every node) when
+    # keys are on; an ordinary key reaches only the OpenAI endpoints.
+    admin: bool = False
     _provider_set: frozenset[str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -148,6 +151,7 @@ class ApiKey:
             "burst": self.rate.burst if self.rate else None,
             "disabled": self.disabled,
             "revoked_at": self.revoked_at,
+            "admin": self.admin,
         }
 
     def to_record(self) -> dict[str, Any]:
@@ -161,6 +165,7 @@ class ApiKey:
             "burst": self.rate.burst if self.rate else None,
             "disabled": self.disabled,
             "revoked_at": self.revoked_at,
+            "admin": self.admin,
         }
 
     @classmethod
@@ -203,6 +208,9 @@ class ApiKey:
         disabled = doc.get("disabled", False)
         if not isinstance(disabled, bool):
             raise ValueError(f"key {key_id}: disabled must be true or false")
+        admin = doc.get("admin", False)
+        if not isinstance(admin, bool):
+            raise ValueError(f"key {key_id}: admin must be true or false")
         revoked_at = doc.get("revoked_at")
         if revoked_at is not None and (
             isinstance(revoked_at, bool) or not isinstance(revoked_at, int | float)
@@ -217,6 +225,7 @@ class ApiKey:
             rate=rate,
             disabled=disabled,
             revoked_at=float(revoked_at) if revoked_at is not None else None,
+            admin=admin,
         )
 
 
@@ -382,6 +391,7 @@ class ApiKeyStore:
         rate_per_s: float | None = None,
         burst: int | None = None,
         *,
+        admin: bool = False,
         now: float | None = None,
     ) -> tuple[str, ApiKey]:
         """Create a key and save the file; returns (token, record). The token exists only here."""
@@ -411,6 +421,7 @@ class ApiKeyStore:
             created_at=round(time.time() if now is None else now, 3),
             providers=allow,
             rate=rate,
+            admin=admin,
         )
         self._by_id = {**self._by_id, key_id: key}
         self._enabled = True

@@ -492,6 +492,25 @@ class Ingress:
         if self.control_app is None:
             await self._send_error(conn, 404, "no such endpoint", "not_found")
             return True
+        keys = self.api_keys
+        if keys is not None and keys.enabled and not _open_control(req):
+            # With keys on, the registry views and /metrics (every node, engine addresses)
+            # need an admin key; probes stay open, and posted assignments carry signatures.
+            key = key_of(req.headers, keys)
+            if key is None:
+                await self._send_error(
+                    conn, KEY_REJECTION.status, KEY_REJECTION.message, KEY_REJECTION.code
+                )
+                return True
+            if not key.admin:
+                await self._send_error(
+                    conn,
+                    403,
+                    "this API key may not read the agent's registry or metrics (an operator "
+                    "makes one that may: fabric keys api-new NAME --admin)",
+                    "insufficient_permissions",
+                )
+                return True
         status, headers, body = await call_asgi(self.control_app, req)
         # The app's own headers go out (Allow on a 405, caching, content type), framing ours.
         kept = [(n, v) for n, v in headers if n.lower() not in HOP_RESPONSE_HEADERS]
@@ -1123,3 +1142,12 @@ class Ingress:
 
 
 # == helpers =================================================================================
+
+OPEN_CONTROL_PATHS = (b"/health", b"/ready")
+ASSIGNMENTS_PATH = b"/fabric/v1/assignments"
+
+
+def _open_control(req: Request) -> bool:
+    """Control endpoints anyone may call while API keys are on."""
+    path = req.path
+    return path in OPEN_CONTROL_PATHS or (path == ASSIGNMENTS_PATH and req.method == b"POST")

@@ -57,7 +57,9 @@ def state_is(watcher: AgentProcess, sid: str, state: str) -> bool:
 METRIC = re.compile(r"^([a-zA-Z_:][\w:]*(?:\{[^}]*\})?) (\S+)$", re.MULTILINE)
 
 
-def metrics(url: str) -> dict[str, float]:
-    """An agent's (or engine's) /metrics: each series, with its labels as written, to its value."""
-    text = httpx.get(f"{url}/metrics", timeout=2.0).text
+def metrics(url: str, api_key: str | None = None) -> dict[str, float]:
+    """An agent's (or engine's) /metrics: each series, with its labels as written, to its value
+    (``api_key``: an admin key, needed once the agent's API keys are on)."""
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else None
+    text = httpx.get(f"{url}/metrics", timeout=2.0, headers=headers).text
     return {name: float(value) for name, value in METRIC.findall(text)}

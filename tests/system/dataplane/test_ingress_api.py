@@ -8,7 +8,10 @@ ingress the clients talk to, with API keys on and a small body limit.
 from __future__ import annotations
 
 import json
+import os
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,6 +39,11 @@ class Mesh:
             base_url=self.c.http_url + "/v1", api_key=self.keys.get(key, key), max_retries=0, **kw
         )
 
+    @property
+    def admin(self) -> dict[str, str]:
+        """Headers with the admin key: the agent's registry views and /metrics need it."""
+        return {"authorization": f"Bearer {self.keys['ops']}"}
+
     def post(self, path: str, body: bytes | dict[str, object], **headers: str) -> httpx.Response:
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
         hdrs = {"authorization": f"Bearer {self.keys['alice']}", **headers}
@@ -54,6 +62,7 @@ def fab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
             "alice": store.new_key("alice")[0],
             "bob": store.new_key("bob", rate_per_s=0.2, burst=1)[0],
             "carol": store.new_key("carol", providers=["lab-a"])[0],
+            "ops": store.new_key("ops", admin=True)[0],
         }
         store.save()
         a = local.start(
@@ -181,6 +190,44 @@ def test_a_request_without_a_valid_key_gets_401_from_its_head(fab: Mesh, auth: s
     assert b'"code":"invalid_api_key"' in got.replace(b" ", b""), got
 
 
+@pytest.mark.parametrize(
+    "path", ["/metrics", "/fabric/v1/nodes", "/fabric/v1/models", "/fabric/v1/self"]
+)
+def test_with_keys_on_the_registry_views_and_metrics_need_an_admin_key(
+    fab: Mesh, path: str
+) -> None:
+    """They name every node and its engine's address: readable by an admin key only, or the
+    engines could be used around the keys."""
+    url = fab.c.http_url + path
+    r = httpx.get(url, timeout=10)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    r = httpx.get(url, headers={"authorization": f"Bearer {fab.keys['alice']}"}, timeout=10)
+    assert r.status_code == 403, r.text
+    assert r.json()["error"]["type"] == "permission_error" and "--admin" in r.text
+    r = httpx.get(url, headers=fab.admin, timeout=10)
+    assert r.status_code == 200
+
+
+def test_with_keys_on_probes_and_signed_assignments_stay_open(fab: Mesh) -> None:
+    for path in ("/health", "/ready"):
+        assert httpx.get(fab.c.http_url + path, timeout=10).status_code == 200
+    # Assignments carry operator signatures: the body is judged, not the caller.
+    r = httpx.post(fab.c.http_url + "/fabric/v1/assignments", json={"assignments": []})
+    assert r.status_code == 400, r.text
+
+
+def test_the_cli_reads_the_registry_with_an_admin_key(fab: Mesh) -> None:
+    base = [sys.executable, "-m", "cli.main", "--agent", fab.c.http_url]
+    denied = subprocess.run([*base, "nodes"], capture_output=True, text=True, timeout=30)
+    assert denied.returncode == 1 and "FABRIC_API_KEY" in denied.stderr, denied.stderr
+    env = {**os.environ, "FABRIC_API_KEY": fab.keys["ops"]}
+    ok = subprocess.run(
+        [*base, "nodes", "--json"], capture_output=True, text=True, timeout=30, env=env
+    )
+    assert ok.returncode == 0, ok.stderr
+    assert len(json.loads(ok.stdout)["nodes"]) == 3
+
+
 def test_rate_limited_key_gets_429_with_retry_after(fab: Mesh) -> None:
     client = fab.client("bob")
     client.completions.create(model="m1", prompt="x", max_tokens=1)  # the burst of one
@@ -249,7 +296,7 @@ def test_forward_without_the_cluster_key_is_refused(fab: Mesh) -> None:
 def test_metrics_count_requests_and_the_request_log_has_no_prompt_text(fab: Mesh) -> None:
     secret = "the-prompt-text-must-not-be-logged"
     fab.client().completions.create(model="m1", prompt=secret, max_tokens=2)
-    text = httpx.get(fab.c.http_url + "/metrics").text
+    text = httpx.get(fab.c.http_url + "/metrics", headers=fab.admin).text
     assert 'fabric_ingress_requests_total{model="m1",status="200"}' in text
     assert "fabric_ingress_request_seconds_bucket" in text
     log_path: Path = fab.request_log
@@ -272,7 +319,7 @@ def test_bookkeeping_is_settled_before_it_is_read(fab: Mesh) -> None:
     whoever reads them right after an answer sees it counted, with its own start time."""
     completion = 'fabric_ingress_tokens_total{kind="completion",model="m1"}'
     prompt = 'fabric_ingress_tokens_total{kind="prompt",model="m1"}'
-    before = metrics(fab.c.http_url)
+    before = metrics(fab.c.http_url, fab.keys["ops"])
     started = time.time()
     reply = fab.client().chat.completions.create(
         model="m1", messages=[{"role": "user", "content": "count me"}], max_tokens=3
@@ -280,7 +327,7 @@ def test_bookkeeping_is_settled_before_it_is_read(fab: Mesh) -> None:
     answered = time.time()
     assert reply.usage is not None
     # Read at once: no other request has come through since, and no timer had to fire.
-    after = metrics(fab.c.http_url)
+    after = metrics(fab.c.http_url, fab.keys["ops"])
     assert after[completion] - before.get(completion, 0) == reply.usage.completion_tokens == 3
     assert after[prompt] - before.get(prompt, 0) == reply.usage.prompt_tokens
 
