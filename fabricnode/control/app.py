@@ -444,6 +444,12 @@ class AdminMetrics(Collector):
             yield counter(
                 "fabric_transport_oversized_total", "Packets over the size limit", t.oversized
             )
+            yield counter(
+                "fabric_transport_streams_refused_total",
+                "Incoming gossip connections closed unread: over 64 at once, or their frames over"
+                " 64 MiB held before they were opened",
+                t.streams_refused,
+            )
         if app.keyring is not None:
             yield counter(
                 "fabric_keyring_reloads_total",

@@ -127,6 +127,30 @@ class Request:
         return parts[0]
 
 
+class BodyBudget:
+    """The request body bytes every connection of an agent may hold at once, together.
+
+    Each body byte is taken as it arrives and given back once its request was answered (or its
+    connection ended): many slow uploads cannot grow the agent without bound, whatever the
+    per-request limit.
+    """
+
+    __slots__ = ("limit", "used")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+
+    def take(self, n: int) -> bool:
+        if self.used + n > self.limit:
+            return False
+        self.used += n
+        return True
+
+    def give(self, n: int) -> None:
+        self.used = max(0, self.used - n)
+
+
 class RequestParser:
     """Sans-IO request side of one connection (see the module docstring)."""
 
@@ -136,10 +160,12 @@ class RequestParser:
         max_head_bytes: int = 32 * 1024,
         max_headers: int = 100,
         max_body_bytes: int = 16 * 1024 * 1024,
+        budget: BodyBudget | None = None,
     ) -> None:
         self.max_head_bytes = max_head_bytes
         self.max_headers = max_headers
         self.max_body_bytes = max_body_bytes
+        self.budget = budget  # shared by the agent's connections (None: no global bound)
         self.ready: deque[Request] = deque()
         self.pending: Request | None = None  # the request being received
         self.head_complete = False  # of the pending request
@@ -178,11 +204,22 @@ class RequestParser:
             self._fail(431, "request headers too large")
 
     def release(self) -> None:
-        """The connection ended: drop the requests it holds now. This parser and httptools'
-        refer to each other, so without this their body buffers would wait for a full
-        garbage collection (uploads cut off mid-body piled up by the gigabyte)."""
+        """The connection ended: drop the requests it holds now, and give their bytes back to
+        the budget. This parser and httptools' refer to each other, so without this their body
+        buffers would wait for a full garbage collection (uploads cut off mid-body piled up by
+        the gigabyte)."""
+        held = sum(req.body_len for req in self.ready)
+        if self.pending is not None:
+            held += self.pending.body_len
+        if self.budget is not None:
+            self.budget.give(held)
         self.pending = None
         self.ready.clear()
+
+    def answered(self, req: Request) -> None:
+        """``req`` (taken from ``ready``) was answered: its body bytes go back to the budget."""
+        if self.budget is not None:
+            self.budget.give(req.body_len)
 
     @property
     def mid_request(self) -> bool:
@@ -244,10 +281,15 @@ class RequestParser:
     def on_body(self, body: bytes) -> None:
         req = self.pending
         assert req is not None
-        req.body_len += len(body)
-        if req.body_len > self.max_body_bytes:
+        n = len(body)
+        if req.body_len + n > self.max_body_bytes:
             self._fail(413, f"request body larger than {self.max_body_bytes} bytes")
             raise _Stop
+        budget = self.budget
+        if budget is not None and not budget.take(n):
+            self._fail(503, "the agent holds too many request bodies right now; retry shortly")
+            raise _Stop
+        req.body_len += n
         req._body_parts.append(body)
 
     def on_message_complete(self) -> None:

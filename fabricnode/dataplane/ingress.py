@@ -75,6 +75,7 @@ from fabricnode.dataplane.forward_auth import ForwardRejected, ForwardVerifier, 
 from fabricnode.dataplane.http1 import (
     CONTINUE_RESPONSE,
     HOP_RESPONSE_HEADERS,
+    BodyBudget,
     Request,
     RequestParser,
     frame,
@@ -200,6 +201,8 @@ class Ingress:
         self.pool = UpstreamPool(clock=self.clock, reactor=self.reactor)
         self.pool.while_waiting = self.settler.settle
         self.transcripts = TranscriptBudget(cfg.resume_buffer_bytes)
+        # At least one whole request of the largest size allowed must fit.
+        self.body_budget = BodyBudget(max(cfg.max_buffered_body_bytes, cfg.max_body_bytes))
         self.watchdog = Watchdog(cfg.watchdog_interval_s, self.reactor)
         self.watchdog.clock = self.clock
         self.forwards = ForwardVerifier(core.keyring, max_skew_s=cfg.forward_max_skew_s)
@@ -333,6 +336,7 @@ class Ingress:
             max_head_bytes=cfg.max_head_bytes,
             max_headers=cfg.max_headers,
             max_body_bytes=cfg.max_body_bytes,
+            budget=self.body_budget,
         )
         reactor = self.reactor
         sent_continue = False
@@ -347,6 +351,7 @@ class Ingress:
                         keep = await self._handle(conn, req)
                     finally:
                         reactor.request_ended()
+                        parser.answered(req)
                     if not keep or not req.keep_alive:
                         break
                     sent_continue = False

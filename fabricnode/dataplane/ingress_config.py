@@ -12,6 +12,9 @@ class IngressConfig:
     """Every data-plane limit and timeout, with its unit in the name."""
 
     max_body_bytes: int = 16 * 1024 * 1024
+    # Request bodies all connections may hold at once (arriving or being answered): past it a
+    # request gets 503 and its connection is closed (``http1.BodyBudget``).
+    max_buffered_body_bytes: int = 512 * 1024 * 1024
     max_head_bytes: int = 32 * 1024
     max_headers: int = 100
     max_connections: int = 4096

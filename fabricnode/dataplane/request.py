@@ -55,6 +55,7 @@ def malformed_code(status: int) -> str:
         413: "request_too_large",
         414: "uri_too_long",
         431: "headers_too_large",
+        503: "server_busy",
         505: "http_version_not_supported",
     }.get(status, "bad_request")
 

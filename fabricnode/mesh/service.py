@@ -54,6 +54,7 @@ class TransportStatistics:
     send_errors: int
     oversized: int
     stream_errors: int = 0  # incoming connections that broke mid-frame
+    streams_refused: int = 0  # incoming connections over the connection or frame-bytes bounds
 
 
 class UdpTcpTransport:
@@ -68,6 +69,8 @@ class UdpTcpTransport:
         max_datagram_bytes: int = 65507,
         max_frame_bytes: int = 16 * 1024 * 1024,
         stream_timeout_s: float = 5.0,
+        max_inbound_streams: int = 64,
+        max_frame_bytes_held: int = 64 * 1024 * 1024,
     ) -> None:
         self._udp = udp
         self._listeners = listeners
@@ -80,9 +83,15 @@ class UdpTcpTransport:
             1024
         )
         self._stream_limit = trio.CapacityLimiter(32)
+        # Inbound frames are unauthenticated until the core opens them: bound the connections
+        # that may send one, and the bytes of frames being received or waiting to be opened.
+        self.max_inbound_streams = max_inbound_streams
+        self.max_frame_bytes_held = max_frame_bytes_held
+        self._inbound = 0
+        self._frame_bytes_held = 0
         self._nursery: trio.Nursery | None = None
         self.datagrams_in = self.datagrams_out = self.streams_in = self.streams_out = 0
-        self.send_errors = self.oversized = self.stream_errors = 0
+        self.send_errors = self.oversized = self.stream_errors = self.streams_refused = 0
 
     @classmethod
     async def bind(cls, host: str, port: int, advertise_host: str) -> UdpTcpTransport:
@@ -113,6 +122,7 @@ class UdpTcpTransport:
             self.send_errors,
             self.oversized,
             self.stream_errors,
+            self.streams_refused,
         )
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -133,6 +143,19 @@ class UdpTcpTransport:
 
     async def _handle_stream(self, stream: trio.SocketStream) -> None:
         async with stream:
+            if self._inbound >= self.max_inbound_streams:
+                self.streams_refused += 1
+                return
+            self._inbound += 1
+            try:
+                await self._receive_frame(stream)
+            finally:
+                self._inbound -= 1
+
+    async def _receive_frame(self, stream: trio.SocketStream) -> None:
+        held = 0  # bytes of this frame counted in _frame_bytes_held (until ``receive``)
+        queued = False
+        try:
             with trio.move_on_after(self.stream_timeout_s):
                 try:
                     header = await _receive_exactly(stream, FRAME_HEADER.size)
@@ -142,6 +165,11 @@ class UdpTcpTransport:
                     if length > self.max_frame_bytes:
                         self.oversized += 1
                         return
+                    if self._frame_bytes_held + length > self.max_frame_bytes_held:
+                        self.streams_refused += 1
+                        return
+                    self._frame_bytes_held += length
+                    held = length
                     body = await _receive_exactly(stream, length)
                 except trio.BrokenResourceError:
                     # The peer reset the connection: its problem, never the listener's.
@@ -151,9 +179,16 @@ class UdpTcpTransport:
                     return
                 self.streams_in += 1
                 await self._send_in.send((body, None, True))
+                queued = True  # ``receive`` gives its bytes back
+        finally:
+            if held and not queued:
+                self._frame_bytes_held -= held
 
     async def receive(self) -> tuple[bytes, str | None, bool]:
-        return await self._recv_out.receive()
+        item = await self._recv_out.receive()
+        if item[2]:
+            self._frame_bytes_held -= len(item[0])
+        return item
 
     async def send(self, addr: str, data: bytes, reliable: bool) -> None:
         try:

@@ -170,3 +170,38 @@ async def test_two_gossip_services_over_real_sockets_see_each_other_alive() -> N
                 await trio.sleep(0.02)
         assert a.stats_dropped == {} and b.stats_dropped == {}
         nursery.cancel_scope.cancel()
+
+
+async def test_unauthenticated_frames_and_connections_are_bounded() -> None:
+    """Frames are opened (authenticated) only by the core: before that, at most
+    ``max_inbound_streams`` connections may be sending one, and the frames being received or
+    waiting may hold at most ``max_frame_bytes_held`` bytes; more is refused, not buffered."""
+    async with running_transports(1) as (b,):
+        b.max_inbound_streams = 3
+        b.max_frame_bytes_held = 1000
+        port = port_of(b)
+        with trio.fail_after(TIMEOUT_S):
+            # Three connections announce 300 bytes each and send half: 900 bytes held.
+            slow = [await trio.open_tcp_stream("127.0.0.1", port) for _ in range(3)]
+            for s in slow:
+                await s.send_all(FRAME_HEADER.pack(300) + b"x" * 150)
+            while b._frame_bytes_held < 900:
+                await trio.sleep(0.01)
+            # A fourth connection is over the connection bound: closed unread.
+            extra = await trio.open_tcp_stream("127.0.0.1", port)
+            await extra.send_all(FRAME_HEADER.pack(10) + b"y" * 10)
+            assert await hung_up(extra)
+            assert b.statistics().streams_refused == 1
+            # The slow ones finish: each frame arrives, and its bytes come back once taken.
+            for s in slow:
+                await s.send_all(b"x" * 150)
+                await s.aclose()
+            for _ in range(3):
+                assert await b.receive() == (b"x" * 300, None, True)
+            assert b._frame_bytes_held == 0
+            # A frame that would take the held bytes over the bound is refused.
+            big = await trio.open_tcp_stream("127.0.0.1", port)
+            await big.send_all(FRAME_HEADER.pack(1001))
+            assert await hung_up(big)
+            assert b.statistics().streams_refused == 2
+            assert await nothing_arrives(b)

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from fabricnode.dataplane.http1 import (
     MAX_RESPONSE_HEAD_BYTES,
     MAX_RESPONSE_HEADERS,
+    BodyBudget,
     Request,
     RequestParser,
     ResponseParser,
@@ -510,3 +511,41 @@ def test_release_drops_the_requests_a_closed_connection_held() -> None:
     assert parser.pending is not None and parser.pending.body_len == 30
     parser.release()
     assert parser.pending is None and not parser.ready
+
+
+def test_bodies_held_by_all_connections_share_one_budget() -> None:
+    budget = BodyBudget(100)
+    a = RequestParser(max_body_bytes=64, budget=budget)
+    b = RequestParser(max_body_bytes=64, budget=budget)
+    a.feed(b"POST /x HTTP/1.1\r\ncontent-length: 60\r\n\r\n" + b"a" * 60)
+    assert a.ready and budget.used == 60
+    b.feed(b"POST /x HTTP/1.1\r\ncontent-length: 60\r\n\r\n" + b"b" * 30)
+    assert b.error is None and budget.used == 90
+    b.feed(b"b" * 30)  # over the shared budget: refused, the connection will close
+    assert b.error is not None and b.error[0] == 503
+    a.answered(a.ready.popleft())
+    b.release()
+    assert budget.used == 0
+    c = RequestParser(max_body_bytes=64, budget=budget)  # room again
+    c.feed(b"POST /x HTTP/1.1\r\ncontent-length: 60\r\n\r\n" + b"c" * 60)
+    assert c.ready and c.error is None
+
+
+@settings(max_examples=200, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.integers(0, 2), st.binary(max_size=80)), max_size=30))
+def test_the_budget_comes_back_whole_whatever_the_connections_sent(
+    feeds: list[tuple[int, bytes]],
+) -> None:
+    budget = BodyBudget(150)
+    parsers = [RequestParser(max_body_bytes=64, budget=budget) for _ in range(3)]
+    head = b"POST /x HTTP/1.1\r\ncontent-length: 50\r\n\r\n"
+    for p in parsers:
+        p.feed(head)
+    for i, data in feeds:
+        parsers[i].feed(data)
+        assert 0 <= budget.used <= 150
+    for p in parsers:
+        while p.ready:
+            p.answered(p.ready.popleft())
+        p.release()
+    assert budget.used == 0
