@@ -140,6 +140,8 @@ FORWARDED_REQUEST_HEADERS = (b"accept", b"x-request-id", b"openai-organization")
 JSON = b"application/json"
 SSE = b"text/event-stream"
 INTERNAL_ERROR_LOG_S = 10.0  # unexpected errors are logged at most this often
+CONNECT_REFUSED = "cannot connect"  # how UpstreamError names a refused connection
+MAX_REFUSED_SKIPS = 8  # refused connections per request that do not count as attempts
 
 
 @dataclass
@@ -633,6 +635,7 @@ class Ingress:
         last_error = "no eligible node"
         deadline = job.started + cfg.retry_budget_s
         limit = cfg.max_attempts  # raised when a stream is resumed: its own attempts and time
+        refused = 0  # attempts refused at connect, not counted against the limit
         policy = self.policy
         answered = False
         observed = -1  # candidates for the first attempt, observed when the request is done
@@ -686,6 +689,11 @@ class Ingress:
                     log.info("stream from %s broke: continuing it on another node", pick[:8])
                     continue
                 last_error = outcome
+                if outcome.startswith(CONNECT_REFUSED) and refused < MAX_REFUSED_SKIPS:
+                    # Nothing was sent to an address that refused at once: it costs no attempt
+                    # (phantom or freshly dead entries must not use up a request's failover).
+                    refused += 1
+                    limit += 1
                 self.retries += 1
                 self.metrics.retries.labels(failure_reason(outcome)).inc()
                 log.info("attempt on %s failed before the first byte: %s", pick[:8], outcome)

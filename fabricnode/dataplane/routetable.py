@@ -192,8 +192,8 @@ class RouteTable:
                     continue
                 status: Liveness | None = Liveness.ALIVE
             else:
-                status = core.members.status(sid)
-            if status is Liveness.DEAD or status is Liveness.LEFT:
+                status = _probed_status(core, sid)
+            if status is None or status is Liveness.DEAD or status is Liveness.LEFT:
                 continue
             if providers and not provider_allowed(info, providers):
                 continue
@@ -212,8 +212,18 @@ class RouteTable:
 def _usable(core: MeshCore, r: Route) -> bool:
     if r.is_self:
         return not core.left
-    status = core.members.status(r.info.session_id)
-    return status is not Liveness.DEAD and status is not Liveness.LEFT
+    status = _probed_status(core, r.info.session_id)
+    return status is not None and status is not Liveness.DEAD and status is not Liveness.LEFT
+
+
+def _probed_status(core: MeshCore, sid: str) -> Liveness | None:
+    """The member's liveness, or None when nothing can vouch for it: an entry whose owner is
+    not a member with a gossip address is never probed, so it would count as alive for ever
+    (a key holder could flood the registry with such phantoms and exhaust every failover)."""
+    member = core.members.get(sid)
+    if member is None or not member.addr:
+        return None
+    return member.status
 
 
 def _listing(core: MeshCore, by_model: Mapping[str, list[Route]]) -> list[ModelListing]:

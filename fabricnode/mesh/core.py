@@ -223,7 +223,7 @@ class MeshCore:
         self._sender = ""  # the session that sent the packet being handled
         self.packets_in = self.packets_out = self.bytes_in = self.bytes_out = 0
         self.self_entry = body.sign(identity)
-        self.registry.merge(self.self_entry, now)
+        self.registry.merge(self.self_entry, now, own=True)
         self._refresh_at = self._refresh_time(now)
         self._queue_self(now)
 
@@ -242,7 +242,7 @@ class MeshCore:
         expires = min(now + self.config.entry_ttl_s, _lease_cap(labels))  # type: ignore[arg-type]
         new_body = body.successor(updated_at=now, expires_at=expires, **changes)
         self.self_entry = new_body.sign(self.identity)
-        self.registry.merge(self.self_entry, now)
+        self.registry.merge(self.self_entry, now, own=True)
         self._refresh_at = self._refresh_time(now)
         self._queue_self(now)
         return self.self_entry
@@ -281,7 +281,7 @@ class MeshCore:
         self.left = False
         self._my_load = None
         self.self_entry = body.sign(identity)
-        self.registry.merge(self.self_entry, now)
+        self.registry.merge(self.self_entry, now, own=True)
         self._refresh_at = self._refresh_time(now)
         self._queue_self(now)
 

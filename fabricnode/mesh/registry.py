@@ -309,6 +309,7 @@ class MergeOutcome(enum.Enum):
     INVALID = "invalid"  # bad signature or id, or a lifetime the cluster does not allow
     EXPIRED = "expired"  # past its gc time, or rank covered by a tombstone
     COLLECTED = "collected"  # newer than ours but already collectable: ours is dropped too
+    FULL = "full"  # a new session while the registry, or its provider's share, is at its cap
 
     @property
     def changed(self) -> bool:
@@ -320,6 +321,11 @@ class RegistryLimits:
     terminal_hold_s: float = 300.0
     max_entry_ttl_s: float = 7200.0
     max_clock_skew_s: float = 60.0
+    # Bounds on what a cluster-key holder can make every replica store: new sessions past them
+    # are refused (counted as merges{outcome="full"}) until entries expire. Far above any real
+    # mesh; a mesh whose one provider runs more agents raises the second.
+    max_entries: int = 65536
+    max_entries_per_provider: int = 16384
 
 
 @dataclass(frozen=True)
@@ -337,6 +343,7 @@ class Registry:
         self.verifier = verifier
         self.limits = limits or RegistryLimits()
         self._entries: dict[str, SignedEntry] = {}
+        self._per_provider: dict[str, int] = {}  # live entries by provider name
         # session id -> (the collected entry, when to forget it). The entry is kept, signed, so
         # anti-entropy can show a replica that missed it why its older copy must go.
         self._tombstones: dict[str, tuple[SignedEntry, float]] = {}
@@ -350,14 +357,15 @@ class Registry:
 
     # -- merge ------------------------------------------------------------------------------
 
-    def merge(self, entry: SignedEntry, now: float) -> MergeOutcome:
-        outcome = self._merge(entry, now)
+    def merge(self, entry: SignedEntry, now: float, *, own: bool = False) -> MergeOutcome:
+        """Merge one signed entry (``own``: this node's own, never refused for room)."""
+        outcome = self._merge(entry, now, own)
         self._merges[outcome.value] += 1
         if outcome.changed or outcome is MergeOutcome.COLLECTED:
             self.generation += 1
         return outcome
 
-    def _merge(self, entry: SignedEntry, now: float) -> MergeOutcome:
+    def _merge(self, entry: SignedEntry, now: float, own: bool) -> MergeOutcome:
         sid = entry.session_id
         current = self._entries.get(sid)
         if current is not None and entry.rank <= current.rank:
@@ -373,15 +381,33 @@ class Registry:
             # The owner moved past our copy and that newer entry is itself collectable (e.g. a
             # LEFT we missed while partitioned): collect ours as every other replica did.
             del self._entries[sid]
+            self._count_provider(current.body.provider, -1)
             self._bury(entry, now)
             return MergeOutcome.COLLECTED
+        provider = entry.body.provider
+        if not own and (current is None or current.body.provider != provider):
+            limits = self.limits
+            if (
+                current is None and len(self._entries) >= limits.max_entries
+            ) or self._per_provider.get(provider, 0) >= limits.max_entries_per_provider:
+                return MergeOutcome.FULL
         if not entry.verify(self.verifier):
             return MergeOutcome.INVALID
+        if current is not None:
+            self._count_provider(current.body.provider, -1)
+        self._count_provider(provider, 1)
         self._entries[sid] = entry
         heapq.heappush(self._due, (entry.gc_at(self.limits.terminal_hold_s), sid))
         # A newer version outranks the tombstone, so it covers everything the tombstone did.
         self._tombstones.pop(sid, None)
         return MergeOutcome.NEW if current is None else MergeOutcome.UPDATED
+
+    def _count_provider(self, provider: str, delta: int) -> None:
+        n = self._per_provider.get(provider, 0) + delta
+        if n > 0:
+            self._per_provider[provider] = n
+        else:
+            self._per_provider.pop(provider, None)
 
     def _lifetime_allowed(self, entry: SignedEntry, now: float) -> bool:
         body = entry.body
@@ -403,6 +429,7 @@ class Registry:
             entry = self._entries.get(sid)
             if entry is not None and now >= entry.gc_at(hold):
                 del self._entries[sid]
+                self._count_provider(entry.body.provider, -1)
                 removed.append(sid)
                 self._bury(entry, now)
                 self.generation += 1

@@ -12,6 +12,7 @@ limits, since the agent does not expose them on its command line.
 from __future__ import annotations
 
 import json
+import random
 import re
 import resource
 import socket
@@ -888,4 +889,84 @@ async def test_slow_clients_are_disconnected_after_the_request_timeout() -> None
         answer, _ = await wait_closed(fresh, 3)
         assert answer.startswith(b"HTTP/1.1 200 ")
         assert ingress.connections == 0
+        nursery.cancel_scope.cancel()
+
+
+# == failover past addresses that refuse (in process: a mesh built from signed records) ======
+
+ANSWER = json.dumps(
+    {"id": "x", "object": "chat.completion", "choices": [], "usage": {"prompt_tokens": 1}}
+).encode()
+
+
+async def answer_everything(listener: trio.SocketListener) -> None:
+    """A node's HTTP port that answers every request with one small JSON body."""
+
+    async def handle(stream: trio.SocketStream) -> None:
+        async with stream:
+            buf = b""
+            while True:
+                data = await stream.receive_some()
+                if not data:
+                    return
+                buf += data
+                head, sep, rest = buf.partition(b"\r\n\r\n")
+                if not sep:
+                    continue
+                length = int(re.search(rb"content-length: (\d+)", head.lower()).group(1))  # type: ignore[union-attr]
+                if len(rest) < length:
+                    continue
+                buf = rest[length:]
+                await stream.send_all(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                    b"content-length: %d\r\n\r\n" % len(ANSWER) + ANSWER
+                )
+
+    await trio.serve_listeners(handle, [listener])
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])  # nothing listens there once it is closed
+
+
+@pytest.mark.parametrize("seed", range(8))
+async def test_addresses_that_refuse_do_not_use_up_a_requests_attempts(seed: int) -> None:
+    """Five nodes whose HTTP port refuses connections and one that answers: whatever order the
+    policy tries them in (eight seeds), the request is answered. A refused connection sent
+    nothing, so it does not count as one of the three attempts (entries of nodes that just died,
+    or that a key holder published, used to exhaust them)."""
+    from dataclasses import replace
+
+    from fabricnode.mesh.registry import Addresses, ModelInfo, State
+    from fabricnode.mesh.wire import Alive, EntryMsg
+
+    now = time.time()
+    me = Identity.from_seed(b"refusing-ingress")
+    core = MeshCore(me, Keyring.with_key(b"k" * 32), make_body(me, "127.0.0.1:1", now), now)
+    async with trio.open_nursery() as nursery:
+        (good,) = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        nursery.start_soon(answer_everything, good)
+        ports = [closed_port() for _ in range(5)] + [good.socket.getsockname()[1]]
+        records = []
+        for i, port in enumerate(ports):
+            node = Identity.from_seed(b"refusing-%d" % i)
+            gossip = f"127.0.0.1:{40000 + i}"
+            body = replace(
+                make_body(node, gossip, now),
+                state=State.SERVING,
+                models=(ModelInfo("m1", 4096),),
+                addresses=Addresses(http=f"http://127.0.0.1:{port}", gossip=gossip),
+            )
+            records += [EntryMsg(body.sign(node)), Alive.make(node, 1, gossip)]
+        core.ingest(records, now)
+        ingress = Ingress(core, wall_clock=time.time, rng=random.Random(seed))
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", 0))
+        await nursery.start(ingress.serve, listener, trio.Event(), 0.1)
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}/v1/chat/completions"
+        async with httpx.AsyncClient(timeout=10) as client:
+            r = await client.post(url, json={"model": "m1", "messages": []})
+        assert r.status_code == 200, r.text
         nursery.cancel_scope.cancel()

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
-from fabricnode.dataplane.routetable import RouteTable
+from dataclasses import replace
+
+from fabricnode.dataplane.routetable import CircuitBreaker, RouteTable
+from fabricnode.mesh.identity import Identity
 from fabricnode.mesh.membership import Liveness
 from fabricnode.mesh.registry import Addresses, ModelInfo, State
-from fabricnode.testing.simnet import SimNetwork
+from fabricnode.mesh.wire import EntryMsg
+from fabricnode.testing.simnet import SimNetwork, make_body
 
 
 def test_model_listing_counts_only_nodes_not_known_dead() -> None:
@@ -33,3 +37,46 @@ def test_model_listing_counts_only_nodes_not_known_dead() -> None:
     # The dead node's entry still says SERVING (it cannot sign its own death) until it expires.
     assert ingress.core.registry.get(victim.core.self_id).body.state == State.SERVING
     assert [(m.id, m.nodes) for m in table.listing()] == [("m1", 1)]
+
+
+def test_phantom_entries_nobody_can_probe_are_never_routed_to() -> None:
+    """A key holder can sign SERVING entries under fresh session keys without ever running an
+    agent: with no gossip address (or none anyone knows), nobody probes them, so they would
+    count as alive for ever. 1,500 of them used to take every failover attempt; now only an
+    entry whose owner is a member that SWIM probes is listed and routed to."""
+    net = SimNetwork(seed=11)
+    ingress = net.add_node(0)
+    real = net.add_node(1, seeds=[ingress.addr])
+    real.core.update_self(
+        net.wall,
+        state=State.SERVING,
+        models=(ModelInfo("m1", 4096),),
+        addresses=Addresses(http="http://10.0.0.2:8080", gossip=real.addr),
+    )
+    net.poke(real)
+    phantoms = []
+    for i in range(200):
+        liar = Identity.from_seed(b"phantom-%d" % i)
+        body = replace(
+            make_body(liar, "", net.wall),
+            state=State.SERVING,
+            models=(ModelInfo("m1", 4096),),
+            addresses=Addresses(http=f"http://10.9.0.1:{20000 + i}", gossip=""),
+        )
+        phantoms.append(EntryMsg(body.sign(liar)))
+    ingress.core.ingest(phantoms, net.wall)
+    net.run_for(5)
+    assert len(ingress.core.registry) >= 202  # stored (they verify), but
+    table = RouteTable(ingress.core, lambda: net.wall)
+    assert [(m.id, m.nodes) for m in table.listing()] == [("m1", 1)]
+    routes = table.routes("m1")
+    eligible = table.eligible(
+        routes,
+        now=0.0,
+        wall_now=net.wall,
+        inflight={},
+        breaker=CircuitBreaker(),
+        providers=frozenset(),
+        requirements=None,
+    )
+    assert [c.node.session_id for c in eligible] == [real.core.self_id]

@@ -704,3 +704,34 @@ def test_state_parse_accepts_labels_and_explains_errors() -> None:
     assert State.parse("Serving") is State.SERVING
     with pytest.raises(ValueError, match=r"join\|serving\|down\|left"):
         State.parse("running")
+
+
+# -- bounds on what a key holder can make every replica store -----------------------------------
+
+
+def test_new_sessions_past_the_caps_are_refused_and_counted() -> None:
+    limits = RegistryLimits(max_entries=5, max_entries_per_provider=3)
+    reg = Registry(VERIFIER, limits)
+    owners = [Identity.from_seed(f"cap-{i}".encode()) for i in range(8)]
+    outcomes = [reg.merge(sign(o, provider="flood"), T0) for o in owners[:4]]
+    assert [o.value for o in outcomes] == ["new", "new", "new", "full"]  # 3 per provider
+    assert reg.merge(sign(owners[4], provider="lab-a"), T0) is MergeOutcome.NEW
+    assert reg.merge(sign(owners[5], provider="lab-b"), T0) is MergeOutcome.NEW
+    assert reg.merge(sign(owners[6], provider="lab-c"), T0) is MergeOutcome.FULL  # 5 in all
+    # Sessions already held still move on (a full registry never freezes a live node) ...
+    assert reg.merge(sign(owners[0], State.SERVING, 2, provider="flood"), T0).changed
+    # ... and this node's own entry is always taken.
+    assert reg.merge(sign(owners[7], provider="lab-c"), T0, own=True) is MergeOutcome.NEW
+    assert reg.statistics().merges["full"] == 2
+    # Room comes back as entries are collected: the provider's share first, then the total.
+    later = T0 + 1
+    for owner, provider in ((owners[1], "flood"), (owners[5], "lab-b")):
+        left = sign(owner, State.LEFT, 2, provider=provider)
+        reg.merge(left, T0)
+        later = max(later, left.gc_at(limits.terminal_hold_s) + 1)
+    reg.gc(later)
+    assert len(reg) == 4
+    assert reg.merge(sign(owners[3], provider="flood", updated_at=later), later).changed
+    assert (
+        reg.merge(sign(owners[6], provider="lab-c", updated_at=later), later) is MergeOutcome.FULL
+    )
