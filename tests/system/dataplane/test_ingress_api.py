@@ -293,6 +293,27 @@ def test_forward_without_the_cluster_key_is_refused(fab: Mesh) -> None:
     assert r.status_code == 403 and r.json()["error"]["code"] == "forward_refused"
 
 
+@pytest.mark.parametrize(
+    "value",
+    [
+        f"1 00000000 {'9' * 400} abcd {'0' * 32} {'00' * 32}",  # made the agent exit (rc 1)
+        f"1 zz {'1' * 13} abcd {'0' * 32} {'00' * 32}",
+        "1 " + "x" * 4000,
+        "\u00ff\u00fe garbage",
+    ],
+)
+def test_a_malformed_forward_header_is_403_and_the_agent_serves_on(fab: Mesh, value: str) -> None:
+    for agent in (fab.a, fab.c):  # a serving agent, and an ingress with keys on
+        r = httpx.post(
+            agent.http_url + "/v1/completions",
+            json={"model": "m1", "prompt": "x"},
+            headers={"x-fabric-forward": value.encode("latin-1")},
+        )
+        assert r.status_code == 403 and r.json()["error"]["code"] == "forward_refused", r.text
+        assert agent.running
+    assert fab.client().completions.create(model="m1", prompt="x", max_tokens=2).choices
+
+
 def test_metrics_count_requests_and_the_request_log_has_no_prompt_text(fab: Mesh) -> None:
     secret = "the-prompt-text-must-not-be-logged"
     fab.client().completions.create(model="m1", prompt=secret, max_tokens=2)
