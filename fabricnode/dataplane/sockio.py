@@ -18,8 +18,10 @@ a time, so the owner turns ``batching`` on only while requests overlap (see ``Re
 Against trio's waits it lowers the agent's CPU per request under load and changes nothing at
 c=1 (docs/benchmarks.md, "2026-11-24: the data plane's own reactor"). Edge-triggered means
 "wake me when something new arrives", so a wait must follow a read that drained the socket: the
-reactor remembers an edge that came while nobody waited, and a read that filled its whole
-buffer (more may be queued), and such a wait returns at once (after a checkpoint).
+reactor remembers an edge that came while nobody waited, a read that filled its whole buffer
+(more may be queued), and a peer's close (data and FIN can arrive in one edge: the read returns
+the data, and the EOF behind it would get no edge of its own), and such a wait returns at once
+(after a checkpoint).
 
 System calls per proxied JSON request on a pooled upstream connection, batching: ``recv``
 client, ``send`` upstream, ``recv`` upstream, ``send`` client, plus ``epoll_wait`` calls shared by
@@ -103,6 +105,9 @@ def try_send(sock: socket.socket, data: bytes | memoryview) -> int:
 # Edge-triggered: an event when something new arrives, not while data is there (see Reactor).
 _REGISTER = select.EPOLLIN | select.EPOLLRDHUP | select.EPOLLET
 _READ_EVENTS = select.EPOLLIN | select.EPOLLRDHUP | select.EPOLLHUP | select.EPOLLERR
+# The peer closed (or the connection failed): the socket stays readable for good (EOF or the
+# error), and no edge will say so again.
+_HUP_EVENTS = select.EPOLLRDHUP | select.EPOLLHUP | select.EPOLLERR
 _WRITE_EVENTS = select.EPOLLOUT | select.EPOLLHUP | select.EPOLLERR
 _MAX_EVENTS = 1024
 # The reactor batches while more than BATCH_ABOVE requests are being answered at once, and stops
@@ -114,7 +119,7 @@ UNBATCH_AT = 1
 class _Registration:
     """One socket in a reactor: who waits on it, and what it may have that nobody waited for."""
 
-    __slots__ = ("fd", "reactor", "readable", "reader", "want_out", "writable", "writer")
+    __slots__ = ("fd", "hup", "reactor", "readable", "reader", "want_out", "writable", "writer")
 
     def __init__(self, fd: int, reactor: Reactor) -> None:
         self.fd = fd
@@ -126,6 +131,10 @@ class _Registration:
         self.readable = False
         self.writable = False
         self.want_out = False  # EPOLLOUT is asked for (only once a send found the buffer full)
+        # The peer's FIN (or an error) was seen: every wait returns at once from now on. Data
+        # and FIN can come in one edge; a read then returns the data, the EOF is still queued,
+        # and a wait for another edge would never end.
+        self.hup = False
 
     def readable_now(self) -> None:
         """An edge for reading: wake the reader, or remember it for the next one."""
@@ -245,6 +254,8 @@ class Reactor:
                         if reg is None:
                             continue
                         if flags & _READ_EVENTS:
+                            if flags & _HUP_EVENTS:
+                                reg.hup = True
                             reg.readable_now()
                         if flags & _WRITE_EVENTS:
                             reg.writable_now()
@@ -290,6 +301,9 @@ class Reactor:
         reg = self._regs.get(sock.fileno())
         if reg is None or not self.running or not self.batching:
             await trio.lowlevel.wait_readable(sock)
+            return
+        if reg.hup:
+            await trio.lowlevel.checkpoint()  # EOF (or an error) is there to read
             return
         if drained:
             reg.readable = False

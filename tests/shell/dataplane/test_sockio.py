@@ -128,6 +128,35 @@ async def test_an_edge_that_came_while_nobody_waited_is_not_lost() -> None:
         sock.close()
 
 
+@pytest.mark.parametrize("pair", ["socketpair", "tcp"])
+async def test_a_close_that_came_with_the_last_data_is_not_waited_for(pair: str) -> None:
+    """Data and the peer's FIN in one edge: the read returns the data, the EOF stays queued
+    and no edge will announce it. The next wait must return (EOF), not sleep for ever: a
+    stream whose node closed right after its last piece hung the ingress this way (1 churn run
+    in 5, on a loaded machine)."""
+    if pair == "tcp":
+        a, b = tcp_pair(rcvbuf=65536)
+    else:
+        a, b = nonblocking_pair()
+    other, other_peer = nonblocking_pair()
+    async with running_reactor() as reactor:
+        reactor.register(b)
+        reactor.register(other)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_recv_quietly, reactor, other)  # keeps the reactor listening
+            await trio.sleep(0.02)
+            a.sendall(b"last piece")
+            a.shutdown(socket.SHUT_WR)
+            await trio.sleep(0.05)  # one edge (or two) delivered while nobody waits on b
+            with trio.fail_after(2):
+                assert await reactor.recv_later(b) == b"last piece"
+                assert await reactor.recv_later(b) == b""
+                assert await reactor.recv_some(b) == b""  # and it stays so
+            nursery.cancel_scope.cancel()
+    for sock in (a, b, other, other_peer):
+        sock.close()
+
+
 @pytest.mark.parametrize("first_read", ["recv_some", "try_recv"])
 async def test_a_read_that_filled_its_buffer_does_not_wait_for_an_edge_that_will_not_come(
     first_read: str,
