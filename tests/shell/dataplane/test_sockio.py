@@ -109,23 +109,33 @@ async def test_a_waiting_reader_wakes_when_data_arrives() -> None:
     b.close()
 
 
-async def test_an_edge_that_came_while_nobody_waited_is_not_lost() -> None:
-    a, b = nonblocking_pair()
+@contextlib.asynccontextmanager
+async def listening_reactor(sock: socket.socket) -> AsyncIterator[Reactor]:
+    """A running reactor with ``sock`` registered, kept listening by a reader parked on
+    another socket: edges for ``sock`` are delivered while nobody waits on it."""
     other, other_peer = nonblocking_pair()
     async with running_reactor() as reactor:
-        reactor.register(b)
+        reactor.register(sock)
         reactor.register(other)
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(_recv_quietly, reactor, other)  # keeps the reactor listening
+            nursery.start_soon(_recv_quietly, reactor, other)
             await trio.sleep(0.02)
-            a.send(b"early")
-            await trio.sleep(0.02)  # the reactor sees b's edge; nobody waits on b yet
-            assert reactor._regs[b.fileno()].readable
-            with trio.fail_after(2):
-                assert await reactor.recv_later(b) == b"early"
+            yield reactor
             nursery.cancel_scope.cancel()
-    for sock in (a, b, other, other_peer):
-        sock.close()
+    other.close()
+    other_peer.close()
+
+
+async def test_an_edge_that_came_while_nobody_waited_is_not_lost() -> None:
+    a, b = nonblocking_pair()
+    async with listening_reactor(b) as reactor:
+        a.send(b"early")
+        await trio.sleep(0.02)  # the reactor sees b's edge; nobody waits on b yet
+        assert reactor._regs[b.fileno()].readable
+        with trio.fail_after(2):
+            assert await reactor.recv_later(b) == b"early"
+    a.close()
+    b.close()
 
 
 @pytest.mark.parametrize("pair", ["socketpair", "tcp"])
@@ -134,27 +144,17 @@ async def test_a_close_that_came_with_the_last_data_is_not_waited_for(pair: str)
     and no edge will announce it. The next wait must return (EOF), not sleep for ever: a
     stream whose node closed right after its last piece hung the ingress this way (1 churn run
     in 5, on a loaded machine)."""
-    if pair == "tcp":
-        a, b = tcp_pair(rcvbuf=65536)
-    else:
-        a, b = nonblocking_pair()
-    other, other_peer = nonblocking_pair()
-    async with running_reactor() as reactor:
-        reactor.register(b)
-        reactor.register(other)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(_recv_quietly, reactor, other)  # keeps the reactor listening
-            await trio.sleep(0.02)
-            a.sendall(b"last piece")
-            a.shutdown(socket.SHUT_WR)
-            await trio.sleep(0.05)  # one edge (or two) delivered while nobody waits on b
-            with trio.fail_after(2):
-                assert await reactor.recv_later(b) == b"last piece"
-                assert await reactor.recv_later(b) == b""
-                assert await reactor.recv_some(b) == b""  # and it stays so
-            nursery.cancel_scope.cancel()
-    for sock in (a, b, other, other_peer):
-        sock.close()
+    a, b = tcp_pair(rcvbuf=65536) if pair == "tcp" else nonblocking_pair()
+    async with listening_reactor(b) as reactor:
+        a.sendall(b"last piece")
+        a.shutdown(socket.SHUT_WR)
+        await trio.sleep(0.05)  # one edge (or two) delivered while nobody waits on b
+        with trio.fail_after(2):
+            assert await reactor.recv_later(b) == b"last piece"
+            assert await reactor.recv_later(b) == b""
+            assert await reactor.recv_some(b) == b""  # and it stays so
+    a.close()
+    b.close()
 
 
 @pytest.mark.parametrize("first_read", ["recv_some", "try_recv"])
