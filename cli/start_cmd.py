@@ -116,6 +116,17 @@ def start(
     max_body_mb: Annotated[
         float | None, typer.Option(metavar="MB", help="Largest request body (16).")
     ] = None,
+    max_buffered_body_mb: Annotated[
+        float | None,
+        typer.Option(metavar="MB", help="Request bodies all connections may hold at once (512)."),
+    ] = None,
+    max_connections: Annotated[
+        int | None, typer.Option(metavar="N", help="Client connections, in all (4096).")
+    ] = None,
+    max_connections_per_client: Annotated[
+        int | None,
+        typer.Option(metavar="N", help="Client connections from one address (1024)."),
+    ] = None,
     drain_timeout: Annotated[
         float | None,
         typer.Option(metavar="SECONDS", help="On leave, let accepted requests finish (30)."),
@@ -149,7 +160,7 @@ def start(
         ),
     ] = None,
 ) -> None:
-    from fabricnode.config import load_config
+    from fabricnode.config import ConnectionLimits, load_config
 
     try:
         config = load_config(
@@ -175,6 +186,9 @@ def start(
             api_keys=api_keys,
             request_log=request_log,
             max_body_mb=max_body_mb,
+            limits=ConnectionLimits(
+                max_buffered_body_mb, max_connections, max_connections_per_client
+            ),
             drain_timeout_s=drain_timeout,
             leave_before_end_s=leave_before_end,
             engine_template=engine_template,

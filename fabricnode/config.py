@@ -162,6 +162,7 @@ def load_config(
     api_keys: str | None = None,
     request_log: str | None = None,
     max_body_mb: float | None = None,
+    limits: ConnectionLimits | None = None,
     drain_timeout_s: float | None = None,
     leave_before_end_s: float | None = None,
     env: Mapping[str, str] | None = None,
@@ -215,7 +216,7 @@ def load_config(
         request_log_path=log_path,
         drain_timeout_s=_drain(drain_timeout_s),
         leave_before_end_s=_leave_before_end(leave_before_end_s, env),
-        ingress=_ingress(policy, max_body_mb),
+        ingress=_ingress(policy, max_body_mb, limits or ConnectionLimits()),
         cluster_key_path=key_path,
         rendezvous_path=rendezvous_path,
         provider=_provider(provider, env),
@@ -243,7 +244,18 @@ def load_config(
     )
 
 
-def _ingress(policy: str | None, max_body_mb: float | None) -> IngressConfig:
+@dataclass(frozen=True)
+class ConnectionLimits:
+    """The data plane's global bounds as given on the command line (None: the default)."""
+
+    max_buffered_body_mb: float | None = None
+    max_connections: int | None = None
+    max_connections_per_client: int | None = None
+
+
+def _ingress(
+    policy: str | None, max_body_mb: float | None, limits: ConnectionLimits
+) -> IngressConfig:
     defaults = IngressConfig()
     name = (policy or defaults.policy).lower()
     if name not in POLICY_NAMES:
@@ -253,7 +265,32 @@ def _ingress(policy: str | None, max_body_mb: float | None) -> IngressConfig:
         if not 0 < max_body_mb <= 1024:
             raise ConfigError(f"--max-body-mb {max_body_mb:g}: expected more than 0, at most 1024")
         max_body = int(max_body_mb * 1024 * 1024)
-    return IngressConfig(policy=name, max_body_bytes=max_body)
+    buffered = defaults.max_buffered_body_bytes
+    if limits.max_buffered_body_mb is not None:
+        mb = limits.max_buffered_body_mb
+        if not max_body / (1024 * 1024) <= mb <= 65536:
+            raise ConfigError(
+                f"--max-buffered-body-mb {mb:g}: expected at least --max-body-mb, at most 65536"
+            )
+        buffered = int(mb * 1024 * 1024)
+    total = limits.max_connections or defaults.max_connections
+    if not 16 <= total <= 1_000_000:
+        raise ConfigError(f"--max-connections {total}: expected 16..1000000")
+    per_client = limits.max_connections_per_client or min(
+        defaults.max_connections_per_client, total
+    )
+    if not 1 <= per_client <= total:
+        raise ConfigError(
+            f"--max-connections-per-client {per_client}: expected 1..--max-connections ({total})"
+        )
+    return IngressConfig(
+        policy=name,
+        max_body_bytes=max_body,
+        max_buffered_body_bytes=buffered,
+        max_connections=total,
+        max_connections_per_client=per_client,
+        busy_connections=total * 3 // 4,
+    )
 
 
 def _drain(value: float | None) -> float:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from fabricnode.config import default_api_keys_path, load_config
+from fabricnode.config import ConnectionLimits, default_api_keys_path, load_config
 from fabricnode.engine.command import connect_host
 from fabricnode.errors import ConfigError
 
@@ -77,3 +77,30 @@ def test_bad_sim_args_are_one_config_error(
 ) -> None:
     with pytest.raises(ConfigError, match=message):
         load_config(env=env_in(tmp_path), **kwargs)  # type: ignore[arg-type]
+
+
+def test_connection_and_body_bounds_come_from_the_flags(tmp_path: Path) -> None:
+    default = load_config(env=env_in(tmp_path)).ingress
+    assert (default.max_connections, default.max_connections_per_client) == (4096, 1024)
+    assert default.max_buffered_body_bytes == 512 * 1024 * 1024
+    limits = ConnectionLimits(max_buffered_body_mb=64, max_connections=200)
+    ingress = load_config(env=env_in(tmp_path), max_body_mb=8, limits=limits).ingress
+    assert ingress.max_buffered_body_bytes == 64 * 1024 * 1024
+    assert ingress.max_connections == 200
+    assert ingress.max_connections_per_client == 200  # the default, capped by the total
+    assert ingress.busy_connections == 150
+
+
+@pytest.mark.parametrize(
+    ("limits", "names"),
+    [
+        (ConnectionLimits(max_buffered_body_mb=4), "--max-buffered-body-mb"),  # < --max-body-mb
+        (ConnectionLimits(max_connections=8), "--max-connections"),
+        (ConnectionLimits(max_connections=100, max_connections_per_client=101), "per-client"),
+    ],
+)
+def test_bounds_that_cannot_work_are_one_config_error(
+    tmp_path: Path, limits: ConnectionLimits, names: str
+) -> None:
+    with pytest.raises(ConfigError, match=names):
+        load_config(env=env_in(tmp_path), max_body_mb=16, limits=limits)
