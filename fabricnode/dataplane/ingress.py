@@ -376,7 +376,7 @@ class Ingress:
                 if parser.head_complete and not sent_continue:
                     pending = parser.pending
                     if pending is not None and self._refused_by_head(pending):
-                        # The key is checked from the head: no body is read for nobody.
+                        # Checked from the head: a request that will be refused sends no body.
                         self.metrics.malformed.labels("401").inc()
                         await self._send_error(
                             conn,
