@@ -390,13 +390,14 @@ class ResponseParser:
         self.messages += 1
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        headers = self.headers
-        if len(headers) >= MAX_RESPONSE_HEADERS:
-            self._refused = f"over {MAX_RESPONSE_HEADERS} response headers: refused"
-            raise ValueError(self._refused)  # stops llhttp; ``feed`` raises the message
-        headers.append((name, value))
+        # Counted once the head is complete: until then the head's byte bound (``feed``) is
+        # what bounds the list, and the hot path pays no check per header.
+        self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
+        if len(self.headers) > MAX_RESPONSE_HEADERS:
+            self._refused = f"over {MAX_RESPONSE_HEADERS} response headers: refused"
+            raise ValueError(self._refused)  # stops llhttp; ``feed`` raises the message
         status = self._parser.get_status_code()
         if status < 200:
             # 101 stops the parser (HttpParserUpgrade, or llhttp's pause without an Upgrade
