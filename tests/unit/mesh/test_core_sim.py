@@ -200,3 +200,26 @@ def test_a_newcomer_to_a_mesh_larger_than_one_packet_receives_the_whole_state() 
     assert len(newcomer.core.registry.session_ids()) == members + 1
     assert newcomer.core.liveness(seed.core.self_id) == Liveness.ALIVE
     assert newcomer.core.self_id in seed.core.registry.session_ids()
+
+
+def test_formed_cluster_built_from_one_view_behaves_like_one_that_joined() -> None:
+    net = SimNetwork(seed=12, loss=0.1)
+    nodes = net.add_formed_cluster(30)
+    for node in nodes:
+        net.poke(node)
+    ids = {n.core.self_id for n in nodes}
+    for node in nodes:
+        assert set(node.core.registry.session_ids()) == ids  # not the view's own entry
+        assert node.core.self_id not in node.core.members.members
+    assert converged(net)
+    net.run_for(10)
+    assert converged(net)
+    victim = nodes[7]
+    net.crash(victim.addr)
+    t0 = net.now
+    while statuses_of(net, victim) != {Liveness.DEAD} and net.now - t0 < 30:
+        net.run_for(0.1)
+    assert net.now - t0 < 6.0
+    newcomer = net.add_node(30, seeds=[nodes[0].addr])
+    net.run_for(5)
+    assert all(n.core.registry.get(newcomer.core.self_id) for n in net.alive_nodes())
