@@ -20,8 +20,8 @@ Protocol summary (parameters in ``MeshConfig``):
   each retired after ``retransmit_mult * ceil(log10(N+1))`` transmissions.
 * Anti-entropy: every ``sync_interval_s`` (scaled up with log2 of the cluster size) a push-pull
   exchange of (rank, liveness) rows with one random member over a reliable stream, which repairs
-  anything gossip lost; every ``reconnect_interval_s`` one with a member believed dead, so two
-  sides of a healed partition find each other again.
+  anything gossip lost; every ``reconnect_interval_s`` (scaled the same way) one with a member
+  believed dead, so two sides of a healed partition find each other again.
 * Load: a small, frequent, unsigned (AEAD-only) channel, separate from the signed registry.
 
 Why one ~900-line module: it is one state machine. Its handlers read and write the same member
@@ -345,10 +345,11 @@ class MeshCore:
         """
         self.registry.adopt(source.registry, exclude=(source.self_id,))
         self.members.adopt(source.members)
-        # Our next sync is set for the cluster we now know, at a random phase as in a cluster
+        # Our timers are set for the cluster we now know, at a random phase as in a cluster
         # that has been running a while, not for the empty table we were built with (whose
         # first sync comes early, as a joining node's must).
         self._next_sync_at = now + self._sync_interval() * self.rng.uniform(0.05, 1.0)
+        self._next_reconnect_at = now + self._reconnect_interval() * self.rng.uniform(0.05, 1.0)
 
     def own_records(self) -> list[Message]:
         """Our signed entry and liveness record, as a peer would receive them."""
@@ -817,10 +818,19 @@ class MeshCore:
         if records:
             self._send(addr, records, now, reliable=True)
 
-    def _sync_interval(self) -> float:
+    def _sync_scale(self) -> float:
+        """How much anti-entropy slows down with the cluster size N: a digest is one row per
+        member, so 1 up to 32 members, then ceil(log2(N/32)) + 1 (10 at N = 10,000)."""
         n = self.members.live_count()
-        scale = max(1.0, math.ceil(math.log2(n / 32)) + 1) if n > 32 else 1.0
-        return self.config.sync_interval_s * scale
+        return max(1.0, math.ceil(math.log2(n / 32)) + 1) if n > 32 else 1.0
+
+    def _sync_interval(self) -> float:
+        return self.config.sync_interval_s * self._sync_scale()
+
+    def _reconnect_interval(self) -> float:
+        # A reconnect carries the same full digest as a sync, so it scales the same way: a
+        # healed partition is still found quickly, as N nodes each try a random dead member.
+        return self.config.reconnect_interval_s * self._sync_scale()
 
     # == timers ==================================================================================
 
@@ -848,8 +858,13 @@ class MeshCore:
             if peers:
                 self._start_sync(peers[0].addr, now)
         if now >= self._next_reconnect_at:
-            self._next_reconnect_at = now + cfg.reconnect_interval_s * self.rng.uniform(0.75, 1.25)
             dead = self.members.dead_members()
+            # One attempt per interval while some member is believed dead. Until then, look
+            # again at a random point of the next interval: agents started together (a job
+            # array) then spread their attempts over it from the first, and a healed cut is
+            # found at the cluster's full rate of attempts (N per interval), not in a clump.
+            jitter = self.rng.uniform(0.75, 1.25) if dead else self.rng.uniform(0.05, 1.0)
+            self._next_reconnect_at = now + self._reconnect_interval() * jitter
             if dead:
                 self._start_sync(self.rng.choice(dead).addr, now)
         if self._seeds and self._isolated() and now >= self._next_seed_at:
