@@ -12,7 +12,8 @@ Prints, for the default 1000 nodes at 10% datagram loss:
 
     python bench/gossip.py                    # 1000 nodes, 10% loss, 10 virtual minutes
     python bench/gossip.py --nodes 200 --minutes 1   # quick look
-    python bench/gossip.py --nodes 3000 --minutes 0.5   # ~6 min of CPU, ~1.5 GB
+    python bench/gossip.py --nodes 3000 --minutes 0.5   # ~5 min of CPU, 1.75 GB
+    python bench/gossip.py --nodes 10000 --minutes 0.5  # ~47 min of CPU, 11 GB
 
 The cluster starts formed (``SimNetwork.add_formed_cluster``): every node adopts one view of
 all signed entries and liveness records instead of joining, so memory grows by about 60-80
