@@ -20,8 +20,8 @@ Protocol summary (parameters in ``MeshConfig``):
   each retired after ``retransmit_mult * ceil(log10(N+1))`` transmissions.
 * Anti-entropy: every ``sync_interval_s`` (scaled up with log2 of the cluster size) a push-pull
   exchange of (rank, liveness) rows with one random member over a reliable stream, which repairs
-  anything gossip lost; every ``reconnect_interval_s`` one with a member believed dead, so two
-  sides of a healed partition find each other again.
+  anything gossip lost; every ``reconnect_interval_s`` (scaled the same way) one with a member
+  believed dead, so two sides of a healed partition find each other again.
 * Load: a small, frequent, unsigned (AEAD-only) channel, separate from the signed registry.
 
 Why one ~900-line module: it is one state machine. Its handlers read and write the same member
@@ -44,7 +44,14 @@ from fabricnode.mesh.assignment import AssignmentTable, Offer, SignedAssignment
 from fabricnode.mesh.broadcast import BroadcastQueue
 from fabricnode.mesh.identity import Identity, Verifier
 from fabricnode.mesh.keyring import HEADER_BYTES, NONCE_BYTES, SEAL_OVERHEAD, Keyring
-from fabricnode.mesh.membership import Change, Liveness, Member, MemberTable, SuspicionTiming
+from fabricnode.mesh.membership import (
+    NO_RECORD,
+    Change,
+    Liveness,
+    Member,
+    MemberTable,
+    SuspicionTiming,
+)
 from fabricnode.mesh.registry import (
     EntryBody,
     MergeOutcome,
@@ -335,6 +342,23 @@ class MeshCore:
         self._handle_packet(Packet(self.self_id, 0, int(now * 1000), tuple(messages)), now, None)
         self._spread = True
 
+    def adopt(self, source: MeshCore, now: float) -> None:
+        """Start from what another core in this process knows, as if one anti-entropy
+        exchange had taught it to us (nothing is re-gossiped): its registry but its own entry,
+        its member view but ourselves. Loads and assignments are not taken.
+
+        For simulations of a formed cluster: N cores adopting one core that ingested
+        everyone's records share the entries (verified once, by that core) and the member
+        records (copied on first write), instead of each holding and checking N of each.
+        """
+        self.registry.adopt(source.registry, exclude=(source.self_id,))
+        self.members.adopt(source.members)
+        # Our timers are set for the cluster we now know, at a random phase as in a cluster
+        # that has been running a while, not for the empty table we were built with (whose
+        # first sync comes early, as a joining node's must).
+        self._next_sync_at = now + self._sync_interval() * self.rng.uniform(0.05, 1.0)
+        self._next_reconnect_at = now + self._reconnect_interval() * self.rng.uniform(0.05, 1.0)
+
     def own_records(self) -> list[Message]:
         """Our signed entry and liveness record, as a peer would receive them."""
         return [EntryMsg(self.self_entry), self.alive]
@@ -353,23 +377,25 @@ class MeshCore:
             # tick() only runs gossip rounds once we left; the other timers are frozen in the
             # past and would make the shell spin.
             return self._next_gossip_at
-        times = [
+        t = min(
             self._next_probe_at,
             self._next_sync_at,
             self._next_gc_at,
             self._refresh_at,
             self._next_reconnect_at,
-        ]
-        if len(self.broadcasts) or len(self.load_broadcasts):
-            times.append(self._next_gossip_at)
+        )
+        if (len(self.broadcasts) or len(self.load_broadcasts)) and self._next_gossip_at < t:
+            t = self._next_gossip_at
         for p in self._probes.values():
-            times.append(p.end if p.indirect_sent or p.acked else p.direct_deadline)
+            due = p.end if p.indirect_sent or p.acked else p.direct_deadline
+            if due < t:
+                t = due
         s = self.members.next_suspicion_deadline()
-        if s is not None:
-            times.append(s)
-        if self._seeds and self._isolated():
-            times.append(self._next_seed_at)
-        return min(times)
+        if s is not None and s < t:
+            t = s
+        if self._seeds and self._next_seed_at < t and self._isolated():
+            t = self._next_seed_at
+        return t
 
     def statistics(self) -> MeshStatistics:
         counts = {lv.label: 0 for lv in Liveness}
@@ -715,16 +741,36 @@ class MeshCore:
     # -- anti-entropy -------------------------------------------------------------------------
 
     def _rows(self) -> list[SyncRow]:
-        rows: dict[str, SyncRow] = {}
-        for e in [*self.registry.tombstones(), *self.registry]:
-            state, version, digest = e.rank
-            rows[e.session_id] = (e.session_id, state, version, digest, 0, 3)
-        for sid, m in self.members.members.items():
-            base = rows.get(sid, (sid, 0, 0, b"", 0, 3))
-            rows[sid] = (sid, base[1], base[2], base[3], m.incarnation, m.sync_code)
-        base = rows[self.self_id]
-        rows[self.self_id] = (self.self_id, base[1], base[2], base[3], self.incarnation, 0)
-        return list(rows.values())
+        """One row per session we know of: entry rank (or zeros) and liveness order key."""
+        members = self.members.members
+        rows: list[SyncRow] = []
+        append = rows.append
+        matched = 0
+        alive, codes = Liveness.ALIVE, _STATUS_SYNC_CODE  # as Member.sync_code, inlined
+        for entries in (self.registry.tombstones(), self.registry):
+            for e in entries:
+                sid = e.session_id
+                state, version, digest = e.rank
+                m = members.get(sid)
+                if m is None:
+                    append((sid, state, version, digest, 0, NO_RECORD))
+                    continue
+                matched += 1
+                status = m.status
+                code = NO_RECORD if status == alive and m.alive_record is None else codes[status]
+                append((sid, state, version, digest, m.incarnation, code))
+        if matched < len(members):  # members known only from liveness records
+            registry = self.registry
+            for sid, m in members.items():
+                if sid not in registry and not registry.is_tombstoned(sid):
+                    append((sid, 0, 0, b"", m.incarnation, m.sync_code))
+        for i, row in enumerate(rows):
+            if row[0] == self.self_id:
+                rows[i] = (*row[:4], self.incarnation, 0)
+                break
+        else:
+            rows.append((self.self_id, 0, 0, b"", self.incarnation, 0))
+        return rows
 
     def _records_for(self, sid: str) -> list[Message]:
         out: list[Message] = []
@@ -770,6 +816,8 @@ class MeshCore:
         for row in self._rows():
             sid = row[0]
             other = theirs.pop(sid, None)
+            if other == row:
+                continue  # the common case: both sides agree
             if other is None:
                 records.extend(self._records_for(sid))
                 continue
@@ -795,10 +843,19 @@ class MeshCore:
         if records:
             self._send(addr, records, now, reliable=True)
 
-    def _sync_interval(self) -> float:
+    def _sync_scale(self) -> float:
+        """How much anti-entropy slows down with the cluster size N: a digest is one row per
+        member, so 1 up to 32 members, then ceil(log2(N/32)) + 1 (10 at N = 10,000)."""
         n = self.members.live_count()
-        scale = max(1.0, math.ceil(math.log2(n / 32)) + 1) if n > 32 else 1.0
-        return self.config.sync_interval_s * scale
+        return max(1.0, math.ceil(math.log2(n / 32)) + 1) if n > 32 else 1.0
+
+    def _sync_interval(self) -> float:
+        return self.config.sync_interval_s * self._sync_scale()
+
+    def _reconnect_interval(self) -> float:
+        # A reconnect carries the same full digest as a sync, so it scales the same way: a
+        # healed partition is still found quickly, as N nodes each try a random dead member.
+        return self.config.reconnect_interval_s * self._sync_scale()
 
     # == timers ==================================================================================
 
@@ -808,8 +865,9 @@ class MeshCore:
             self._gossip_round(now) if now >= self._next_gossip_at else None
             return
         self._probe_timers(now)
-        for m in self.members.expired_suspicions(now):
-            m.confirming = True  # without an address we cannot confirm: wait for an obituary
+        for suspect in self.members.expired_suspicions(now):
+            # Without an address we cannot confirm: wait for an obituary.
+            m = self.members.start_confirming(suspect)
             if m.addr:
                 self._start_probe(m.session_id, m.addr, now, confirm=True)
         if now >= self._next_probe_at:
@@ -825,8 +883,13 @@ class MeshCore:
             if peers:
                 self._start_sync(peers[0].addr, now)
         if now >= self._next_reconnect_at:
-            self._next_reconnect_at = now + cfg.reconnect_interval_s * self.rng.uniform(0.75, 1.25)
             dead = self.members.dead_members()
+            # One attempt per interval while some member is believed dead. Until then, look
+            # again at a random point of the next interval: agents started together (a job
+            # array) then spread their attempts over it from the first, and a healed cut is
+            # found at the cluster's full rate of attempts (N per interval), not in a clump.
+            jitter = self.rng.uniform(0.75, 1.25) if dead else self.rng.uniform(0.05, 1.0)
+            self._next_reconnect_at = now + self._reconnect_interval() * jitter
             if dead:
                 self._start_sync(self.rng.choice(dead).addr, now)
         if self._seeds and self._isolated() and now >= self._next_seed_at:
@@ -870,14 +933,14 @@ class MeshCore:
         if now >= self._next_member_sweep_at:
             # Members known only from liveness records (no entry ever arrived) and long dead.
             self._next_member_sweep_at = now + 10.0
-            for sid, m in list(self.members.members.items()):
-                if sid not in self.registry and m.status >= Liveness.DEAD and now - m.since > hold:
-                    self.members.remove(sid)
+            for m in self.members.down_members():
+                if m.session_id not in self.registry and now - m.since > hold:
+                    self.members.remove(m.session_id)
         due = self.registry.next_gc_at()
         self._next_gc_at = min(now + 10.0, max(now + 0.1, due if due is not None else now + 10.0))
 
     def _isolated(self) -> bool:
-        return not self.members.reachable()
+        return not self.members.has_reachable()
 
     def _refresh_time(self, now: float) -> float:
         body = self.self_entry.body
@@ -942,6 +1005,9 @@ class MeshCore:
 def _has_liveness_record(m: Member | None) -> bool:
     """Whether we held a liveness record for ``m`` (not just an address from its entry)."""
     return m is not None and (m.alive_record is not None or m.accusation is not None)
+
+
+_STATUS_SYNC_CODE = (0, 1, 2, 2)  # ALIVE, SUSPECT, DEAD, LEFT (as Member.sync_code)
 
 
 def _live_key(row: SyncRow) -> tuple[int, int]:

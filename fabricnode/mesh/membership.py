@@ -27,6 +27,14 @@ Theory of operation
 -------------------
 ``MemberTable`` is pure: it holds members, applies records by the rules above and reports what
 changed; ``core.MeshCore`` decides what to send. Times are wall-clock seconds passed in.
+
+Every change to a ``Member`` goes through the table (``_own`` first, then ``touch``), which keeps
+three small indexes right: the suspects (for timers), the dead or departed (for reconnects and
+the sweep) and the ids of reachable members (for picking probe relays, gossip and sync peers),
+rebuilt only when a member's reachability flips, not on every incarnation or suspicion. A table
+can start from another table's members (``adopt``, for many simulated nodes in one process):
+those records are shared and copied on their first write, so a formed cluster of N nodes holds
+N member records, not N².
 """
 
 from __future__ import annotations
@@ -35,7 +43,7 @@ import enum
 import math
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 
 from fabricnode.mesh.wire import DEAD, Accusation, Alive
 
@@ -54,7 +62,7 @@ class Liveness(enum.IntEnum):
 NO_RECORD = 3  # liveness code in sync rows for a member we know of only from its entry
 
 
-@dataclass
+@dataclass(slots=True)
 class Member:
     session_id: str
     addr: str
@@ -63,11 +71,18 @@ class Member:
     since: float = 0.0
     alive_record: Alive | None = None
     accusation: Accusation | None = None  # the record behind SUSPECT/DEAD
-    accusers: set[str] = field(default_factory=set)
+    accusers: frozenset[str] = frozenset()  # replaced, never changed in place
     suspicion_started: float = 0.0
     suspicion_deadline: float = 0.0
     confirming: bool = False
     cleared_suspect_inc: int = -1  # we probed it ourselves and got an answer at this incarnation
+    # Table bookkeeping: reachable as of the last touch(); held by other tables too (adopt).
+    reach: bool = False
+    shared: bool = False
+
+    @property
+    def is_reachable(self) -> bool:
+        return self.status <= Liveness.SUSPECT and bool(self.addr)
 
     def liveness_record(self) -> Alive | Accusation | None:
         if self.status in (Liveness.SUSPECT, Liveness.DEAD):
@@ -124,11 +139,13 @@ class MemberTable:
         self.on_status = on_status  # observer of status changes (metrics, simulations)
         self.timing = timing
         self.rng = rng
-        self.members: dict[str, Member] = {}
-        self._reachable: list[Member] | None = None  # cache, reset by touch()
+        self.members: dict[str, Member] = {}  # read-only outside this class: write via methods
+        self._reachable: list[str] | None = None  # ids; reset when a member's reachability flips
         self._suspects: set[str] = set()
+        self._down: set[str] = set()  # DEAD or LEFT
         self._probe_order: list[str] = []
         self._probe_index = 0
+        self._all_shared = False  # every member is marked shared (see adopt)
 
     # -- views ------------------------------------------------------------------------------
 
@@ -140,42 +157,59 @@ class MemberTable:
         return None if m is None else m.status
 
     def touch(self, m: Member) -> None:
-        """Record that a member's status or address changed (keeps the caches right)."""
-        self._reachable = None
+        """Record that a member's status or address changed (keeps the indexes right)."""
+        reach = m.is_reachable
+        if reach != m.reach:
+            m.reach = reach
+            self._reachable = None
         if self.on_status is not None:
             self.on_status(m.session_id, m.status, m.since)
-        if m.status == Liveness.SUSPECT and self.members.get(m.session_id) is m:
-            self._suspects.add(m.session_id)
+        current = self.members.get(m.session_id) is m
+        sid = m.session_id
+        if m.status == Liveness.SUSPECT and current:
+            self._suspects.add(sid)
         else:
-            self._suspects.discard(m.session_id)
+            self._suspects.discard(sid)
+        if m.status >= Liveness.DEAD and current:
+            self._down.add(sid)
+        else:
+            self._down.discard(sid)
 
     def live_count(self) -> int:
         """Members (self included) not known dead or gone: the N of all timing formulas."""
-        return 1 + len(self.reachable())
+        return 1 + len(self._reachable_ids())
+
+    def has_reachable(self) -> bool:
+        return bool(self._reachable_ids())
+
+    def _reachable_ids(self) -> list[str]:
+        if self._reachable is None:
+            self._reachable = [sid for sid, m in self.members.items() if m.reach]
+        return self._reachable
 
     def reachable(self, exclude: tuple[str, ...] = ()) -> list[Member]:
-        if self._reachable is None:
-            self._reachable = [
-                m
-                for m in self.members.values()
-                if m.status in (Liveness.ALIVE, Liveness.SUSPECT) and m.addr
-            ]
-        if not exclude:
-            return self._reachable
-        return [m for m in self._reachable if m.session_id not in exclude]
+        members = self.members
+        return [members[sid] for sid in self._reachable_ids() if sid not in exclude]
 
     def random_reachable(self, k: int, exclude: tuple[str, ...] = ()) -> list[Member]:
-        pool = self.reachable()
+        pool = self._reachable_ids()
+        members = self.members
         if len(pool) <= k + len(exclude):
-            return [m for m in pool if m.session_id not in exclude][:k]
+            return [members[sid] for sid in pool if sid not in exclude][:k]
         picked: list[Member] = []
-        for m in self.rng.sample(pool, k + len(exclude)):
-            if m.session_id not in exclude and len(picked) < k:
-                picked.append(m)
+        for sid in self.rng.sample(pool, k + len(exclude)):
+            if sid not in exclude and len(picked) < k:
+                picked.append(members[sid])
         return picked
 
     def dead_members(self) -> list[Member]:
-        return [m for m in self.members.values() if m.status == Liveness.DEAD and m.addr]
+        members = self.members
+        down = (members[sid] for sid in sorted(self._down))  # sorted: seeded runs repeat
+        return [m for m in down if m.status == Liveness.DEAD and m.addr]
+
+    def down_members(self) -> list[Member]:
+        """Members known dead or departed (what the sweep of long-gone members looks at)."""
+        return [self.members[sid] for sid in sorted(self._down)]
 
     def next_probe_target(self) -> Member | None:
         """Randomised round robin (SWIM §4.3): every member probed once per pass."""
@@ -184,12 +218,46 @@ class MemberTable:
                 sid = self._probe_order[self._probe_index]
                 self._probe_index += 1
                 m = self.members.get(sid)
-                if m is not None and m.addr and m.status in (Liveness.ALIVE, Liveness.SUSPECT):
+                if m is not None and m.reach:
                     return m
             self._probe_order = list(self.members)
             self.rng.shuffle(self._probe_order)
             self._probe_index = 0
         return None
+
+    # -- sharing ------------------------------------------------------------------------------
+
+    def adopt(self, source: MemberTable) -> None:
+        """Start from ``source``'s view of every member but ourselves.
+
+        For simulations of a formed cluster in one process: the records are shared with
+        ``source`` (and with every other table that adopted them) and each table copies one
+        on its first write (``_own``), so N tables over N members hold N records plus their
+        dicts, not N² records.
+        """
+        if not source._all_shared:
+            for m in source.members.values():
+                m.shared = True
+            source._all_shared = True
+        if self.members:
+            for sid, m in source.members.items():
+                if sid != self.self_id and sid not in self.members:
+                    self.members[sid] = m
+        else:
+            self.members = dict(source.members)
+            self.members.pop(self.self_id, None)
+        self._reachable = None
+        self._suspects.update(sid for sid in source._suspects if sid in self.members)
+        self._down.update(sid for sid in source._down if sid in self.members)
+
+    def _own(self, m: Member) -> Member:
+        """The member, made ours to change (a private copy of a shared record)."""
+        if not m.shared:
+            return m
+        mine = replace(m, shared=False)
+        self.members[m.session_id] = mine
+        self._all_shared = False
+        return mine
 
     # -- learning about members ---------------------------------------------------------------
 
@@ -199,12 +267,14 @@ class MemberTable:
         if m is None:
             m = Member(sid, addr, since=now)
             self.members[sid] = m
+            self._all_shared = False
             self.touch(m)
             # New members go to a random place of the current pass so they get probed soon.
             self._probe_order.insert(
                 self.rng.randint(self._probe_index, len(self._probe_order)), sid
             )
         elif not m.addr:
+            m = self._own(m)
             m.addr = addr
             self.touch(m)
         return m
@@ -221,6 +291,7 @@ class MemberTable:
             or (m.status != Liveness.ALIVE and rec.incarnation <= m.incarnation)
         ):
             return Change.NONE
+        m = self._own(m)
         m.incarnation = rec.incarnation
         m.alive_record = rec
         m.addr = rec.gossip_addr
@@ -228,7 +299,7 @@ class MemberTable:
             m.since = now
         m.status = Liveness.ALIVE
         m.accusation = None
-        m.accusers.clear()
+        m.accusers = frozenset()
         m.confirming = False
         self.touch(m)
         return Change.UPDATED
@@ -247,6 +318,7 @@ class MemberTable:
                 return Change.NONE
             if rec.incarnation < m.incarnation:
                 return Change.NONE
+            m = self._own(m)
             m.status = Liveness.DEAD
             m.incarnation = rec.incarnation
             m.accusation = rec
@@ -260,15 +332,17 @@ class MemberTable:
         if m.status == Liveness.SUSPECT and rec.incarnation == m.incarnation:
             if rec.accuser in m.accusers:
                 return Change.NONE
-            m.accusers.add(rec.accuser)
+            m = self._own(m)
+            m.accusers = m.accusers | {rec.accuser}
             self._reset_deadline(m)
             return Change.CONFIRMED
         if rec.incarnation <= m.cleared_suspect_inc:
             return Change.NONE
+        m = self._own(m)
         m.status = Liveness.SUSPECT
         m.incarnation = rec.incarnation
         m.accusation = rec
-        m.accusers = {rec.accuser}
+        m.accusers = frozenset((rec.accuser,))
         m.since = now
         m.suspicion_started = now
         m.confirming = False
@@ -285,10 +359,11 @@ class MemberTable:
         m = self.members.get(sid)
         if m is None or m.status != Liveness.SUSPECT:
             return
+        m = self._own(m)
         m.status = Liveness.ALIVE
         m.cleared_suspect_inc = m.incarnation
         m.accusation = None
-        m.accusers.clear()
+        m.accusers = frozenset()
         m.confirming = False
         m.since = now
         self.touch(m)
@@ -297,6 +372,7 @@ class MemberTable:
         m = self.members.get(sid)
         if m is None or m.status == Liveness.LEFT:
             return False
+        m = self._own(m)
         m.status = Liveness.LEFT
         m.since = now
         m.confirming = False
@@ -304,13 +380,23 @@ class MemberTable:
         return True
 
     def remove(self, sid: str) -> None:
-        self.members.pop(sid, None)
+        m = self.members.pop(sid, None)
         self._suspects.discard(sid)
-        self._reachable = None
+        self._down.discard(sid)
+        if m is not None and m.reach:
+            self._reachable = None
 
     def expired_suspicions(self, now: float) -> list[Member]:
+        """Suspects whose timer ran out and whose confirmation has not started: the caller
+        confirms each (``start_confirming``)."""
         suspects = [self.members[sid] for sid in self._suspects]
         return [m for m in suspects if not m.confirming and now >= m.suspicion_deadline]
+
+    def start_confirming(self, m: Member) -> Member:
+        """Stop the suspicion timer of ``m``: its confirmation probe is under way."""
+        m = self._own(m)
+        m.confirming = True
+        return m
 
     def next_suspicion_deadline(self) -> float | None:
         times = [

@@ -174,17 +174,16 @@ class SignedEntry:
     signed_bytes: bytes
     signature: bytes
     digest: bytes = field(init=False, repr=False, compare=False)
+    # Computed once: merges and every anti-entropy row (one per member) read them. The rank is
+    # (state, version, digest).
+    rank: tuple[int, int, bytes] = field(init=False, repr=False, compare=False)
+    session_id: str = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "digest", record_digest(self.signed_bytes, self.signature))
-
-    @property
-    def session_id(self) -> str:
-        return self.body.session_id
-
-    @property
-    def rank(self) -> tuple[int, int, bytes]:
-        return (int(self.body.state), self.body.version, self.digest)
+        digest = record_digest(self.signed_bytes, self.signature)
+        object.__setattr__(self, "digest", digest)
+        object.__setattr__(self, "rank", (int(self.body.state), self.body.version, digest))
+        object.__setattr__(self, "session_id", self.body.session_id)
 
     def gc_at(self, terminal_hold_s: float) -> float:
         """Wall-clock time after which every replica drops this entry."""
@@ -417,6 +416,49 @@ class Registry:
             and body.started_at <= body.updated_at
             and body.expires_at <= body.updated_at + limits.max_entry_ttl_s
         )
+
+    def adopt(self, source: Registry, exclude: Iterable[str] = ()) -> None:
+        """Join another replica's state (but the sessions in ``exclude``) into ours.
+
+        For simulations of a formed cluster in one process: ``source``'s entries and tombstones
+        passed its own merges, signature checks included, so they are shared rather than checked
+        and copied again. The result is the lattice join, as if each had been merged here.
+        """
+        skip = set(exclude)
+        entries = dict(source._entries)
+        tombstones = dict(source._tombstones)
+        for sid in skip:
+            entries.pop(sid, None)
+            tombstones.pop(sid, None)
+        for sid, tomb in self._tombstones.items():
+            theirs = tombstones.get(sid)
+            if theirs is None or tomb[0].rank > theirs[0].rank:
+                tombstones[sid] = tomb
+        for sid, entry in self._entries.items():
+            theirs_entry = entries.get(sid)
+            if theirs_entry is None or entry.rank > theirs_entry.rank:
+                entries[sid] = entry
+        for sid, tomb in tombstones.items():
+            held = entries.get(sid)
+            if held is not None and held.rank <= tomb[0].rank:
+                del entries[sid]
+        for sid in [sid for sid in tombstones if sid in entries]:
+            del tombstones[sid]  # a newer entry covers what its tombstone did
+        due = list(source._due)  # a heap stays a heap when copied
+        for item in self._due:
+            heapq.heappush(due, item)
+        # Entries per provider: the source's counts, corrected where the result can differ
+        # from the source (the excluded sessions, and ours: entries or tombstones).
+        counts = dict(source._per_provider)
+        for sid in skip | self._entries.keys() | self._tombstones.keys():
+            before, after = source._entries.get(sid), entries.get(sid)
+            if before is not None:
+                counts[before.body.provider] -= 1
+            if after is not None:
+                counts[after.body.provider] = counts.get(after.body.provider, 0) + 1
+        self._per_provider = {p: n for p, n in counts.items() if n > 0}
+        self._entries, self._tombstones, self._due = entries, tombstones, due
+        self.generation += 1
 
     # -- garbage collection -----------------------------------------------------------------
 

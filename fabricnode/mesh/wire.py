@@ -232,7 +232,7 @@ class SyncRequest:
     rows: tuple[SyncRow, ...]
 
     def to_wire(self) -> list[object]:
-        return [self.TAG, [list(r) for r in self.rows]]
+        return [self.TAG, self.rows]  # msgpack packs tuples as arrays
 
 
 @dataclass(frozen=True)
@@ -352,22 +352,9 @@ def _decode_message(raw: Any) -> Message | None:
             codec.take_float(fields[7], what="load time"),
         )
     if tag == SyncRequest.TAG and n == 2:
-        rows = []
-        for r in codec.take_list(fields[1], max_len=65536, what="sync rows"):
-            sid, state, version, digest, inc, live = codec.take_list(
-                r, min_len=6, max_len=6, what="sync row"
-            )
-            rows.append(
-                (
-                    take_sid(sid),
-                    codec.take_int(state, hi=3, what="state"),
-                    codec.take_int(version, what="version"),
-                    codec.take_bytes(digest, max_len=8, what="digest"),
-                    codec.take_int(inc, what="incarnation"),
-                    codec.take_int(live, hi=3, what="liveness"),
-                )
-            )
-        return SyncRequest(tuple(rows))
+        return SyncRequest(
+            tuple(map(_decode_row, codec.take_list(fields[1], max_len=65536, what="sync rows")))
+        )
     if tag == SyncReply.TAG and n == 2:
         want = codec.take_list(fields[1], max_len=65536, what="want")
         return SyncReply(tuple(take_sid(s) for s in want))
@@ -376,6 +363,43 @@ def _decode_message(raw: Any) -> Message | None:
     if tag in (1, 2, 3, 4, 5, 6, 7, 8, 9, 10):
         raise DecodeError(f"message tag {tag} with {n} fields")
     return None
+
+
+_MAX_INT = 2**63 - 1
+
+
+def _decode_row(r: Any) -> SyncRow:
+    # A digest holds a row per member, so the checks that codec.take_* make are inlined here
+    # for the well-formed case (the same checks: exact types, no bools, the same bounds).
+    if type(r) is list and len(r) == 6:
+        sid, state, version, digest, inc, live = r
+        if (
+            type(sid) is str
+            and len(sid) == SID_LEN
+            and type(state) is int
+            and 0 <= state <= 3
+            and type(version) is int
+            and 0 <= version <= _MAX_INT
+            and type(digest) is bytes
+            and len(digest) <= 8
+            and type(inc) is int
+            and 0 <= inc <= _MAX_INT
+            and type(live) is int
+            and 0 <= live <= 3
+        ):
+            return (sid, state, version, digest, inc, live)
+    # Malformed: the field checks say exactly what is wrong (they raise DecodeError).
+    sid, state, version, digest, inc, live = codec.take_list(
+        r, min_len=6, max_len=6, what="sync row"
+    )
+    return (
+        take_sid(sid),
+        codec.take_int(state, hi=3, what="state"),
+        codec.take_int(version, what="version"),
+        codec.take_bytes(digest, max_len=8, what="digest"),
+        codec.take_int(inc, what="incarnation"),
+        codec.take_int(live, hi=3, what="liveness"),
+    )
 
 
 class ReplayGuard:

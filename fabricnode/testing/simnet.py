@@ -103,6 +103,31 @@ class SimNetwork:
             self._flush(node)
         return node
 
+    def add_formed_cluster(self, count: int) -> list[SimNode]:
+        """``count`` nodes that already know one another, as after they joined and converged.
+
+        Without a packet: one extra core outside the network ingests every node's signed entry
+        and liveness record (each signature checked once), and every node adopts its view
+        (``MeshCore.adopt``): entries and member records are shared, not held N² times. Call
+        ``poke`` on each node to start it.
+        """
+        first = len(self.nodes)
+        nodes = [self.add_node(first + i, start=False) for i in range(count)]
+        identity = Identity.from_seed(f"sim-{self.seed}-formed".encode())
+        source = MeshCore(
+            identity,
+            self.keyring,
+            make_body(identity, "", self.wall, self.config.entry_ttl_s),
+            self.wall,
+            self.config,
+            rng=random.Random(0),
+            verifier=self.verifier,
+        )
+        source.ingest([r for n in nodes for r in n.core.own_records()], self.wall)
+        for n in nodes:
+            n.core.adopt(source, self.wall)
+        return nodes
+
     def crash(self, addr: str) -> None:
         self.nodes[addr].crashed = True
 

@@ -473,3 +473,53 @@ def test_live_count_counts_self_and_reachable_members(status: Liveness) -> None:
         t.apply_accusation(accuse(SUSPECT, 1, 0), 0.0)
     t.apply_accusation(accuse(DEAD, 2, 0), 0.0)
     assert t.live_count() == 1 + 2
+
+
+# -- adopting another table's view (simulations of a formed cluster) ------------------------------
+
+
+def test_adopted_members_are_shared_until_a_table_writes_one() -> None:
+    source = table(4)
+    for i in range(4):
+        source.apply_alive(alive(i, 0), 0.0)
+    a = MemberTable(sid(0), TIMING, random.Random(1))
+    b = MemberTable(sid(1), TIMING, random.Random(2))
+    a.adopt(source)
+    b.adopt(source)
+    assert a.get(sid(0)) is None and b.get(sid(1)) is None  # never yourself
+    assert a.get(sid(2)) is b.get(sid(2)) is source.get(sid(2))
+    assert a.apply_accusation(accuse(SUSPECT, 2, 0), 1.0) is Change.UPDATED
+    assert a.status(sid(2)) == Liveness.SUSPECT
+    assert b.status(sid(2)) == source.status(sid(2)) == Liveness.ALIVE
+    assert b.get(sid(2)) is source.get(sid(2)) is not a.get(sid(2))
+    assert a.expired_suspicions(1e9) == [a.get(sid(2))]
+    assert b.expired_suspicions(1e9) == []
+
+
+def test_adopted_view_counts_and_picks_like_one_built_record_by_record() -> None:
+    source = table(6)
+    source.apply_accusation(accuse(DEAD, 3, 0), 0.0)
+    source.apply_accusation(accuse(SUSPECT, 4, 0), 0.0)
+    adopted = MemberTable(sid(5), TIMING, random.Random(0))
+    adopted.adopt(source)
+    assert adopted.live_count() == 1 + 4  # 0, 1, 2, 4 (suspect); not 3 (dead), not ourselves
+    assert [m.session_id for m in adopted.dead_members()] == [sid(3)]
+    assert [m.session_id for m in adopted.expired_suspicions(1e9)] == [sid(4)]
+    adopted.apply_accusation(accuse(DEAD, 0, 0), 1.0)
+    assert adopted.live_count() == 1 + 3
+    assert source.live_count() == 1 + 5  # the write stayed in the adopting table
+    assert {m.session_id for m in adopted.random_reachable(10)} == {sid(1), sid(2), sid(4)}
+
+
+def test_reachability_index_follows_every_flip_but_not_incarnations() -> None:
+    t = table(3)
+    assert t.live_count() == 4
+    t.apply_alive(alive(1, 1), 1.0)
+    t.apply_accusation(accuse(SUSPECT, 1, 1), 2.0)
+    assert t.live_count() == 4  # a suspect is still probed and still counts
+    t.apply_accusation(accuse(DEAD, 1, 1), 3.0)
+    assert t.live_count() == 3
+    t.apply_alive(alive(1, 2), 4.0)  # the refutation brings it back
+    assert t.live_count() == 4
+    t.mark_left(sid(2), 5.0)
+    assert {m.session_id for m in t.reachable()} == {sid(0), sid(1)}

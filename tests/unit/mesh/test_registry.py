@@ -735,3 +735,36 @@ def test_new_sessions_past_the_caps_are_refused_and_counted() -> None:
     assert (
         reg.merge(sign(owners[6], provider="lab-c", updated_at=later), later) is MergeOutcome.FULL
     )
+
+
+# -- adopting another replica's state -------------------------------------------------------------
+
+
+@FAST
+@given(
+    st.lists(st.sampled_from(ALL_ENTRIES), max_size=15),
+    st.lists(st.sampled_from(ALL_ENTRIES), max_size=15),
+    st.sampled_from([*(o.session_id for o in OWNERS), "none"]),
+)
+def test_adopting_a_replica_equals_merging_each_of_its_entries(
+    xs: list[SignedEntry], ys: list[SignedEntry], excluded: str
+) -> None:
+    source, reg = registry_of(xs), registry_of(ys)
+    reg.adopt(source, exclude=(excluded,))
+    expected = registry_of([*ys, *(x for x in xs if x.session_id != excluded)])
+    assert reg.digest() == expected.digest()
+    assert reg._per_provider == expected._per_provider  # the caps count what was adopted
+    later = T0 + 10 * LIMITS.max_entry_ttl_s
+    assert sorted(reg.gc(later)) == sorted(expected.gc(later))
+    assert reg._per_provider == expected._per_provider == {}
+
+
+def test_adopting_never_brings_back_a_collected_entry() -> None:
+    owner = OWNERS[0]
+    entry = sign(owner, State.SERVING, 2, updated_at=T0, ttl_s=100)
+    collector, laggard = registry_of([entry]), registry_of([entry])
+    collector.gc(T0 + 100)
+    collector.adopt(laggard)
+    assert owner.session_id not in collector and collector.is_tombstoned(owner.session_id)
+    laggard.adopt(collector)  # the tombstone travels too and covers the older copy
+    assert owner.session_id not in laggard and laggard.is_tombstoned(owner.session_id)
