@@ -1,9 +1,11 @@
 """HOST:PORT address strings (IPv6 hosts in brackets).
 
 A host is an IP address or a DNS name (RFC 1123: dot-separated labels of 1-63 letters, digits
-and hyphens, 253 characters at most). Everything else is refused where it is parsed: a name
-such as ``a..b`` cannot be encoded for a lookup (Python raises ``UnicodeError``, not
-``OSError``), and addresses reach the mesh from peers' packets and registry entries.
+and hyphens, not starting or ending with a hyphen, 253 characters at most; underscores are let
+through, as resolvers do, for cluster node names that use them). Everything else is refused
+where it is parsed: a name such as ``a..b`` cannot be encoded for a lookup (Python raises
+``UnicodeError``, not ``OSError``), and addresses reach the mesh from peers' packets and
+registry entries.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ lines."""
 from __future__ import annotations
 
 import logging
+import math
 import sys
 from typing import TextIO
 
@@ -23,6 +24,27 @@ class SafeFormatter(logging.Formatter):
     def formatMessage(self, record: logging.LogRecord) -> str:
         record.message = record.message.translate(_UNSAFE)
         return super().formatMessage(record)
+
+
+class ThrottledErrors:
+    """Logs the exception being handled at most once per ``every_s``, with how many came
+    since the last line: an error that a request or a packet can trigger must not let its
+    sender flood the log. The caller passes the time (any monotonic clock)."""
+
+    def __init__(self, logger: logging.Logger, message: str, every_s: float = 10.0) -> None:
+        self.logger = logger
+        self.message = message  # one %d: the errors since the last line
+        self.every_s = every_s
+        self._logged_at = -math.inf
+        self._unlogged = 0
+
+    def exception(self, now: float) -> None:
+        self._unlogged += 1
+        if now < self._logged_at + self.every_s:
+            return
+        self._logged_at = now
+        count, self._unlogged = self._unlogged, 0
+        self.logger.exception(self.message, count)
 
 
 class _SessionFilter(logging.Filter):

@@ -121,6 +121,7 @@ from fabricnode.dataplane.sockio import (
     close,
 )
 from fabricnode.dataplane.upstream import BrokenResponse, Exchange, UpstreamError, UpstreamPool
+from fabricnode.logs import ThrottledErrors
 from fabricnode.mesh.core import MeshCore
 from fabricnode.mesh.membership import Liveness
 from fabricnode.mesh.registry import State
@@ -139,7 +140,6 @@ RESUME = "resume"
 FORWARDED_REQUEST_HEADERS = (b"accept", b"x-request-id", b"openai-organization")
 JSON = b"application/json"
 SSE = b"text/event-stream"
-INTERNAL_ERROR_LOG_S = 10.0  # unexpected errors are logged at most this often
 CONNECT_REFUSED = "cannot connect"  # how UpstreamError names a refused connection
 MAX_REFUSED_SKIPS = 8  # refused connections per request that do not count as attempts
 
@@ -222,8 +222,9 @@ class Ingress:
         self._local_origin_cache: tuple[str, Origin | None] | None = None
         self._conns: set[ClientConn] = set()
         self._per_client: dict[str, int] = {}  # client address -> open connections
-        self._internal_error_logged_at = -math.inf
-        self._internal_errors_unlogged = 0
+        self._internal_errors = ThrottledErrors(
+            log, "a connection failed on an unexpected error (%d since the last report)"
+        )
         self._accepting = True
 
     # == statistics ==========================================================================
@@ -417,7 +418,7 @@ class Ingress:
             # The error boundary: whatever a client, a node or an engine sent, one connection
             # failing must not end the agent (the nursery would cancel every connection).
             self.metrics.internal_errors.inc()
-            self._log_internal_error()
+            self._internal_errors.exception(self.clock.now())
         finally:
             parser.release()
             self.watchdog.watched.discard(watch)
@@ -439,19 +440,6 @@ class Ingress:
         if FORWARD_HEADER in req.headers:
             return False
         return key_of(req.headers, keys) is None
-
-    def _log_internal_error(self) -> None:
-        """Log the exception being handled, at most once per ``INTERNAL_ERROR_LOG_S`` (one
-        that a request can trigger must not let its sender flood the log)."""
-        now = self.clock.now()
-        self._internal_errors_unlogged += 1
-        if now < self._internal_error_logged_at + INTERNAL_ERROR_LOG_S:
-            return
-        self._internal_error_logged_at = now
-        count, self._internal_errors_unlogged = self._internal_errors_unlogged, 0
-        log.exception(
-            "a connection failed on an unexpected error (%d since the last report)", count
-        )
 
     async def _send_error(
         self,

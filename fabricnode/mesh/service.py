@@ -9,7 +9,6 @@ sockets, ``fabricnode.testing.fakenet`` for a seeded lossy network under trio's 
 from __future__ import annotations
 
 import logging
-import math
 import socket
 import struct
 import time
@@ -22,6 +21,7 @@ import trio
 
 from fabricnode.addr import join_hostport, split_hostport
 from fabricnode.errors import ConfigError, FabricError
+from fabricnode.logs import ThrottledErrors
 from fabricnode.mesh.assignment import Offer, SignedAssignment
 from fabricnode.mesh.core import MeshCore
 from fabricnode.mesh.identity import Identity
@@ -31,7 +31,6 @@ from fabricnode.mesh.registry import EntryBody, SignedEntry
 log = logging.getLogger("fabricnode.mesh.service")
 
 FRAME_HEADER = struct.Struct("!I")
-INTERNAL_ERROR_LOG_S = 10.0  # unexpected errors are logged at most this often
 
 
 class Transport(Protocol):
@@ -251,8 +250,9 @@ class GossipService:
         self.keyring_path = keyring_path
         self.keyring_poll_s = keyring_poll_s
         self._wake = trio.Event()
-        self._internal_error_logged_at = -math.inf
-        self._internal_errors_unlogged = 0
+        self._internal_errors = ThrottledErrors(
+            log, "a gossip packet failed on an unexpected error (%d since the last report)"
+        )
         self.keyring_reloads = 0
         self.keyring_errors = 0
 
@@ -332,20 +332,9 @@ class GossipService:
                 # The error boundary: the core drops bad input itself, so this is a bug, and
                 # one packet that hits it must not end the agent.
                 self.core.count_dropped("internal_error")
-                self._log_internal_error()
+                self._internal_errors.exception(time.monotonic())
             await self.flush()
             self._wake.set()
-
-    def _log_internal_error(self) -> None:
-        """Log the exception being handled, at most once per ``INTERNAL_ERROR_LOG_S`` (a
-        packet that triggers it must not let its sender flood the log)."""
-        now = time.monotonic()
-        self._internal_errors_unlogged += 1
-        if now < self._internal_error_logged_at + INTERNAL_ERROR_LOG_S:
-            return
-        self._internal_error_logged_at = now
-        count, self._internal_errors_unlogged = self._internal_errors_unlogged, 0
-        log.exception("a gossip packet failed on an unexpected error (%d since last report)", count)
 
     async def _watch_keyring(self, path: Path) -> None:
         seen = file_signature(path)

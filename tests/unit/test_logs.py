@@ -5,7 +5,9 @@ from __future__ import annotations
 import io
 import logging
 
-from fabricnode.logs import configure_logging
+import pytest
+
+from fabricnode.logs import ThrottledErrors, configure_logging
 
 
 def test_control_characters_in_a_message_are_escaped_and_tracebacks_keep_their_lines() -> None:
@@ -33,3 +35,17 @@ def emit() -> None:
         raise ValueError("boom")
     except ValueError:
         log.exception("failed on %s", "a\nb")
+
+
+def test_throttled_errors_log_once_per_period_with_how_many_came(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    throttled = ThrottledErrors(logging.getLogger("fabricnode.test"), "failed (%d)", every_s=10.0)
+    caplog.set_level("ERROR", logger="fabricnode.test")
+    for now in (0.0, 1.0, 2.0, 9.9, 10.0, 10.5, 25.0):
+        try:
+            raise ValueError("boom")
+        except ValueError:
+            throttled.exception(now)
+    assert [r.getMessage() for r in caplog.records] == ["failed (1)", "failed (4)", "failed (2)"]
+    assert all(r.exc_info is not None for r in caplog.records)
