@@ -384,22 +384,27 @@ class Registry:
             self._bury(entry, now)
             return MergeOutcome.COLLECTED
         provider = entry.body.provider
-        if not own and (current is None or current.body.provider != provider):
-            limits = self.limits
-            if (
-                current is None and len(self._entries) >= limits.max_entries
-            ) or self._per_provider.get(provider, 0) >= limits.max_entries_per_provider:
-                return MergeOutcome.FULL
+        counted = current is not None and current.body.provider == provider
+        if not counted and not own and not self._has_room(provider, new_session=current is None):
+            return MergeOutcome.FULL
         if not entry.verify(self.verifier):
             return MergeOutcome.INVALID
-        if current is not None:
-            self._count_provider(current.body.provider, -1)
-        self._count_provider(provider, 1)
+        if not counted:  # a new session, or one that moved to another provider
+            if current is not None:
+                self._count_provider(current.body.provider, -1)
+            self._count_provider(provider, 1)
         self._entries[sid] = entry
         heapq.heappush(self._due, (entry.gc_at(self.limits.terminal_hold_s), sid))
         # A newer version outranks the tombstone, so it covers everything the tombstone did.
         self._tombstones.pop(sid, None)
         return MergeOutcome.NEW if current is None else MergeOutcome.UPDATED
+
+    def _has_room(self, provider: str, *, new_session: bool) -> bool:
+        """Whether one more entry of ``provider`` fits the caps (``RegistryLimits``)."""
+        limits = self.limits
+        if new_session and len(self._entries) >= limits.max_entries:
+            return False
+        return self._per_provider.get(provider, 0) < limits.max_entries_per_provider
 
     def _count_provider(self, provider: str, delta: int) -> None:
         n = self._per_provider.get(provider, 0) + delta
