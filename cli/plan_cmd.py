@@ -54,8 +54,13 @@ def plan(
         typer.Option(metavar="FILE", help="Extra GPU/model catalog TOML (repeatable)."),
     ] = None,
     mode: Annotated[
-        str, typer.Option(metavar="MODE", help="latency | throughput | fair.")
-    ] = "latency",
+        str,
+        typer.Option(
+            metavar="MODE",
+            help="fair (max-min served share first when overloaded, then throughput, then "
+            "latency) | latency | throughput.",
+        ),
+    ] = "fair",
     solver: Annotated[str, typer.Option(metavar="NAME", help="cpsat | exact | greedy.")] = "cpsat",
     time_limit: Annotated[
         float, typer.Option(metavar="SECONDS", min=0.1, max=3600, help="Solver time limit.")
@@ -88,7 +93,7 @@ def plan(
     try:
         from cli import planning
         from scheduler.catalog import load_catalog
-        from scheduler.node_assign import PoolAllocation, assign_nodes
+        from scheduler.node_assign import assign_layout
         from scheduler.plan import plan as solve_plan
         from scheduler.workload import load_inventory, load_workloads
     except ImportError as exc:  # the optional extra is missing
@@ -112,7 +117,8 @@ def plan(
             found = client.nodes()
         view = planning.mesh_view(found, cat)
         notes += view.notes
-    if inventory is not None:
+    inv: Any
+    if inventory is not None and not apply:
         inv = load_inventory(inventory, cat)
     else:
         assert view is not None
@@ -121,7 +127,7 @@ def plan(
                 "no GPUs in the mesh: no alive JOIN or SERVING node announces GPUs of a catalog "
                 "type (start agents, or pass --inventory FILE)"
             )
-        inv = view.inventory
+        inv = view.groups  # the mesh's nodes, each agent one node
     if workload is not None:
         loads = load_workloads(workload, cat)
     else:
@@ -135,11 +141,9 @@ def plan(
         if not as_json:
             print(f"  {p.elapsed_s:6.1f}s {p.phase:<8} {p.message}", file=sys.stderr)
 
-    # Planned for the mesh's nodes: no replica wider than the biggest node of its GPU type.
-    max_tp = view.largest_node if view is not None and (apply or inventory is None) else None
     result = solve_plan(
         inv, loads, catalog=cat, mode=mode, solver=solver, time_limit_s=time_limit,
-        progress=progress, max_tp=max_tp,
+        progress=progress,
     )  # fmt: skip
     doc = result.to_json()
     doc["notes"] = [*notes, *result.notes]
@@ -155,8 +159,8 @@ def plan(
             print_json(doc)
         return
     assert key is not None and view is not None
-    pools = [PoolAllocation(a.model, a.gpu, a.tp, a.dp) for a in result.placement.allocations]
-    node_plan = assign_nodes(pools, view.nodes, planning.smallest_tp_for(cat, loads))
+    assert result.layout is not None
+    node_plan = assign_layout(result.layout.engines, view.nodes)
     plan_id = planning.new_plan_id()
     signed = planning.sign_assignments(node_plan, key, plan_id, time.time(), ttl)
     applied: dict[str, Any] = {"plan_id": plan_id, "operator": key.fingerprint}
@@ -206,10 +210,11 @@ def _fmt(value: Any, unit: str = "", digits: int = 2) -> str:
 
 def _render_plan(doc: dict[str, Any]) -> None:
     table = Table(box=None, header_style="bold", pad_edge=False)
-    for column in ("MODEL", "GPU", "GPUS", "TP", "DP"):
+    for column in ("MODEL", "GPU", "GPUS", "TP", "DP", "NODES"):
         table.add_column(column)
     for a in doc["allocations"]:
-        table.add_row(a["model"], a["gpu"], str(a["gpus"]), str(a["tp"]), str(a["dp"]))
+        nodes = ", ".join(_short(n) for n in a.get("nodes", []))
+        table.add_row(a["model"], a["pool"], str(a["gpus"]), str(a["tp"]), str(a["dp"]), nodes)
     solver = doc["solver"]
     print(f"placement ({doc['mode']} mode, {solver['name']} in {solver['seconds']:.1f} s)")
     console().print(table)
@@ -225,21 +230,30 @@ def _render_plan(doc: dict[str, Any]) -> None:
             _fmt(p["ttft_s"], " s", 3),
         )
     console().print(summary)
+    if doc.get("overload"):
+        print(doc["overload"])
     for u in doc["unservable"]:
         print(f"cannot serve {u['model']}: {'; '.join(u['reasons'])}")
     for note in doc["notes"]:
         print(f"note: {note}")
 
 
+def _short(node: str) -> str:
+    """A node's name as the table shows it: session ids cut to 12 characters, like ``nodes``."""
+    return node if "#" in node else node[:12]
+
+
 def _render_node_plan(node_plan: Any, plan_id: str) -> None:
     print(f"apply (plan {plan_id}):")
     for a in node_plan.assignments:
         idle = f", {a.idle_gpus} GPUs idle" if a.idle_gpus else ""
-        sub = " (substitute: the plan's nodes ran out)" if a.substitute else ""
-        print(f"  {a.session_id[:12]}  {a.model} on {a.tp}x{a.dp} {a.gpu}{idle}{sub}")
+        print(f"  {a.session_id[:12]}  {a.model} on {a.tp}x{a.dp} {a.gpu}{idle}")
     for (model, gpu), gpus in sorted(node_plan.serving_gpus.items()):
         print(f"  already serving: {model} on {gpus} {gpu}")
     for u in node_plan.unplaced:
-        print(f"  not placed: {u.replicas} x {u.model} (tp={u.tp}) on {u.gpu}: no JOIN node fits")
+        print(
+            f"  not placed: {u.replicas} x {u.model} (tp={u.tp}) on {u.gpu}: its node serves "
+            "another model (apply never stops a running engine)"
+        )
     if node_plan.idle_nodes:
         print(f"  {len(node_plan.idle_nodes)} JOIN nodes stay unassigned")

@@ -5,7 +5,8 @@ The typer command lives in ``cli.plan_cmd``; this module does the work it needs 
 * inventory from the mesh: alive JOIN and SERVING nodes, GPU types resolved in the catalog;
 * workload from the mesh: every alive agent's request log over the last ``window`` seconds
   (``GET /fabric/v1/workload`` returns mergeable sums), merged into per-model rates;
-* apply: map the placement onto nodes (``scheduler.node_assign``), sign one assignment per JOIN
+* apply: the plan's engines on the mesh's nodes become assignments (``scheduler.node_assign``),
+  sign one assignment per JOIN
   node with the operator key, hand them to the agent, and follow the targets until each serves,
   fails, or the wait runs out.
 """
@@ -25,8 +26,8 @@ from fabricnode.mesh.assignment import AssignmentBody, SignedAssignment
 from fabricnode.mesh.identity import OperatorKey
 from scheduler.catalog import Catalog
 from scheduler.errors import CatalogError, WorkloadError
+from scheduler.inventory import NodeGroup
 from scheduler.node_assign import MeshNode, NodeAssignment, NodePlan
-from scheduler.replica import tp_options
 from scheduler.workload import Workload
 
 Json = dict[str, Any]
@@ -46,12 +47,15 @@ class MeshView:
     notes: tuple[str, ...]
 
     @property
-    def largest_node(self) -> dict[str, int]:
-        """GPU type -> the most GPUs one node of it has (a replica cannot span nodes)."""
-        out: dict[str, int] = {}
-        for n in self.nodes:
-            out[n.gpu] = max(out.get(n.gpu, 0), n.gpus)
-        return out
+    def groups(self) -> list[NodeGroup]:
+        """The mesh as the planner's inventory: every agent one exclusive node (it runs one
+        engine), named by its session id, with the model it serves."""
+        return [
+            NodeGroup(
+                n.gpu, 1, n.gpus, names=(n.session_id,), serving=(n.models[0] if n.models else "",)
+            )
+            for n in self.nodes
+        ]
 
 
 def mesh_view(nodes: Iterable[Json], catalog: Catalog) -> MeshView:
@@ -151,23 +155,6 @@ def mesh_workloads(
             f"model in the last {window_s:g} s; pass --workload FILE or a longer --window"
         )
     return workloads, notes
-
-
-def smallest_tp_for(
-    catalog: Catalog, workloads: Iterable[Workload]
-) -> Callable[[str, str, int], int | None]:
-    """``scheduler.node_assign``'s substitution check: the smallest TP that fits a node."""
-    by_model = {w.model: w for w in workloads}
-
-    def smallest(model: str, gpu: str, node_gpus: int) -> int | None:
-        w = by_model.get(model)
-        if w is None:
-            return None
-        spec = catalog.model(model)
-        options = tp_options(spec, catalog.gpu(gpu), w.lengths(spec.max_context), max_tp=node_gpus)
-        return options[0] if options else None
-
-    return smallest
 
 
 def new_plan_id() -> str:

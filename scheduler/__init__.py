@@ -3,6 +3,7 @@
 Importable without OR-Tools. The pieces, in the order data flows through them:
 
 * ``catalog``   GPU types and model architectures, shipped as TOML data, extended by files.
+* ``inventory`` the GPU inventory as nodes: node groups, pools, exclusive or shared nodes.
 * ``workload``  per-model Poisson workloads with normal lengths; inventory/workload files.
 * ``roofline``  per-operator FLOPs/bytes -> time of one engine iteration; memory feasibility.
 * ``replica``   one (model, GPU type, TP) replica with its engine limits; feasible TP degrees.
@@ -10,11 +11,15 @@ Importable without OR-Tools. The pieces, in the order data flows through them:
                 placement's analytic prediction.
 * ``des``       discrete-event simulation of continuous batching to evaluate a placement.
 * ``placement`` the decision (allocation matrix with DP x TP) and its constraints C1-C3.
-* ``objective`` a placement problem (feasible options per model) and its exact analytic cost.
-* ``search``    greedy placement and exact-cost local search (pure Python).
+* ``objective`` a placement problem (feasible options per model and pool) and its exact analytic
+                cost; modes ``fair`` (default: weighted max-min share first), ``latency``,
+                ``throughput``.
+* ``search``    greedy placement, exact-cost local search (pure Python), ``next_replica``.
 * ``solver``    the CP-SAT model (OR-Tools, optional extra ``fabricnode[scheduler]``, imported
                 only when a solve starts).
 * ``baselines`` memP (paper §5) and the exact optimum by dynamic programming (numpy).
+* ``realise``   a pool placement on named nodes (one engine per exclusive node).
+* ``node_assign`` the realised engines as ``--apply``'s assignments to the mesh's nodes.
 * ``plan``      ``plan(inventory, workloads, ...) -> PlanResult``: what ``fabric plan`` prints.
 
 docs/scheduler.md describes the model; errors are in ``scheduler.errors``.
@@ -44,12 +49,14 @@ from scheduler.des import (
     simulate_requests,
 )
 from scheduler.errors import CatalogError, SchedulerError, WorkloadError
+from scheduler.inventory import Inventory, NodeGroup, Pool
 from scheduler.objective import MODES, Cost, ModelCost, Option, Problem, Unservable
 from scheduler.placement import Allocation, Placement, check_placement
 from scheduler.plan import ModelPrediction, PlanResult, Prediction, SolverInfo, plan, plan_problem
+from scheduler.realise import Layout, NodeEngine, realise
 from scheduler.replica import ReplicaPerf, ServingConfig, tp_options
 from scheduler.roofline import Batch, MemoryFit, OpCost, RooflineConfig, StepModel, memory_fit
-from scheduler.search import greedy, local_search
+from scheduler.search import greedy, local_search, next_replica
 from scheduler.solver import PhaseStats, Progress, Solution, solve
 from scheduler.workload import (
     LengthStats,
@@ -69,6 +76,8 @@ __all__ = [
     "Cost",
     "ExactResult",
     "GpuSpec",
+    "Inventory",
+    "Layout",
     "LengthStats",
     "MemoryFit",
     "ModelCost",
@@ -76,12 +85,15 @@ __all__ = [
     "ModelPrediction",
     "ModelResult",
     "ModelSpec",
+    "NodeEngine",
+    "NodeGroup",
     "OpCost",
     "Option",
     "PhaseStats",
     "Placement",
     "PlacementEstimate",
     "PlanResult",
+    "Pool",
     "Prediction",
     "Problem",
     "Progress",
@@ -114,10 +126,12 @@ __all__ = [
     "max_rate",
     "memory_fit",
     "memp",
+    "next_replica",
     "parse_inventory",
     "parse_workloads",
     "plan",
     "plan_problem",
+    "realise",
     "replica_table",
     "replica_tables",
     "simulate",

@@ -28,8 +28,9 @@ programming over models. The cost is separable by model and the only coupling is
 ``prod(count_n + 1)``, so it is exact and tractable for a few GPU types (the bench's 2- and
 3-type instances take well under a second); ``exact`` refuses instances whose work exceeds
 ``max_work``. The lexicographic key is scalarised as ``unserved * BIG + in_system`` with ``BIG``
-far above any in-system total, and ``"fair"`` first finds the best min-fraction with a
-bottleneck DP of the same shape, then restricts every model to at least that fraction. Needs
+far above any in-system total, and ``"fair"`` first finds the best weighted max-min level
+(``Problem.fair_level``) with a bottleneck DP of the same shape, then restricts every model to
+at least that level. Needs
 numpy (installed with ``fabricnode[scheduler]``).
 """
 
@@ -47,8 +48,8 @@ from scheduler.objective import Cost, Option, Problem, check_mode
 from scheduler.placement import Placement
 
 
-def gpu_speed(problem: Problem, gpu: str) -> float:
-    spec = problem.catalog.gpu(gpu)
+def gpu_speed(problem: Problem, pool: str) -> float:
+    spec = problem.catalog.gpu(problem.pools[pool].gpu)
     return math.sqrt(spec.bf16_tflops * spec.memory_bw_gbs)
 
 
@@ -61,7 +62,9 @@ def memp(problem: Problem, block: int | None = None) -> Placement:
     size = {m: catalog.model(m).params for m in models}
     demand = {m: problem.rates[m] * size[m] for m in models}
     if block is None:
-        block = min(catalog.gpu(g).gpus_per_node for g in problem.gpus)
+        block = min(
+            min(catalog.gpu(p.gpu).gpus_per_node, p.node_gpus) for p in problem.pools.values()
+        )
     if block < 1:
         raise SchedulerError("memP block must be at least 1 GPU")
     total = sum(problem.inventory.values())
@@ -100,29 +103,30 @@ def memp(problem: Problem, block: int | None = None) -> Placement:
                 continue
             tp, dp = best
             rows[m][g] = (tp, dp)
-            free[g] += n - tp * dp
+            free[g] += n - problem.unit_gpus(g, tp) * dp
     for m in largest:
         for g in fastest:
             if g in rows[m]:
                 tp, dp = rows[m][g]
-                extra = free[g] // tp
+                unit = problem.unit_gpus(g, tp)
+                extra = free[g] // unit
                 if extra:
                     rows[m][g] = (tp, dp + extra)
-                    free[g] -= extra * tp
+                    free[g] -= extra * unit
             else:
                 best = _best_tp(problem.options[m], g, free[g])
                 if best is not None:
                     rows[m][g] = best
-                    free[g] -= best[0] * best[1]
+                    free[g] -= problem.unit_gpus(g, best[0]) * best[1]
     return problem.placement(rows)
 
 
 def _best_tp(options: Sequence[Option], gpu: str, gpus: int) -> tuple[int, int] | None:
     best: tuple[float, int, int] | None = None
     for o in options:
-        if o.gpu != gpu or o.tp > gpus:
+        if o.gpu != gpu or o.gpus > gpus:
             continue
-        dp = gpus // o.tp
+        dp = gpus // o.gpus
         capacity = dp * o.capacity_rps
         if best is None or capacity > best[0] * (1 + 1e-12):
             best = (capacity, o.tp, dp)
@@ -156,9 +160,17 @@ def exact_work(problem: Problem) -> float:
     return float(states) * states * max(1, len(problem.models))
 
 
-def exact(problem: Problem, mode: str = "latency", max_work: float = 2e9) -> ExactResult:
-    """The placement minimising ``problem.cost(..., mode)`` (module docstring)."""
+def exact(
+    problem: Problem, mode: str = "latency", max_work: float = 2e9, fair_slack: float = 1.0
+) -> ExactResult:
+    """The placement minimising ``problem.cost(..., mode)`` (module docstring).
+
+    ``fair_slack`` < 1 (mode ``"fair"``) keeps every model at ``fair_slack`` times the best
+    max-min level instead of the level itself, then maximises served req/s and minimises
+    latency: the most a plan can serve while within that share of the max-min optimum."""
     check_mode(mode)
+    if not 0 < fair_slack <= 1:
+        raise SchedulerError(f"fair_slack must be in (0, 1], got {fair_slack}")
     np = _numpy()
     started = time.monotonic()
     work = exact_work(problem)
@@ -170,12 +182,12 @@ def exact(problem: Problem, mode: str = "latency", max_work: float = 2e9) -> Exa
     notes: list[str] = []
     tables = [_ModelTable(np, problem, m) for m in problem.models]
     need = problem.min_replicas
-    rows = _solve(np, problem, tables, mode, need)
+    rows = _solve(np, problem, tables, mode, need, fair_slack)
     if rows is None and need > 0:
         notes.append(
             f"the inventory cannot give every model {need} replica(s): requirement dropped"
         )
-        rows = _solve(np, problem, tables, mode, 0)
+        rows = _solve(np, problem, tables, mode, 0, fair_slack)
     if rows is None:  # pragma: no cover - with min_replicas 0 the empty placement is feasible
         raise SchedulerError("exact: no feasible placement")
     placement = problem.placement(rows)
@@ -203,7 +215,7 @@ class _ModelTable:
         for combo in itertools.product(*by_gpu):
             axes = []
             for n, o in enumerate(combo):
-                top = 0 if o is None else (dims[n] - 1) // o.tp
+                top = 0 if o is None else (dims[n] - 1) // o.gpus
                 axes.append(np.arange(top + 1))
             grid = np.meshgrid(*axes, indexing="ij")
             dp = [a.ravel() for a in grid]
@@ -215,8 +227,8 @@ class _ModelTable:
                 o = combo[n]
                 if o is not None:
                     capacity += dp[n] * o.capacity_rps
-                    replicas += dp[n]
-                    flat += dp[n] * o.tp * stride
+                    replicas += dp[n] * o.replicas
+                    flat += dp[n] * o.gpus * stride
                 stride *= dims[n]
             served = np.minimum(rate, umax * capacity)
             util = np.divide(served, capacity, out=np.zeros_like(served), where=capacity > 0)
@@ -226,10 +238,11 @@ class _ModelTable:
                     continue
                 rates = np.array([pt.rate_rps for pt in o.table.points])
                 e2e = np.array([pt.e2e_s for pt in o.table.points])
-                r = util * o.capacity_rps
-                in_system += dp[n] * r * np.interp(r, rates, e2e)
+                r = util * o.replica_capacity_rps  # per replica
+                in_system += dp[n] * o.replicas * r * np.interp(r, rates, e2e)
             unserved = rate - served
-            fraction = served / rate
+            # the model's weighted fair level, min(1, fraction / priority) (Problem.fair_level)
+            fraction = np.minimum(1.0, served / rate / problem.priority[model])
             dp_matrix = np.stack(dp, axis=1)
             self.combos.append((combo, flat, unserved, in_system, fraction, (replicas, dp_matrix)))
 
@@ -279,7 +292,7 @@ def _shifted(np: Any, dims: tuple[int, ...], x: tuple[int, ...]) -> tuple[Any, A
 
 
 def _solve(
-    np: Any, problem: Problem, tables: list[_ModelTable], mode: str, need: int
+    np: Any, problem: Problem, tables: list[_ModelTable], mode: str, need: int, slack: float = 1.0
 ) -> dict[str, dict[str, tuple[int, int]]] | None:
     if not tables:
         return {}
@@ -298,7 +311,7 @@ def _solve(
         best = float(w[tuple(d - 1 for d in dims)])
         if not math.isfinite(best):
             return None
-        floor_fraction = best
+        floor_fraction = best * slack
     bound = 1.0
     for m in problem.models:
         worst = max(o.e2e_at(problem.max_utilization) for o in problem.options[m])

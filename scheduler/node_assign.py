@@ -1,27 +1,22 @@
-"""From a placement over GPU pools to one engine per node: what ``fabric plan --apply`` sends.
+"""From engines on named nodes (``scheduler.realise``) to what ``fabric plan --apply`` sends.
 
-The solver places replicas on pools of GPUs by type; the mesh is made of nodes (one agent per
-Slurm job), each with some GPUs of one type, each running at most one engine. This module maps
-one onto the other:
+The planner places on the mesh's nodes themselves (each agent's hardware is one node of the
+inventory, named by its session id), so applying a plan is bookkeeping:
 
-1. GPUs of SERVING nodes already serving a model count as placed for it (apply never touches a
-   running engine), so only the rest of each (model, GPU type) allocation is assigned.
-2. The remaining replicas of each (model, GPU type) go to JOIN nodes of that type, largest TP
-   first; the node that holds all remaining replicas with the fewest GPUs wins (best fit), else
-   the biggest node. A node with fewer GPUs than the TP cannot host it. A node runs one model
-   with ``dp = node GPUs // tp``: spare GPUs add replicas of its model (they would idle
-   otherwise), so a model can get more replicas than the plan gave it, never fewer.
-3. Replicas still without a node (the pools did not divide into nodes) are *substituted* when
-   ``smallest_tp`` is given: each goes to the biggest JOIN node left, of any GPU type, that can
-   hold the model, with the smallest TP that fits there. What still cannot be placed is
-   reported, as are JOIN nodes that get nothing and GPUs a node's one engine leaves idle.
+* an engine on a JOIN node becomes one ``NodeAssignment`` (the agent launches it);
+* an engine on a SERVING node that already serves its model needs nothing (its GPUs are
+  reported under ``serving_gpus``);
+* an engine on a SERVING node that serves another model is *not* applied (apply never stops a
+  running engine): it is reported as ``Unplaced``;
+* JOIN nodes without an engine stay idle (``idle_nodes``).
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
+
+from scheduler.realise import NodeEngine
 
 
 @dataclass(frozen=True)
@@ -34,14 +29,6 @@ class MeshNode:
 
 
 @dataclass(frozen=True)
-class PoolAllocation:
-    model: str
-    gpu: str
-    tp: int
-    dp: int
-
-
-@dataclass(frozen=True)
 class NodeAssignment:
     session_id: str
     model: str
@@ -49,7 +36,6 @@ class NodeAssignment:
     tp: int
     dp: int
     node_gpus: int
-    substitute: bool = False  # not the plan's GPU type or TP: placed where a node was left
 
     @property
     def idle_gpus(self) -> int:
@@ -81,7 +67,6 @@ class NodePlan:
                     "tp": a.tp,
                     "dp": a.dp,
                     "idle_gpus": a.idle_gpus,
-                    "substitute": a.substitute,
                 }
                 for a in self.assignments
             ],
@@ -96,77 +81,30 @@ class NodePlan:
         }
 
 
-def assign_nodes(
-    allocations: Iterable[PoolAllocation],
-    nodes: Iterable[MeshNode],
-    smallest_tp: Callable[[str, str, int], int | None] | None = None,
-) -> NodePlan:
-    """Map pool allocations to JOIN nodes (see the module docstring).
-
-    ``smallest_tp(model, gpu, node_gpus)``: the smallest memory-feasible TP for the model on a
-    node of that GPU type and size, or None; enables substitution (step 3).
-    """
-    nodes = list(nodes)
+def assign_layout(engines: Iterable[NodeEngine], nodes: Iterable[MeshNode]) -> NodePlan:
+    """The assignments that make the mesh run ``engines`` (module docstring)."""
+    by_id = {n.session_id: n for n in nodes}
     serving: dict[tuple[str, str], int] = {}
-    for n in nodes:
+    for n in by_id.values():
         if n.state == "serving":
             for model in n.models:
                 serving[(model, n.gpu)] = serving.get((model, n.gpu), 0) + n.gpus
-    free = sorted(
-        (n for n in nodes if n.state == "join" and n.gpus > 0),
-        key=lambda n: (n.gpu, n.gpus, n.session_id),
-    )
-    demands: list[tuple[PoolAllocation, int]] = []
-    for a in allocations:
-        wanted = a.tp * a.dp - serving.get((a.model, a.gpu), 0)
-        if wanted > 0:
-            demands.append((a, math.ceil(wanted / a.tp)))
-    demands.sort(key=lambda d: (-d[0].tp, -d[1], d[0].model, d[0].gpu))
     assignments: list[NodeAssignment] = []
     unplaced: list[Unplaced] = []
-    for a, replicas in demands:
-        while replicas > 0:
-            hosts = [n for n in free if n.gpu == a.gpu and n.gpus >= a.tp]
-            if not hosts:
-                unplaced.append(Unplaced(a.model, a.gpu, a.tp, replicas))
-                break
-            whole = [n for n in hosts if n.gpus // a.tp >= replicas]
-            node = whole[0] if whole else hosts[-1]  # free is sorted by GPU count
-            dp = node.gpus // a.tp
-            assignments.append(NodeAssignment(node.session_id, a.model, a.gpu, a.tp, dp, node.gpus))
-            free.remove(node)
-            replicas -= dp
-    if smallest_tp is not None:
-        unplaced = _substitute(unplaced, free, assignments, smallest_tp)
-    return NodePlan(
-        tuple(assignments),
-        serving,
-        tuple(unplaced),
-        tuple(n.session_id for n in free),
-    )
-
-
-def _substitute(
-    unplaced: list[Unplaced],
-    free: list[MeshNode],
-    assignments: list[NodeAssignment],
-    smallest_tp: Callable[[str, str, int], int | None],
-) -> list[Unplaced]:
-    left: list[Unplaced] = []
-    for u in unplaced:
-        replicas = u.replicas
-        while replicas > 0:
-            fits = [(n, smallest_tp(u.model, n.gpu, n.gpus)) for n in free]
-            hosts = [(n, tp) for n, tp in fits if tp is not None]
-            if not hosts:
-                left.append(Unplaced(u.model, u.gpu, u.tp, replicas))
-                break
-            node, tp = max(hosts, key=lambda h: (h[0].gpus, h[0].session_id))
-            assert tp is not None
-            dp = node.gpus // tp
+    used: set[str] = set()
+    for e in engines:
+        node = by_id.get(e.node)
+        if node is None:
+            unplaced.append(Unplaced(e.model, e.gpu, e.tp, e.dp))
+            continue
+        used.add(node.session_id)
+        if node.state == "join":
             assignments.append(
-                NodeAssignment(node.session_id, u.model, node.gpu, tp, dp, node.gpus, True)
+                NodeAssignment(node.session_id, e.model, e.gpu, e.tp, e.dp, node.gpus)
             )
-            free.remove(node)
-            replicas -= dp
-    return left
+        elif e.model not in node.models:
+            unplaced.append(Unplaced(e.model, e.gpu, e.tp, e.dp))
+    idle = tuple(
+        n.session_id for n in by_id.values() if n.state == "join" and n.session_id not in used
+    )
+    return NodePlan(tuple(assignments), serving, tuple(unplaced), idle)

@@ -2,10 +2,12 @@
 
 Rules:
 
-* A ``Problem`` is an inventory (GPU type -> count), per-model workloads and, for every model, its
-  *options*: the (GPU type, TP) replicas that are memory-feasible (C2), shard the model (C3) and
-  fit the inventory (``tp <= count``), each with its analytic latency-vs-rate table
-  (``analytic.replica_table``). A model with traffic and no option is *unservable* and reported
+* A ``Problem`` is an inventory of pools (``scheduler.inventory``: nodes of one GPU type, shared
+  or exclusive), per-model workloads and, for every model, its *options*: the (pool, TP) units
+  that are memory-feasible (C2), shard the model (C3) and fit a node (``tp <=`` node size), each
+  with the analytic latency-vs-rate table of one replica (``analytic.replica_table``). A unit
+  is one replica on a shared pool and one node's engine (``node GPUs // tp`` replicas) on an
+  exclusive one; rows count units. A model with traffic and no option is *unservable* and reported
   with the reason per GPU type; a model without traffic gets nothing.
 * The cost of one model's replicas is ``estimate_model``'s: its rate is split over the replicas
   in proportion to capacity, so every replica runs at the same utilisation ``u = served /
@@ -16,12 +18,15 @@ Rules:
   rate is the rate-weighted mean E2E of paper Eq. 1.
 * The objective is lexicographic, by ``mode``:
 
+  - ``"fair"`` (the default of ``plan``): (-fair level, unserved req/s, requests in system).
+    The fair level is the largest ``phi <= 1`` with every model served at least
+    ``min(1, priority * phi)`` of its rate, priorities scaled to a maximum of 1
+    (``fair_level``): under overload the max-min share first, weighted by priority; when
+    everything fits it is 1 and this is Eq. 1.
   - ``"latency"`` (paper Eq. 1) and ``"throughput"``: (unserved req/s, requests in system).
     When the inventory can serve every model with headroom the first term is 0 and this is
-    Eq. 1; otherwise it is throughput first (served req/s, then latency). The two names differ
-    only in what a plan reports.
-  - ``"fair"``: (-min served fraction over models, unserved req/s, requests in system): the
-    max-min share first.
+    Eq. 1; otherwise it is throughput first (served req/s, then latency), which favours the
+    models with the cheapest requests. The two names differ only in what a plan reports.
 
 * Every model with traffic gets at least ``min_replicas`` replicas when the inventory allows it
   (solvers drop the requirement, with a note, when it cannot be met).
@@ -39,6 +44,7 @@ from dataclasses import dataclass, field
 from scheduler.analytic import ReplicaTable, replica_table
 from scheduler.catalog import Catalog
 from scheduler.errors import WorkloadError
+from scheduler.inventory import Inventory, NodeGroup, Pool
 from scheduler.placement import Allocation, Placement
 from scheduler.replica import ReplicaPerf, ServingConfig, tp_options
 from scheduler.roofline import RooflineConfig, check_tp
@@ -50,20 +56,33 @@ INF = math.inf
 
 @dataclass(frozen=True)
 class Option:
-    """One replica type a model may use: ``tp`` GPUs of type ``gpu``, and its analytic table."""
+    """One placement unit a model may use in pool ``gpu``: replicas of ``tp`` GPUs, and the
+    analytic table of one replica. A unit is one replica on a shared pool, one node's engine
+    (``replicas`` = node GPUs // tp replicas) on an exclusive one; it takes ``gpus`` GPUs."""
 
     model: str
-    gpu: str
+    gpu: str  # pool name (the GPU type's name unless the inventory has several node shapes)
     tp: int
     table: ReplicaTable = field(repr=False, compare=False)
+    gpus: int = 0  # GPUs one unit takes (default tp)
+    replicas: int = 1  # replicas in one unit
+
+    def __post_init__(self) -> None:
+        if self.gpus == 0:
+            object.__setattr__(self, "gpus", self.tp)
 
     @property
-    def capacity_rps(self) -> float:
+    def replica_capacity_rps(self) -> float:
         return self.table.max_rate_rps
 
     @property
+    def capacity_rps(self) -> float:
+        """Capacity of one unit."""
+        return self.table.max_rate_rps * self.replicas
+
+    @property
     def per_gpu_rps(self) -> float:
-        return self.table.max_rate_rps / self.tp
+        return self.capacity_rps / self.gpus
 
     def e2e_at(self, utilization: float) -> float:
         """Mean E2E of one replica at ``utilization`` of its capacity."""
@@ -144,7 +163,7 @@ class Problem:
 
     def __init__(
         self,
-        inventory: Mapping[str, int],
+        inventory: Inventory | Mapping[str, int] | Iterable[NodeGroup],
         workloads: Iterable[Workload],
         catalog: Catalog,
         *,
@@ -153,7 +172,6 @@ class Problem:
         roofline: RooflineConfig | None = None,
         serving: ServingConfig | None = None,
         table_points: int = 40,
-        max_tp: Mapping[str, int] | None = None,
     ) -> None:
         if not 0 < max_utilization <= 0.99:
             raise WorkloadError(f"max_utilization must be in (0, 0.99], got {max_utilization}")
@@ -164,13 +182,10 @@ class Problem:
         self.serving = serving
         self.max_utilization = max_utilization
         self.min_replicas = min_replicas
-        counts: dict[str, int] = {}
-        for name, count in inventory.items():
-            gpu = catalog.gpu(name).name
-            if count < 0:
-                raise WorkloadError(f"inventory: {gpu} count must be zero or more")
-            counts[gpu] = counts.get(gpu, 0) + count
-        self.inventory: dict[str, int] = {g: n for g, n in counts.items() if n > 0}
+        self.nodes = Inventory.of(inventory, catalog)
+        self.pools: dict[str, Pool] = self.nodes.pools
+        # pool name -> GPUs; the solvers' "GPU types" are these pools
+        self.inventory: dict[str, int] = self.nodes.counts()
         self.gpus: tuple[str, ...] = tuple(self.inventory)
         self.workloads: dict[str, Workload] = {}
         for w in workloads:
@@ -181,33 +196,49 @@ class Problem:
         self.rates: dict[str, float] = {m: w.rate_rps for m, w in self.workloads.items()}
         self.options: dict[str, tuple[Option, ...]] = {}
         unservable: list[Unservable] = []
+        tables: dict[tuple[str, str, int], ReplicaTable] = {}
         for name, w in self.workloads.items():
             model = catalog.model(name)
             lengths = w.lengths(model.max_context)
             options: list[Option] = []
             reasons: list[str] = []
-            for gpu_name in self.gpus:
-                spec = catalog.gpu(gpu_name)
-                have = self.inventory[gpu_name]
-                # A replica lives in one node: a mesh inventory caps TP at its biggest node.
-                cap = None if max_tp is None else max_tp.get(gpu_name)
-                tps = tp_options(model, spec, lengths, roofline, serving, max_tp=cap)
-                usable = [tp for tp in tps if tp <= have]
-                for tp in usable:
-                    perf = ReplicaPerf(model, spec, tp, roofline, serving)
-                    table = replica_table(perf, lengths, table_points)
+            for pool in self.pools.values():
+                spec = catalog.gpu(pool.gpu)
+                # a replica lives in one node
+                tps = tp_options(model, spec, lengths, roofline, serving, max_tp=pool.node_gpus)
+                for tp in tps:
+                    table = tables.get((name, pool.gpu, tp))
+                    if table is None:
+                        perf = ReplicaPerf(model, spec, tp, roofline, serving)
+                        table = replica_table(perf, lengths, table_points)
+                        tables[(name, pool.gpu, tp)] = table
                     if table.max_rate_rps > 0:
-                        options.append(Option(name, gpu_name, tp, table))
-                if not usable:
-                    reasons.append(_why_not(model.name, gpu_name, have, tps, catalog, w, self))
+                        options.append(
+                            Option(
+                                name,
+                                pool.name,
+                                tp,
+                                table,
+                                pool.unit_gpus(tp),
+                                pool.replicas_per_unit(tp),
+                            )
+                        )
+                if not tps:
+                    reasons.append(_why_not(model.name, pool, catalog, w, self))
             if w.rate_rps <= 0:
                 continue
             if options:
                 self.options[name] = tuple(options)
             else:
-                why = tuple(reasons) or ("the inventory has no GPUs",)
+                why = tuple(dict.fromkeys(reasons)) or ("the inventory has no GPUs",)
                 unservable.append(Unservable(name, w.rate_rps, why))
         self.unservable: tuple[Unservable, ...] = tuple(unservable)
+        # Priorities scaled so the highest is 1: a model's fair share is its priority times
+        # the common level (``key``).
+        top = max((self.workloads[m].priority for m in self.options), default=1.0)
+        self.priority: dict[str, float] = {
+            m: self.workloads[m].priority / top for m in self.options
+        }
         # the models the solvers place: traffic and at least one option
         self.models: tuple[str, ...] = tuple(self.options)
 
@@ -229,7 +260,7 @@ class Problem:
         self, model: str, rate: float, groups: Sequence[tuple[Option, int]]
     ) -> ModelCost:
         capacity = sum(o.capacity_rps * dp for o, dp in groups)
-        replicas = sum(dp for _, dp in groups)
+        replicas = sum(dp * o.replicas for o, dp in groups)
         if rate <= 0:
             return ModelCost(model, 0.0, capacity, 0.0, 0.0, 0.0, math.nan, math.nan, replicas)
         if capacity <= 0:
@@ -247,7 +278,7 @@ class Problem:
 
     def cost(self, placement: Placement | Mapping[str, Rows], mode: str = "latency") -> Cost:
         """The analytic cost of a placement (models outside the problem are ignored)."""
-        rows = placement_rows(placement) if isinstance(placement, Placement) else placement
+        rows = self.rows_of(placement) if isinstance(placement, Placement) else placement
         models = tuple(self.model_cost(m, rows.get(m, {})) for m in self.models)
         return self.combine(models, mode)
 
@@ -258,14 +289,22 @@ class Problem:
         min_fraction = min((m.fraction for m in models), default=1.0)
         return Cost(tuple(models), self.key(models, mode), offered, served, in_system, min_fraction)
 
-    @staticmethod
-    def key(models: Sequence[ModelCost], mode: str) -> Key:
+    def key(self, models: Sequence[ModelCost], mode: str) -> Key:
         check_mode(mode)
         unserved = sum(m.unserved_rps for m in models)
         in_system = sum(m.in_system for m in models)
         if mode == "fair":
-            return (-min((m.fraction for m in models), default=1.0), unserved, in_system)
+            return (-self.fair_level(models), unserved, in_system)
         return (unserved, in_system)
+
+    def fair_level(self, models: Sequence[ModelCost]) -> float:
+        """The weighted max-min level: the largest ``phi <= 1`` with every model served at
+        least ``min(1, priority * phi)`` of its rate (priorities scaled to a maximum of 1)."""
+        level = 1.0
+        for m in models:
+            if m.rate_rps > 0 and m.fraction < 1.0:
+                level = min(level, m.fraction / self.priority.get(m.model, 1.0))
+        return level
 
     def lacks_replicas(self, rows: Mapping[str, Rows]) -> list[str]:
         """Models below ``min_replicas`` replicas."""
@@ -276,50 +315,57 @@ class Problem:
         ]
 
     def placement(self, rows: Mapping[str, Rows]) -> Placement:
-        return Placement.of(
-            Allocation(m, g, tp, dp) for m, r in rows.items() for g, (tp, dp) in r.items()
-        )
+        """Rows (pool -> (tp, units)) as allocations of replicas on catalog GPU types."""
+        out: list[Allocation] = []
+        for m, r in rows.items():
+            for g, (tp, units) in r.items():
+                pool = self.pools[g]
+                out.append(Allocation(m, pool.gpu, tp, units * pool.replicas_per_unit(tp), g))
+        return Placement.of(out)
+
+    def rows_of(self, placement: Placement) -> dict[str, dict[str, tuple[int, int]]]:
+        """The inverse of ``placement``: model -> pool -> (tp, units); C3 (one TP per model and
+        pool) is assumed."""
+        rows: dict[str, dict[str, tuple[int, int]]] = {}
+        for a in placement.allocations:
+            if a.dp <= 0:
+                continue
+            name = a.pool or a.gpu
+            pool = self.pools.get(name)
+            if pool is None:
+                raise WorkloadError(f"{a.model}: no pool {name!r} in this inventory")
+            mine = rows.setdefault(a.model, {})
+            if name in mine:
+                raise WorkloadError(f"C3: {a.model} has two rows for {name}")
+            per = pool.replicas_per_unit(a.tp)
+            mine[name] = (a.tp, -(-a.dp // per))
+        return rows
+
+    def unit_gpus(self, pool: str, tp: int) -> int:
+        return self.pools[pool].unit_gpus(tp)
 
 
-def _why_not(
-    model: str,
-    gpu: str,
-    have: int,
-    tps: Sequence[int],
-    catalog: Catalog,
-    workload: Workload,
-    problem: Problem,
-) -> str:
-    if tps:
-        return f"{gpu}: needs {tps[0]} GPUs per replica, the inventory has {have}"
+def _why_not(model: str, pool: Pool, catalog: Catalog, workload: Workload, problem: Problem) -> str:
     spec = catalog.model(model)
-    g = catalog.gpu(gpu)
+    g = catalog.gpu(pool.gpu)
+    limit = min(g.gpus_per_node, pool.node_gpus)
     tp = 1
-    while tp * 2 <= g.gpus_per_node:
+    while tp * 2 <= limit:
         tp *= 2
     while tp > 1 and check_tp(spec, tp) is not None:
         tp //= 2
     perf = ReplicaPerf(spec, g, tp, problem.roofline, problem.serving)
     reason = perf.infeasible_reason(workload.lengths(spec.max_context))
-    return f"{gpu}: {reason or 'no TP degree shards the model'}"
+    where = pool.gpu if pool.name == pool.gpu else f"{pool.name} ({pool.node_gpus}-GPU nodes)"
+    if reason and tp < g.gpus_per_node and tp == pool.node_gpus:
+        plural = "s" if pool.node_gpus > 1 else ""
+        reason += f" (a replica cannot span nodes of {pool.node_gpus} GPU{plural})"
+    return f"{where}: {reason or 'no TP degree shards the model'}"
 
 
 def check_mode(mode: str) -> None:
     if mode not in MODES:
         raise WorkloadError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
-
-
-def placement_rows(placement: Placement) -> dict[str, dict[str, tuple[int, int]]]:
-    """model -> GPU type -> (tp, dp); C3 (one TP per model and GPU type) is assumed."""
-    rows: dict[str, dict[str, tuple[int, int]]] = {}
-    for a in placement.allocations:
-        if a.dp <= 0:
-            continue
-        mine = rows.setdefault(a.model, {})
-        if a.gpu in mine:
-            raise WorkloadError(f"C3: {a.model} has two rows for {a.gpu}")
-        mine[a.gpu] = (a.tp, a.dp)
-    return rows
 
 
 def improves(new: Key, old: Key, rel: float = 1e-9) -> bool:

@@ -20,12 +20,18 @@ from scheduler.workload import Workload
 
 @dataclass(frozen=True)
 class Allocation:
-    """``dp`` replicas of ``model``, each on ``tp`` GPUs of type ``gpu`` (catalog names)."""
+    """``dp`` replicas of ``model``, each on ``tp`` GPUs of type ``gpu`` (catalog names), in the
+    inventory's pool ``pool`` (default: the pool named after the GPU type)."""
 
     model: str
     gpu: str
     tp: int
     dp: int
+    pool: str = ""
+
+    @property
+    def where(self) -> str:
+        return self.pool or self.gpu
 
     @property
     def gpus(self) -> int:
@@ -39,7 +45,7 @@ class Placement:
     @staticmethod
     def of(allocations: Iterable[Allocation]) -> Placement:
         """A placement without empty rows, in a canonical order."""
-        rows = sorted((a for a in allocations if a.dp > 0), key=lambda a: (a.model, a.gpu))
+        rows = sorted((a for a in allocations if a.dp > 0), key=lambda a: (a.model, a.where))
         return Placement(tuple(rows))
 
     def gpus_used(self) -> dict[str, int]:
@@ -60,7 +66,11 @@ def check_placement(
     roofline: RooflineConfig | None = None,
     serving: ServingConfig | None = None,
 ) -> None:
-    """Raise ``WorkloadError`` naming the first violated constraint (C1, C2 or C3)."""
+    """Raise ``WorkloadError`` naming the first violated constraint (C1, C2 or C3).
+
+    ``inventory`` is GPUs per pool (``Allocation.where``; a GPU type, an alias of one, or a
+    pool name of ``scheduler.inventory``). Node shape (exclusive nodes, TP within a node) is
+    ``objective.Problem``'s to check."""
     used: dict[str, int] = {}
     rows: dict[str, list[Allocation]] = {}
     for a in placement.allocations:
@@ -69,8 +79,10 @@ def check_placement(
             gpu = catalog.gpu(a.gpu)
         except CatalogError as exc:
             raise WorkloadError(str(exc)) from None
-        if any(catalog.gpu(b.gpu).name == gpu.name for b in rows.get(model.name, [])):
-            raise WorkloadError(f"C3: {model.name} has two rows for {gpu.name}")
+        if any(
+            _pool(catalog, b.where) == _pool(catalog, a.where) for b in rows.get(model.name, [])
+        ):
+            raise WorkloadError(f"C3: {model.name} has two rows for {a.where}")
         rows.setdefault(model.name, []).append(a)
         if a.dp < 0:
             raise WorkloadError(f"C3: {model.name} on {gpu.name}: dp must be >= 0")
@@ -82,8 +94,9 @@ def check_placement(
                 f"C3: {model.name} on {gpu.name}: tp {a.tp} exceeds {gpu.gpus_per_node} GPUs "
                 "per node"
             )
-        used[gpu.name] = used.get(gpu.name, 0) + a.gpus
-    have = {catalog.gpu(name).name: count for name, count in inventory.items()}
+        where = _pool(catalog, a.where)
+        used[where] = used.get(where, 0) + a.gpus
+    have = {_pool(catalog, name): count for name, count in inventory.items()}
     for name, count in used.items():
         if count > have.get(name, 0):
             raise WorkloadError(f"C1: {count} {name} GPUs allocated, {have.get(name, 0)} available")
@@ -97,3 +110,11 @@ def check_placement(
             problem = perf.infeasible_reason(lengths)
             if problem:
                 raise WorkloadError(f"C2: {problem}")
+
+
+def _pool(catalog: Catalog, name: str) -> str:
+    """A GPU type's catalog name, or a pool name as it is."""
+    try:
+        return catalog.gpu(name).name
+    except CatalogError:
+        return name

@@ -19,8 +19,10 @@ from dataclasses import dataclass
 from scheduler.baselines import exact, memp
 from scheduler.catalog import Catalog, builtin_catalog
 from scheduler.errors import SchedulerError
+from scheduler.inventory import Inventory, NodeGroup
 from scheduler.objective import Cost, Problem, Unservable, check_mode
 from scheduler.placement import Placement, check_placement
+from scheduler.realise import Layout, realise
 from scheduler.replica import ServingConfig
 from scheduler.roofline import RooflineConfig
 from scheduler.search import greedy, local_search
@@ -150,20 +152,26 @@ class SolverInfo:
 @dataclass(frozen=True)
 class PlanResult:
     mode: str
-    inventory: Mapping[str, int]
-    placement: Placement
+    inventory: Mapping[str, int]  # pool -> GPUs
+    placement: Placement  # realised on nodes (``layout``)
     predicted: Prediction
     memp: Placement
     memp_predicted: Prediction
     unservable: tuple[Unservable, ...]
     notes: tuple[str, ...]
     solver: SolverInfo
+    layout: Layout | None = None
+    pools: tuple[dict[str, object], ...] = ()
+    overload: str | None = None  # one line when the inventory cannot serve every rate
 
     def to_json(self) -> dict[str, object]:
         return {
             "mode": self.mode,
             "inventory": dict(self.inventory),
-            "allocations": allocations_json(self.placement),
+            "pools": list(self.pools),
+            "allocations": allocations_json(self.placement, self.layout),
+            "nodes": [] if self.layout is None else [e.to_json() for e in self.layout.engines],
+            "overload": self.overload,
             "predicted": self.predicted.to_json(),
             "memp": {
                 "allocations": allocations_json(self.memp),
@@ -178,11 +186,17 @@ class PlanResult:
         }
 
 
-def allocations_json(placement: Placement) -> list[dict[str, object]]:
-    return [
-        {"model": a.model, "gpu": a.gpu, "gpus": a.gpus, "tp": a.tp, "dp": a.dp}
-        for a in placement.allocations
-    ]
+def allocations_json(placement: Placement, layout: Layout | None = None) -> list[dict[str, object]]:
+    rows: list[dict[str, object]] = []
+    for a in placement.allocations:
+        row: dict[str, object] = {
+            "model": a.model, "gpu": a.gpu, "pool": a.where, "gpus": a.gpus, "tp": a.tp,
+            "dp": a.dp,
+        }  # fmt: skip
+        if layout is not None:
+            row["nodes"] = layout.nodes_of(a.model, a.where)
+        rows.append(row)
+    return rows
 
 
 def _num(value: float) -> float | None:
@@ -190,11 +204,11 @@ def _num(value: float) -> float | None:
 
 
 def plan(
-    inventory: Mapping[str, int],
+    inventory: Inventory | Mapping[str, int] | Iterable[NodeGroup],
     workloads: Iterable[Workload],
     *,
     catalog: Catalog | None = None,
-    mode: str = "latency",
+    mode: str = "fair",
     solver: str = "cpsat",
     time_limit_s: float = 10.0,
     num_workers: int | None = None,
@@ -204,12 +218,9 @@ def plan(
     serving: ServingConfig | None = None,
     seed: int = 0,
     progress: Callable[[Progress], None] | None = None,
-    max_tp: Mapping[str, int] | None = None,
 ) -> PlanResult:
-    """Place ``workloads`` on ``inventory`` (GPU type -> count); see the module docstring.
-
-    ``max_tp`` caps the TP degree per GPU type (a replica must fit in one node: the CLI passes
-    each type's biggest node when it plans on the mesh's nodes).
+    """Place ``workloads`` on ``inventory`` (GPU type -> count, or node groups; see
+    ``scheduler.inventory``); see the module docstring.
 
     Raises ``WorkloadError``/``CatalogError`` for bad input and ``SchedulerError`` when the
     chosen solver is unavailable (OR-Tools or numpy missing) or intractable (``exact``)."""
@@ -223,7 +234,6 @@ def plan(
         min_replicas=min_replicas,
         roofline=roofline,
         serving=serving,
-        max_tp=max_tp,
     )
     return plan_problem(
         problem,
@@ -240,7 +250,7 @@ def plan(
 def plan_problem(
     problem: Problem,
     *,
-    mode: str = "latency",
+    mode: str = "fair",
     solver: str = "cpsat",
     time_limit_s: float = 10.0,
     num_workers: int | None = None,
@@ -267,20 +277,19 @@ def plan_problem(
             seed=seed,
             progress=progress,
         )
-        placement, cost = solution.placement, solution.cost
+        pooled = solution.placement
         notes += solution.notes
         phases = solution.phases
         optimal = solution.proven_optimal
     elif solver == "exact":
         result = exact(problem, mode)
-        placement, cost = result.placement, result.cost
+        pooled = result.placement
         notes += result.notes
         optimal = True
     else:
         deadline = t0 + time_limit_s
         rows, _ = local_search(problem, greedy(problem, mode), mode, deadline)
-        placement = problem.placement(rows)
-        cost = problem.cost(placement, mode)
+        pooled = problem.placement(rows)
         optimal = False
         missing = problem.lacks_replicas(rows)
         if missing and problem.min_replicas > 0:
@@ -289,6 +298,10 @@ def plan_problem(
                 f"{problem.min_replicas} replica(s)"
             )
     seconds = time.monotonic() - t0
+    layout = realise(problem, problem.rows_of(pooled))
+    notes += layout.notes
+    placement = problem.placement(layout.rows)
+    cost = problem.cost(placement, mode)
     check_placement(
         placement,
         problem.inventory,
@@ -297,18 +310,20 @@ def plan_problem(
         problem.roofline,
         problem.serving,
     )
-    if cost.unserved_rps > 1e-9:
-        notes.append(
-            f"the inventory cannot serve every model below {problem.max_utilization:.0%} "
-            "utilisation: "
-            f"{cost.served_rps:.2f} of {cost.offered_rps:.2f} req/s predicted served"
-            + (" (solved throughput first)" if mode == "latency" else "")
+    overload = overload_line(cost, problem) if cost.unserved_rps > 1e-9 else None
+    for pool, count in problem.inventory.items():
+        whole = not problem.pools[pool].shared  # an exclusive node is taken whole
+        idle = count - sum(
+            e.node_gpus if whole else e.gpus for e in layout.engines if e.pool == pool
         )
-    used = placement.gpus_used()
-    for gpu, count in problem.inventory.items():
-        idle = count - used.get(gpu, 0)
         if idle > 0:
-            notes.append(f"{idle} of {count} {gpu} left idle")
+            notes.append(f"{idle} of {count} {pool} left idle")
+    for e in layout.engines:
+        if e.gpus < e.node_gpus and not problem.pools[e.pool].shared:
+            notes.append(
+                f"{e.node}: {e.model} at TP {e.tp} leaves {e.node_gpus - e.gpus} of its "
+                f"{e.node_gpus} GPUs idle"
+            )
     base = memp(problem)
     return PlanResult(
         mode=mode,
@@ -320,4 +335,21 @@ def plan_problem(
         unservable=problem.unservable,
         notes=tuple(notes),
         solver=SolverInfo(solver, seconds, tables_s, optimal, phases),
+        layout=layout,
+        pools=tuple(problem.nodes.to_json()),
+        overload=overload,
+    )
+
+
+def overload_line(cost: Cost, problem: Problem) -> str:
+    """One line: how far the plan falls short of the offered rates, per model."""
+    parts = []
+    for m in cost.models:
+        if m.unserved_rps > 1e-9:
+            parts.append(f"{m.model} {m.fraction:.0%} ({m.unserved_rps:.1f} req/s short)")
+        else:
+            parts.append(f"{m.model} 100%")
+    return (
+        f"overloaded: the inventory serves {cost.served_rps:.1f} of {cost.offered_rps:.1f} "
+        f"req/s below {problem.max_utilization:.0%} utilisation; served share " + ", ".join(parts)
     )

@@ -42,7 +42,7 @@ class _Search:
         self.free = dict(problem.inventory)
         for r in self.rows.values():
             for g, (tp, dp) in r.items():
-                self.free[g] -= tp * dp
+                self.free[g] -= problem.unit_gpus(g, tp) * dp
         if any(v < 0 for v in self.free.values()):
             raise ValueError("rows exceed the inventory")
         self.costs: dict[str, ModelCost] = {m: self._price(m, self.rows[m]) for m in self.rows}
@@ -62,6 +62,10 @@ class _Search:
     def replicas(self, model: str, rows: dict[str, tuple[int, int]] | None = None) -> int:
         return sum(dp for _, dp in (self.rows[model] if rows is None else rows).values())
 
+    def used(self, pool: str, row: tuple[int, int] | None) -> int:
+        """GPUs a (tp, units) row takes in ``pool``."""
+        return 0 if row is None else self.p.unit_gpus(pool, row[0]) * row[1]
+
     def allowed(self, model: str, rows: dict[str, tuple[int, int]], o: Option) -> bool:
         have = rows.get(o.gpu)
         return have is None or have[0] == o.tp
@@ -78,8 +82,8 @@ class _Search:
         for m, r in new_rows.items():
             old = self.rows[m]
             for g in set(old) | set(r):
-                self.free[g] += old.get(g, (0, 0))[0] * old.get(g, (0, 0))[1]
-                self.free[g] -= r.get(g, (0, 0))[0] * r.get(g, (0, 0))[1]
+                self.free[g] += self.used(g, old.get(g))
+                self.free[g] -= self.used(g, r.get(g))
             self.rows[m] = r
             self.costs[m] = changed[m]
         self.moves += 1
@@ -109,33 +113,33 @@ def greedy(problem: Problem, mode: str = "latency") -> State:
             fits = [
                 o
                 for o in problem.options[m]
-                if s.free[o.gpu] >= o.tp and s.allowed(m, s.rows[m], o)
+                if s.free[o.gpu] >= o.gpus and s.allowed(m, s.rows[m], o)
             ]
             if not fits:
                 continue
             o = max(fits, key=lambda o: (o.per_gpu_rps, -o.tp))
             s.rows[m] = _with(s.rows[m], o.gpu, o.tp, 1)
-            s.free[o.gpu] -= o.tp
+            s.free[o.gpu] -= o.gpus
             s.costs[m] = s._price(m, s.rows[m])
     while True:
         base = s.key()
         best: tuple[tuple[float, ...], str, Option] | None = None
         for m in problem.models:
             for o in problem.options[m]:
-                if s.free[o.gpu] < o.tp or not s.allowed(m, s.rows[m], o):
+                if s.free[o.gpu] < o.gpus or not s.allowed(m, s.rows[m], o):
                     continue
                 new = _with(s.rows[m], o.gpu, o.tp, 1)
                 key = s.key_with({m: s._price(m, new)})
                 if not improves(key, base):
                     continue
-                gain = tuple((b - k) / o.tp for k, b in zip(key, base, strict=True))
+                gain = tuple((b - k) / o.gpus for k, b in zip(key, base, strict=True))
                 if best is None or gain > best[0]:
                     best = (gain, m, o)
         if best is None:
             break
         _, m, o = best
         s.rows[m] = _with(s.rows[m], o.gpu, o.tp, 1)
-        s.free[o.gpu] -= o.tp
+        s.free[o.gpu] -= o.gpus
         s.costs[m] = s._price(m, s.rows[m])
     return {m: r for m, r in s.rows.items() if r}
 
@@ -177,7 +181,7 @@ def _fills(
     for o in s.p.options[m]:
         if not s.allowed(m, rows, o):
             continue
-        top = free[o.gpu] // o.tp
+        top = free[o.gpu] // o.gpus
         for k in range(1, top + 1):
             yield o, k
 
@@ -195,7 +199,7 @@ def _neighbours(s: _Search) -> Iterator[dict[str, dict[str, tuple[int, int]]]]:
             shrunk = _with(s.rows[m], g, tp, -1)
             yield {m: shrunk}
             free = dict(s.free)
-            free[g] += tp
+            free[g] += p.unit_gpus(g, tp)
             for m2 in models:
                 base = shrunk if m2 == m else s.rows[m2]
                 for o, k in _fills(s, m2, base, free):
@@ -206,11 +210,11 @@ def _neighbours(s: _Search) -> Iterator[dict[str, dict[str, tuple[int, int]]]]:
     # 3. re-shard a row to another TP with the same (plus idle) GPUs
     for m in models:
         for g, (tp, dp) in list(s.rows[m].items()):
-            pool = tp * dp + s.free[g]
+            pool = p.unit_gpus(g, tp) * dp + s.free[g]
             for o in p.options[m]:
                 if o.gpu != g or o.tp == tp:
                     continue
-                for dp2 in range(1, pool // o.tp + 1):
+                for dp2 in range(1, pool // o.gpus + 1):
                     rows = dict(s.rows[m])
                     rows[g] = (o.tp, dp2)
                     yield {m: rows}
@@ -225,20 +229,45 @@ def _neighbours(s: _Search) -> Iterator[dict[str, dict[str, tuple[int, int]]]]:
                     r1 = _with(s.rows[m1], g1, tp1, -1)
                     r2 = _with(s.rows[m2], g2, tp2, -1)
                     free = dict(s.free)
-                    free[g1] += tp1
-                    free[g2] += tp2
+                    free[g1] += p.unit_gpus(g1, tp1)
+                    free[g2] += p.unit_gpus(g2, tp2)
                     for o1 in p.options[m1]:
                         if o1.gpu != g2 or not s.allowed(m1, r1, o1):
                             continue
-                        k1 = free[g2] // o1.tp
+                        k1 = free[g2] // o1.gpus
                         if k1 < 1:
                             continue
                         a = _with(r1, g2, o1.tp, k1)
                         rest = dict(free)
-                        rest[g2] -= k1 * o1.tp
+                        rest[g2] -= k1 * o1.gpus
                         for o2 in p.options[m2]:
                             if o2.gpu != g1 or not s.allowed(m2, r2, o2):
                                 continue
-                            k2 = rest[g1] // o2.tp
+                            k2 = rest[g1] // o2.gpus
                             if k2 >= 1:
                                 yield {m1: a, m2: _with(r2, g1, o2.tp, k2)}
+
+
+def next_replica(problem: Problem, rows: State, model: str) -> tuple[str, int] | None:
+    """Where one more unit of ``model`` should go given ``rows``: the (pool, TP) that fits the
+    free GPUs, keeps one TP per pool (C3) and improves the model's cost most per GPU (capacity
+    per GPU when nothing improves, e.g. without a measured rate). None when nothing fits.
+
+    This is the planner's answer to "which GPU type and TP for one more replica of M", for a
+    controller that grows a model one replica at a time."""
+    s = _Search(problem, "latency", rows)
+    mine = s.rows.get(model, {})
+    best: tuple[tuple[float, ...], str, int] | None = None
+    before = s._price(model, mine)
+    for o in problem.options.get(model, ()):
+        if s.free[o.gpu] < o.gpus or not s.allowed(model, mine, o):
+            continue
+        after = s._price(model, _with(mine, o.gpu, o.tp, 1))
+        gain = (
+            (before.unserved_rps - after.unserved_rps) / o.gpus,
+            (before.in_system - after.in_system) / o.gpus,
+            o.per_gpu_rps,
+        )
+        if best is None or gain > best[0]:
+            best = (gain, o.gpu, o.tp)
+    return None if best is None else (best[1], best[2])

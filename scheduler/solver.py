@@ -1,11 +1,13 @@
 """CP-SAT placement solver (OR-Tools, optional extra ``fabricnode[scheduler]``).
 
 Theory of operation. The decision of paper Eq. 1 for every model m and each of its options
-o = (GPU type n, TP degree t) that is memory-feasible (C2) and shards the model (C3):
+o = (pool n, TP degree t) that is memory-feasible (C2) and shards the model (C3). An option is
+a unit: one replica on a shared pool, one node's engine of ``k = node GPUs // t`` replicas on
+an exclusive pool (``scheduler.inventory``); it takes ``g_o`` GPUs (``t`` or the node's):
 
 * ``y[o]`` boolean: model m uses TP t on type n; at most one t per (m, n) (C3);
-* ``dp[o]`` integer replicas, ``y[o] <= dp[o] <= floor(count_n / t) * y[o]``; the allocation
-  ``a[m, n] = sum_t t * dp[o]`` is linear (no multiplication constraint), and C1 is
+* ``dp[o]`` integer units, ``y[o] <= dp[o] <= floor(count_n / g_o) * y[o]``; the allocation
+  ``a[m, n] = sum_t g_o * dp[o]`` is linear (no multiplication constraint), and C1 is
   ``sum_m a[m, n] <= count_n``;
 * ``r[o]`` integer: the rate routed to those replicas (milli-req/s), ``r[o] <= u_max * cap_o *
   dp[o]``, and ``served[m] = sum_o r[o] <= rate_m``;
@@ -16,13 +18,15 @@ o = (GPU type n, TP degree t) that is memory-feasible (C2) and shards the model 
   ``dp`` replicas of o sharing ``r`` equally hold ``dp * h_o(r / dp) >= alpha_k * dp + beta_k *
   r`` (the perspective of an affine function is linear), so ``c[o] >= alpha_k * dp[o] +
   beta_k * r[o]`` for every k is an exact linearisation of the piecewise-linear curve, with no
-  extra booleans. Between replica types the solver splits the rate freely (the best router);
+  extra booleans (a unit of k replicas uses ``k * alpha_k``). Between replica types the solver
+  splits the rate freely (the best router);
   the exact cost splits it in proportion to capacity (what least-loaded routing converges to),
   which the polishing step below accounts for.
 
 Objectives, solved lexicographically, one CP-SAT solve per level, each hinted with the previous
-level's solution and then fixed at its best value: ``"fair"`` first maximises the min served
-fraction phi (``1000 * served[m] >= phi * rate_m``); every mode then maximises ``sum served``
+level's solution and then fixed at its best value: ``"fair"`` first maximises the fair level
+phi (``1000 * served[m] >= priority_m * phi * rate_m``, ``Problem.fair_level``); every mode
+then maximises ``sum served``
 and finally minimises ``sum c``. The first solve is hinted with the greedy placement
 (``search.greedy``). Every model with traffic gets ``min_replicas`` replicas when the inventory
 allows (otherwise the requirement is dropped with a note).
@@ -54,6 +58,7 @@ log = logging.getLogger("scheduler.solver")
 RATE_SCALE = 1000  # r and served in milli-req/s
 COST_SCALE = 1_000_000  # c in micro-requests
 PHI_SCALE = 1000  # fair share in thousandths
+PRIORITY_SCALE = 1000  # priorities (at most 1) in thousandths
 
 
 def _cp_model() -> Any:
@@ -226,7 +231,7 @@ def hull_lines(
     replica's requests in the system at rate rho, from the option's table, up to
     ``max_utilization`` of capacity) from above: the lower convex hull of the table's points,
     then vertices dropped while the chord over them stays within ``tolerance`` (relative)."""
-    top = max_utilization * option.capacity_rps
+    top = max_utilization * option.replica_capacity_rps
     pts = [(p.rate_rps, p.rate_rps * p.e2e_s) for p in option.table.points if p.rate_rps < top]
     pts.append((top, top * option.table.e2e_s(top)))
     hull: list[tuple[float, float]] = []
@@ -249,12 +254,14 @@ def hull_lines(
         if excess(i) > tolerance:
             break
         del hull[i]
+    # A unit of k replicas sharing rate rho holds k * h(rho / k) >= k * alpha + beta * rho.
+    k = option.replicas
     lines: list[tuple[float, float]] = []
     for (x1, y1), (x2, y2) in itertools.pairwise(hull):
         if x2 <= x1:
             continue
         beta = (y2 - y1) / (x2 - x1)
-        lines.append((y1 - beta * x1, beta))
+        lines.append((k * (y1 - beta * x1), beta))
     return lines or [(0.0, option.e2e_at(0.0))]
 
 
@@ -277,7 +284,7 @@ class _Built:
             m: max(1, round(problem.rates[m] * RATE_SCALE)) for m in problem.models
         }
         for o in self.options:
-            top = problem.inventory[o.gpu] // o.tp
+            top = problem.inventory[o.gpu] // o.gpus
             lam = self.rate[o.model]
             tag = f"{o.model}|{o.gpu}|{o.tp}"
             y = m_.new_bool_var(f"y[{tag}]")
@@ -310,11 +317,13 @@ class _Built:
                 m_.add(sum(self.dp[o] for o in mine) >= need)
         for g in problem.gpus:
             m_.add(
-                sum(o.tp * self.dp[o] for o in self.options if o.gpu == g) <= problem.inventory[g]
+                sum(o.gpus * self.dp[o] for o in self.options if o.gpu == g) <= problem.inventory[g]
             )
+        # weighted max-min level: served[m] >= priority[m] * phi * rate[m] (priorities <= 1)
         self.phi = m_.new_int_var(0, PHI_SCALE, "phi")
         for m in problem.models:
-            m_.add(PHI_SCALE * self.served[m] >= self.rate[m] * self.phi)
+            weight = max(1, round(problem.priority[m] * PRIORITY_SCALE))
+            m_.add(PRIORITY_SCALE * PHI_SCALE * self.served[m] >= weight * self.rate[m] * self.phi)
         self.total_served = sum(self.served.values())
         self.total_cost = sum(self.c.values())
         self.all_vars = [self.phi, *self.served.values()]
@@ -349,7 +358,8 @@ class _Built:
                 served_total += r
             served_total = min(served_total, self.rate[m])
             values[self.served[m].index] = served_total
-            phi = min(phi, PHI_SCALE * served_total // self.rate[m])
+            weight = max(1, round(problem.priority[m] * PRIORITY_SCALE))
+            phi = min(phi, PRIORITY_SCALE * PHI_SCALE * served_total // (weight * self.rate[m]))
         values[self.phi.index] = phi
         self._set_hint(values)
 

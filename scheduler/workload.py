@@ -2,9 +2,13 @@
 
 File formats (``fabric plan``, docs/scheduler.md):
 
-* Inventory (TOML): a ``[gpus]`` table of GPU type to count, ``A100-80G = 24``.
+* Inventory (TOML): a ``[gpus]`` table of GPU type to count, ``A100-80G = 24``, or
+  ``[[nodes]]`` entries with ``gpu`` (type), ``count`` (nodes), ``gpus`` (per node) and optional
+  ``shared`` (several engines may split a node); ``scheduler.inventory`` says what each means.
 * Workload (TOML): ``[[model]]`` entries with ``name`` (catalog id), ``rate`` (req/s),
-  ``input_mean`` and ``output_mean`` (tokens) and optional ``input_std`` and ``output_std``.
+  ``input_mean`` and ``output_mean`` (tokens) and optional ``input_std``, ``output_std`` and
+  ``priority`` (default 1: a model's share weighs ``priority`` times when the inventory cannot
+  serve every rate).
 
 Lengths are ``round(normal(mean, std))`` clipped to ``[1, max_context - 1]``, input and output
 drawn independently; ``LengthStats`` holds the exact moments of that clipped distribution, so the
@@ -23,6 +27,7 @@ from pathlib import Path
 
 from scheduler.catalog import Catalog
 from scheduler.errors import CatalogError, WorkloadError
+from scheduler.inventory import Inventory, NodeGroup
 
 
 @dataclass(frozen=True)
@@ -35,10 +40,13 @@ class Workload:
     output_mean: float
     input_std: float = 0.0
     output_std: float = 0.0
+    priority: float = 1.0  # weight of the model's share when the inventory is overloaded
 
     def __post_init__(self) -> None:
         if not self.rate_rps >= 0 or math.isinf(self.rate_rps):
             raise WorkloadError(f"{self.model}: rate must be zero or more, got {self.rate_rps}")
+        if not 0 < self.priority < math.inf:
+            raise WorkloadError(f"{self.model}: priority must be positive, got {self.priority}")
         for name in ("input_mean", "output_mean"):
             value = getattr(self, name)
             if not 1 <= value < math.inf:
@@ -57,6 +65,7 @@ class Workload:
             self.output_mean,
             self.input_std,
             self.output_std,
+            self.priority,
         )
 
     def lengths(self, max_context: int) -> LengthStats:
@@ -161,14 +170,27 @@ def _number(where: str, key: str, value: object) -> float:
     return float(value)
 
 
-def parse_inventory(doc: Mapping[str, object], origin: str, catalog: Catalog) -> dict[str, int]:
-    """GPU type (catalog name) to count from an inventory document."""
-    unknown = sorted(set(doc) - {"gpus"})
+_NODE_KEYS = {"gpu", "count", "gpus", "shared"}
+
+
+def parse_inventory(doc: Mapping[str, object], origin: str, catalog: Catalog) -> Inventory:
+    """The inventory of a document: ``[gpus]`` (GPU type = count) or ``[[nodes]]`` entries
+    (``gpu``, ``count`` nodes, ``gpus`` per node, optional ``shared``); see
+    ``scheduler.inventory`` for what each form means."""
+    unknown = sorted(set(doc) - {"gpus", "nodes"})
     if unknown:
-        raise WorkloadError(f"{origin}: unknown key {unknown[0]!r} (expected a [gpus] table)")
+        raise WorkloadError(
+            f"{origin}: unknown key {unknown[0]!r} (expected a [gpus] table or [[nodes]] entries)"
+        )
+    if "gpus" in doc and "nodes" in doc:
+        raise WorkloadError(f"{origin}: give either [gpus] or [[nodes]], not both")
+    if "nodes" in doc:
+        return Inventory.from_groups(_node_groups(doc["nodes"], origin, catalog), catalog)
     table = doc.get("gpus")
     if not isinstance(table, dict) or not table:
-        raise WorkloadError(f"{origin}: expected a [gpus] table of GPU type = count")
+        raise WorkloadError(
+            f"{origin}: expected a [gpus] table of GPU type = count, or [[nodes]] entries"
+        )
     inventory: dict[str, int] = {}
     for name, count in table.items():
         try:
@@ -180,14 +202,56 @@ def parse_inventory(doc: Mapping[str, object], origin: str, catalog: Catalog) ->
         if gpu.name in inventory:
             raise WorkloadError(f"{origin}: {name!r} and another key both name {gpu.name}")
         inventory[gpu.name] = count
-    return inventory
+    return Inventory.from_counts(inventory, catalog)
 
 
-def load_inventory(path: str | Path, catalog: Catalog) -> dict[str, int]:
+def _node_groups(entries: object, origin: str, catalog: Catalog) -> list[NodeGroup]:
+    if not isinstance(entries, list) or not entries:
+        raise WorkloadError(f"{origin}: nodes must be one or more [[nodes]] entries")
+    groups: list[NodeGroup] = []
+    for i, entry in enumerate(entries):
+        where = f"{origin}: nodes #{i + 1}"
+        if not isinstance(entry, dict):
+            raise WorkloadError(f"{where}: must be a table")
+        bad = sorted(set(entry) - _NODE_KEYS)
+        if bad:
+            raise WorkloadError(
+                f"{where}: unknown key {bad[0]!r} (known: {', '.join(sorted(_NODE_KEYS))})"
+            )
+        for key in ("gpu", "count", "gpus"):
+            if key not in entry:
+                raise WorkloadError(f"{where}: missing {key!r}")
+        gpu = entry["gpu"]
+        if not isinstance(gpu, str):
+            raise WorkloadError(f"{where}: gpu must be a GPU type name")
+        try:
+            gpu = catalog.gpu(gpu).name
+        except CatalogError as exc:
+            raise WorkloadError(f"{where}: {exc}") from None
+        for key, least in (("count", 0), ("gpus", 1)):
+            value = entry[key]
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise WorkloadError(f"{where}: {key} must be an integer >= {least}")
+        shared = entry.get("shared", False)
+        if not isinstance(shared, bool):
+            raise WorkloadError(f"{where}: shared must be true or false")
+        groups.append(NodeGroup(gpu, entry["count"], entry["gpus"], shared))
+    return groups
+
+
+def load_inventory(path: str | Path, catalog: Catalog) -> Inventory:
     return parse_inventory(_read_toml(path, "inventory"), str(path), catalog)
 
 
-_WORKLOAD_KEYS = {"name", "rate", "input_mean", "output_mean", "input_std", "output_std"}
+_WORKLOAD_KEYS = {
+    "name",
+    "rate",
+    "input_mean",
+    "output_mean",
+    "input_std",
+    "output_std",
+    "priority",
+}
 
 
 def parse_workloads(doc: Mapping[str, object], origin: str, catalog: Catalog) -> list[Workload]:
@@ -231,6 +295,7 @@ def parse_workloads(doc: Mapping[str, object], origin: str, catalog: Catalog) ->
                 values["output_mean"],
                 values.get("input_std", 0.0),
                 values.get("output_std", 0.0),
+                values.get("priority", 1.0),
             )
         )
     return workloads

@@ -84,6 +84,10 @@ def test_apply_turns_join_nodes_into_serving_nodes_that_answer_requests(
     assert len(applied["status"]) == 2  # both models got a node
     by_model = {a["model"]: a["session_id"] for a in applied["assignments"]}
     assert set(by_model) == {"llama-2-7b", "llama-3.1-8b"}
+    # planned on the agents themselves: each replica's node is the agent it was assigned to
+    assert {(e["model"], e["node"]) for e in doc["nodes"]} == set(by_model.items())
+    for row in doc["allocations"]:
+        assert row["nodes"] == [by_model[row["model"]]]
 
     # The registry shows who serves what and under which plan; the ingress routes to them.
     for model, sid in by_model.items():
@@ -120,8 +124,9 @@ def test_plan_reads_the_workload_from_the_agents_request_logs(mesh: LocalMesh) -
     assert w["input_mean"] > 100 and 1 <= w["output_mean"] <= 8
     assert doc["inventory"] == {"A100-80G": 1}
     assert doc["allocations"] == [
-        {"model": "llama-2-7b", "gpu": "A100-80G", "gpus": 1, "tp": 1, "dp": 1}
-    ]
+        {"model": "llama-2-7b", "gpu": "A100-80G", "pool": "A100-80G", "gpus": 1, "tp": 1,
+         "dp": 1, "nodes": [serving.session_id]}
+    ]  # fmt: skip
     assert serving.running
     # Human output: the allocation table, the comparison with memP.
     text = fabric(mesh, ingress, "plan", "--window", "60", "--time-limit", "3")

@@ -1,57 +1,45 @@
-"""From a placement over GPU pools to one engine per node (what `fabric plan --apply` sends)."""
+"""From engines on named nodes to what `fabric plan --apply` sends (``assign_layout``)."""
 
 from __future__ import annotations
 
-from scheduler.node_assign import MeshNode, PoolAllocation, assign_nodes
+from scheduler.node_assign import MeshNode, assign_layout
+from scheduler.realise import NodeEngine
 
 
 def node(sid: str, gpu: str, gpus: int, state: str = "join", *models: str) -> MeshNode:
     return MeshNode(sid, gpu, gpus, state, models)
 
 
-def test_replicas_fill_nodes_best_fit_and_spare_gpus_add_replicas() -> None:
-    nodes = [node("a", "H100", 8), node("b", "H100", 4), node("c", "H100", 2), node("d", "L4", 1)]
-    plan = assign_nodes(
-        [PoolAllocation("big", "H100", 4, 2), PoolAllocation("small", "H100", 1, 2)], nodes
-    )
-    got = {a.session_id: (a.model, a.tp, a.dp) for a in plan.assignments}
-    assert got == {"a": ("big", 4, 2), "c": ("small", 1, 2)}
-    assert plan.unplaced == () and sorted(plan.idle_nodes) == ["b", "d"]
+def engine(sid: str, model: str, tp: int, dp: int, gpus: int = 4) -> NodeEngine:
+    return NodeEngine(sid, "A100-80G", "A100-80G", gpus, model, tp, dp)
 
 
-def test_serving_nodes_count_as_placed_and_are_never_reassigned() -> None:
-    nodes = [node("s", "A100", 4, "serving", "m"), node("j1", "A100", 4), node("j2", "A100", 4)]
-    plan = assign_nodes([PoolAllocation("m", "A100", 2, 4)], nodes)
-    assert [(a.session_id, a.dp) for a in plan.assignments] == [("j1", 2)]
-    assert plan.serving_gpus == {("m", "A100"): 4}
-    assert all(a.session_id != "s" for a in plan.assignments)
+def test_join_nodes_get_their_engine_and_idle_join_nodes_are_listed() -> None:
+    nodes = [node("a", "A100-80G", 4), node("b", "A100-80G", 4), node("c", "A100-80G", 4)]
+    plan = assign_layout([engine("a", "m", 2, 2), engine("c", "n", 1, 3)], nodes)
+    got = {a.session_id: (a.model, a.tp, a.dp, a.idle_gpus) for a in plan.assignments}
+    assert got == {"a": ("m", 2, 2, 0), "c": ("n", 1, 3, 1)}
+    assert plan.idle_nodes == ("b",) and plan.unplaced == ()
 
 
-def test_what_no_node_can_host_is_reported_or_substituted_on_another_type() -> None:
-    nodes = [node("h", "H100", 2), node("l", "L40S", 4)]
-    allocations = [PoolAllocation("m", "H100", 4, 1)]
-    plan = assign_nodes(allocations, nodes)
-    assert plan.assignments == () and plan.unplaced[0].replicas == 1
-
-    def smallest_tp(model: str, gpu: str, gpus: int) -> int | None:
-        return {"H100": 2, "L40S": 4}[gpu] if gpus >= 2 else None
-
-    plan = assign_nodes(allocations, nodes, smallest_tp)
-    assert plan.unplaced == ()
-    (a,) = plan.assignments
-    assert (a.session_id, a.gpu, a.tp, a.dp, a.substitute) == ("l", "L40S", 4, 1, True)
-
-
-def test_every_node_is_assigned_at_most_once_and_within_its_gpus() -> None:
-    nodes = [node(f"n{i}", "A100", g) for i, g in enumerate([1, 2, 2, 4, 8, 3])]
-    allocations = [
-        PoolAllocation("a", "A100", 1, 5),
-        PoolAllocation("b", "A100", 2, 3),
-        PoolAllocation("c", "A100", 8, 1),
+def test_serving_nodes_are_never_reassigned() -> None:
+    nodes = [
+        node("s", "A100-80G", 4, "serving", "m"),
+        node("t", "A100-80G", 4, "serving", "other"),
+        node("j", "A100-80G", 4),
     ]
-    plan = assign_nodes(allocations, nodes)
-    ids = [a.session_id for a in plan.assignments]
-    assert len(ids) == len(set(ids))
-    sizes = {n.session_id: n.gpus for n in nodes}
-    for a in plan.assignments:
-        assert a.tp * a.dp <= sizes[a.session_id] and a.dp >= 1
+    plan = assign_layout(
+        [engine("s", "m", 4, 1), engine("t", "m", 4, 1), engine("j", "m", 4, 1)], nodes
+    )
+    assert [a.session_id for a in plan.assignments] == ["j"]  # s already serves m
+    assert plan.serving_gpus == {("m", "A100-80G"): 4, ("other", "A100-80G"): 4}
+    # t serves another model: apply never stops a running engine, so it is reported
+    assert [(u.model, u.replicas) for u in plan.unplaced] == [("m", 1)]
+    doc = plan.to_json()
+    assert doc["unplaced"] == [{"model": "m", "gpu": "A100-80G", "tp": 4, "replicas": 1}]
+
+
+def test_an_engine_on_a_node_that_left_is_unplaced() -> None:
+    plan = assign_layout([engine("gone", "m", 1, 4)], [node("a", "A100-80G", 4)])
+    assert plan.assignments == () and plan.unplaced[0].model == "m"
+    assert plan.idle_nodes == ("a",)

@@ -343,7 +343,7 @@ def test_plan_json_has_the_spec_shape_and_no_infinities() -> None:
     doc = json.loads(json.dumps(result.to_json(), allow_nan=False))
     assert {"allocations", "predicted", "memp", "notes", "unservable", "mode"} <= set(doc)
     for row in doc["allocations"]:
-        assert set(row) == {"model", "gpu", "gpus", "tp", "dp"}
+        assert set(row) == {"model", "gpu", "pool", "gpus", "tp", "dp", "nodes"}
         assert row["gpus"] == row["tp"] * row["dp"]
     assert {(r["model"], r["gpu"]): r["gpus"] for r in doc["memp"]["allocations"]} == {
         ("llama-2-13b", "A100-80G"): 4,
@@ -352,7 +352,12 @@ def test_plan_json_has_the_spec_shape_and_no_infinities() -> None:
         ("llama-3.3-70b", "A100-80G"): 4,
     }
     assert doc["predicted"]["throughput_rps"] > doc["memp"]["predicted"]["throughput_rps"]
-    assert any("throughput first" in n for n in doc["notes"])
+    # fair by default: the overload is one line, with every model's share
+    assert doc["mode"] == "fair"
+    line = doc["overload"]
+    assert isinstance(line, str) and line.startswith("overloaded: ")
+    for model in ("llama-2-13b", "codellama-34b", "llama-3.3-70b"):
+        assert model in line
 
 
 def test_plan_drops_min_replicas_with_a_note_when_gpus_are_too_few() -> None:

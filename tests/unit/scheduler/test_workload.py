@@ -24,7 +24,7 @@ def write(tmp_path: Path, text: str) -> Path:
 
 def test_inventory_file_maps_catalog_gpu_types_to_counts(tmp_path: Path) -> None:
     path = write(tmp_path, '[gpus]\nA100-80G = 24\n"gh200" = 32\n')
-    assert load_inventory(path, CATALOG) == {"A100-80G": 24, "GH200": 32}
+    assert load_inventory(path, CATALOG).counts() == {"A100-80G": 24, "GH200": 32}
 
 
 def test_workload_file_resolves_models_and_reads_optional_stds(tmp_path: Path) -> None:
