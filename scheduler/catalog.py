@@ -30,6 +30,7 @@ from typing import Any
 from scheduler.errors import CatalogError
 
 GIB = 1024**3
+WEIGHT_BITS = (4, 8, 16, 32)  # the weight widths the roofline models
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,7 @@ class ModelSpec:
     experts_per_token: int = 0
     expert_intermediate: int = 0
     shared_expert_intermediate: int = 0
+    weight_bits: int | None = None  # None: the planner-wide RooflineConfig.weight_bits
     aliases: tuple[str, ...] = ()
     source: str = ""
 
@@ -147,7 +149,7 @@ _NUM = (int, float)
 
 @dataclass(frozen=True)
 class _Field:
-    kind: str  # "str", "int", "float", "bool", "strs", "fraction"
+    kind: str  # "str", "int", "int0", "bits", "float", "bool", "strs", "fraction"
     required: bool
 
 
@@ -180,6 +182,7 @@ _MODEL_FIELDS: dict[str, _Field] = {
     "experts_per_token": _Field("int0", False),
     "expert_intermediate": _Field("int0", False),
     "shared_expert_intermediate": _Field("int0", False),
+    "weight_bits": _Field("bits", False),
     "aliases": _Field("strs", False),
     "source": _Field("str", False),
 }
@@ -199,6 +202,10 @@ def _check_value(where: str, key: str, kind: str, value: object) -> object:
         if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
             raise CatalogError(f"{bad} must be a list of non-empty strings, got {value!r}")
         return tuple(value)
+    if kind == "bits":
+        if isinstance(value, bool) or not isinstance(value, int) or value not in WEIGHT_BITS:
+            raise CatalogError(f"{bad} must be 4, 8, 16 or 32, got {value!r}")
+        return value
     if kind in ("int", "int0"):
         if isinstance(value, bool) or not isinstance(value, int):
             raise CatalogError(f"{bad} must be an integer, got {value!r}")
