@@ -472,13 +472,20 @@ def builtin_catalog() -> Catalog:
     return catalog
 
 
+def _is_dir(path: str | Path) -> bool:
+    try:
+        return Path(path).expanduser().is_dir()
+    except OSError:  # not one we can look into: read as a file, whose error names it
+        return False
+
+
 def load_catalog(extra: Iterable[str | Path] = ()) -> Catalog:
     """The built-in catalog with each path of ``extra`` merged in, in order: a TOML catalog
     file, or a Hugging Face ``config.json`` (any ``*.json``) or model directory holding one
     (``scheduler.hf_config``; added with ``Catalog.with_model``)."""
     catalog = builtin_catalog()
     for path in extra:
-        if Path(path).is_dir() or Path(path).suffix.lower() == ".json":
+        if _is_dir(path) or Path(path).suffix.lower() == ".json":
             from scheduler import hf_config  # it builds on this module
 
             spec = hf_config.model_spec(path)

@@ -158,9 +158,14 @@ def model_spec(
 def config_file(source: str | Path) -> Path:
     """The ``config.json`` of a model directory, or ``source`` itself when it is a file."""
     path = Path(source).expanduser()
-    if path.is_dir():
+    try:
+        is_dir = path.is_dir()
+        missing = is_dir and not (path / CONFIG_FILE).is_file()
+    except OSError as exc:  # permission denied on the way, a name too long for a path
+        raise CatalogError(f"{source}: cannot read config file: {exc.strerror}") from None
+    if is_dir:
         file = path / CONFIG_FILE
-        if not file.is_file():
+        if missing:
             raise CatalogError(
                 f"{source}: no {CONFIG_FILE} in this directory (a Hugging Face model directory "
                 f"holds one)"
