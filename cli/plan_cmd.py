@@ -51,7 +51,11 @@ def plan(
     ] = None,
     catalog: Annotated[
         list[Path] | None,
-        typer.Option(metavar="FILE", help="Extra GPU/model catalog TOML (repeatable)."),
+        typer.Option(
+            metavar="PATH",
+            help="Extra catalog: a GPU/model TOML file, a model's config.json or a model "
+            "directory holding one (repeatable).",
+        ),
     ] = None,
     mode: Annotated[
         str,

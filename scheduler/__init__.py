@@ -3,6 +3,7 @@
 Importable without OR-Tools. The pieces, in the order data flows through them:
 
 * ``catalog``   GPU types and model architectures, shipped as TOML data, extended by files.
+* ``hf_config`` a model's catalog entry from its Hugging Face config.json or model directory.
 * ``inventory`` the GPU inventory as nodes: node groups, pools, exclusive or shared nodes.
 * ``workload``  per-model Poisson workloads with normal lengths; inventory/workload files.
 * ``roofline``  per-operator FLOPs/bytes -> time of one engine iteration; memory feasibility.

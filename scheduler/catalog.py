@@ -14,14 +14,33 @@ Rules:
   that name the file and the table.
 * Names are looked up case-insensitively, with spaces and underscores read as ``-``; model
   lookups also ignore an ``org/`` prefix and the suffixes ``-hf``, ``-instruct`` and ``-chat``.
+
+Local models (Hugging Face ``config.json`` files and model directories, ``scheduler.hf_config``):
+
+* ``load_catalog`` takes, besides TOML files, a ``config.json`` (any ``*.json``) or a directory
+  holding one. Its entry is named by the directory's absolute path (``local_model_name``) and
+  *replaces* an entry of that name; an alias (the directory's name, ``_name_or_path``) that
+  another entry already claims is dropped, so a local ``Llama-2-13b-hf`` keeps its path name
+  and ``llama-2-13b`` still means the built-in (``Catalog.with_model``).
+* Model names starting with ``/``, ``~`` or ``.`` are local paths: matched as paths (absolute,
+  ``~`` expanded, no trailing slash, ``config.json`` stripped), never by their last component.
+* ``Catalog.model`` of a path-shaped name (a local path, or any name with a ``/``) the catalog
+  does not hold as a path reads the ``config.json`` there, if there is one, *before* matching the
+  name's last component: the file describes what is served from that directory (an AWQ
+  checkpoint in a directory named like its base model). So the mesh's served ids, which are
+  paths for engines serving a directory, plan without a catalog file. This is the catalog's only
+  I/O; it reads each directory once and remembers the entry (``Catalog.models`` does not list
+  it), so one plan sees one entry per model. Otherwise the last component is matched as above
+  (a planner that cannot see the directory still knows ``/scratch/Llama-2-13b-hf``).
 """
 
 from __future__ import annotations
 
+import os
 import re
 import tomllib
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from functools import cache
 from importlib import resources
 from pathlib import Path
@@ -30,6 +49,7 @@ from typing import Any
 from scheduler.errors import CatalogError
 
 GIB = 1024**3
+WEIGHT_BITS = (4, 8, 16, 32)  # the weight widths the roofline models
 
 
 @dataclass(frozen=True)
@@ -85,6 +105,7 @@ class ModelSpec:
     experts_per_token: int = 0
     expert_intermediate: int = 0
     shared_expert_intermediate: int = 0
+    weight_bits: int | None = None  # None: the planner-wide RooflineConfig.weight_bits
     aliases: tuple[str, ...] = ()
     source: str = ""
 
@@ -147,7 +168,7 @@ _NUM = (int, float)
 
 @dataclass(frozen=True)
 class _Field:
-    kind: str  # "str", "int", "float", "bool", "strs", "fraction"
+    kind: str  # "str", "int", "int0", "bits", "float", "bool", "strs", "fraction"
     required: bool
 
 
@@ -180,6 +201,7 @@ _MODEL_FIELDS: dict[str, _Field] = {
     "experts_per_token": _Field("int0", False),
     "expert_intermediate": _Field("int0", False),
     "shared_expert_intermediate": _Field("int0", False),
+    "weight_bits": _Field("bits", False),
     "aliases": _Field("strs", False),
     "source": _Field("str", False),
 }
@@ -199,6 +221,10 @@ def _check_value(where: str, key: str, kind: str, value: object) -> object:
         if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
             raise CatalogError(f"{bad} must be a list of non-empty strings, got {value!r}")
         return tuple(value)
+    if kind == "bits":
+        if isinstance(value, bool) or not isinstance(value, int) or value not in WEIGHT_BITS:
+            raise CatalogError(f"{bad} must be 4, 8, 16 or 32, got {value!r}")
+        return value
     if kind in ("int", "int0"):
         if isinstance(value, bool) or not isinstance(value, int):
             raise CatalogError(f"{bad} must be an integer, got {value!r}")
@@ -272,6 +298,21 @@ def _norm(name: str) -> str:
     return re.sub(r"[\s_]+", "-", name.strip().lower())
 
 
+def is_local_path(name: str) -> bool:
+    """Whether a model name is a local filesystem path (starts with ``/``, ``~`` or ``.``)."""
+    return name.startswith(("/", "~", "."))
+
+
+def local_model_name(path: str | Path) -> str:
+    """The name of a model served from ``path``: its absolute path, ``~`` expanded, without a
+    trailing slash or a final ``config.json`` (symlinks are kept, as the engine is given them)."""
+    text = os.path.expanduser(os.fspath(path).strip())
+    head, tail = os.path.split(text.rstrip("/"))
+    if tail == "config.json":
+        text = head or "."
+    return os.path.abspath(text)
+
+
 def _model_norm(name: str) -> str:
     key = _norm(name).rsplit("/", 1)[-1]
     stripped = True
@@ -283,14 +324,25 @@ def _model_norm(name: str) -> str:
     return key
 
 
+def _model_key(name: str) -> str | None:
+    return None if is_local_path(name) else _model_norm(name)
+
+
+def _path_key(name: str) -> str | None:
+    return local_model_name(name) if is_local_path(name) else None
+
+
 class Catalog:
-    """GPU types and models by name. Immutable; ``merged`` returns a new catalog."""
+    """GPU types and models by name. Immutable; ``merged`` and ``with_model`` return a new
+    catalog (``model`` remembers the local models it read, module docstring)."""
 
     def __init__(self, gpus: Mapping[str, GpuSpec], models: Mapping[str, ModelSpec]) -> None:
         self.gpus: Mapping[str, GpuSpec] = dict(gpus)
         self.models: Mapping[str, ModelSpec] = dict(models)
         self._gpu_index = _index(self.gpus.values(), _norm, "GPU type")
-        self._model_index = _index(self.models.values(), _model_norm, "model")
+        self._model_index = _index(self.models.values(), _model_key, "model")
+        self._path_index = _index(self.models.values(), _path_key, "model")
+        self._local: dict[str, ModelSpec | None] = {}
 
     def gpu(self, name: str) -> GpuSpec:
         """The GPU type called ``name`` (or one of its aliases); ``CatalogError`` if unknown."""
@@ -303,14 +355,53 @@ class Catalog:
         return self.gpus[found]
 
     def model(self, name: str) -> ModelSpec:
-        """The model called ``name`` (or one of its aliases); ``CatalogError`` if unknown."""
+        """The model called ``name`` (or one of its aliases), or the local model directory (or
+        ``config.json``) a path-shaped ``name`` points at; ``CatalogError`` if unknown or if
+        that ``config.json`` is invalid."""
+        if is_local_path(name) or "/" in name:
+            path = local_model_name(name)
+            found = self._path_index.get(path)
+            if found is not None:
+                return self.models[found]
+            local = self._local_model(path)
+            if local is not None:
+                return local
         found = self._model_index.get(_model_norm(name))
         if found is None:
             raise CatalogError(
                 f"unknown model {name!r} (known: {', '.join(sorted(self.models))}; "
-                "add your own with a catalog file)"
+                "add your own with a catalog file, a config.json or a model directory)"
             )
         return self.models[found]
+
+    def _local_model(self, path: str) -> ModelSpec | None:
+        """The entry derived from the config.json at ``path``, read once (None: no file)."""
+        if path not in self._local:
+            from scheduler import hf_config  # it builds on this module
+
+            found = hf_config.locate(path) is not None
+            self._local[path] = self._unclaimed(hf_config.model_spec(path)) if found else None
+        return self._local[path]
+
+    def with_model(self, spec: ModelSpec) -> Catalog:
+        """This catalog with ``spec`` added, replacing an entry of the same name. Aliases that
+        another entry claims are dropped: ``spec`` keeps its name, the other entry its alias."""
+        models = {name: m for name, m in self.models.items() if name != spec.name}
+        others = self if len(models) == len(self.models) else Catalog(self.gpus, models)
+        models[spec.name] = others._unclaimed(spec)
+        return Catalog(self.gpus, models)
+
+    def _unclaimed(self, spec: ModelSpec) -> ModelSpec:
+        """``spec`` without the aliases an entry of this catalog already claims."""
+        kept = tuple(alias for alias in spec.aliases if self._owner(alias) is None)
+        return spec if kept == spec.aliases else replace(spec, aliases=kept)
+
+    def _owner(self, name: str) -> str | None:
+        """The entry that claims ``name`` as its name or an alias (no files read)."""
+        key = _path_key(name)
+        if key is not None:
+            return self._path_index.get(key)
+        return self._model_index.get(_model_norm(name))
 
     def merged(self, text: str, origin: str) -> Catalog:
         """This catalog with the entries of one TOML document merged in (module docstring)."""
@@ -353,12 +444,15 @@ def _as_fields(spec: GpuSpec | ModelSpec) -> dict[str, object]:
 
 
 def _index(
-    entries: Iterable[GpuSpec | ModelSpec], norm: Callable[[str], str], what: str
+    entries: Iterable[GpuSpec | ModelSpec], norm: Callable[[str], str | None], what: str
 ) -> dict[str, str]:
+    """Key (``norm`` of a name or alias; None: not in this index) to entry name."""
     index: dict[str, str] = {}
     for entry in entries:
         for name in (entry.name, *entry.aliases):
             key = norm(name)
+            if key is None:
+                continue
             other = index.get(key)
             if other is not None and other != entry.name:
                 raise CatalogError(
@@ -378,10 +472,28 @@ def builtin_catalog() -> Catalog:
     return catalog
 
 
+def _is_dir(path: str | Path) -> bool:
+    try:
+        return Path(path).expanduser().is_dir()
+    except OSError:  # not one we can look into: read as a file, whose error names it
+        return False
+
+
 def load_catalog(extra: Iterable[str | Path] = ()) -> Catalog:
-    """The built-in catalog with each file of ``extra`` merged in, in order."""
+    """The built-in catalog with each path of ``extra`` merged in, in order: a TOML catalog
+    file, or a Hugging Face ``config.json`` (any ``*.json``) or model directory holding one
+    (``scheduler.hf_config``; added with ``Catalog.with_model``)."""
     catalog = builtin_catalog()
     for path in extra:
+        if _is_dir(path) or Path(path).suffix.lower() == ".json":
+            from scheduler import hf_config  # it builds on this module
+
+            spec = hf_config.model_spec(path)
+            try:
+                catalog = catalog.with_model(spec)
+            except CatalogError as exc:
+                raise CatalogError(f"{path}: {exc}") from None
+            continue
         try:
             text = Path(path).read_text(encoding="utf-8")
         except OSError as exc:

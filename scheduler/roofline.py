@@ -15,9 +15,11 @@ Pure: numbers in, numbers out. Formulas, with the notation of docs/scheduler.md:
 * Attention reads K and V once per *KV head* (GQA / MQA): ``kv_read * 2 * kv_heads_per_gpu *
   head_dim * kv_bytes``. LLM-Viewer's flash-decode counts them per attention head, which
   overstates GQA models' decode cost by ``heads / kv_heads`` (8x on Llama-3-70B); not here.
-* Weights of the transformer blocks are read at ``weight_bits`` (weight-only quantization
-  dequantizes into 16-bit GEMMs, so compute peaks do not change); embeddings and lm_head stay
-  16-bit, as AWQ/GPTQ checkpoints keep them. The KV cache is stored at ``kv_bits``.
+* Weights of the transformer blocks are read at the model's own ``weight_bits`` (a quantized
+  checkpoint's width, ``ModelSpec.weight_bits``) or, when its catalog entry gives none, at the
+  planner-wide ``RooflineConfig.weight_bits`` (weight-only quantization dequantizes into 16-bit
+  GEMMs, so compute peaks do not change); embeddings and lm_head stay 16-bit, as AWQ/GPTQ
+  checkpoints keep them. The KV cache is stored at ``kv_bits``.
 * A MoE layer reads the weights of the distinct experts a step's tokens touch, expected
   ``E * (1 - (1 - k/E) ** tokens)`` with uniform routing, and computes ``k`` experts per token.
 """
@@ -155,9 +157,14 @@ def check_tp(model: ModelSpec, tp: int) -> str | None:
     return None
 
 
+def weight_bytes(model: ModelSpec, cfg: RooflineConfig) -> float:
+    """Bytes per weight of the transformer blocks: the model's own width, else the config's."""
+    return (model.weight_bits or cfg.weight_bits) / 8
+
+
 def memory_fit(model: ModelSpec, gpu: GpuSpec, tp: int, cfg: RooflineConfig) -> MemoryFit:
     """Weights and KV cache of ``model`` on ``tp`` GPUs of type ``gpu``."""
-    wb = cfg.weight_bits / 8
+    wb = weight_bytes(model, cfg)
     d = model.head_dim
     nkv = kv_heads_per_gpu(model, tp)
     qo = 2 * model.hidden * model.heads * d / tp
@@ -197,7 +204,7 @@ class StepModel:
 
     def _build_ops(self) -> None:
         m, tp, cfg = self.model, self.tp, self.cfg
-        ab, wb, kb = cfg.activation_bits / 8, cfg.weight_bits / 8, cfg.kv_bits / 8
+        ab, wb, kb = cfg.activation_bits / 8, weight_bytes(m, cfg), cfg.kv_bits / 8
         h, d, n_layers = m.hidden, m.head_dim, m.layers
         nq = m.heads // tp
         nkv = kv_heads_per_gpu(m, tp)

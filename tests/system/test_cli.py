@@ -4,10 +4,12 @@ and the read commands against a real agent."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import socket
 import stat
 import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -697,3 +699,102 @@ def test_keys_commands_print_stable_json(runner: CliRunner, tmp_path: Path) -> N
         "provider": "lab-a",
         "fingerprint": ProviderKey.load(provider_path).fingerprint,
     }
+
+
+# -- plan: models from a config.json or a model directory ----------------------------------------
+
+REPO = Path(__file__).resolve().parents[2]
+
+# A dense GQA model that is not in the built-in catalog: 40 layers of 5120, 40 query and 8 KV
+# heads, a 100k vocabulary (about 14 B parameters), as its config.json would give it.
+LAB_CODER_14B = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 5120,
+    "intermediate_size": 13824,
+    "max_position_embeddings": 16384,
+    "num_attention_heads": 40,
+    "num_hidden_layers": 40,
+    "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "vocab_size": 100352,
+}
+
+
+def plan_files(tmp_path: Path, model: str) -> list[str]:
+    inventory = tmp_path / "inv.toml"
+    inventory.write_text("[gpus]\nA100-80G = 4\n")
+    workload = tmp_path / "wl.toml"
+    workload.write_text(
+        f'[[model]]\nname = "{model}"\nrate = 2\ninput_mean = 800\noutput_mean = 150\n'
+    )
+    return ["--inventory", str(inventory), "--workload", str(workload)]
+
+
+def fabric_plan(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``fabric plan ARGS`` in a real process run from ``cwd`` (on this checkout's sources)."""
+    env = {k: v for k, v in os.environ.items() if k not in ENV_KEYS}
+    env["FABRIC_HOME"] = str(cwd / "home")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return subprocess.run(
+        [sys.executable, "-m", "cli.main", "plan", "--time-limit", "2", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("catalog", "workload_name"),
+    [
+        ("models/lab-coder-14b/config.json", "lab-coder-14b"),
+        ("models/lab-coder-14b/", "lab-coder-14b"),
+        ("{dir}", "{dir}"),
+        (None, "{dir}/"),  # no --catalog: the workload's path is read
+    ],
+)
+def test_plan_places_a_model_given_by_its_config_json_or_directory(
+    tmp_path: Path, catalog: str | None, workload_name: str
+) -> None:
+    directory = tmp_path / "models" / "lab-coder-14b"
+    directory.mkdir(parents=True)
+    (directory / "config.json").write_text(json.dumps(LAB_CODER_14B))
+    extra = [] if catalog is None else ["--catalog", catalog.format(dir=directory)]
+    files = plan_files(tmp_path, workload_name.format(dir=directory))
+    result = fabric_plan(tmp_path, *files, *extra, "--json")
+    assert result.returncode == 0, result.stderr
+    doc = json.loads(result.stdout)
+    assert {a["model"] for a in doc["allocations"]} == {str(directory)}
+    assert [w["model"] for w in doc["workload"]] == [str(directory)]
+    assert doc["unservable"] == []
+
+
+@pytest.mark.slow
+def test_plan_with_a_broken_config_json_names_the_field_in_one_line(tmp_path: Path) -> None:
+    directory = tmp_path / "lab-coder-14b"
+    directory.mkdir()
+    broken = {**LAB_CODER_14B, "num_hidden_layers": "40"}
+    (directory / "config.json").write_text(json.dumps(broken))
+    for given in (directory, directory / "config.json"):
+        result = fabric_plan(
+            tmp_path, *plan_files(tmp_path, "lab-coder-14b"), "--catalog", str(given)
+        )
+        assert result.returncode == 1
+        line = one_error_line(result.stderr)
+        assert line == (
+            f"fabric: error: {directory / 'config.json'}: field 'num_hidden_layers' must be a "
+            'positive integer, got "40"'
+        )
+        assert result.stdout == ""
+    (directory / "config.json").unlink()
+    result = fabric_plan(tmp_path, *plan_files(tmp_path, "x"), "--catalog", str(directory))
+    assert result.returncode == 1
+    assert one_error_line(result.stderr).endswith(
+        "lab-coder-14b: no config.json in this directory (a Hugging Face model directory holds one)"
+    )

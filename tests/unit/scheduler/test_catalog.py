@@ -146,6 +146,14 @@ def test_user_table_with_a_known_name_merges_field_by_field(tmp_path: Path) -> N
     assert h100.memory_bw_gbs == builtin_catalog().gpu("H100-SXM").memory_bw_gbs
 
 
+def test_a_model_entry_can_give_its_weight_width(tmp_path: Path) -> None:
+    assert builtin_catalog().model("llama-2-13b").weight_bits is None  # the planner-wide width
+    path = write(tmp_path, '[models."llama-2-13b"]\nweight_bits = 4\n')
+    awq = load_catalog([path]).model("llama-2-13b")
+    assert awq.weight_bits == 4
+    assert awq.params == builtin_catalog().model("llama-2-13b").params
+
+
 @pytest.mark.parametrize(
     ("text", "message"),
     [
@@ -177,6 +185,11 @@ def test_user_table_with_a_known_name_merges_field_by_field(tmp_path: Path) -> N
             "intermediate = 128\nvocab = 100\nmax_context = 512\nexperts = 4\n",
             r"experts_per_token must be from 1 to experts",
         ),
+        (
+            '[models."llama-2-7b"]\nweight_bits = 3\n',
+            r"'weight_bits' must be 4, 8, 16 or 32, got 3",
+        ),
+        ('[models."llama-2-7b"]\nweight_bits = 4.0\n', r"'weight_bits' must be 4, 8, 16 or 32"),
     ],
 )
 def test_bad_catalog_file_is_one_clear_error_naming_file_and_table(

@@ -4,6 +4,8 @@ RTX-3090 vs H100 calibration target of the paper."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from scheduler.catalog import builtin_catalog
@@ -126,6 +128,22 @@ def test_weight_and_kv_quantization_shrink_bytes_and_grow_kv_capacity() -> None:
     assert quant.weight_bytes_per_gpu == 12_952_010_752 / 4 + 2 * 32000 * 4096 * 2
     assert quant.kv_bytes_per_token_per_gpu == fp16.kv_bytes_per_token_per_gpu / 2
     assert quant.kv_capacity_tokens > 4 * fp16.kv_capacity_tokens
+
+
+def test_a_models_own_weight_width_wins_over_the_planner_wide_one() -> None:
+    model, gpu = CATALOG.model("llama-2-7b"), CATALOG.gpu("RTX-3090")
+    awq = replace(model, weight_bits=4)
+    planner_wide = RooflineConfig(weight_bits=4)
+    assert memory_fit(awq, gpu, 1, DEFAULT) == memory_fit(model, gpu, 1, planner_wide)
+    assert memory_fit(awq, gpu, 1, RooflineConfig(weight_bits=8)) == memory_fit(
+        model, gpu, 1, planner_wide
+    )
+    own = StepModel(awq, gpu, 1, DEFAULT).ops(Batch.decode(1, 1023))
+    wide = StepModel(model, gpu, 1, planner_wide).ops(Batch.decode(1, 1023))
+    assert own == wide
+    assert op(own, "lm_head").bytes == 4096 * 32000 * 2 + (4096 + 32000) * 2  # kept 16-bit
+    unset = memory_fit(model, gpu, 1, RooflineConfig(weight_bits=8))
+    assert unset.weight_bytes_per_gpu == 12_952_010_752 / 2 + 2 * 32000 * 4096 * 2
 
 
 def test_memory_fit_is_weights_plus_kv_within_the_usable_budget() -> None:
