@@ -13,6 +13,7 @@ The typer command lives in ``cli.plan_cmd``; this module does the work it needs 
 
 from __future__ import annotations
 
+import os
 import secrets
 import time
 from collections.abc import Callable, Iterable
@@ -24,7 +25,7 @@ from fabricnode.dataplane.accounting import merge_workload_sums
 from fabricnode.errors import AgentApiError, ConfigError
 from fabricnode.mesh.assignment import AssignmentBody, SignedAssignment
 from fabricnode.mesh.identity import OperatorKey
-from scheduler.catalog import Catalog
+from scheduler.catalog import Catalog, is_local_path
 from scheduler.errors import CatalogError, WorkloadError
 from scheduler.inventory import NodeGroup
 from scheduler.node_assign import MeshNode, NodeAssignment, NodePlan
@@ -82,8 +83,10 @@ def mesh_view(nodes: Iterable[Json], catalog: Catalog) -> MeshView:
         if n["state"] == "serving":
             try:
                 models = [catalog.model(str(m["id"])).name for m in n.get("models", [])]
-            except CatalogError:
+            except CatalogError as exc:
                 outside += count  # its GPUs are taken by a model the planner does not know
+                if any(_on_disk(str(m["id"])) for m in n.get("models", [])):
+                    notes.append(f"{count} GPUs left out: {exc}")  # e.g. a broken config.json
                 continue
         inventory[gpu] = inventory.get(gpu, 0) + count
         plannable.append(MeshNode(str(n["session_id"]), gpu, count, n["state"], tuple(models)))
@@ -92,6 +95,12 @@ def mesh_view(nodes: Iterable[Json], catalog: Catalog) -> MeshView:
     if outside:
         notes.append(f"{outside} GPUs left out: their nodes serve models not in the catalog")
     return MeshView(inventory, tuple(plannable), tuple(notes))
+
+
+def _on_disk(model: str) -> bool:
+    """A served model id that is a path here: its catalog error (a broken config.json) is worth
+    showing as it is."""
+    return is_local_path(model) and os.path.exists(os.path.expanduser(model))
 
 
 def mesh_workloads(
@@ -125,8 +134,9 @@ def mesh_workloads(
     for served, row in summary.items():
         try:
             name = catalog.model(served).name
-        except CatalogError:
-            notes.append(f"traffic for {served!r} left out: not in the catalog (--catalog FILE)")
+        except CatalogError as exc:
+            why = str(exc) if _on_disk(served) else "not in the catalog (--catalog FILE)"
+            notes.append(f"traffic for {served!r} left out: {why}")
             continue
         if name in merged:  # two served names of one catalog model: add their traffic
             prev = merged[name]
@@ -150,9 +160,10 @@ def mesh_workloads(
             )
         )
     if not workloads:
+        why = "".join(f"; {n}" for n in notes if n.startswith("traffic for"))
         raise WorkloadError(
             f"no workload: the request logs of {asked} agents hold no request for a catalog "
-            f"model in the last {window_s:g} s; pass --workload FILE or a longer --window"
+            f"model in the last {window_s:g} s; pass --workload FILE or a longer --window{why}"
         )
     return workloads, notes
 

@@ -7,8 +7,11 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+import pytest
+
 from cli.planning import mesh_view, mesh_workloads
 from scheduler.catalog import builtin_catalog
+from scheduler.errors import WorkloadError
 from tests.support.hf_configs import LLAMA_2_13B_CHAT_AWQ, model_dir
 
 
@@ -57,3 +60,21 @@ def test_served_model_directories_plan_from_their_config_json(tmp_path: Path) ->
     assert [(w.model, w.rate_rps, w.input_mean) for w in loads] == [(str(directory), 2.0, 1000.0)]
     assert notes == []
     assert catalog.model(loads[0].model).weight_bits == 4
+
+
+def test_a_served_directory_with_a_broken_config_json_is_named_with_its_error(
+    tmp_path: Path,
+) -> None:
+    broken = tmp_path / "shared" / "half-copied"
+    broken.mkdir(parents=True)
+    (broken / "config.json").write_text('{"hidden_size": 4096')
+    nodes = [node("a" * 32, str(broken)), node("b" * 32, None)]
+    catalog = builtin_catalog()
+    view = mesh_view(nodes, catalog)
+    assert view.inventory == {"A100-80G": 2}
+    assert any("config.json" in n and "JSON" in n for n in view.notes), view.notes
+    sums = {"requests": 60.0, "measured": 60.0, "input_sum": 6_000.0, "output_sum": 600.0}
+    agents = {n["addresses"]["http"]: FakeAgent({str(broken): sums}) for n in nodes}
+    # its traffic was the only traffic: the error says why it was left out
+    with pytest.raises(WorkloadError, match=r"no workload.*traffic for .*half-copied.*JSON"):
+        mesh_workloads(nodes[:1], 60.0, catalog, client_for=agents.__getitem__)
