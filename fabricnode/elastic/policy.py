@@ -1,0 +1,619 @@
+"""Scaling policy: how many replicas of one model to run now, from its demand and its load.
+
+Rules
+-----
+1. Pure, in the manner of h11: no I/O, no trio, no clock. Every method takes ``now``, seconds on
+   the caller's monotonic clock; a ``now`` earlier than one already seen is read as the latest.
+2. One policy object per model. The controller feeds it what it observes, in time order, and
+   asks ``desired_replicas(now, state)`` once per tick; it then submits replicas, or cancels
+   starting ones and drains serving ones, to reach ``Decision.replicas``. Observations:
+
+   - ``observe_arrival(now, prompt_tokens)``: a request for the model reached an ingress;
+   - ``observe_completion(now, output_tokens)``: a request finished (the request log);
+   - ``observe_load(now, LoadSample)``: the gossiped load of the serving replicas, per replica
+     the KV-cache use (vLLM's ``kv_cache_usage_perc``) and waiting requests;
+   - ``observe_ttft(now, p95_s)``: the p95 time to first token the controller measured over
+     its recent window.
+
+   A policy uses what it needs and ignores the rest, so the three policies here are
+   interchangeable: ``ForecastPolicy`` (the controller's), ``ReactivePolicy`` and
+   ``StaticPolicy`` (the baselines the autoscaling bench compares it with).
+3. ``ReplicaState.replicas`` counts the replicas the controller holds: serving plus starting
+   (submitted, not SERVING yet). Draining replicas are leaving and are not counted.
+4. A decision is always within ``[min_replicas, max_replicas]``. One that changes the count says
+   why (``Decision.reason``, one of ``REASONS``); one that keeps it has the reason ``""``.
+5. Invalid knobs (``PolicyConfig``, ``ForecastConfig``, ``ReplicaCapacity``: they come from
+   service files and the planner) raise ``ConfigError`` naming the knob; an inconsistent
+   ``ReplicaState`` (the controller's own) raises ``ValueError``.
+
+Theory of operation (``ForecastPolicy``)
+----------------------------------------
+Demand is token work split as PreServe splits it: prefill tokens/s (the prompt tokens of the
+arrivals) and decode tokens/s (arrivals/s times the running mean of output tokens per completed
+request: an arriving request's output length is unknown, the mean is not).
+
+Forecast (``DemandForecaster``): arrivals are counted in bins of ``bin_s``; as each bin closes,
+Holt's linear method updates a level and a trend per series (prompt tokens/s, requests/s). The
+level is the demand in the middle of the last closed bin, so the forecast for ``now + h`` is the
+level plus the trend times the bins from that middle to ``now + h`` (optionally damped). The
+forecaster keeps its own score: as each bin closes it notes what it predicts for the bin ``h``
+ahead and, when that bin closes, the absolute error against the level then. An exponentially
+weighted mean of those errors, times 1.25 (mean absolute error to standard deviation for a
+normal error), is the forecast's sigma; ``upper`` adds ``headroom_sigmas`` of it. Holt rather
+than a fitted model: at a cold-start horizon (90 s) on the Azure conversation trace,
+statsmodels' Holt-Winters and ETS, refitted every bin, were no more accurate than Holt with
+fixed constants (mean absolute error within 2%) and cost 4-17 ms per fit (docs/benchmarks.md).
+
+Work: a replica sustains ``prefill_tokens_per_s`` doing only prefill, or ``decode_tokens_per_s``
+doing only decode (``ReplicaCapacity``). It time-shares between the two, so a demand of ``p``
+prefill and ``d`` decode tokens/s keeps ``p/mu_p + d/mu_d`` replicas fully busy. The controller
+learns the two rates, or takes them from the planner's analytic model (its saturation rate:
+``target_utilisation`` then holds the headroom the TTFT objective needs).
+
+Scale out, for the demand the new replica will meet: a replica submitted now serves from
+``now + cold_start_s``, so the policy asks for ``ceil(work(upper forecast at now +
+cold_start_s) / target_utilisation)`` replicas (reason ``forecast``); a burst that is over
+before then is no reason to start one. Confirmation, as SageServe confirms its forecast with
+thresholds: when the forecast asks for no more but the measured p95 TTFT is above the objective
+(``objective``), or the KV caches are nearly full or requests queue (``load``), and no replica is
+already starting, the policy adds one, at most once per ``confirm_cooldown_s``.
+
+Scale in, with hysteresis: each decision notes the count the demand (the larger of now and the
+point forecast) needs at ``scale_in_band x target_utilisation`` and remembers it for
+``scale_in_hold_s``. The policy scales in to the largest count of that window, never below what
+scale-out asks for now, when that is below the current count, the window is full (no scale-out
+in the last ``scale_in_hold_s``), no replica is starting and the load agrees: p95 TTFT at most
+``scale_in_ttft_fraction`` of the objective, KV use below ``kv_high``, no queue (reason
+``low-demand``). So scale-in and scale-out cannot alternate on a steady demand, and a dip
+shorter than the hold time costs no cold start.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from fabricnode.errors import ConfigError
+
+REASONS = (
+    "forecast",  # the forecast at now + cold start needs more replicas
+    "load",  # KV caches nearly full or requests waiting, beyond what the forecast asked for
+    "objective",  # the measured p95 TTFT is above the objective
+    "low-demand",  # demand stayed under the scale-in band for the hold time, and load agrees
+    "low-load",  # the reactive baseline's scale-in: KV use under its low threshold
+    "static",  # the static baseline's fixed count
+    "bounds",  # the count was outside [min_replicas, max_replicas] (the service changed)
+)
+_EPS = 1e-9
+
+
+def _positive(name: str, value: float) -> None:
+    if not (value > 0 and math.isfinite(value)):
+        raise ConfigError(f"{name} must be a positive number, got {value!r}")
+
+
+def _fraction(name: str, value: float) -> None:
+    if not 0 < value <= 1:
+        raise ConfigError(f"{name} must be in (0, 1], got {value!r}")
+
+
+# -- inputs and outputs -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TokenDemand:
+    """Token work per second: prompt tokens to prefill and output tokens to decode."""
+
+    prefill_tokens_per_s: float
+    decode_tokens_per_s: float
+
+
+@dataclass(frozen=True)
+class ReplicaCapacity:
+    """What one replica sustains within the TTFT objective doing only prefill, or only decode
+    (tokens/s). A replica time-shares the two, so ``work`` adds the fractions."""
+
+    prefill_tokens_per_s: float
+    decode_tokens_per_s: float
+
+    def __post_init__(self) -> None:
+        _positive("prefill_tokens_per_s", self.prefill_tokens_per_s)
+        _positive("decode_tokens_per_s", self.decode_tokens_per_s)
+
+    def work(self, demand: TokenDemand) -> float:
+        """Replicas ``demand`` keeps fully busy."""
+        return (
+            demand.prefill_tokens_per_s / self.prefill_tokens_per_s
+            + demand.decode_tokens_per_s / self.decode_tokens_per_s
+        )
+
+
+def replicas_for(demand: TokenDemand, capacity: ReplicaCapacity, utilisation: float) -> int:
+    """The fewest replicas that serve ``demand`` with each at most ``utilisation`` busy."""
+    return max(0, math.ceil(capacity.work(demand) / utilisation - _EPS))
+
+
+@dataclass(frozen=True)
+class ReplicaState:
+    """What the controller holds for the model, and the facts the decision depends on.
+
+    ``replicas``: serving plus starting; ``starting``: of those, submitted but not SERVING yet;
+    ``cold_start_s``: measured time from submission to SERVING; bounds from the service file;
+    ``capacity``: per replica, learned by the controller or from the planner."""
+
+    replicas: int
+    starting: int
+    min_replicas: int
+    max_replicas: int
+    cold_start_s: float
+    capacity: ReplicaCapacity
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.starting <= self.replicas:
+            raise ValueError(f"need 0 <= starting <= replicas, got {self.starting}/{self.replicas}")
+        if not 0 <= self.min_replicas <= self.max_replicas:
+            raise ValueError(
+                f"need 0 <= min_replicas <= max_replicas, got {self.min_replicas}, "
+                f"{self.max_replicas}"
+            )
+        if not (self.cold_start_s >= 0 and math.isfinite(self.cold_start_s)):
+            raise ValueError(f"cold_start_s must be >= 0, got {self.cold_start_s!r}")
+
+    def clamp(self, replicas: int) -> int:
+        return min(self.max_replicas, max(self.min_replicas, replicas))
+
+
+@dataclass(frozen=True)
+class LoadSample:
+    """The gossiped load of the model's serving replicas, one entry per replica: KV-cache use
+    (0..1) and requests waiting for admission."""
+
+    kv_usage: tuple[float, ...]
+    waiting: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.kv_usage) != len(self.waiting):
+            raise ValueError("kv_usage and waiting need one entry per replica each")
+
+    @property
+    def mean_kv_usage(self) -> float:
+        return sum(self.kv_usage) / len(self.kv_usage) if self.kv_usage else 0.0
+
+    @property
+    def waiting_per_replica(self) -> float:
+        return sum(self.waiting) / len(self.waiting) if self.waiting else 0.0
+
+
+@dataclass(frozen=True)
+class Decision:
+    """How many replicas the model should have (serving plus starting) and why it changed."""
+
+    replicas: int
+    reason: str = ""
+
+
+class ScalingPolicy(Protocol):
+    """The interface every policy here has (see the module docstring, rule 2)."""
+
+    def observe_arrival(self, now: float, prompt_tokens: int) -> None: ...
+
+    def observe_completion(self, now: float, output_tokens: int) -> None: ...
+
+    def observe_load(self, now: float, load: LoadSample) -> None: ...
+
+    def observe_ttft(self, now: float, p95_s: float) -> None: ...
+
+    def desired_replicas(self, now: float, state: ReplicaState) -> Decision: ...
+
+
+class _Observer:
+    """Signals a policy ignores, and the clock guard (rule 1)."""
+
+    def __init__(self) -> None:
+        self._now = -math.inf
+
+    def _clock(self, now: float) -> float:
+        if now > self._now:
+            self._now = now
+        return self._now
+
+    def observe_arrival(self, now: float, prompt_tokens: int) -> None:
+        self._clock(now)
+
+    def observe_completion(self, now: float, output_tokens: int) -> None:
+        self._clock(now)
+
+    def observe_load(self, now: float, load: LoadSample) -> None:
+        self._clock(now)
+
+    def observe_ttft(self, now: float, p95_s: float) -> None:
+        self._clock(now)
+
+
+# -- the forecaster -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ForecastConfig:
+    """Holt's linear method over binned arrivals (see the module docstring).
+
+    ``bin_s``: the bin; ``level_alpha`` / ``trend_beta``: smoothing of the level and the trend
+    per bin (higher follows faster and is noisier); ``trend_damping``: the trend's weight decays
+    by this factor per bin ahead (1 = undamped Holt); ``error_alpha``: smoothing of the tracked
+    forecast error; ``output_tokens_prior``: mean output tokens per request before any
+    completion was seen; ``output_alpha``: weight of each completion in that running mean."""
+
+    bin_s: float = 10.0
+    level_alpha: float = 0.3
+    trend_beta: float = 0.05
+    trend_damping: float = 1.0
+    error_alpha: float = 0.05
+    output_tokens_prior: float = 256.0
+    output_alpha: float = 0.01
+
+    def __post_init__(self) -> None:
+        _positive("bin_s", self.bin_s)
+        _positive("output_tokens_prior", self.output_tokens_prior)
+        for name in ("level_alpha", "trend_beta", "trend_damping", "error_alpha", "output_alpha"):
+            _fraction(name, getattr(self, name))
+
+
+WARMUP_BINS = 6  # bins a series must have seen before its forecasts are scored
+
+
+class _Holt:
+    """Holt's linear method on one series, with the absolute error of its h-bin forecasts."""
+
+    __slots__ = ("bins", "error", "level", "pending", "scored", "trend")
+
+    def __init__(self) -> None:
+        self.level: float | None = None
+        self.trend = 0.0
+        self.bins = 0  # bins seen
+        self.error = 0.0
+        self.scored = 0  # forecasts scored so far
+        self.pending: deque[tuple[int, float]] = deque()  # (bin, forecast of its level)
+
+    def ahead(self, bins: float, damping: float) -> float:
+        if self.level is None:
+            return 0.0
+        # the trend's weight over the bins ahead: sum of damping**k, k = 1..bins
+        steps = bins if damping >= 1.0 else damping * (1.0 - damping**bins) / (1.0 - damping)
+        return max(0.0, self.level + steps * self.trend)
+
+    def update(self, b: int, value: float, cfg: ForecastConfig, horizon_bins: int) -> None:
+        self.bins += 1
+        if self.level is None:
+            self.level = value
+        else:
+            prev = self.level
+            phi = cfg.trend_damping
+            self.level = cfg.level_alpha * value + (1 - cfg.level_alpha) * (prev + phi * self.trend)
+            self.trend = (
+                cfg.trend_beta * (self.level - prev) + (1 - cfg.trend_beta) * phi * self.trend
+            )
+        while self.pending and self.pending[0][0] <= b:
+            target, predicted = self.pending.popleft()
+            if target == b:
+                miss = abs(self.level - predicted)
+                a = max(cfg.error_alpha, 1.0 / (self.scored + 1))  # a plain mean at first
+                self.error += a * (miss - self.error)
+                self.scored += 1
+        if self.bins >= WARMUP_BINS:  # the start-up transient is not the forecast's error
+            self.pending.append((b + horizon_bins, self.ahead(horizon_bins, cfg.trend_damping)))
+
+
+@dataclass(frozen=True)
+class Forecast:
+    """Demand now (the smoothed level), the point forecast ``horizon_s`` ahead, and that plus
+    the headroom the forecaster's own tracked error asks for."""
+
+    now: TokenDemand
+    ahead: TokenDemand
+    upper: TokenDemand
+    horizon_s: float
+
+
+class DemandForecaster:
+    """Per model: prefill and decode tokens/s now and ``horizon_s`` ahead (pure; ``now`` in)."""
+
+    def __init__(self, config: ForecastConfig | None = None) -> None:
+        self.config = config or ForecastConfig()
+        self._bin: int | None = None  # the open bin
+        self._first_bin: int | None = None  # partly observed: not fed to the series
+        self._prompt_tokens = 0.0  # in the open bin
+        self._requests = 0
+        self._prompt = _Holt()  # prompt tokens/s
+        self._rate = _Holt()  # requests/s
+        self._output_mean = self.config.output_tokens_prior
+        self._completions = 0
+        self._horizon_bins = 1  # until forecast() is asked for a horizon
+
+    @property
+    def output_tokens_mean(self) -> float:
+        """The running mean of output tokens per completed request."""
+        return self._output_mean
+
+    def _advance(self, now: float) -> None:
+        b = math.floor(now / self.config.bin_s)
+        if self._bin is None:
+            self._bin = self._first_bin = b
+            return
+        if b <= self._bin:
+            return
+        # close the open bin, then the empty ones up to b (after a long silence only the last
+        # 1000: by then every level has long decayed to nothing)
+        first = max(self._bin, b - 1000)
+        for k in range(first, b):
+            if k == self._first_bin:
+                continue
+            filled = k == self._bin
+            prompt = self._prompt_tokens if filled else 0.0
+            count = self._requests if filled else 0
+            self._prompt.update(k, prompt / self.config.bin_s, self.config, self._horizon_bins)
+            self._rate.update(k, count / self.config.bin_s, self.config, self._horizon_bins)
+        self._bin = b
+        self._prompt_tokens = 0.0
+        self._requests = 0
+
+    def observe_arrival(self, now: float, prompt_tokens: int) -> None:
+        self._advance(now)
+        self._prompt_tokens += max(0, prompt_tokens)
+        self._requests += 1
+
+    def observe_completion(self, now: float, output_tokens: int) -> None:
+        self._advance(now)
+        a = max(self.config.output_alpha, 1.0 / (self._completions + 1))
+        self._output_mean += a * (max(0, output_tokens) - self._output_mean)
+        self._completions += 1
+
+    def forecast(self, now: float, horizon_s: float, headroom_sigmas: float = 0.0) -> Forecast:
+        """Demand now and ``horizon_s`` ahead; ``upper`` adds ``headroom_sigmas`` times the
+        tracked error of forecasts that far ahead (errors are tracked at the latest horizon
+        asked for)."""
+        self._advance(now)
+        cfg = self.config
+        self._horizon_bins = max(1, round(horizon_s / cfg.bin_s))
+        # the level is the demand in the middle of the last closed bin: extrapolate from there
+        age = 0.0 if self._bin is None else max(0.0, now / cfg.bin_s - (self._bin - 0.5))
+        bins = horizon_s / cfg.bin_s + age
+        out = self._output_mean
+        prompt_now = self._prompt.ahead(age, cfg.trend_damping)
+        rate_now = self._rate.ahead(age, cfg.trend_damping)
+        prompt = self._prompt.ahead(bins, cfg.trend_damping)
+        rate = self._rate.ahead(bins, cfg.trend_damping)
+        k = 1.25 * headroom_sigmas
+        return Forecast(
+            now=TokenDemand(prompt_now, rate_now * out),
+            ahead=TokenDemand(prompt, rate * out),
+            upper=TokenDemand(prompt + k * self._prompt.error, (rate + k * self._rate.error) * out),
+            horizon_s=horizon_s,
+        )
+
+
+def _larger(a: TokenDemand, b: TokenDemand) -> TokenDemand:
+    return TokenDemand(
+        max(a.prefill_tokens_per_s, b.prefill_tokens_per_s),
+        max(a.decode_tokens_per_s, b.decode_tokens_per_s),
+    )
+
+
+# -- the controller's policy --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """The knobs of ``ForecastPolicy``; docs/operators.md ("Scaling policy knobs") says what
+    each trades. The defaults were chosen on the first half hour of bench/autoscale.py.
+
+    ``ttft_objective_s``: the p95 time-to-first-token objective; ``target_utilisation``: scale
+    out to keep each replica at most this busy at the forecast demand; ``headroom_sigmas``:
+    forecast errors of headroom; ``scale_in_band``: scale in only to a count the demand keeps
+    at most this fraction of ``target_utilisation`` busy; ``scale_in_hold_s``: how long demand
+    must stay under that band; ``scale_in_ttft_fraction``: scale in only while p95 TTFT is
+    under this fraction of the objective; ``kv_high`` / ``waiting_high``: KV use and waiting
+    requests per replica that confirm a scale-out the forecast did not ask for;
+    ``confirm_cooldown_s``: the least time between two such confirmations;
+    ``signal_max_age_s``: load and TTFT samples older than this are ignored."""
+
+    ttft_objective_s: float = 2.0
+    target_utilisation: float = 0.7
+    headroom_sigmas: float = 0.5
+    scale_in_band: float = 0.95
+    scale_in_hold_s: float = 300.0
+    scale_in_ttft_fraction: float = 0.5
+    kv_high: float = 0.9
+    waiting_high: float = 2.0
+    confirm_cooldown_s: float = 30.0
+    signal_max_age_s: float = 30.0
+    forecast: ForecastConfig = field(default_factory=ForecastConfig)
+
+    def __post_init__(self) -> None:
+        for name in ("ttft_objective_s", "signal_max_age_s", "waiting_high"):
+            _positive(name, getattr(self, name))
+        for name in ("target_utilisation", "kv_high"):
+            _fraction(name, getattr(self, name))
+        if not 0 < self.scale_in_band < 1:
+            raise ConfigError(f"scale_in_band must be in (0, 1), got {self.scale_in_band!r}")
+        if not 0 < self.scale_in_ttft_fraction <= 1:
+            raise ConfigError(
+                f"scale_in_ttft_fraction must be in (0, 1], got {self.scale_in_ttft_fraction!r}"
+            )
+        for name in ("headroom_sigmas", "scale_in_hold_s", "confirm_cooldown_s"):
+            value = getattr(self, name)
+            if not (value >= 0 and math.isfinite(value)):
+                raise ConfigError(f"{name} must be >= 0, got {value!r}")
+
+
+class ForecastPolicy(_Observer):
+    """The controller's policy: token-demand forecast at the cold-start horizon, confirmed by
+    load and TTFT, with scale-in hysteresis (module docstring)."""
+
+    def __init__(self, config: PolicyConfig | None = None) -> None:
+        super().__init__()
+        self.config = config or PolicyConfig()
+        self.forecaster = DemandForecaster(self.config.forecast)
+        self._load: tuple[float, LoadSample] | None = None
+        self._ttft: tuple[float, float] | None = None
+        self._band: deque[tuple[float, int]] = deque()  # (time, need), needs decreasing
+        self._band_since = -math.inf  # the window holds needs from here on
+        self._last_out = -math.inf
+        self._last_confirm = -math.inf
+
+    def observe_arrival(self, now: float, prompt_tokens: int) -> None:
+        self.forecaster.observe_arrival(self._clock(now), prompt_tokens)
+
+    def observe_completion(self, now: float, output_tokens: int) -> None:
+        self.forecaster.observe_completion(self._clock(now), output_tokens)
+
+    def observe_load(self, now: float, load: LoadSample) -> None:
+        self._load = (self._clock(now), load)
+
+    def observe_ttft(self, now: float, p95_s: float) -> None:
+        self._ttft = (self._clock(now), p95_s)
+
+    def _fresh_load(self, now: float) -> LoadSample | None:
+        if self._load is None or now - self._load[0] > self.config.signal_max_age_s:
+            return None
+        return self._load[1]
+
+    def _fresh_ttft(self, now: float) -> float | None:
+        if self._ttft is None or now - self._ttft[0] > self.config.signal_max_age_s:
+            return None
+        return self._ttft[1]
+
+    def _remember(self, now: float, need: int) -> int:
+        """Note the band need; return the largest over the hold window."""
+        band = self._band
+        while band and band[-1][1] <= need:
+            band.pop()
+        band.append((now, need))
+        while band[0][0] < now - self.config.scale_in_hold_s:
+            band.popleft()
+        return band[0][1]
+
+    def _scaled_out(self, now: float) -> None:
+        self._last_out = now
+        self._band.clear()
+        self._band_since = now
+
+    def desired_replicas(self, now: float, state: ReplicaState) -> Decision:
+        now = self._clock(now)
+        cfg = self.config
+        cur = state.replicas
+        fc = self.forecaster.forecast(now, state.cold_start_s, cfg.headroom_sigmas)
+        cap = state.capacity
+        out_need = state.clamp(replicas_for(fc.upper, cap, cfg.target_utilisation))
+        band_need = replicas_for(
+            _larger(fc.now, fc.ahead), cap, cfg.scale_in_band * cfg.target_utilisation
+        )
+        # never in below what scale-out asks for now: the two rules cannot alternate
+        held = max(out_need, self._remember(now, state.clamp(band_need)))
+
+        if self._band_since == -math.inf:
+            self._band_since = now  # the hold window starts with the first decision
+        if cur != state.clamp(cur):
+            target = max(out_need, state.min_replicas) if cur < state.min_replicas else out_need
+            target = state.clamp(max(target, state.clamp(cur)))
+            if target > cur:
+                self._scaled_out(now)
+            return Decision(target, "bounds")
+        if out_need > cur:
+            self._scaled_out(now)
+            return Decision(out_need, "forecast")
+
+        load = self._fresh_load(now)
+        ttft = self._fresh_ttft(now)
+        cooled = now - max(self._last_confirm, self._last_out) >= cfg.confirm_cooldown_s
+        if state.starting == 0 and cur < state.max_replicas and cooled:
+            reason = ""
+            if ttft is not None and ttft > cfg.ttft_objective_s:
+                reason = "objective"
+            elif load is not None and (
+                load.mean_kv_usage >= cfg.kv_high or load.waiting_per_replica >= cfg.waiting_high
+            ):
+                reason = "load"
+            if reason:
+                self._last_confirm = now
+                self._scaled_out(now)
+                return Decision(cur + 1, reason)
+
+        window_full = now - self._band_since >= cfg.scale_in_hold_s
+        if held < cur and window_full and state.starting == 0:
+            calm = (ttft is None or ttft <= cfg.scale_in_ttft_fraction * cfg.ttft_objective_s) and (
+                load is None
+                or (load.mean_kv_usage < cfg.kv_high and load.waiting_per_replica < 1.0)
+            )
+            if calm:
+                return Decision(held, "low-demand")
+        return Decision(cur)
+
+
+# -- the baselines ------------------------------------------------------------------------------
+
+
+class StaticPolicy(_Observer):
+    """A fixed count (provisioned for the peak), clamped to the bounds."""
+
+    def __init__(self, replicas: int) -> None:
+        super().__init__()
+        if replicas < 0:
+            raise ConfigError(f"replicas must be >= 0, got {replicas}")
+        self.replicas = replicas
+
+    def desired_replicas(self, now: float, state: ReplicaState) -> Decision:
+        self._clock(now)
+        target = state.clamp(self.replicas)
+        return Decision(target, "static" if target != state.replicas else "")
+
+
+@dataclass(frozen=True)
+class ReactiveConfig:
+    """SageServe's reactive baseline: one replica out above ``scale_out_kv`` mean KV use, one
+    in below ``scale_in_kv``, and ``cooldown_s`` between any two scaling events."""
+
+    scale_out_kv: float = 0.7
+    scale_in_kv: float = 0.3
+    cooldown_s: float = 15.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.scale_in_kv < self.scale_out_kv <= 1:
+            raise ConfigError("need 0 <= scale_in_kv < scale_out_kv <= 1")
+        if not (self.cooldown_s >= 0 and math.isfinite(self.cooldown_s)):
+            raise ConfigError(f"cooldown_s must be >= 0, got {self.cooldown_s!r}")
+
+
+class ReactivePolicy(_Observer):
+    """Scale on the serving replicas' mean KV-cache use alone (SageServe §4's baseline)."""
+
+    def __init__(self, config: ReactiveConfig | None = None) -> None:
+        super().__init__()
+        self.config = config or ReactiveConfig()
+        self._load: tuple[float, LoadSample] | None = None
+        self._last_event = -math.inf
+
+    def observe_load(self, now: float, load: LoadSample) -> None:
+        self._load = (self._clock(now), load)
+
+    def desired_replicas(self, now: float, state: ReplicaState) -> Decision:
+        now = self._clock(now)
+        cur = state.replicas
+        if cur != state.clamp(cur):
+            self._last_event = now
+            return Decision(state.clamp(cur), "bounds")
+        if self._load is None or not self._load[1].kv_usage:
+            return Decision(cur)
+        if now - self._last_event < self.config.cooldown_s:
+            return Decision(cur)
+        usage = self._load[1].mean_kv_usage
+        target, reason = cur, ""
+        if usage > self.config.scale_out_kv:
+            target, reason = state.clamp(cur + 1), "load"
+        elif usage < self.config.scale_in_kv:
+            target, reason = state.clamp(cur - 1), "low-load"
+        if target == cur:
+            return Decision(cur)
+        self._last_event = now
+        return Decision(target, reason)

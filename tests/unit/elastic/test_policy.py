@@ -1,0 +1,471 @@
+"""The scaling policy's rules (fabricnode/elastic/policy.py): bounds, reasons, monotonicity,
+hysteresis, scaling ahead of a ramp, and the two baselines.
+
+Pure and deterministic: time is a number passed in, arrivals are generated from closed-form
+rates, and ``drive`` is a tiny closed-loop controller (starting replicas serve after the cold
+start) so the laws are checked on the policy as the controller will run it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fabricnode.elastic.policy import (
+    REASONS,
+    Decision,
+    DemandForecaster,
+    ForecastConfig,
+    ForecastPolicy,
+    LoadSample,
+    PolicyConfig,
+    ReactiveConfig,
+    ReactivePolicy,
+    ReplicaCapacity,
+    ReplicaState,
+    ScalingPolicy,
+    StaticPolicy,
+    TokenDemand,
+    replicas_for,
+)
+from fabricnode.errors import ConfigError
+
+CAPACITY = ReplicaCapacity(prefill_tokens_per_s=4000.0, decode_tokens_per_s=2000.0)
+PROMPT = 800
+OUTPUT = 200
+CALM = LoadSample((0.3,), (0,))
+
+
+def work_per_request() -> float:
+    return PROMPT / CAPACITY.prefill_tokens_per_s + OUTPUT / CAPACITY.decode_tokens_per_s
+
+
+def state(
+    replicas: int = 2,
+    starting: int = 0,
+    min_replicas: int = 1,
+    max_replicas: int = 20,
+    cold_start_s: float = 60.0,
+) -> ReplicaState:
+    return ReplicaState(replicas, starting, min_replicas, max_replicas, cold_start_s, CAPACITY)
+
+
+def arrivals(
+    rate: Callable[[float], float], until_s: float, step_s: float = 0.05
+) -> Iterator[float]:
+    """Deterministic arrivals whose count follows the integral of ``rate`` (req/s)."""
+    t = owed = 0.0
+    while t < until_s:
+        owed += rate(t) * step_s
+        while owed >= 1.0:
+            owed -= 1.0
+            yield t
+        t += step_s
+
+
+@dataclass
+class Loop:
+    changes: list[tuple[float, int, str]]  # (time, replicas asked for, reason)
+    serving: list[tuple[float, int]]  # (tick time, serving replicas)
+
+
+def drive(
+    policy: ScalingPolicy,
+    rate: Callable[[float], float],
+    until_s: float,
+    *,
+    initial: int = 1,
+    cold_start_s: float = 60.0,
+    tick_s: float = 5.0,
+    min_replicas: int = 1,
+    max_replicas: int = 50,
+) -> Loop:
+    """Run ``policy`` as the controller would: feed arrivals (and their completions, a request's
+    output known at once), a calm load and TTFT every tick, apply each decision."""
+    ready: list[float] = [0.0] * initial  # when each held replica serves
+    loop = Loop([], [])
+    times = arrivals(rate, until_s)
+    pending = next(times, None)
+    now = 0.0
+    while now < until_s:
+        while pending is not None and pending <= now:
+            policy.observe_arrival(pending, PROMPT)
+            policy.observe_completion(pending, OUTPUT)
+            pending = next(times, None)
+        policy.observe_load(now, CALM)
+        policy.observe_ttft(now, 0.3)
+        serving = sum(1 for r in ready if r <= now)
+        s = ReplicaState(
+            len(ready), len(ready) - serving, min_replicas, max_replicas, cold_start_s, CAPACITY
+        )
+        decision = policy.desired_replicas(now, s)
+        if decision.replicas != len(ready):
+            loop.changes.append((now, decision.replicas, decision.reason))
+            if decision.replicas > len(ready):
+                ready += [now + cold_start_s] * (decision.replicas - len(ready))
+            else:  # cancel the latest submitted first, as the controller does
+                ready = sorted(ready)[: decision.replicas]
+        loop.serving.append((now, serving))
+        now += tick_s
+    return loop
+
+
+# -- sizing ----------------------------------------------------------------------------------
+
+
+def test_work_adds_the_prefill_and_decode_shares_of_a_replica() -> None:
+    assert CAPACITY.work(TokenDemand(2000.0, 1000.0)) == pytest.approx(1.0)
+    assert replicas_for(TokenDemand(2000.0, 1000.0), CAPACITY, 0.5) == 2
+    assert replicas_for(TokenDemand(0.0, 0.0), CAPACITY, 0.8) == 0
+
+
+@given(
+    st.floats(0, 1e6),
+    st.floats(0, 1e6),
+    st.floats(1.0, 10.0),
+    st.floats(0.1, 1.0),
+)
+def test_replicas_for_is_monotone_in_demand(p: float, d: float, k: float, u: float) -> None:
+    low = replicas_for(TokenDemand(p, d), CAPACITY, u)
+    assert replicas_for(TokenDemand(p * k, d), CAPACITY, u) >= low
+    assert replicas_for(TokenDemand(p, d * k), CAPACITY, u) >= low
+    assert low * u >= CAPACITY.work(TokenDemand(p, d)) - 1e-6
+
+
+# -- the forecaster --------------------------------------------------------------------------
+
+
+def test_forecaster_learns_a_constant_demand_split_into_prefill_and_decode() -> None:
+    f = DemandForecaster()
+    for t in arrivals(lambda _: 4.0, 600.0):
+        f.observe_arrival(t, PROMPT)
+        f.observe_completion(t, OUTPUT)
+    fc = f.forecast(600.0, horizon_s=90.0)
+    assert fc.now.prefill_tokens_per_s == pytest.approx(4.0 * PROMPT, rel=0.02)
+    assert fc.now.decode_tokens_per_s == pytest.approx(4.0 * OUTPUT, rel=0.02)
+    assert fc.ahead.prefill_tokens_per_s == pytest.approx(4.0 * PROMPT, rel=0.03)
+    assert f.output_tokens_mean == pytest.approx(OUTPUT)
+
+
+def test_forecaster_extrapolates_a_ramp_to_the_horizon() -> None:
+    f = DemandForecaster()
+    slope = 0.01  # req/s per s
+    for t in arrivals(lambda t: 1.0 + slope * t, 1200.0):
+        f.observe_arrival(t, PROMPT)
+    fc = f.forecast(1200.0, horizon_s=120.0)
+    expected = (1.0 + slope * (1200.0 + 120.0)) * PROMPT
+    assert fc.ahead.prefill_tokens_per_s == pytest.approx(expected, rel=0.01)
+    assert fc.now.prefill_tokens_per_s == pytest.approx((1.0 + slope * 1200.0) * PROMPT, rel=0.01)
+
+
+def test_forecaster_ignores_the_partly_seen_first_bin_and_decays_after_silence() -> None:
+    f = DemandForecaster(ForecastConfig(bin_s=10.0))
+    f.observe_arrival(9.0, 10_000)  # the controller started late in this bin
+    for t in arrivals(lambda _: 1.0, 300.0):
+        f.observe_arrival(10.0 + t, 100)
+    assert f.forecast(310.0, 60.0).now.prefill_tokens_per_s == pytest.approx(100.0, rel=0.05)
+    assert f.forecast(10_000.0, 60.0).now.prefill_tokens_per_s < 1.0
+
+
+def test_forecaster_upper_band_grows_with_its_own_errors() -> None:
+    steady, noisy = DemandForecaster(), DemandForecaster()
+    for f, rate in ((steady, lambda _: 2.0), (noisy, lambda t: 2.0 + 1.5 * math.sin(t / 40.0))):
+        tick = 0.0
+        for t in arrivals(rate, 1200.0):
+            f.observe_arrival(t, PROMPT)
+            if t >= tick:  # the controller asks every 5 s: errors are tracked at its horizon
+                f.forecast(t, 60.0)
+                tick += 5.0
+    band = [
+        f.forecast(1200.0, 60.0, 1.0).upper.prefill_tokens_per_s
+        - f.forecast(1200.0, 60.0, 0.0).upper.prefill_tokens_per_s
+        for f in (steady, noisy)
+    ]
+    assert band[0] == pytest.approx(0.0, abs=5.0)
+    assert band[1] > 100.0
+
+
+# -- the laws --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Step:
+    """One thing the controller does: an observation, or a decision asked for in ``state``."""
+
+    gap_s: float
+    kind: str
+    tokens: int
+    ttft_s: float
+    load: tuple[tuple[float, int], ...]
+    state: tuple[int, int, int, int, float]  # replicas, starting, min, max - min, cold start
+
+
+steps = st.builds(
+    Step,
+    gap_s=st.floats(0, 30),
+    kind=st.sampled_from(["arrival", "completion", "load", "ttft", "decide", "decide"]),
+    tokens=st.integers(0, 20_000),
+    ttft_s=st.floats(0, 60),
+    load=st.lists(st.tuples(st.floats(0, 1), st.integers(0, 50)), max_size=6).map(tuple),
+    state=st.tuples(
+        st.integers(0, 30),
+        st.integers(0, 30),
+        st.integers(0, 10),
+        st.integers(0, 20),
+        st.floats(0, 600),
+    ),
+)
+
+
+def make(kind: str) -> ScalingPolicy:
+    if kind == "forecast":
+        return ForecastPolicy(PolicyConfig(scale_in_hold_s=30.0))
+    if kind == "reactive":
+        return ReactivePolicy()
+    return StaticPolicy(7)
+
+
+@pytest.mark.parametrize("kind", ["forecast", "reactive", "static"])
+@settings(max_examples=150, deadline=None)
+@given(st.lists(steps, max_size=120))
+def test_every_decision_is_within_bounds_and_every_change_has_a_reason(
+    kind: str, script: list[Step]
+) -> None:
+    policy = make(kind)
+    now = 0.0
+    for step in script:
+        now += step.gap_s
+        if step.kind == "arrival":
+            policy.observe_arrival(now, step.tokens)
+        elif step.kind == "completion":
+            policy.observe_completion(now, step.tokens)
+        elif step.kind == "load":
+            kv = tuple(use for use, _ in step.load)
+            policy.observe_load(now, LoadSample(kv, tuple(w for _, w in step.load)))
+        elif step.kind == "ttft":
+            policy.observe_ttft(now, step.ttft_s)
+        else:
+            replicas, starting, lo, span, cold = step.state
+            s = ReplicaState(replicas, min(starting, replicas), lo, lo + span, cold, CAPACITY)
+            d = policy.desired_replicas(now, s)
+            assert s.min_replicas <= d.replicas <= s.max_replicas
+            if d.replicas == s.replicas:
+                assert d.reason == ""
+            else:
+                assert d.reason in REASONS
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.floats(0.2, 20.0),
+    st.floats(1.0, 4.0),
+    st.floats(0.0, 0.02),
+    st.integers(1, 10),
+    st.floats(0.0, 300.0),
+)
+def test_desired_replicas_is_monotone_in_forecast_demand(
+    rate: float, factor: float, slope: float, replicas: int, cold_start_s: float
+) -> None:
+    """The same history with every prompt (and output) scaled up never asks for fewer."""
+    low, high = ForecastPolicy(), ForecastPolicy()
+    for t in arrivals(lambda t: rate + slope * t, 600.0):
+        low.observe_arrival(t, PROMPT)
+        low.observe_completion(t, OUTPUT)
+        high.observe_arrival(t, round(PROMPT * factor))
+        high.observe_completion(t, round(OUTPUT * factor))
+    s = state(replicas=replicas, cold_start_s=cold_start_s, max_replicas=100)
+    assert high.desired_replicas(600.0, s).replicas >= low.desired_replicas(600.0, s).replicas
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(1, 12), st.floats(30.0, 180.0), st.integers(1, 6))
+def test_a_constant_demand_settles_once_and_never_flaps(
+    per_bin: int, cold_start_s: float, initial: int
+) -> None:
+    rate = per_bin / ForecastConfig().bin_s  # the same count in every bin
+    loop = drive(
+        ForecastPolicy(), lambda _: rate, 3 * 3600.0, initial=initial, cold_start_s=cold_start_s
+    )
+    settled = [c for c in loop.changes if c[0] >= 600.0]
+    assert settled == [], loop.changes
+    need = replicas_for(
+        TokenDemand(rate * PROMPT, rate * OUTPUT), CAPACITY, PolicyConfig().target_utilisation
+    )
+    final = loop.changes[-1][1] if loop.changes else initial
+    assert need <= final <= max(initial, need + 1)
+
+
+def test_a_noisy_constant_demand_scales_rarely() -> None:
+    """Bursty arrivals around a constant mean: a few changes an hour, not one per burst."""
+    mean = 6.0
+    loop = drive(
+        ForecastPolicy(), lambda t: mean * (1.0 + 0.5 * math.sin(t / 7.0)), 2 * 3600.0, initial=4
+    )
+    assert len([c for c in loop.changes if c[0] >= 600.0]) <= 2, loop.changes
+
+
+LEARN_S = 300.0  # a ramp is predictable once the trend has had ~1 / trend_beta bins to show
+TICK_S = 1.0  # the controller's tick
+# The forecaster's resolution: it sees demand in bins, and a bin's whole-number count of
+# arrivals moves a threshold crossing 150 s ahead by a few seconds either way.
+SLACK_S = ForecastConfig().bin_s
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.floats(0.003, 0.02), st.floats(30.0, 180.0))
+def test_scale_up_starts_a_cold_start_ahead_of_a_predicted_ramp(
+    slope: float, cold_start_s: float
+) -> None:
+    """A steady ramp after a flat start: once the ramp has shown for LEARN_S, every replica it
+    needs is asked for at least a cold start before the demand needs it (to within a forecast
+    bin), so it serves in time. A reactive policy would be a whole cold start late."""
+    flat_s, base = 900.0, 2.0
+
+    def rate(t: float) -> float:
+        return base if t < flat_s else base + slope * (t - flat_s)
+
+    until = flat_s + 3600.0
+    policy = ForecastPolicy()
+    loop = drive(policy, rate, until, initial=1, cold_start_s=cold_start_s, tick_s=TICK_S)
+    u = policy.config.target_utilisation
+
+    def need(t: float) -> int:
+        return math.ceil(rate(t) * work_per_request() / u - 1e-9)
+
+    needed_at: dict[int, float] = {}
+    for t, _ in loop.serving:
+        needed_at.setdefault(need(t), t)
+    predictable = flat_s + LEARN_S + cold_start_s
+    checked = 0
+    for n, t_need in needed_at.items():
+        if predictable <= t_need:
+            asked = next(t for t, replicas, _ in loop.changes if replicas >= n)
+            assert asked <= t_need - cold_start_s + SLACK_S, (n, asked, t_need)
+            checked += 1
+    assert checked >= 2
+    for t, serving in loop.serving:
+        if t >= predictable:
+            assert serving >= need(t - SLACK_S), t
+
+
+def test_scale_in_waits_for_the_hold_time_and_never_goes_below_the_minimum() -> None:
+    cfg = PolicyConfig(scale_in_hold_s=300.0)
+    drop = 1200.0
+
+    def rate(t: float) -> float:
+        return 12.0 if t < drop else 0.5
+
+    loop = drive(ForecastPolicy(cfg), rate, 3600.0, initial=1, min_replicas=2)
+    downs = [c for c in loop.changes if c[0] > drop and c[2] == "low-demand"]
+    assert downs, loop.changes
+    assert downs[0][0] >= drop + cfg.scale_in_hold_s
+    assert all(r >= 2 for _, r, _ in loop.changes)
+    assert loop.changes[-1][1] == 2
+
+
+def test_measured_ttft_above_the_objective_adds_a_replica_the_forecast_did_not() -> None:
+    policy = ForecastPolicy(PolicyConfig(confirm_cooldown_s=30.0))
+    for t in arrivals(lambda _: 1.0, 300.0):
+        policy.observe_arrival(t, PROMPT)
+    s = state(replicas=3)
+    assert policy.desired_replicas(300.0, s).replicas == 3
+    policy.observe_ttft(301.0, 5.0)
+    assert policy.desired_replicas(301.0, s) == Decision(4, "objective")
+    # once, then the cool-down; and never while a replica is already starting
+    assert policy.desired_replicas(310.0, s).replicas == 3
+    assert policy.desired_replicas(340.0, state(replicas=4, starting=1)).replicas == 4
+
+
+def test_full_kv_caches_or_queues_add_a_replica_for_load() -> None:
+    policy = ForecastPolicy()
+    policy.observe_load(0.0, LoadSample((0.95, 0.97), (0, 1)))
+    d = policy.desired_replicas(0.0, state(replicas=2))
+    assert (d.replicas, d.reason) == (3, "load")
+    other = ForecastPolicy()
+    other.observe_load(0.0, LoadSample((0.2, 0.2), (4, 3)))
+    assert other.desired_replicas(0.0, state(replicas=2)).reason == "load"
+
+
+def test_stale_signals_are_ignored() -> None:
+    policy = ForecastPolicy(PolicyConfig(signal_max_age_s=30.0))
+    policy.observe_ttft(0.0, 10.0)
+    assert policy.desired_replicas(31.0, state(replicas=2)).replicas == 2
+
+
+def test_a_count_outside_the_bounds_is_brought_back_with_reason_bounds() -> None:
+    for policy in (ForecastPolicy(), ReactivePolicy()):
+        assert policy.desired_replicas(0.0, state(replicas=9, max_replicas=5)).reason == "bounds"
+        d = policy.desired_replicas(1.0, state(replicas=0, min_replicas=2))
+        assert (d.replicas, d.reason) == (2, "bounds")
+
+
+def test_time_going_backwards_is_read_as_the_latest_time() -> None:
+    policy = ForecastPolicy()
+    policy.observe_ttft(100.0, 5.0)
+    policy.observe_ttft(50.0, 0.1)  # recorded at 100
+    assert policy.desired_replicas(10.0, state(replicas=2)).reason == ""
+
+
+# -- the baselines ---------------------------------------------------------------------------
+
+
+def test_static_keeps_its_count_within_the_bounds() -> None:
+    policy = StaticPolicy(6)
+    assert policy.desired_replicas(0.0, state(replicas=2)).replicas == 6
+    assert policy.desired_replicas(1.0, state(replicas=6)).reason == ""
+    assert policy.desired_replicas(2.0, state(replicas=6, max_replicas=4)).replicas == 4
+
+
+def test_reactive_steps_one_replica_on_kv_use_with_a_cool_down() -> None:
+    policy = ReactivePolicy(ReactiveConfig(scale_out_kv=0.7, scale_in_kv=0.3, cooldown_s=15.0))
+    assert policy.desired_replicas(0.0, state(replicas=3)).replicas == 3  # no load seen yet
+    policy.observe_load(1.0, LoadSample((0.9, 0.8, 0.75), (0, 0, 0)))
+    assert policy.desired_replicas(1.0, state(replicas=3)).replicas == 4
+    assert policy.desired_replicas(10.0, state(replicas=4, starting=1)).replicas == 4
+    assert policy.desired_replicas(16.0, state(replicas=4, starting=1)).replicas == 5
+    policy.observe_load(40.0, LoadSample((0.1, 0.2), (0, 0)))
+    d = policy.desired_replicas(40.0, state(replicas=5))
+    assert (d.replicas, d.reason) == (4, "low-load")
+    policy.observe_load(60.0, LoadSample((0.5,), (0,)))
+    assert policy.desired_replicas(60.0, state(replicas=4)).replicas == 4
+
+
+# -- configuration ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("make_it", "knob"),
+    [
+        (lambda: PolicyConfig(target_utilisation=0.0), "target_utilisation"),
+        (lambda: PolicyConfig(target_utilisation=1.5), "target_utilisation"),
+        (lambda: PolicyConfig(scale_in_band=1.0), "scale_in_band"),
+        (lambda: PolicyConfig(scale_in_hold_s=-1.0), "scale_in_hold_s"),
+        (lambda: PolicyConfig(ttft_objective_s=0.0), "ttft_objective_s"),
+        (lambda: ForecastConfig(bin_s=0.0), "bin_s"),
+        (lambda: ForecastConfig(level_alpha=0.0), "level_alpha"),
+        (lambda: ReplicaCapacity(0.0, 100.0), "prefill_tokens_per_s"),
+        (lambda: ReplicaCapacity(100.0, math.inf), "decode_tokens_per_s"),
+        (lambda: ReactiveConfig(scale_out_kv=0.2, scale_in_kv=0.3), "scale_in_kv"),
+        (lambda: StaticPolicy(-1), "replicas"),
+    ],
+)
+def test_invalid_knobs_are_config_errors_naming_the_knob(
+    make_it: Callable[[], object], knob: str
+) -> None:
+    with pytest.raises(ConfigError, match=knob):
+        make_it()
+
+
+def test_inconsistent_state_is_a_value_error() -> None:
+    with pytest.raises(ValueError, match="starting"):
+        state(replicas=1, starting=2)
+    with pytest.raises(ValueError, match="min_replicas"):
+        state(min_replicas=5, max_replicas=2)
+    with pytest.raises(ValueError, match="one entry per replica"):
+        LoadSample((0.1,), ())
+    assert replace(state(), cold_start_s=0.0).cold_start_s == 0.0
