@@ -39,10 +39,12 @@ level plus the trend times the bins from that middle to ``now + h`` (optionally 
 forecaster keeps its own score: as each bin closes it notes what it predicts for the bin ``h``
 ahead and, when that bin closes, the absolute error against the level then. An exponentially
 weighted mean of those errors, times 1.25 (mean absolute error to standard deviation for a
-normal error), is the forecast's sigma; ``upper`` adds ``headroom_sigmas`` of it. Holt rather
-than a fitted model: at a cold-start horizon (90 s) on the Azure conversation trace,
-statsmodels' Holt-Winters and ETS, refitted every bin, were no more accurate than Holt with
-fixed constants (mean absolute error within 2%) and cost 4-17 ms per fit (docs/benchmarks.md).
+normal error), is the forecast's sigma; ``upper`` adds ``headroom_sigmas`` of it. Fixed
+constants rather than a fitted model: 90 s ahead on the Azure conversation trace, statsmodels'
+Holt-Winters and ETS, refitted every bin (4-17 ms a fit), were no more accurate than a plain
+EWMA or a damped Holt with fixed constants. The undamped trend here is less accurate on average
+than either (it overshoots after a turn); it is what lets the policy scale a cold start ahead of
+a sustained ramp, and it bought attainment in the autoscaling bench (docs/benchmarks.md).
 
 Work: a replica sustains ``prefill_tokens_per_s`` doing only prefill, or ``decode_tokens_per_s``
 doing only decode (``ReplicaCapacity``). It time-shares between the two, so a demand of ``p``
