@@ -61,6 +61,10 @@ from fabricnode.control.memberlog import log_member_changes
 from fabricnode.dataplane.accounting import RequestLog
 from fabricnode.dataplane.apikeys import ApiKeyStore
 from fabricnode.dataplane.ingress import Ingress
+from fabricnode.elastic.controller import Controller
+from fabricnode.elastic.leader import CONTROLLER_LABEL
+from fabricnode.elastic.plans import plans_from_text
+from fabricnode.elastic.slurmctl import SlurmControl
 from fabricnode.engine.command import EngineCommand
 from fabricnode.engine.follower import AssignmentFollower
 from fabricnode.engine.service import EngineService
@@ -320,12 +324,21 @@ class Agent:
         # gives it one (``_launch_assigned``); everything below reads ``self.engine``.
         if cfg.engine is not None:
             self.engine = engine_service(cfg.engine)
+        elif cfg.serve_model is not None and cfg.engine_template is not None:
+            # --serve: the template rendered now, on every GPU of the node (the controller's
+            # jobs ask Slurm for exactly the GPUs one replica needs)
+            tp = max(1, hardware.gpu_count)
+            command = cfg.engine_template.render(cfg.serve_model, tp, 1, hardware.gpu_type)
+            log.info("serving %s: %s", cfg.serve_model, " ".join(command.argv))
+            self.engine = engine_service(command)
         else:
             self.follower = AssignmentFollower(gossip, cfg.engine_template, hardware)
 
         def ready() -> bool:
             engine = self.engine
             return tracker.is_ready() and (engine is None or engine.state == "serving")
+
+        controller = self._controller(core, gossip)
 
         def app(agent_endpoints: bool) -> AdminApp:
             return AdminApp(
@@ -338,6 +351,7 @@ class Agent:
                 extra_metrics=ingress.render_metrics,
                 request_log_path=cfg.request_log_path,
                 wake_gossip=gossip.poke,
+                controller=controller,
             )
 
         # The public port is the data plane; paths outside /v1 go to the control app inline.
@@ -370,6 +384,8 @@ class Agent:
                     rendezvous.watch, cfg.rendezvous_path, gossip, cfg.rendezvous_poll_s
                 )
             nursery.start_soon(log_member_changes, core, tracker)
+            if controller is not None:
+                nursery.start_soon(controller.run)
             if job is not None:
                 self._start_job_follower(nursery, job, gossip)
             task_status.started(AgentAddresses(core.self_id, http_url, gossip_addr, admin_url))
@@ -461,6 +477,25 @@ class Agent:
                 on_end_moved=end_moved,
                 on_leave=lambda plan: self.request_stop(),
             )
+        )
+
+    def _controller(self, core: MeshCore, gossip: GossipService) -> Controller | None:
+        """``--controller``: the elastic control loop (one of the controller agents acts)."""
+        cc = self.config.controller
+        if cc is None:
+            return None
+        if cc.output:  # Slurm opens the batch output before the job runs: the directory first
+            Path(cc.output).parent.mkdir(parents=True, exist_ok=True)
+        slurm = SlurmControl(
+            cc.mesh_tag, cc.sbatch_script, cc.user, dry_run=cc.dry_run, output=cc.output
+        )
+        return Controller(
+            core,
+            slurm,
+            plans_from_text,
+            lambda labels: gossip.relabel(CONTROLLER_LABEL, labels),
+            interval_s=cc.interval_s,
+            wall_clock=self.wall_clock,
         )
 
     def _engine_log_path(self, session_id: str) -> Path | None:

@@ -21,6 +21,9 @@ Endpoints (all GET; HEAD is answered like GET without a body):
   "text"} | null, "trusted_operators"}``); POST ``{"signed", "signature"}`` (operator-signed,
   base64; what ``fabric services apply`` sends): verified, stored and spread; the answer is its
   outcome (``new``, ``stale``, ``untrusted``, ...). 400 malformed, 413 too large.
+* ``/fabric/v1/controller`` — with ``--controller``: its role (acting or standby), the acting
+  controller, each declared model's target and jobs, and the recent decisions with their
+  reasons (``fabricnode.elastic.controller.summarise``); 404 without a controller.
 * ``/fabric/v1/workload`` — this ingress's request log summarised per model over the last
   ``window`` seconds (default 3600): request count and token sums, the planner's workload.
 * ``/metrics`` — Prometheus text, every name prefixed ``fabric_``.
@@ -58,6 +61,7 @@ from fabricnode.dataplane.accounting import (
     workload_sums,
 )
 from fabricnode.dataplane.request import error_body
+from fabricnode.elastic.controller import Controller, summarise
 from fabricnode.errors import DecodeError, FabricError
 from fabricnode.mesh.assignment import Offer, SignedAssignment
 from fabricnode.mesh.core import MeshCore
@@ -80,6 +84,7 @@ Scope = Mapping[str, Any]
 NODES_PREFIX = "/fabric/v1/nodes/"
 ASSIGNMENTS_PATH = "/fabric/v1/assignments"
 SERVICES_PATH = "/fabric/v1/services"
+CONTROLLER_PATH = "/fabric/v1/controller"
 WORKLOAD_PATH = "/fabric/v1/workload"
 MAX_POST_BYTES = 1024 * 1024
 MAX_ASSIGNMENTS_PER_POST = 4096
@@ -141,8 +146,10 @@ class AdminApp:
         extra_metrics: Callable[[], bytes] | None = None,
         request_log_path: Path | None = None,
         wake_gossip: Callable[[], None] = lambda: None,
+        controller: Controller | None = None,
     ) -> None:
         self.core = core
+        self.controller = controller  # --controller: its status and decisions
         self.wake_gossip = wake_gossip  # sends an accepted assignment now, not at the next tick
         self.is_ready = is_ready
         self.transport = transport
@@ -220,6 +227,8 @@ class AdminApp:
                 return self.assignments
             if path == SERVICES_PATH:
                 return self.services
+            if path == CONTROLLER_PATH:
+                return self.controller_status
             if path == WORKLOAD_PATH:
                 return lambda query: json_response({})  # answered in __call__ (async)
             if path == "/metrics":
@@ -304,6 +313,13 @@ class AdminApp:
             doc = {**current.describe(), "text": current.body.text}
         trusted = sorted(self.core.services.trusted)
         return json_response({"services": doc, "trusted_operators": trusted})
+
+    def controller_status(self, query: list[tuple[str, str]]) -> Response:
+        if self.controller is None:
+            raise HttpError(
+                404, "this agent runs no controller (fabric start --controller)", "not_found"
+            )
+        return json_response(summarise(self.controller))
 
     def post_services(self, body: bytes) -> Response:
         try:
@@ -453,6 +469,16 @@ class AdminMetrics(Collector):
             "outcome",
             dict(sorted(app.assignments_refused.items())),
         )
+        if app.controller is not None:
+            decisions = app.controller.decisions
+            yield from counters_by(
+                "fabric_controller_decisions_total",
+                "Controller decisions by action (submit, cancel, refused, invalid) and reason kind",
+                "action_reason",
+                {f"{a}:{r}": n for (a, r), n in sorted(decisions.items())},
+            )
+            acting = 1.0 if app.controller.status.role == "acting" else 0.0
+            yield gauge("fabric_controller_acting", "1 while this agent's controller acts", acting)
         yield from counters_by(
             "fabric_services_refused_total",
             "Service files posted to this agent and not taken, by outcome (untrusted, stale, ...)",

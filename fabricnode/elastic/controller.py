@@ -75,8 +75,7 @@ class ModelPlan:
     account: str | None = None
     qos: str | None = None
     sbatch_args: tuple[str, ...] = ()
-    engine: str = "vllm"
-    engine_args: tuple[str, ...] = ()
+    engine: str = "sim"  # "sim" or an engine command template (fabricnode.engine.template)
     model_path: str | None = None
 
 
@@ -290,7 +289,6 @@ def _submission(plan: ModelPlan, action: Submit) -> Submission:
         qos=plan.qos,
         sbatch_args=plan.sbatch_args,
         engine=plan.engine,
-        engine_args=plan.engine_args,
         model_path=plan.model_path,
         replaces=action.replaces,
     )

@@ -130,10 +130,16 @@ class Memory:
     penalised: dict[tuple[str, str], float] = field(default_factory=dict)  # until when
     errors: dict[str, str] = field(default_factory=dict)  # job -> replica error seen
 
-    def lead_s(self, model: str, partition: str) -> float:
+    def lead_s(self, model: str, partition: str, time_limit_s: int | None = None) -> float:
+        """How long before a job's end its successor is submitted: the learned time to
+        SERVING with a safety factor, plus the time the job's agent leaves before its end
+        (``leave_margin_s``, at most half the job, as the agent does)."""
         t = self.tuning
         learned = self.lead.get((model, partition), t.default_lead_s)
-        return learned * t.lead_factor + t.leave_margin_s
+        margin = t.leave_margin_s
+        if time_limit_s is not None:
+            margin = min(margin, time_limit_s / 2)
+        return learned * t.lead_factor + margin
 
     def observe(self, model: str, partition: str, seconds: float) -> None:
         w = self.tuning.learn_weight
@@ -226,7 +232,7 @@ def reconcile(
                 phase[j.job_id] != PENDING
                 and j.ends_at is not None
                 and j.job_id not in {x.replaces for x in live}
-                and j.ends_at - now <= memory.lead_s(goal.model, j.partition)
+                and j.ends_at - now <= memory.lead_s(goal.model, j.partition, j.time_limit_s)
             ):
                 actions.append(
                     Submit(

@@ -4,13 +4,16 @@ Rules
 -----
 * Every job the controller submits is tagged in its Slurm *comment*:
   ``fabric-elastic mesh=<mesh id> model=<model, %-quoted> [replaces=<job id>]``. The mesh id
-  (a digest of the cluster key, ``mesh_tag``) keeps two meshes run by one user apart; the
+  (``mesh_tag``) keeps two meshes run by one user apart; the
   model says which service the job serves; ``replaces`` links a time-limit successor to the
   job it takes over from. ``list_jobs`` lists the user's jobs with ``squeue`` and keeps only
   ours, so decisions always start from Slurm's own view, never from the controller's memory.
 * ``submit`` runs ``sbatch --parsable`` around the ``fabric-serve.sbatch`` wrapper with the
   service's partition, account, QoS, time limit, GPUs and extra options, and returns the job id
-  or a ``SlurmRefused`` carrying sbatch's own message (unknown partition, QoS limit, ...).
+  or a ``SlurmRefused`` carrying sbatch's own message (unknown partition, QoS limit, ...). The
+  job's agent is labelled ``fabric.service=<model>``; it runs the simulated engine
+  (``FABRIC_ENGINE=sim``) or renders the service's engine template itself
+  (``FABRIC_ENGINE=template``, ``fabric start --engine-template T --serve MODEL``).
 * ``dry_run`` records every command it would run (``commands``) and runs nothing but the
   read-only ``squeue``.
 * Blocking: call from a worker thread (``trio.to_thread.run_sync``).
@@ -61,9 +64,11 @@ def run(argv: Sequence[str]) -> tuple[int, str, str]:
     return done.returncode, done.stdout, done.stderr
 
 
-def mesh_tag(cluster_key: bytes) -> str:
-    """A short, stable id of a mesh (its cluster key's digest; the key itself never leaves)."""
-    return hashlib.sha256(b"fabric/elastic/mesh/v1" + cluster_key).hexdigest()[:12]
+def mesh_tag(seed: bytes) -> str:
+    """A short, stable id of a mesh from something every agent of it shares (the agent uses
+    its ``$FABRIC_HOME`` path, which the jobs share for the rendezvous file; not the cluster
+    key, which an operator may rotate)."""
+    return hashlib.sha256(b"fabric/elastic/mesh/v1\0" + seed).hexdigest()[:12]
 
 
 @dataclass(frozen=True)
@@ -103,9 +108,8 @@ class Submission:
     account: str | None = None
     qos: str | None = None
     sbatch_args: tuple[str, ...] = ()
-    engine: str = "vllm"  # FABRIC_ENGINE of the wrapper: vllm, sglang, sim or a command prefix
-    engine_args: tuple[str, ...] = ()
-    model_path: str | None = None  # what the engine loads (default: the model id)
+    engine: str = "sim"  # "sim" (the simulated engine) or an engine command template
+    model_path: str | None = None  # {model_path} of the template (default: the model id)
     agent_args: tuple[str, ...] = ()
     replaces: str = ""
 
@@ -160,6 +164,7 @@ class SlurmControl:
     user: str  # whose jobs squeue lists (the agent's user)
     runner: Runner = run
     dry_run: bool = False
+    output: str | None = None  # the jobs' batch output (Slurm's %j allowed); None: sbatch's
     commands: list[str] = field(default_factory=list)  # what ran (or would have, dry-run)
 
     def list_jobs(self) -> list[Job]:
@@ -174,6 +179,8 @@ class SlurmControl:
         argv.append(f"--comment={comment_for(self.mesh, s.model, s.replaces)}")
         if s.gpus > 0:
             argv.append(f"--gres=gpu:{s.gpus}")
+        if self.output:
+            argv.append(f"--output={self.output}")
         for flag, value in (
             ("--partition", s.partition),
             ("--time", s.time_limit),
@@ -182,11 +189,15 @@ class SlurmControl:
         ):
             if value:
                 argv.append(f"{flag}={value}")
-        argv.append(f"--export=ALL,FABRIC_ENGINE={s.engine}")
-        argv += [*s.sbatch_args, str(self.script)]
         agent = [*s.agent_args, "--label", f"fabric.service={s.model}"]
-        argv += [*agent, "--", s.model_path or s.model, *s.engine_args]
-        return argv
+        if s.engine.strip() == "sim":
+            argv.append("--export=ALL,FABRIC_ENGINE=sim")
+        else:  # the job's agent renders the template for the model (fabric start --serve)
+            argv.append("--export=ALL,FABRIC_ENGINE=template")
+            agent += ["--engine-template", s.engine]
+            if s.model_path:
+                agent += ["--model-path", f"{s.model}={s.model_path}"]
+        return [*argv, *s.sbatch_args, str(self.script), *agent, "--", s.model]
 
     def submit(self, s: Submission) -> str:
         """The new job's id; ``SlurmRefused`` with sbatch's message when it says no."""

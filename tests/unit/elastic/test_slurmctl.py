@@ -66,10 +66,11 @@ def control(runner: Recorder, dry_run: bool = False) -> SlurmControl:
 def test_sbatch_line_carries_the_tag_resources_and_the_wrapper_arguments() -> None:
     runner = Recorder({"sbatch": (0, "4242;cluster\n", "")})
     ctl = control(runner)
+    template = "vllm serve {model_path} --port {port} --tensor-parallel-size {tp}"
     job = ctl.submit(
         Submission(
             "llama-3.1-8b", 2, "gpu-preempt", "2:00:00", "proj", "normal", ("--constraint=a100",),
-            "sim", ("--max-model-len", "8192"), None, ("--leave-before-end", "60"), replaces="41",
+            template, "/models/llama", ("--leave-before-end", "60"), replaces="41",
         )
     )  # fmt: skip
     assert job == "4242"
@@ -77,14 +78,17 @@ def test_sbatch_line_carries_the_tag_resources_and_the_wrapper_arguments() -> No
     assert argv[:3] == ["sbatch", "--parsable", "--job-name=fabric-llama-3.1-8b"]
     assert f"--comment={comment_for(MESH, 'llama-3.1-8b', '41')}" in argv
     for flag in ("--gres=gpu:2", "--partition=gpu-preempt", "--time=2:00:00",
-                 "--account=proj", "--qos=normal", "--export=ALL,FABRIC_ENGINE=sim",
+                 "--account=proj", "--qos=normal", "--export=ALL,FABRIC_ENGINE=template",
                  "--constraint=a100"):  # fmt: skip
         assert flag in argv
     script = argv.index("/opt/fabric-serve.sbatch")
     assert argv[script + 1 :] == [
-        "--leave-before-end", "60", "--label", "fabric.service=llama-3.1-8b", "--",
-        "llama-3.1-8b", "--max-model-len", "8192",
+        "--leave-before-end", "60", "--label", "fabric.service=llama-3.1-8b",
+        "--engine-template", template, "--model-path", "llama-3.1-8b=/models/llama",
+        "--", "llama-3.1-8b",
     ]  # fmt: skip
+    sim = ctl.sbatch_argv(Submission("m", 1, None, None))
+    assert "--export=ALL,FABRIC_ENGINE=sim" in sim and sim[-3:] == ["fabric.service=m", "--", "m"]
     assert ctl.commands and ctl.commands[0].startswith("sbatch --parsable")
 
 
