@@ -189,6 +189,14 @@ def test_builtin_defaults_serve_one_replica_with_auto_gpus() -> None:
     assert (zero.min_replicas, zero.max_replicas, zero.idle_to_zero_s) == (0, 1, 600.0)
 
 
+def test_the_example_in_the_reference_docs_is_a_valid_file() -> None:
+    docs = Path(__file__).resolve().parents[3] / "docs" / "services.md"
+    found = re.search(r"```toml\n(.*?)```", docs.read_text(encoding="utf-8"), re.S)
+    assert found is not None
+    spec = parse(found.group(1), "docs/services.md")
+    assert spec == parse(FULL.replace("ttft_p95 = 0.5\n", ""))  # the same file, but for that
+
+
 def test_a_file_without_models_declares_that_nothing_is_served() -> None:
     assert parse(LIMITS).models == ()
 
