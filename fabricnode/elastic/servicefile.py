@@ -264,7 +264,10 @@ class ModelService:
 
 @dataclass(frozen=True)
 class ServiceSpec:
-    """A whole service file, checked and normalised: the limits and the models, by name."""
+    """A whole service file, checked and normalised: the limits and the models, by name.
+
+    ``parse``, ``load`` and ``from_canonical`` build it after every check; one built directly
+    (tests, the renderer's laws) is taken as it is."""
 
     limits: Limits
     models: tuple[ModelService, ...] = ()  # sorted by name, case-insensitively
@@ -958,14 +961,16 @@ class _Checker:
             return
         jobs: list[tuple[str, int]] = []
         gpus: list[tuple[str, int]] = []
+        autos = False
         for draft in drafts:
             if not draft.ok("min_replicas", "gpus_per_replica", "name"):
                 continue
             low = draft.values["min_replicas"]
             if low:
                 jobs.append((draft.values["name"], low))
-                per = draft.values.get("gpus_per_replica") or 1  # "auto": at least 1
-                gpus.append((draft.values["name"], low * per))
+                per = draft.values.get("gpus_per_replica")
+                autos = autos or per is None
+                gpus.append((draft.values["name"], low * (per or 1)))  # "auto": at least 1
         for key, limit, needs, unit in (
             ("max_jobs", limits.max_jobs, jobs, "jobs"),
             ("max_gpus", limits.max_gpus, gpus, "GPUs"),
@@ -974,7 +979,7 @@ class _Checker:
             if total > limit:
                 shown = ", ".join(f"{name} {n}" for name, n in needs[:6])
                 more = ", ..." if len(needs) > 6 else ""
-                auto = " (auto counts 1 GPU per replica)" if unit == "GPUs" else ""
+                auto = " (auto counts 1 GPU per replica)" if unit == "GPUs" and autos else ""
                 self.report(
                     ("limits", key),
                     "[limits]",
