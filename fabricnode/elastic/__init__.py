@@ -1,6 +1,11 @@
-"""The elastic fabric: models kept served through Slurm and scaled with demand.
+"""The elastic fabric: declared models kept served through Slurm jobs and scaled with demand.
 
-* ``slurmctl``  submit, list and cancel the controller's Slurm jobs (tagged), or dry-run them.
-* ``reconcile`` one controller pass: from Slurm's and the mesh's view, the jobs to submit and
+* ``servicefile`` the service file (TOML): its format, the pure parser/validator, canonical
+  bytes, the renderer back to TOML.
+* ``plans``       the service file as the controller's plans (``"auto"`` GPUs from the planner).
+* ``slurmctl``    submit, list and cancel the controller's Slurm jobs (tagged), or dry-run them.
+* ``reconcile``   one controller pass: from Slurm's and the mesh's view, the jobs to submit and
   cancel (keep-alive across time limits, replacement, scaling, back-off, limits).
+* ``leader``      which of the ``--controller`` agents acts.
+* ``controller``  the control loop (read, decide, act) and its status and decisions.
 """
