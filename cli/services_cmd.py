@@ -17,13 +17,13 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from fabricnode.elastic.servicefile import ServiceSpec, parse
 from rich.table import Table
 
 from cli.common import JsonOption, agent_client, console, handled, print_json, state
 from fabricnode.config import default_operator_key_path
 from fabricnode.control.client import AdminClient
 from fabricnode.elastic.leader import CONTROLLER_LABEL, Candidate, acting
+from fabricnode.elastic.servicefile import ServiceSpec, parse
 from fabricnode.errors import AgentApiError, ConfigError
 from fabricnode.mesh.identity import OperatorKey
 from fabricnode.mesh.servicedoc import ServicesBody
@@ -78,7 +78,7 @@ def apply(
     if as_json:
         print_json(doc)
     elif outcome == "new":
-        names = ", ".join(doc["models"]) or "no model"  # type: ignore[arg-type]
+        names = ", ".join(doc["models"]) or "no model"
         print(f"applied service file {spec.digest()} ({names}); it spreads through the mesh")
     if outcome == "untrusted":
         raise ConfigError(

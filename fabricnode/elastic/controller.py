@@ -279,7 +279,18 @@ class Controller:
         )
 
 
+# The jobs' agents take any free ports (they announce them in the registry): several jobs
+# starting at once on one node must not race for the wrapper's preferred 8080/7946.
+JOB_AGENT_ARGS = ("--http", "0.0.0.0:0", "--gossip", "0.0.0.0:0")
+MAX_SIGNAL_LEAD_S = 120  # the wrapper's --signal=TERM@120
+
+
 def _submission(plan: ModelPlan, action: Submit) -> Submission:
+    extra: tuple[str, ...] = ()
+    if plan.time_limit_s is not None and plan.time_limit_s < 4 * MAX_SIGNAL_LEAD_S:
+        # Slurm's warning signal (the agent leaves on it) at most a quarter of a short job
+        # before its end, not the wrapper's 120 s that would end a 2-minute job at once.
+        extra = (f"--signal=TERM@{max(10, plan.time_limit_s // 4)}",)
     return Submission(
         model=plan.model,
         gpus=action.gpus,
@@ -287,7 +298,8 @@ def _submission(plan: ModelPlan, action: Submit) -> Submission:
         time_limit=plan.time_limit,
         account=plan.account,
         qos=plan.qos,
-        sbatch_args=plan.sbatch_args,
+        sbatch_args=(*extra, *plan.sbatch_args),
+        agent_args=JOB_AGENT_ARGS,
         engine=plan.engine,
         model_path=plan.model_path,
         replaces=action.replaces,

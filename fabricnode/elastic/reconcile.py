@@ -12,9 +12,11 @@ Rules, per model (its ``Goal``: the replicas wanted now, between the service's m
    yet) or SERVING (its agent's entry, matched by the ``slurm.job_id`` label, is SERVING and
    alive). A time-limit successor and the job it replaces (``replaces=``) count as one unit
    until the old job is gone; jobs being drained by a cancel do not count.
-2. **Time limits, make-before-break.** A running job whose end is nearer than the model's lead
+2. **Time limits, make-before-break.** A SERVING job whose end is nearer than the model's lead
    time (``Memory.lead_s``: the learned time from ``sbatch`` to SERVING on that partition, times
-   ``lead_factor``, plus the agent's leave margin) gets a successor, unless it has one.
+   ``lead_factor``, plus the agent's leave margin) gets a successor, unless it has one. Only a
+   serving job: one still starting replaces nothing yet, and while the lead is longer than a
+   job (before anything was learned, or for very short jobs) successors must not chain.
 3. **Too few** units (a job ended: time limit, preemption, crash; or the goal grew): submit the
    difference, on the first allowed partition not penalised for pending too long.
 4. **Too many** units: cancel the newest PENDING jobs first, then STARTING, then SERVING ones
@@ -226,10 +228,11 @@ def reconcile(
                 )
                 memory.draining[j.job_id] = now
                 units.remove(j)
-        # rule 2: successors ahead of time limits
+        # rule 2: successors ahead of time limits, for serving jobs only (a job still starting
+        # replaces nothing yet, and a lead longer than a job must not chain successors)
         for j in units:
             if (
-                phase[j.job_id] != PENDING
+                phase[j.job_id] == SERVING
                 and j.ends_at is not None
                 and j.job_id not in {x.replaces for x in live}
                 and j.ends_at - now <= memory.lead_s(goal.model, j.partition, j.time_limit_s)

@@ -185,3 +185,16 @@ def test_after_a_pass_the_jobs_that_count_equal_the_target(target: int, states: 
     p = reconcile(NOW, [goal(target)], jobs, replicas, Memory())
     assert len(jobs) + len(submits(p.actions)) - len(cancels(p.actions)) == target
     assert not (submits(p.actions) and cancels(p.actions))
+
+
+def test_only_serving_jobs_get_successors_so_a_long_lead_never_chains_them() -> None:
+    memory = Memory(Tuning(default_lead_s=600))  # longer than the jobs themselves
+    short = [job("1", ends=NOW + 100), job("2", ends=NOW + 100)]
+    starting = [Replica("a" * 32, M, "1", "join"), Replica("b" * 32, M, "2", "join")]
+    assert reconcile(NOW, [goal()], short, starting, memory).actions == ()
+    p = reconcile(NOW, [goal()], short, [serving("1"), serving("2")], memory)
+    assert sorted(s.replaces for s in submits(p.actions)) == ["1", "2"]
+    # the successors start: none of them gets a successor of its own
+    jobs = [*short, job("3", ends=NOW + 120, replaces="1"), job("4", ends=NOW + 120, replaces="2")]
+    p = reconcile(NOW + 5, [goal()], jobs, [serving("1"), serving("2")], memory)
+    assert p.actions == ()
