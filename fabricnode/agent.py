@@ -44,7 +44,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -62,6 +62,7 @@ from fabricnode.dataplane.accounting import RequestLog
 from fabricnode.dataplane.apikeys import ApiKeyStore
 from fabricnode.dataplane.ingress import Ingress
 from fabricnode.elastic.controller import Controller
+from fabricnode.elastic.demand import WANTED_LABEL, Declared, DemandScaler
 from fabricnode.elastic.leader import CONTROLLER_LABEL
 from fabricnode.elastic.plans import plans_from_text
 from fabricnode.elastic.slurmctl import SlurmControl
@@ -298,6 +299,13 @@ class Agent:
             return engine is not None and engine.state == "serving"
 
         request_log = RequestLog(cfg.request_log_path) if cfg.request_log_path else None
+        declared = Declared(core)
+
+        def on_waiting(waiting: Mapping[str, int]) -> None:
+            # the acting controller starts a replica for a model we hold requests for
+            words = " ".join(sorted(waiting))
+            gossip.relabel(WANTED_LABEL, ((WANTED_LABEL, words),) if words else ())
+
         ingress = Ingress(
             core,
             config=cfg.ingress,
@@ -306,6 +314,9 @@ class Agent:
             local_engine_up=local_engine_up,
             api_keys=self.api_keys,
             request_log=request_log,
+            declared=declared.hold_s,
+            declared_models=declared.models,
+            on_waiting=on_waiting,
         )
         self.ingress = ingress
 
@@ -494,6 +505,7 @@ class Agent:
             slurm,
             plans_from_text,
             lambda labels: gossip.relabel(CONTROLLER_LABEL, labels),
+            scaler=DemandScaler(core),
             interval_s=cc.interval_s,
             wall_clock=self.wall_clock,
         )

@@ -77,6 +77,7 @@ class ModelPlan:
     sbatch_args: tuple[str, ...] = ()
     engine: str = "sim"  # "sim" or an engine command template (fabricnode.engine.template)
     model_path: str | None = None
+    idle_to_zero_s: float | None = None  # min_replicas 0: scale to zero after this idle time
 
 
 @dataclass(frozen=True)

@@ -68,4 +68,5 @@ def _plan(m: ModelService) -> ModelPlan:
         sbatch_args=m.sbatch_args,
         engine=m.engine,
         model_path=m.model_path,
+        idle_to_zero_s=m.idle_to_zero_s,
     )

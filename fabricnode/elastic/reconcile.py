@@ -14,9 +14,10 @@ Rules, per model (its ``Goal``: the replicas wanted now, between the service's m
    until the old job is gone; jobs being drained by a cancel do not count.
 2. **Time limits, make-before-break.** A SERVING job whose end is nearer than the model's lead
    time (``Memory.lead_s``: the learned time from ``sbatch`` to SERVING on that partition, times
-   ``lead_factor``, plus the agent's leave margin) gets a successor, unless it has one. Only a
-   serving job: one still starting replaces nothing yet, and while the lead is longer than a
-   job (before anything was learned, or for very short jobs) successors must not chain.
+   ``lead_factor`` and at least ``lead_slack_s`` more, plus the agent's leave margin) gets a
+   successor, unless it has one. Only a serving job: one still starting replaces nothing yet,
+   and while the lead is longer than a job (before anything was learned, or for very short
+   jobs) successors must not chain.
 3. **Too few** units (a job ended: time limit, preemption, crash; or the goal grew): submit the
    difference, on the first allowed partition not penalised for pending too long.
 4. **Too many** units: cancel the newest PENDING jobs first, then STARTING, then SERVING ones
@@ -80,7 +81,8 @@ class Limits:
 @dataclass(frozen=True)
 class Tuning:
     default_lead_s: float = 180.0  # sbatch to SERVING before anything was observed
-    lead_factor: float = 1.5  # safety on the learned lead time
+    lead_factor: float = 1.5  # safety on the learned lead time...
+    lead_slack_s: float = 30.0  # ...and at least this much (queue and start-up vary)
     leave_margin_s: float = 120.0  # the agents leave this long before their time limit
     learn_weight: float = 0.3  # EWMA weight of a new observation
     patience_s: float = 300.0  # pending this long on a partition: try the next one
@@ -141,7 +143,7 @@ class Memory:
         margin = t.leave_margin_s
         if time_limit_s is not None:
             margin = min(margin, time_limit_s / 2)
-        return learned * t.lead_factor + margin
+        return max(learned * t.lead_factor, learned + t.lead_slack_s) + margin
 
     def observe(self, model: str, partition: str, seconds: float) -> None:
         w = self.tuning.learn_weight

@@ -70,9 +70,9 @@ def test_missing_replicas_are_submitted_on_the_preferred_partition() -> None:
 
 
 def test_a_job_near_its_time_limit_gets_one_successor_ahead_of_the_learned_lead() -> None:
-    memory = Memory(Tuning(default_lead_s=60, lead_factor=1.5, leave_margin_s=30))
+    memory = Memory(Tuning(default_lead_s=60, lead_factor=1.5, lead_slack_s=10, leave_margin_s=30))
     lead = memory.lead_s(M, "gpu")
-    assert lead == 120
+    assert lead == 120  # max(60 * 1.5, 60 + 10) + 30
     # (both were seen SERVING 60 s after submission: what the lead assumed)
     far = [job("1", ends=NOW + lead + 5, submitted=NOW - 60), job("2", submitted=NOW - 60)]
     assert reconcile(NOW, [goal()], far, [serving("1"), serving("2")], memory).actions == ()
@@ -88,7 +88,7 @@ def test_a_job_near_its_time_limit_gets_one_successor_ahead_of_the_learned_lead(
 
 
 def test_the_lead_is_learned_from_submission_to_serving() -> None:
-    memory = Memory(Tuning(default_lead_s=500, lead_factor=1.0, leave_margin_s=0))
+    memory = Memory(Tuning(default_lead_s=500, lead_factor=1.0, lead_slack_s=0, leave_margin_s=0))
     started = job("7", submitted=NOW - 40)
     reconcile(NOW, [goal(1)], [started], [Replica("a" * 32, M, "7", "join")], memory)
     assert memory.lead_s(M, "gpu") == 500  # not serving yet
