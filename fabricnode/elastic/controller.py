@@ -88,6 +88,10 @@ class ServicePlans:
 
 
 class Scaler(Protocol):
+    async def observe(self, plans: Sequence[ModelPlan], now: float) -> None:
+        """Gather what ``target`` needs (may block in a worker thread, never the loop)."""
+        ...
+
     def target(self, plan: ModelPlan, now: float) -> tuple[int, str]:
         """Replicas wanted now (before clamping to the plan's min and max) and why."""
         ...
@@ -95,6 +99,9 @@ class Scaler(Protocol):
 
 class MinReplicas:
     """The scaler without demand signals: every model at its ``min_replicas``."""
+
+    async def observe(self, plans: Sequence[ModelPlan], now: float) -> None:
+        return None
 
     def target(self, plan: ModelPlan, now: float) -> tuple[int, str]:
         return plan.min_replicas, "min replicas"
@@ -233,6 +240,7 @@ class Controller:
             self.status.service_digest = plans.digest
         jobs = await trio.to_thread.run_sync(self.slurm.list_jobs)
         ran = len(self.slurm.commands)
+        await self.scaler.observe(plans.models, now)
         goals = []
         for plan in plans.models:
             want, why = self.scaler.target(plan, now)

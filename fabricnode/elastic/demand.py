@@ -9,9 +9,10 @@ Rules
 * **Idle to zero.** A model whose service allows zero replicas (``min_replicas = 0``) stays
   at one or more while it was active within its ``idle_to_zero`` time: a request wanted it, or
   the agents' request logs (``GET /fabric/v1/workload?window=...`` on every alive agent, the
-  planner's source) counted a request for it. The logs are read at most every
-  ``check_interval_s`` per model, and a model is called idle only when every agent answered and
-  none counted a request in the window: an agent that cannot be asked keeps the replica.
+  planner's source) counted a request for it. The logs are read every ``check_interval_s``
+  (at most half the idle time) per model, and a model is called idle only when every agent
+  answered and none counted a request in the window: an agent that cannot be asked keeps the
+  replica.
 * Otherwise the target is ``min_replicas``. (Scaling above it with load and forecasts is the
   policy's: ``fabricnode.elastic.policy``.)
 
@@ -23,10 +24,11 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import httpx
+import trio
 
 from fabricnode.elastic.controller import ModelPlan
 from fabricnode.elastic.servicefile import ServiceSpec, parse
@@ -74,36 +76,60 @@ class DemandScaler:
     check_interval_s: float = 30.0
     active_at: dict[str, float] = field(default_factory=dict)  # model -> last activity seen
     checked_at: dict[str, float] = field(default_factory=dict)
+    _wanted: set[str] = field(default_factory=set)
+
+    async def observe(self, plans: Sequence[ModelPlan], now: float) -> None:
+        """Read the request logs of the models due for an idleness check, in a worker thread
+        (the controller's own agent is one of those asked: its loop must stay free)."""
+        wanted = wanted_models(self.core)
+        for plan in plans:
+            if plan.model in wanted:
+                self.active_at[plan.model] = now
+                continue
+            idle_s = plan.idle_to_zero_s
+            if plan.min_replicas > 0 or idle_s is None:
+                continue
+            every = min(self.check_interval_s, idle_s / 2)
+            if now - self.checked_at.get(plan.model, -math.inf) < every:
+                continue
+            self.checked_at[plan.model] = now
+            urls = self._agent_urls()
+            count = await trio.to_thread.run_sync(self._requests, urls, plan.model, idle_s)
+            if count != 0:  # None (an agent did not answer) counts as active
+                self.active_at[plan.model] = now
+        self._wanted = wanted
 
     def target(self, plan: ModelPlan, now: float) -> tuple[int, str]:
-        if plan.model in wanted_models(self.core):
-            self.active_at[plan.model] = now
+        if plan.model in self._wanted:
             return max(1, plan.min_replicas), "scale from zero: requests waiting"
         if plan.min_replicas > 0 or plan.idle_to_zero_s is None:
             return plan.min_replicas, "min replicas"
         idle_s = plan.idle_to_zero_s
-        every = min(self.check_interval_s, idle_s / 2)
-        if now - self.checked_at.get(plan.model, -math.inf) >= every:
-            self.checked_at[plan.model] = now
-            if self._requests(plan.model, idle_s) != 0:  # None (unknown) counts as active
-                self.active_at[plan.model] = now
         last = self.active_at.get(plan.model)
         if last is not None and now - last < idle_s:
             return 1, "active recently"
         return 0, f"idle for {idle_s:g} s"
 
-    def _requests(self, model: str, window_s: float) -> float | None:
-        total = 0.0
+    def _agent_urls(self) -> list[tuple[str, str]]:
+        out = []
         for entry in self.core.registry:
             url = entry.body.addresses.http
             if not url or entry.body.state >= State.DOWN:
                 continue
             if self.core.liveness(entry.session_id) in (Liveness.DEAD, Liveness.LEFT):
                 continue
+            out.append((entry.session_id, url))
+        return out
+
+    def _requests(
+        self, urls: Sequence[tuple[str, str]], model: str, window_s: float
+    ) -> float | None:
+        total = 0.0
+        for sid, url in urls:
             try:
                 total += float(self.ask(url, window_s).get(model, 0.0))
             except (httpx.HTTPError, ValueError, FabricError) as exc:
-                log.info("no request log from %s: %s", entry.session_id[:8], exc)
+                log.info("no request log from %s: %s", sid[:8], exc)
                 return None
         return total
 

@@ -5,7 +5,7 @@ agent killed and replaced, the acting controller killed and its standby taking o
 watched the whole time for a duplicate job, a steady client load that sees no failure, and a
 service file Slurm refuses reported without touching what serves.
 
-Timings are printed (run with ``-s``). ``FABRIC_ELASTIC_MINUTES`` (default 4) sets how long the
+Timings are printed (run with ``-s``). ``FABRIC_ELASTIC_MINUTES`` (default 2.5) sets how long the
 keep-alive run lasts; the acceptance run of docs/services.md uses 10.
 """
 
@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 
 from cli.localmesh import AgentProcess, LocalMesh
@@ -36,7 +37,7 @@ from tests.support.slurmcluster import SlurmCluster
 WRAPPER = REPO / "slurm" / "fabric-serve.sbatch"
 FABRIC = Path(sys.executable).parent / "fabric"
 MODEL = "sim-elastic"
-MINUTES = float(os.environ.get("FABRIC_ELASTIC_MINUTES", "4"))
+MINUTES = float(os.environ.get("FABRIC_ELASTIC_MINUTES", "2.5"))
 
 SERVICE = f"""
 [limits]
@@ -90,13 +91,13 @@ def our_jobs(cluster: SlurmCluster) -> list[tuple[str, str, str]]:
     return out
 
 
-def serving_count(url: str) -> int | None:
+def serving_count(url: str, model: str = MODEL) -> int | None:
     try:
         with AdminClient(url, timeout_s=2.0) as client:
             nodes = client.nodes(state="serving")
     except AgentApiError:
         return None
-    return sum(1 for n in nodes if (n.get("labels") or {}).get("fabric.service") == MODEL)
+    return sum(1 for n in nodes if (n.get("labels") or {}).get("fabric.service") == model)
 
 
 def watch(cluster: SlurmCluster, ingress: AgentProcess, w: Watch) -> None:
@@ -252,4 +253,108 @@ def test_a_file_slurm_refuses_is_reported_and_the_mesh_keeps_serving(
     broken = tmp_path / "broken.toml"
     broken.write_text(SERVICE.replace("min_replicas = 2", "min_replicas = -1"))
     done = fabric(mesh, ingress, "services", "apply", str(broken))
-    assert done.returncode == 1 and "line" in done.stderr and "min_replicas" in done.stderr
+    assert done.returncode == 1 and "broken.toml:" in done.stderr and "min_replicas" in done.stderr
+
+
+COLD = """
+[limits]
+max_jobs = 4
+max_gpus = 4
+
+[[model]]
+name = "cold"
+engine = "sim"
+gpus_per_replica = 1
+min_replicas = 0
+max_replicas = 1
+idle_to_zero = "20s"
+hold_requests = "2m"
+partitions = ["high"]
+time_limit = "10:00"
+"""
+
+
+def test_a_scaled_to_zero_model_starts_on_its_first_request_and_returns_to_zero_when_idle(
+    slurm_cluster: SlurmCluster, elastic_mesh: tuple[LocalMesh, OperatorKey], tmp_path: Path
+) -> None:
+    mesh, _ = elastic_mesh
+    ingress = next(a for a in mesh.agents if a.name == "ingress")
+    service = tmp_path / "cold.toml"
+    service.write_text(COLD)  # replaces the file: the other model's jobs drain
+    done = fabric(mesh, ingress, "services", "apply", str(service))
+    assert done.returncode == 0, done.stderr
+    client = openai.OpenAI(base_url=ingress.http_url + "/v1", api_key="unused")  # defaults
+    answers: dict[str, object] = {}
+
+    def ask_stream() -> None:
+        chunks = client.chat.completions.create(
+            model="cold", messages=[{"role": "user", "content": "hi"}], max_tokens=8, stream=True
+        )
+        answers["stream"] = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+    started = time.monotonic()
+    streamer = threading.Thread(target=ask_stream)
+    streamer.start()
+    r = client.chat.completions.create(
+        model="cold", messages=[{"role": "user", "content": "hi"}], max_tokens=8
+    )
+    first = time.monotonic() - started
+    streamer.join(120)
+    print(f"first request to a scaled-to-zero model answered in {first:.1f} s")
+    assert r.choices[0].message.content and answers.get("stream")
+    # idle: back to zero, the job drained and gone from the queue
+    t0 = time.monotonic()
+    while [j for j in cold_jobs(slurm_cluster) if j[1] in ("PENDING", "RUNNING")]:
+        assert time.monotonic() - t0 < 90, cold_jobs(slurm_cluster)
+        time.sleep(1)
+    print(f"scaled back to zero {time.monotonic() - t0:.1f} s after the last request")
+    assert serving_count(ingress.http_url, "cold") == 0
+
+
+def cold_jobs(cluster: SlurmCluster) -> list[tuple[str, str]]:
+    done = cluster.run("squeue", "-h", "-o", "%i|%T|%k", check=False)
+    return [
+        (line.split("|")[0], line.split("|")[1])
+        for line in done.stdout.splitlines()
+        if "model=cold" in line
+    ]
+
+
+def test_a_preempted_replica_is_replaced_and_no_request_fails(
+    slurm_cluster: SlurmCluster, elastic_mesh: tuple[LocalMesh, OperatorKey], tmp_path: Path
+) -> None:
+    """Replicas on the preemptible partition first (``low``); a ``high`` job needing three of
+    the four GPUs preempts one; the client load sees no failure and the replica comes back."""
+    mesh, _ = elastic_mesh
+    ingress = next(a for a in mesh.agents if a.name == "ingress")
+    service = tmp_path / "preempt.toml"
+    service.write_text(SERVICE.replace('["high"]', '["low"]').replace('"2:00"', '"10:00"'))
+    assert fabric(mesh, ingress, "services", "apply", str(service)).returncode == 0
+    t0 = time.monotonic()
+    while (serving_count(ingress.http_url) or 0) < 2:
+        assert time.monotonic() - t0 < 90, "never 2 SERVING on the low partition"
+        time.sleep(0.5)
+    w = Watch()
+    loader = threading.Thread(target=load, args=(ingress, w), daemon=True)
+    loader.start()
+    try:
+        time.sleep(3)
+        before = {j for j, state, _ in our_jobs(slurm_cluster) if state == "RUNNING"}
+        big = slurm_cluster.sbatch("sleep 20", "-p", "high", "--gres=gpu:3")
+        t0 = time.monotonic()
+        while before <= {j for j, state, _ in our_jobs(slurm_cluster) if state == "RUNNING"}:
+            assert time.monotonic() - t0 < 60, "no replica was preempted"
+            time.sleep(0.5)
+        print(f"a replica preempted {time.monotonic() - t0:.1f} s after the high job came")
+        slurm_cluster.wait_state(big, ("COMPLETED",), timeout_s=90)
+        t0 = time.monotonic()
+        while (serving_count(ingress.http_url) or 0) < 2:
+            assert time.monotonic() - t0 < 60, "the preempted replica was not replaced"
+            time.sleep(0.5)
+        print(f"replaced: 2 SERVING {time.monotonic() - t0:.1f} s after the high job ended")
+        time.sleep(3)
+    finally:
+        w.stop.set()
+        loader.join(timeout=60)
+    print(f"client results during the preemption: {dict(w.results)}")
+    assert set(w.results) == {"200"}, w.results
