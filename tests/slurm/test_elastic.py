@@ -136,15 +136,32 @@ def controller_role(agent: AgentProcess) -> str | None:
         return None
 
 
+@dataclass
+class Elastic:
+    mesh: LocalMesh
+    ingress: AgentProcess
+    controllers: list[AgentProcess]
+
+
 @pytest.fixture(scope="module")
-def elastic_mesh(
+def elastic(
     slurm_cluster: SlurmCluster, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[LocalMesh, OperatorKey]]:
+) -> Iterator[Elastic]:
+    """An ingress and two controller agents (one acts) trusting the mesh's operator key."""
+    if not FABRIC.exists():
+        pytest.skip(f"no fabric console script next to {sys.executable}")
     local = LocalMesh(tmp_path_factory.mktemp("elastic") / "mesh")
     key = OperatorKey.generate()
     key.save(local.workdir / "operator.key")
+    trust = ("--trust-operator", key.fingerprint)
+    env = {**slurm_cluster.env, "FABRIC_BIN": str(FABRIC), "FABRIC_SIM_GPU": "H100",
+           "FABRIC_LEAVE_BEFORE_END": "", "FABRIC_JOIN": ""}  # fmt: skip
     try:
-        yield local, key
+        ingress = local.start("ingress", args=trust)
+        controllers = [
+            local.start(name, args=[*trust, "--controller"], env=env) for name in ("ctl-a", "ctl-b")
+        ]
+        yield Elastic(local, ingress, controllers)
     finally:
         local.close()  # the controllers first, so that nothing replaces the jobs cancelled next
         ours = [j for j, _, _ in our_jobs(slurm_cluster)]
@@ -157,18 +174,9 @@ def elastic_mesh(
 
 
 def test_the_controller_keeps_replicas_across_time_limits_kills_and_its_own_failover(
-    slurm_cluster: SlurmCluster, elastic_mesh: tuple[LocalMesh, OperatorKey], tmp_path: Path
+    slurm_cluster: SlurmCluster, elastic: Elastic, tmp_path: Path
 ) -> None:
-    if not FABRIC.exists():
-        pytest.skip(f"no fabric console script next to {sys.executable}")
-    mesh, key = elastic_mesh
-    trust = ("--trust-operator", key.fingerprint)
-    env = {**slurm_cluster.env, "FABRIC_BIN": str(FABRIC), "FABRIC_SIM_GPU": "H100",
-           "FABRIC_LEAVE_BEFORE_END": "", "FABRIC_JOIN": ""}  # fmt: skip
-    ingress = mesh.start("ingress", args=trust)
-    controllers = [
-        mesh.start(name, args=[*trust, "--controller"], env=env) for name in ("ctl-a", "ctl-b")
-    ]
+    mesh, ingress, controllers = elastic.mesh, elastic.ingress, elastic.controllers
     service = tmp_path / "services.toml"
     service.write_text(SERVICE)
     done = fabric(mesh, ingress, "services", "apply", str(service))
@@ -230,10 +238,9 @@ def test_the_controller_keeps_replicas_across_time_limits_kills_and_its_own_fail
 
 
 def test_a_file_slurm_refuses_is_reported_and_the_mesh_keeps_serving(
-    slurm_cluster: SlurmCluster, elastic_mesh: tuple[LocalMesh, OperatorKey], tmp_path: Path
+    slurm_cluster: SlurmCluster, elastic: Elastic, tmp_path: Path
 ) -> None:
-    mesh, _ = elastic_mesh
-    ingress = next(a for a in mesh.agents if a.name == "ingress")
+    mesh, ingress = elastic.mesh, elastic.ingress
     bad = tmp_path / "bad.toml"
     more = SERVICE.replace("min_replicas = 2", "min_replicas = 3")
     bad.write_text(more.replace("max_replicas = 2", "max_replicas = 3").replace("high", "nope"))
@@ -275,10 +282,9 @@ time_limit = "10:00"
 
 
 def test_a_scaled_to_zero_model_starts_on_its_first_request_and_returns_to_zero_when_idle(
-    slurm_cluster: SlurmCluster, elastic_mesh: tuple[LocalMesh, OperatorKey], tmp_path: Path
+    slurm_cluster: SlurmCluster, elastic: Elastic, tmp_path: Path
 ) -> None:
-    mesh, _ = elastic_mesh
-    ingress = next(a for a in mesh.agents if a.name == "ingress")
+    mesh, ingress = elastic.mesh, elastic.ingress
     service = tmp_path / "cold.toml"
     service.write_text(COLD)  # replaces the file: the other model's jobs drain
     done = fabric(mesh, ingress, "services", "apply", str(service))
@@ -307,8 +313,10 @@ def test_a_scaled_to_zero_model_starts_on_its_first_request_and_returns_to_zero_
     while [j for j in cold_jobs(slurm_cluster) if j[1] in ("PENDING", "RUNNING")]:
         assert time.monotonic() - t0 < 90, cold_jobs(slurm_cluster)
         time.sleep(1)
+    while serving_count(ingress.http_url, "cold") != 0:  # its agent is leaving
+        assert time.monotonic() - t0 < 90, "the job ended but its replica still serves"
+        time.sleep(0.5)
     print(f"scaled back to zero {time.monotonic() - t0:.1f} s after the last request")
-    assert serving_count(ingress.http_url, "cold") == 0
 
 
 def cold_jobs(cluster: SlurmCluster) -> list[tuple[str, str]]:
@@ -321,12 +329,11 @@ def cold_jobs(cluster: SlurmCluster) -> list[tuple[str, str]]:
 
 
 def test_a_preempted_replica_is_replaced_and_no_request_fails(
-    slurm_cluster: SlurmCluster, elastic_mesh: tuple[LocalMesh, OperatorKey], tmp_path: Path
+    slurm_cluster: SlurmCluster, elastic: Elastic, tmp_path: Path
 ) -> None:
     """Replicas on the preemptible partition first (``low``); a ``high`` job needing three of
     the four GPUs preempts one; the client load sees no failure and the replica comes back."""
-    mesh, _ = elastic_mesh
-    ingress = next(a for a in mesh.agents if a.name == "ingress")
+    mesh, ingress = elastic.mesh, elastic.ingress
     service = tmp_path / "preempt.toml"
     service.write_text(SERVICE.replace('["high"]', '["low"]').replace('"2:00"', '"10:00"'))
     assert fabric(mesh, ingress, "services", "apply", str(service)).returncode == 0
