@@ -10,9 +10,9 @@ Rules
   at one or more while it was active within its ``idle_to_zero`` time: a request wanted it, or
   the agents' request logs (``GET /fabric/v1/workload?window=...`` on every alive agent, the
   planner's source) counted a request for it. The logs are read every ``check_interval_s``
-  (at most half the idle time) per model, and a model is called idle only when every agent
-  answered and none counted a request in the window: an agent that cannot be asked keeps the
-  replica.
+  (at most half the idle time) per model. A check where an agent does not answer is no news
+  (the replica being drained is one such agent: it has stopped answering while it leaves);
+  if that agent had requests waiting, they wait for a replica and want it back.
 * Otherwise the target is ``min_replicas``. (Scaling above it with load and forecasts is the
   policy's: ``fabricnode.elastic.policy``.)
 
@@ -95,7 +95,7 @@ class DemandScaler:
             self.checked_at[plan.model] = now
             urls = self._agent_urls()
             count = await trio.to_thread.run_sync(self._requests, urls, plan.model, idle_s)
-            if count != 0:  # None (an agent did not answer) counts as active
+            if count:  # None (an agent did not answer): no news, the last verdict stands
                 self.active_at[plan.model] = now
         self._wanted = wanted
 

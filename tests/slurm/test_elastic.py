@@ -338,8 +338,15 @@ def test_a_preempted_replica_is_replaced_and_no_request_fails(
     service.write_text(SERVICE.replace('["high"]', '["low"]').replace('"2:00"', '"10:00"'))
     assert fabric(mesh, ingress, "services", "apply", str(service)).returncode == 0
     t0 = time.monotonic()
-    while (serving_count(ingress.http_url) or 0) < 2:
-        assert time.monotonic() - t0 < 90, "never 2 SERVING on the low partition"
+
+    def settled() -> bool:  # two replicas serving from low, nothing else of ours running
+        done = slurm_cluster.run("squeue", "-h", "-o", "%i|%T|%P|%k", check=False).stdout
+        ours = [line.split("|") for line in done.splitlines() if "fabric-elastic" in line]
+        low = [p for p in ours if p[1] == "RUNNING" and p[2] == "low" and f"model={MODEL}" in p[3]]
+        return len(low) == 2 and len(ours) == 2 and (serving_count(ingress.http_url) or 0) >= 2
+
+    while not settled():
+        assert time.monotonic() - t0 < 120, slurm_cluster.squeue()
         time.sleep(0.5)
     w = Watch()
     loader = threading.Thread(target=load, args=(ingress, w), daemon=True)
@@ -350,7 +357,7 @@ def test_a_preempted_replica_is_replaced_and_no_request_fails(
         big = slurm_cluster.sbatch("sleep 20", "-p", "high", "--gres=gpu:3")
         t0 = time.monotonic()
         while before <= {j for j, state, _ in our_jobs(slurm_cluster) if state == "RUNNING"}:
-            assert time.monotonic() - t0 < 60, "no replica was preempted"
+            assert time.monotonic() - t0 < 60, f"no replica was preempted: {slurm_cluster.squeue()}"
             time.sleep(0.5)
         print(f"a replica preempted {time.monotonic() - t0:.1f} s after the high job came")
         slurm_cluster.wait_state(big, ("COMPLETED",), timeout_s=90)

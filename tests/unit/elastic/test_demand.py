@@ -1,6 +1,6 @@
 """The demand scaler on the pure mesh core: a wanted label starts a scaled-to-zero model, the
 agents' request logs keep it up while used and let it go to zero once idle, and an agent that
-cannot be asked keeps it up. Also the ingress's view of the declared models."""
+cannot be asked is no news. Also the ingress's view of the declared models."""
 
 from __future__ import annotations
 
@@ -75,9 +75,11 @@ def test_wanted_starts_then_request_logs_keep_it_up_until_it_is_idle() -> None:
     assert step(50.0) == (1, "active recently")
     logs.requests[url] = 0.0
     assert step(105.0) == (1, "active recently")  # last activity 50.0
+    logs.down.add(url)  # an agent that cannot be asked: no news, the last verdict stands
+    assert step(105.0) == (1, "active recently")
     assert step(111.0) == (0, "idle for 60 s")
-    logs.down.add(url)  # an agent that cannot be asked keeps the model up
-    assert step(125.0) == (1, "active recently")
+    logs.down.clear()
+    assert step(125.0) == (0, "idle for 60 s")
     assert logs.asked >= 3 * 4  # every check asked every agent (3), stopping at one that failed
 
 
