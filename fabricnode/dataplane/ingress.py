@@ -89,7 +89,6 @@ from fabricnode.dataplane.job import Job
 from fabricnode.dataplane.metrics import IngressMetrics, LabelCache, failure_reason
 from fabricnode.dataplane.request import (
     KEY_REJECTION,
-    Decoded,
     Rejection,
     Requirements,
     decode,
@@ -610,7 +609,10 @@ class Ingress:
             job.http10 = True
         if not routes:
             assert hold_s is not None
-            return self._wait_for_replica(conn, job, decoded, hold_s)
+            rreq = routing.RouteRequest(model, (), decoded.session, len(body) // 4)
+            return self._wait_for_replica(
+                conn, job, rreq, decoded.providers, decoded.requirements, hold_s, frozenset()
+            )
         rreq = routing.RouteRequest(
             model,
             self._prefix_blocks(doc, kind) if len(routes) > 1 else (),
@@ -620,12 +622,21 @@ class Ingress:
         return self._dispatch(conn, job, rreq, routes, decoded.providers, decoded.requirements)
 
     async def _wait_for_replica(
-        self, conn: ClientConn, job: Job, decoded: Decoded, hold_s: float
+        self,
+        conn: ClientConn,
+        job: Job,
+        rreq: routing.RouteRequest,
+        providers: frozenset[str],
+        requirements: Requirements | None,
+        hold_s: float,
+        failed: frozenset[str],
     ) -> bool:
         """Scale from zero: hold a request for a declared model while a replica starts, then
         route it. A stream gets its 200 SSE head at once and a comment every
-        ``replica_keepalive_s``; past ``hold_s`` the answer is 503 (Retry-After) or, for a
-        stream, the error event. The cold path: no cost to requests for served models."""
+        ``replica_keepalive_s``; past ``hold_s`` (from the request's arrival) the answer is 503
+        (Retry-After) or, for a stream, the error event. Also where a request whose every node
+        failed before answering (``failed``: replicas leaving, preempted) waits for another.
+        The cold path: no cost to requests for served models."""
         cfg = self.config
         model = job.model
         if sum(self.waiting_for_replica.values()) >= cfg.max_waiting_for_replica:
@@ -636,11 +647,12 @@ class Ingress:
             return True
         self._waiting(model, +1)
         routes: list[Route] | None = None
+        tried = set(failed)
         try:
             deadline = job.started + hold_s
             note = b": waiting for a replica of " + model.encode() + b" to start\n\n"
             next_note = 0.0
-            if job.stream and not job.http10:
+            if job.stream and not job.http10 and not job.held_head:
                 job.held_head = True
                 job.status = 200
                 head = (
@@ -650,9 +662,12 @@ class Ingress:
                 await client_send(conn, head, cfg.stream_idle_timeout_s)
             while True:
                 routes = self.table.routes(model)
-                if routes:
-                    break
                 now = self.clock.now()
+                if routes and self._candidates(
+                    routes, providers, requirements, tried, now, self.wall_clock()
+                ):
+                    break
+                routes = None
                 if now >= deadline:
                     break
                 if client_gone(conn.sock):
@@ -682,10 +697,7 @@ class Ingress:
                 )
             self._account(job, 0)
             return not conn.closing
-        rreq = routing.RouteRequest(model, (), decoded.session, len(job.body) // 4)
-        return await self._dispatch(
-            conn, job, rreq, routes, decoded.providers, decoded.requirements
-        )
+        return await self._dispatch(conn, job, rreq, routes, providers, requirements)
 
     def _waiting(self, model: str, delta: int) -> None:
         waiting = self.waiting_for_replica
@@ -732,6 +744,7 @@ class Ingress:
         refused = 0  # attempts refused at connect, not counted against the limit
         policy = self.policy
         answered = False
+        fallback: float | None = None  # seconds a request no node answered may wait for one
         observed = -1  # candidates for the first attempt, observed when the request is done
         try:
             while len(tried) < limit:
@@ -800,6 +813,11 @@ class Ingress:
                 job.status = 502
                 await self._end_stream(conn, f"the serving node failed mid-stream: {last_error}")
                 keep = not job.close
+            elif (wait_s := self._may_wait(job)) is not None:
+                # Every node failed before answering (leaving, preempted, crashed) and the model
+                # is declared: wait for another replica rather than fail the request.
+                fallback = wait_s
+                keep = True
             elif job.held_head:
                 job.status = 502
                 await self._end_stream(conn, f"no node could take the request: {last_error}")
@@ -821,8 +839,23 @@ class Ingress:
         finally:
             if job.transcript is not None:
                 job.transcript.release()
+        if fallback is not None:
+            log.info("no node answered for %s: waiting for a replica", job.model)
+            return await self._wait_for_replica(
+                conn, job, rreq, providers, requirements, fallback, frozenset(tried)
+            )
         self._account(job, observed)
         return keep and not conn.closing
+
+    def _may_wait(self, job: Job) -> float | None:
+        """The hold time of a declared model if a request no node answered may still wait
+        for a replica (its hold time, counted from its arrival, is not over), else None."""
+        if self.declared is None:
+            return None
+        hold_s = self.declared(job.model)
+        if not hold_s or self.clock.now() >= job.started + hold_s:
+            return None
+        return hold_s
 
     def _candidates(
         self,

@@ -267,7 +267,7 @@ class Controller:
                 self._decide(Decision(now, action.model, "submit", action.reason, job_id))
             elif isinstance(action, Cancel):
                 try:
-                    await trio.to_thread.run_sync(self.slurm.cancel, action.job_id)
+                    await trio.to_thread.run_sync(self.slurm.cancel, action.job_id, action.hard)
                 except SlurmRefused as exc:
                     self._decide(Decision(now, action.model, "refused", f"scancel: {exc}"))
                     continue

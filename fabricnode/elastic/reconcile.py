@@ -90,6 +90,7 @@ class Tuning:
     backoff_s: float = 30.0
     max_backoff_s: float = 600.0
     max_failures: int = 5
+    drain_kill_s: float = 180.0  # a cancelled job still running after this is cancelled hard
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,7 @@ class Cancel:
     job_id: str
     model: str
     reason: str
+    hard: bool = False  # scancel outright (a drain that did not end), not SIGTERM
 
 
 Action = Submit | Cancel
@@ -304,6 +306,12 @@ def reconcile(
                 note,
             )
         )
+    # drains that hang (an agent that does not leave): cancel those jobs outright, once
+    for j in jobs:
+        since = memory.draining.get(j.job_id)
+        if since is not None and j.running and now - since > t.drain_kill_s:
+            actions.append(Cancel(j.job_id, j.model, f"drain took over {t.drain_kill_s:g} s", True))
+            memory.draining[j.job_id] = now + 10 * t.drain_kill_s  # not again soon
     # jobs of models no longer declared: drain them
     declared = {g.model for g in goals}
     for j in jobs:

@@ -211,10 +211,10 @@ class SlurmControl:
             raise SlurmRefused(_first_line(err or out) or f"sbatch exit status {rc}")
         return job_id
 
-    def cancel(self, job_id: str) -> None:
-        """SIGTERM first (the agent leaves gracefully: the replica drains), as scancel does
-        after the signal's grace."""
-        argv = ["scancel", "--signal=TERM", "--full", job_id]
+    def cancel(self, job_id: str, hard: bool = False) -> None:
+        """SIGTERM to the job's step, the agent (it leaves and drains its requests, then exits,
+        and the job ends with it); ``hard``: cancel the job outright (a drain that hangs)."""
+        argv = ["scancel", job_id] if hard else ["scancel", "--signal=TERM", job_id]
         self.commands.append(shlex.join(argv))
         if self.dry_run:
             return

@@ -97,7 +97,11 @@ def serving_count(url: str, model: str = MODEL) -> int | None:
             nodes = client.nodes(state="serving")
     except AgentApiError:
         return None
-    return sum(1 for n in nodes if (n.get("labels") or {}).get("fabric.service") == model)
+    return sum(
+        1
+        for n in nodes
+        if (n.get("labels") or {}).get("fabric.service") == model and n.get("liveness") == "alive"
+    )
 
 
 def watch(cluster: SlurmCluster, ingress: AgentProcess, w: Watch) -> None:

@@ -198,3 +198,17 @@ def test_only_serving_jobs_get_successors_so_a_long_lead_never_chains_them() -> 
     jobs = [*short, job("3", ends=NOW + 120, replaces="1"), job("4", ends=NOW + 120, replaces="2")]
     p = reconcile(NOW + 5, [goal()], jobs, [serving("1"), serving("2")], memory)
     assert p.actions == ()
+
+
+def test_a_drain_that_hangs_is_cancelled_outright_once() -> None:
+    memory = Memory(Tuning(drain_kill_s=100))
+    jobs = [job("1"), job("2")]
+    p = reconcile(NOW, [goal(1)], jobs, [serving("1"), serving("2")], memory)
+    (victim,) = cancels(p.actions)
+    assert not victim.hard
+    p = reconcile(NOW + 50, [goal(1)], jobs, [serving("1"), serving("2")], memory)
+    assert p.actions == ()
+    p = reconcile(NOW + 101, [goal(1)], jobs, [serving("1"), serving("2")], memory)
+    (hard,) = cancels(p.actions)
+    assert hard.hard and hard.job_id == victim.job_id and "drain took over" in hard.reason
+    assert reconcile(NOW + 102, [goal(1)], jobs, [serving("1")], memory).actions == ()

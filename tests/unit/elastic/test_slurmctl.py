@@ -116,7 +116,4 @@ def test_dry_run_records_commands_and_runs_only_squeue() -> None:
     assert ctl.submit(Submission("m", 1, None, None)).startswith("dry-run-")
     ctl.cancel("5")
     assert [c[0] for c in runner.calls] == ["squeue"]
-    assert (
-        ctl.commands[0].startswith("sbatch ")
-        and ctl.commands[1] == "scancel --signal=TERM --full 5"
-    )
+    assert ctl.commands[0].startswith("sbatch ") and ctl.commands[1] == "scancel --signal=TERM 5"
