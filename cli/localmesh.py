@@ -173,8 +173,10 @@ class LocalMesh:
         args: Sequence[str] = (),
         wait: bool = True,
         timeout_s: float = 30.0,
+        env: Mapping[str, str] | None = None,
     ) -> AgentProcess:
-        """Spawn one agent (and by default wait until it prints its addresses)."""
+        """Spawn one agent (and by default wait until it prints its addresses); ``env`` adds
+        to the mesh's environment."""
         name = name or f"node{len(self.agents) + 1}"
         stdout_path = self.workdir / f"{name}.out"
         stderr_path = self.workdir / f"{name}.log"
@@ -201,7 +203,7 @@ class LocalMesh:
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=err,
-                env=self.env(),
+                env=self.env(env),
                 start_new_session=True,  # a terminal's Ctrl-C goes to us; we stop the agents
                 preexec_fn=_die_with_parent,
             )

@@ -21,6 +21,7 @@ import typer
 from cli import demo_cmd, plan_cmd, registry_cmd, start_cmd
 from cli.common import DEFAULT_AGENT, STATE, CliState, error
 from cli.keys_cmd import keys_app
+from cli.services_cmd import services_app
 from cli.slurm_cmd import slurm_app
 
 app = typer.Typer(
@@ -38,6 +39,7 @@ app.add_typer(plan_cmd.commands)
 app.add_typer(demo_cmd.commands)
 app.add_typer(keys_app, name="keys")
 app.add_typer(slurm_app, name="slurm")
+app.add_typer(services_app, name="services")
 
 
 @app.callback()

@@ -159,6 +159,29 @@ def start(
             "$FABRIC_TRUST_OPERATORS).",
         ),
     ] = None,
+    serve: Annotated[
+        str | None,
+        typer.Option(
+            metavar="MODEL",
+            help="Serve MODEL from the start with --engine-template (tp = this node's GPUs), "
+            "as the controller's jobs do.",
+        ),
+    ] = None,
+    controller: Annotated[
+        bool,
+        typer.Option(
+            "--controller",
+            help="Run the elastic controller: keep the service file's models served through "
+            "Slurm (one of the --controller agents acts; the others stand by).",
+        ),
+    ] = False,
+    controller_dry_run: Annotated[
+        bool,
+        typer.Option(
+            "--controller-dry-run",
+            help="Like --controller, but only show the sbatch/scancel commands it would run.",
+        ),
+    ] = False,
 ) -> None:
     from fabricnode.config import ConnectionLimits, load_config
 
@@ -194,6 +217,9 @@ def start(
             engine_template=engine_template,
             model_paths=model_path or (),
             trust_operators=trust_operator or (),
+            controller=controller,
+            controller_dry_run=controller_dry_run,
+            serve=serve,
         )
     except ConfigError as exc:
         usage_error("start", str(exc))

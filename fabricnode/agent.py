@@ -44,7 +44,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -61,6 +61,11 @@ from fabricnode.control.memberlog import log_member_changes
 from fabricnode.dataplane.accounting import RequestLog
 from fabricnode.dataplane.apikeys import ApiKeyStore
 from fabricnode.dataplane.ingress import Ingress
+from fabricnode.elastic.controller import Controller
+from fabricnode.elastic.demand import WANTED_LABEL, Declared, DemandScaler
+from fabricnode.elastic.leader import CONTROLLER_LABEL
+from fabricnode.elastic.plans import plans_from_text
+from fabricnode.elastic.slurmctl import SlurmControl
 from fabricnode.engine.command import EngineCommand
 from fabricnode.engine.follower import AssignmentFollower
 from fabricnode.engine.service import EngineService
@@ -294,6 +299,13 @@ class Agent:
             return engine is not None and engine.state == "serving"
 
         request_log = RequestLog(cfg.request_log_path) if cfg.request_log_path else None
+        declared = Declared(core)
+
+        def on_waiting(waiting: Mapping[str, int]) -> None:
+            # the acting controller starts a replica for a model we hold requests for
+            words = " ".join(sorted(waiting))
+            gossip.relabel(WANTED_LABEL, ((WANTED_LABEL, words),) if words else ())
+
         ingress = Ingress(
             core,
             config=cfg.ingress,
@@ -302,6 +314,9 @@ class Agent:
             local_engine_up=local_engine_up,
             api_keys=self.api_keys,
             request_log=request_log,
+            declared=declared.hold_s,
+            declared_models=declared.models,
+            on_waiting=on_waiting,
         )
         self.ingress = ingress
 
@@ -320,12 +335,21 @@ class Agent:
         # gives it one (``_launch_assigned``); everything below reads ``self.engine``.
         if cfg.engine is not None:
             self.engine = engine_service(cfg.engine)
+        elif cfg.serve_model is not None and cfg.engine_template is not None:
+            # --serve: the template rendered now, on every GPU of the node (the controller's
+            # jobs ask Slurm for exactly the GPUs one replica needs)
+            tp = max(1, hardware.gpu_count)
+            command = cfg.engine_template.render(cfg.serve_model, tp, 1, hardware.gpu_type)
+            log.info("serving %s: %s", cfg.serve_model, " ".join(command.argv))
+            self.engine = engine_service(command)
         else:
             self.follower = AssignmentFollower(gossip, cfg.engine_template, hardware)
 
         def ready() -> bool:
             engine = self.engine
             return tracker.is_ready() and (engine is None or engine.state == "serving")
+
+        controller = self._controller(core, gossip)
 
         def app(agent_endpoints: bool) -> AdminApp:
             return AdminApp(
@@ -338,6 +362,7 @@ class Agent:
                 extra_metrics=ingress.render_metrics,
                 request_log_path=cfg.request_log_path,
                 wake_gossip=gossip.poke,
+                controller=controller,
             )
 
         # The public port is the data plane; paths outside /v1 go to the control app inline.
@@ -370,6 +395,8 @@ class Agent:
                     rendezvous.watch, cfg.rendezvous_path, gossip, cfg.rendezvous_poll_s
                 )
             nursery.start_soon(log_member_changes, core, tracker)
+            if controller is not None:
+                nursery.start_soon(controller.run)
             if job is not None:
                 self._start_job_follower(nursery, job, gossip)
             task_status.started(AgentAddresses(core.self_id, http_url, gossip_addr, admin_url))
@@ -461,6 +488,26 @@ class Agent:
                 on_end_moved=end_moved,
                 on_leave=lambda plan: self.request_stop(),
             )
+        )
+
+    def _controller(self, core: MeshCore, gossip: GossipService) -> Controller | None:
+        """``--controller``: the elastic control loop (one of the controller agents acts)."""
+        cc = self.config.controller
+        if cc is None:
+            return None
+        if cc.output:  # Slurm opens the batch output before the job runs: the directory first
+            Path(cc.output).parent.mkdir(parents=True, exist_ok=True)
+        slurm = SlurmControl(
+            cc.mesh_tag, cc.sbatch_script, cc.user, dry_run=cc.dry_run, output=cc.output
+        )
+        return Controller(
+            core,
+            slurm,
+            plans_from_text,
+            lambda labels: gossip.relabel(CONTROLLER_LABEL, labels),
+            scaler=DemandScaler(core),
+            interval_s=cc.interval_s,
+            wall_clock=self.wall_clock,
         )
 
     def _engine_log_path(self, session_id: str) -> Path | None:

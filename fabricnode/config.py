@@ -34,17 +34,30 @@ from pathlib import Path
 from fabricnode.addr import WILDCARD_HOSTS, join_hostport, split_hostport
 from fabricnode.dataplane.ingress_config import IngressConfig
 from fabricnode.dataplane.routing import POLICY_NAMES
+from fabricnode.elastic.slurmctl import mesh_tag
 from fabricnode.engine.command import EngineCommand, inspect_engine_cmd, sim_engine_command
 from fabricnode.engine.template import EngineTemplate, parse_template
 from fabricnode.errors import ConfigError
 from fabricnode.host.hardware import parse_sim_gpu
-from fabricnode.host.slurm import DEFAULT_LEAVE_BEFORE_END_S, job_id_of
+from fabricnode.host.slurm import DEFAULT_LEAVE_BEFORE_END_S, find_sbatch_script, job_id_of
 from fabricnode.mesh.core import MeshConfig
 
 DEFAULT_HTTP = "0.0.0.0:8080"
 DEFAULT_GOSSIP = "0.0.0.0:7946"
 LOG_LEVELS = ("debug", "info", "warning", "error")
 MAX_LABEL_KEY = 64
+
+
+@dataclass(frozen=True)
+class ControllerConfig:
+    """``--controller``: run the elastic control loop (``fabricnode.elastic.controller``)."""
+
+    sbatch_script: Path  # the fabric-serve.sbatch wrapper the jobs run
+    user: str  # whose Slurm jobs are ours
+    mesh_tag: str  # tags the jobs of this mesh (a digest of $FABRIC_HOME's path)
+    dry_run: bool = False  # print the sbatch/scancel commands instead of running them
+    interval_s: float = 2.0
+    output: str | None = None  # the jobs' batch output file (Slurm's %j pattern)
 
 
 @dataclass(frozen=True)
@@ -59,6 +72,8 @@ class AgentConfig:
     engine: EngineCommand | None = None  # the supervised child; None: a JOIN-only node
     # A JOIN-only node with a template launches its engine when an operator assigns a model.
     engine_template: EngineTemplate | None = None
+    # With a template: serve this model from the start (tp = the node's GPUs), no assignment.
+    serve_model: str | None = None
     log_dir: Path | None = None  # engine logs go to <log_dir>/<job>-<session>/engine.log
     job_log_dir: Path | None = None  # if set, the engine log is <job_log_dir>/engine.log
     sim_gpu: str | None = None  # TYPE[:COUNT[:MEMORY_GB]] instead of nvidia-smi discovery
@@ -94,6 +109,7 @@ class AgentConfig:
     host_env: Mapping[str, str] = field(default_factory=dict, hash=False, compare=False, repr=False)
     mesh: MeshConfig = field(default_factory=MeshConfig)
     ingress: IngressConfig = field(default_factory=IngressConfig)
+    controller: ControllerConfig | None = None
 
     @property
     def http_bind(self) -> str:
@@ -165,6 +181,9 @@ def load_config(
     limits: ConnectionLimits | None = None,
     drain_timeout_s: float | None = None,
     leave_before_end_s: float | None = None,
+    controller: bool = False,
+    controller_dry_run: bool = False,
+    serve: str | None = None,
     env: Mapping[str, str] | None = None,
     mesh: MeshConfig | None = None,
 ) -> AgentConfig:
@@ -211,7 +230,14 @@ def load_config(
     engine = _engine(engine_cmd, engine_url, sim, sim_gpu, sim_args)
     template = _engine_template(engine_template, model_paths, env, has_engine=engine is not None)
     operators = _trusted_operators(trust_operators, env)
+    control = _controller(controller or controller_dry_run, controller_dry_run, operators, env)
+    if control is not None:
+        control = replace(control, output=str(log_dir / "slurm-%j.out"))
+    if serve is not None and (template is None or not serve.strip()):
+        raise ConfigError("--serve MODEL renders --engine-template: give both")
     return AgentConfig(
+        controller=control,
+        serve_model=serve.strip() if serve is not None else None,
         api_keys_path=keys_path,
         request_log_path=log_path,
         drain_timeout_s=_drain(drain_timeout_s),
@@ -415,6 +441,29 @@ def _trusted_operators(flags: Iterable[str], env: Mapping[str, str]) -> tuple[st
         if fp not in out:
             out.append(fp)
     return tuple(out)
+
+
+def _controller(
+    wanted: bool, dry_run: bool, operators: Sequence[str], env: Mapping[str, str]
+) -> ControllerConfig | None:
+    if not wanted:
+        return None
+    if not operators:
+        raise ConfigError(
+            "--controller acts on the operator's service file: trust its key with "
+            "--trust-operator FINGERPRINT (or $FABRIC_TRUST_OPERATORS)"
+        )
+    script = find_sbatch_script(env)
+    if script is None:
+        raise ConfigError(
+            "--controller submits slurm/fabric-serve.sbatch: not found beside this install; "
+            "set FABRIC_SBATCH_SCRIPT=/path/to/fabric-serve.sbatch"
+        )
+    tag = mesh_tag(str(fabric_home(env).expanduser().resolve()).encode())
+    user = env.get("USER") or _login_name()
+    if not user:
+        raise ConfigError("--controller: cannot tell whose Slurm jobs to list (set $USER)")
+    return ControllerConfig(script, user, tag, dry_run)
 
 
 def _restart(policy: str | None) -> str:

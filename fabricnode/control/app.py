@@ -16,6 +16,14 @@ Endpoints (all GET; HEAD is answered like GET without a body):
   (operator-signed, base64; what ``fabric plan --apply`` sends): each is verified, stored and
   spread through the mesh; the answer lists each one's outcome (``new``, ``stale``,
   ``untrusted``, ...). 400 malformed, 413 too large.
+* ``/fabric/v1/services`` — GET: the service file this agent holds
+  (``fabricnode.mesh.servicedoc``: ``{"services": {"issued_at", "operator", "digest", "bytes",
+  "text"} | null, "trusted_operators"}``); POST ``{"signed", "signature"}`` (operator-signed,
+  base64; what ``fabric services apply`` sends): verified, stored and spread; the answer is its
+  outcome (``new``, ``stale``, ``untrusted``, ...). 400 malformed, 413 too large.
+* ``/fabric/v1/controller`` — with ``--controller``: its role (acting or standby), the acting
+  controller, each declared model's target and jobs, and the recent decisions with their
+  reasons (``fabricnode.elastic.controller.summarise``); 404 without a controller.
 * ``/fabric/v1/workload`` — this ingress's request log summarised per model over the last
   ``window`` seconds (default 3600): request count and token sums, the planner's workload.
 * ``/metrics`` — Prometheus text, every name prefixed ``fabric_``.
@@ -53,11 +61,13 @@ from fabricnode.dataplane.accounting import (
     workload_sums,
 )
 from fabricnode.dataplane.request import error_body
+from fabricnode.elastic.controller import Controller, summarise
 from fabricnode.errors import DecodeError, FabricError
 from fabricnode.mesh.assignment import Offer, SignedAssignment
 from fabricnode.mesh.core import MeshCore
 from fabricnode.mesh.registry import State
 from fabricnode.mesh.service import TransportStatistics
+from fabricnode.mesh.servicedoc import MAX_SERVICES_BYTES, SignedServices
 from fabricnode.metricfamilies import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from fabricnode.metricfamilies import (
     counter,
@@ -73,6 +83,8 @@ Scope = Mapping[str, Any]
 
 NODES_PREFIX = "/fabric/v1/nodes/"
 ASSIGNMENTS_PATH = "/fabric/v1/assignments"
+SERVICES_PATH = "/fabric/v1/services"
+CONTROLLER_PATH = "/fabric/v1/controller"
 WORKLOAD_PATH = "/fabric/v1/workload"
 MAX_POST_BYTES = 1024 * 1024
 MAX_ASSIGNMENTS_PER_POST = 4096
@@ -134,8 +146,10 @@ class AdminApp:
         extra_metrics: Callable[[], bytes] | None = None,
         request_log_path: Path | None = None,
         wake_gossip: Callable[[], None] = lambda: None,
+        controller: Controller | None = None,
     ) -> None:
         self.core = core
+        self.controller = controller  # --controller: its status and decisions
         self.wake_gossip = wake_gossip  # sends an accepted assignment now, not at the next tick
         self.is_ready = is_ready
         self.transport = transport
@@ -147,6 +161,7 @@ class AdminApp:
         self.started_at = wall_clock()
         self.requests = 0
         self.assignments_refused: Counter[str] = Counter()  # posted but not taken, by outcome
+        self.services_refused: Counter[str] = Counter()
         self.metrics_registry = registry_of(AdminMetrics(self))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -158,9 +173,12 @@ class AdminApp:
         self.requests += 1
         method = scope["method"]
         path = scope["path"]
-        posting = self.agent_endpoints and path == ASSIGNMENTS_PATH
+        posting = self.agent_endpoints and path in (ASSIGNMENTS_PATH, SERVICES_PATH)
         try:
-            if posting and method == "POST":
+            if posting and method == "POST" and path == SERVICES_PATH:
+                limit = 2 * MAX_SERVICES_BYTES  # base64 and the JSON around it
+                response = self.post_services(await _read_body(receive, limit))
+            elif posting and method == "POST":
                 response = self.post_assignments(await _read_body(receive, MAX_POST_BYTES))
             elif method not in ("GET", "HEAD"):
                 self.route(path)  # unknown paths are 404 whatever the method
@@ -207,6 +225,10 @@ class AdminApp:
                 return self.models
             if path == ASSIGNMENTS_PATH:
                 return self.assignments
+            if path == SERVICES_PATH:
+                return self.services
+            if path == CONTROLLER_PATH:
+                return self.controller_status
             if path == WORKLOAD_PATH:
                 return lambda query: json_response({})  # answered in __call__ (async)
             if path == "/metrics":
@@ -283,6 +305,43 @@ class AdminApp:
         items = [a.describe() for a in self.core.assignments]
         trusted = sorted(self.core.assignments.trusted)
         return json_response({"assignments": items, "trusted_operators": trusted})
+
+    def services(self, query: list[tuple[str, str]]) -> Response:
+        current = self.core.services.current
+        doc: Json | None = None
+        if current is not None:
+            doc = {**current.describe(), "text": current.body.text}
+        trusted = sorted(self.core.services.trusted)
+        return json_response({"services": doc, "trusted_operators": trusted})
+
+    def controller_status(self, query: list[tuple[str, str]]) -> Response:
+        if self.controller is None:
+            raise HttpError(
+                404, "this agent runs no controller (fabric start --controller)", "not_found"
+            )
+        return json_response(summarise(self.controller))
+
+    def post_services(self, body: bytes) -> Response:
+        try:
+            doc = json.loads(body)
+        except (ValueError, UnicodeDecodeError):
+            raise HttpError(400, "body is not valid JSON", "invalid_json") from None
+        try:
+            item = SignedServices.from_json(doc)
+        except DecodeError as exc:
+            raise HttpError(400, f"malformed service file: {exc}", "invalid_services") from None
+        outcome = self.core.publish_services(item, self.wall_clock())
+        if outcome is Offer.NEW:
+            log.info(
+                "service file %s from operator %s: new",
+                item.digest.hex()[:16],
+                item.operator,
+            )
+        else:
+            self.services_refused[outcome.value] += 1
+            log.info("service file not taken: %s", outcome.value)
+        self.wake_gossip()
+        return json_response({"result": outcome.value, **item.describe()})
 
     def post_assignments(self, body: bytes) -> Response:
         try:
@@ -409,6 +468,22 @@ class AdminMetrics(Collector):
             "Assignments posted to this agent and not taken, by outcome (untrusted, stale, ...)",
             "outcome",
             dict(sorted(app.assignments_refused.items())),
+        )
+        if app.controller is not None:
+            decisions = app.controller.decisions
+            yield from counters_by(
+                "fabric_controller_decisions_total",
+                "Controller decisions by action (submit, cancel, refused, invalid) and reason kind",
+                "action_reason",
+                {f"{a}:{r}": n for (a, r), n in sorted(decisions.items())},
+            )
+            acting = 1.0 if app.controller.status.role == "acting" else 0.0
+            yield gauge("fabric_controller_acting", "1 while this agent's controller acts", acting)
+        yield from counters_by(
+            "fabric_services_refused_total",
+            "Service files posted to this agent and not taken, by outcome (untrusted, stale, ...)",
+            "outcome",
+            dict(sorted(app.services_refused.items())),
         )
         yield from counters_by(
             "fabric_gossip_dropped_total",

@@ -148,6 +148,13 @@ class AdminClient:
         results: list[Json] = doc.get("results", [])
         return results
 
+    def services(self) -> Json:
+        return self.get_json("/fabric/v1/services")
+
+    def post_services(self, signed: Json) -> Json:
+        """Hand an operator-signed service file to the agent; its outcome."""
+        return self.post_json("/fabric/v1/services", signed)
+
     def workload(self, window_s: float) -> Json:
         return self.get_json("/fabric/v1/workload", [("window", f"{window_s:g}")])
 

@@ -47,7 +47,7 @@ import logging
 import math
 import random
 import socket
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,6 +118,7 @@ from fabricnode.dataplane.sockio import (
     SocketClosed,
     Watchdog,
     Watched,
+    client_gone,
     close,
 )
 from fabricnode.dataplane.upstream import BrokenResponse, Exchange, UpstreamError, UpstreamPool
@@ -172,8 +173,19 @@ class Ingress:
         api_keys: ApiKeyStore | None = None,
         request_log: RequestLog | None = None,
         rng: random.Random | None = None,
+        declared: Callable[[str], float | None] | None = None,
+        declared_models: Callable[[], list[str]] | None = None,
+        on_waiting: Callable[[Mapping[str, int]], None] | None = None,
     ) -> None:
         self.core = core
+        # Scale from zero (the elastic controller): how long a request for a model declared in
+        # the mesh's service file may wait for a replica (None: not declared), the declared
+        # models, and who is told which models have requests waiting (the agent labels its
+        # entry, so the acting controller starts a replica).
+        self.declared = declared
+        self.declared_models = declared_models
+        self.on_waiting = on_waiting
+        self.waiting_for_replica: dict[str, int] = {}
         self.config = cfg = config or IngressConfig()
         self.wall_clock = wall_clock
         # Our own engine's URL while it is serving (None otherwise): one call per request.
@@ -559,6 +571,14 @@ class Ingress:
             }
             for m in self.table.listing()
         ]
+        if self.declared_models is not None:
+            listed = {d["id"] for d in data}
+            for model in self.declared_models():
+                if model not in listed:  # declared, no replica now: the first request starts one
+                    data.append(
+                        {"id": model, "object": "model", "created": 0, "owned_by": "fabric",
+                         "fabric_nodes": 0, "fabric_scaled_to_zero": True}
+                    )  # fmt: skip
         return orjson.dumps({"object": "list", "data": data})
 
     # == routing =============================================================================
@@ -575,15 +595,24 @@ class Ingress:
         model = decoded.model
         routes = self.table.routes(model)
         self._forget_removed()
+        hold_s = None
         if not routes:
-            return self._reject(
-                conn,
-                Rejection(404, f"model {model!r} is not served by any node", "model_not_found"),
-            )
+            hold_s = self.declared(model) if self.declared is not None else None
+            if not hold_s:
+                return self._reject(
+                    conn,
+                    Rejection(404, f"model {model!r} is not served by any node", "model_not_found"),
+                )
         doc = decoded.doc
         job = Job(kind, model, decoded.stream, body, path, req.headers, decoded.key, started, doc)
         if req.http_version == "1.0":
             job.http10 = True
+        if not routes:
+            assert hold_s is not None
+            rreq = routing.RouteRequest(model, (), decoded.session, len(body) // 4)
+            return self._wait_for_replica(
+                conn, job, rreq, decoded.providers, decoded.requirements, hold_s, frozenset()
+            )
         rreq = routing.RouteRequest(
             model,
             self._prefix_blocks(doc, kind) if len(routes) > 1 else (),
@@ -591,6 +620,95 @@ class Ingress:
             len(body) // 4,
         )
         return self._dispatch(conn, job, rreq, routes, decoded.providers, decoded.requirements)
+
+    async def _wait_for_replica(
+        self,
+        conn: ClientConn,
+        job: Job,
+        rreq: routing.RouteRequest,
+        providers: frozenset[str],
+        requirements: Requirements | None,
+        hold_s: float,
+        failed: frozenset[str],
+    ) -> bool:
+        """Scale from zero: hold a request for a declared model while a replica starts, then
+        route it. A stream gets its 200 SSE head at once and a comment every
+        ``replica_keepalive_s``; past ``hold_s`` (from the request's arrival) the answer is 503
+        (Retry-After) or, for a stream, the error event. Also where a request whose every node
+        failed before answering (``failed``: replicas leaving, preempted) waits for another.
+        The cold path: no cost to requests for served models."""
+        cfg = self.config
+        model = job.model
+        if sum(self.waiting_for_replica.values()) >= cfg.max_waiting_for_replica:
+            await self._send_error(
+                conn, 503, f"too many requests are waiting for replicas to start; {model!r} "
+                "has none now", "replica_starting", extra=[(b"retry-after", b"%d" % 30)],
+            )  # fmt: skip
+            return True
+        self._waiting(model, +1)
+        routes: list[Route] | None = None
+        tried = set(failed)
+        try:
+            deadline = job.started + hold_s
+            note = b": waiting for a replica of " + model.encode() + b" to start\n\n"
+            next_note = 0.0
+            if job.stream and not job.http10 and not job.held_head:
+                job.held_head = True
+                job.status = 200
+                head = (
+                    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                    b"cache-control: no-cache\r\ntransfer-encoding: chunked\r\n\r\n"
+                )
+                await client_send(conn, head, cfg.stream_idle_timeout_s)
+            while True:
+                routes = self.table.routes(model)
+                now = self.clock.now()
+                if routes and self._candidates(
+                    routes, providers, requirements, tried, now, self.wall_clock()
+                ):
+                    break
+                routes = None
+                if now >= deadline:
+                    break
+                if client_gone(conn.sock):
+                    raise ClientGone
+                if job.held_head and now >= next_note:
+                    next_note = now + cfg.replica_keepalive_s
+                    await client_send(conn, frame([note], True), cfg.stream_idle_timeout_s)
+                await trio.sleep(min(0.25, max(0.01, deadline - now)))
+        except ClientGone:
+            job.status = 499
+            self._account(job, 0)
+            raise
+        finally:
+            self._waiting(model, -1)
+        if not routes:
+            message = (
+                f"a replica of {model!r} is starting: no replica served within "
+                f"{hold_s:g} s; retry shortly"
+            )
+            if job.held_head:
+                job.status = 503
+                await self._end_stream(conn, message, "replica_starting")
+            else:
+                job.status = 503
+                await self._send_error(
+                    conn, 503, message, "replica_starting", extra=[(b"retry-after", b"%d" % 30)]
+                )
+            self._account(job, 0)
+            return not conn.closing
+        return await self._dispatch(conn, job, rreq, routes, providers, requirements)
+
+    def _waiting(self, model: str, delta: int) -> None:
+        waiting = self.waiting_for_replica
+        before = len(waiting)
+        n = waiting.get(model, 0) + delta
+        if n > 0:
+            waiting[model] = n
+        else:
+            waiting.pop(model, None)
+        if len(waiting) != before and self.on_waiting is not None:
+            self.on_waiting(dict(waiting))  # only when a model starts or stops waiting
 
     def _prefix_blocks(self, doc: dict[str, Any], kind: str) -> tuple[int, ...]:
         if not self.policy.name.startswith("prefix"):
@@ -626,6 +744,7 @@ class Ingress:
         refused = 0  # attempts refused at connect, not counted against the limit
         policy = self.policy
         answered = False
+        fallback: float | None = None  # seconds a request no node answered may wait for one
         observed = -1  # candidates for the first attempt, observed when the request is done
         try:
             while len(tried) < limit:
@@ -694,6 +813,15 @@ class Ingress:
                 job.status = 502
                 await self._end_stream(conn, f"the serving node failed mid-stream: {last_error}")
                 keep = not job.close
+            elif (wait_s := self._may_wait(job)) is not None:
+                # Every node failed before answering (leaving, preempted, crashed) and the model
+                # is declared: wait for another replica rather than fail the request.
+                fallback = wait_s
+                keep = True
+            elif job.held_head:
+                job.status = 502
+                await self._end_stream(conn, f"no node could take the request: {last_error}")
+                keep = not job.close
             else:
                 job.status = 503
                 await self._send_error(
@@ -711,8 +839,23 @@ class Ingress:
         finally:
             if job.transcript is not None:
                 job.transcript.release()
+        if fallback is not None:
+            log.info("no node answered for %s: waiting for a replica", job.model)
+            return await self._wait_for_replica(
+                conn, job, rreq, providers, requirements, fallback, frozenset(tried)
+            )
         self._account(job, observed)
         return keep and not conn.closing
+
+    def _may_wait(self, job: Job) -> float | None:
+        """The hold time of a declared model if a request no node answered may still wait
+        for a replica (its hold time, counted from its arrival, is not over), else None."""
+        if self.declared is None:
+            return None
+        hold_s = self.declared(job.model)
+        if not hold_s or self.clock.now() >= job.started + hold_s:
+            return None
+        return hold_s
 
     def _candidates(
         self,
@@ -890,10 +1033,11 @@ class Ingress:
                 status = ex.status
                 if status in RETRYABLE_STATUS:
                     return f"node answered {status}"
-                if job.splice is not None:
-                    # A continuation: the client has its response head and part of the stream.
+                if job.splice is not None or job.held_head:
+                    # A continuation, or a stream held for a replica: the client has its
+                    # response head (and, continuing, part of the stream).
                     if status != 200 or not ex.content_type.startswith(SSE):
-                        return f"continuation answered {status}"
+                        return f"the node answered {status} to a stream whose head is out"
                     job.served_by = sid
                     return await self._relay_body(conn, job, ex, sid, b"", True)
                 job.status = status
@@ -1050,9 +1194,12 @@ class Ingress:
             job.response = collected
         return None
 
-    async def _end_stream(self, conn: ClientConn, message: str) -> None:
+    async def _end_stream(
+        self, conn: ClientConn, message: str, code: str = "upstream_broken"
+    ) -> None:
         """End a stream the client holds with the error event and the last chunk."""
-        event = b"data: " + error_body(502, message, "upstream_broken") + b"\n\n"
+        status = 503 if code == "replica_starting" else 502
+        event = b"data: " + error_body(status, message, code) + b"\n\n"
         await client_send(
             conn, frame([event], True) + b"0\r\n\r\n", self.config.stream_idle_timeout_s
         )

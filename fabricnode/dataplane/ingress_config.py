@@ -51,3 +51,8 @@ class IngressConfig:
     max_resumes: int = 3
     resume_buffer_bytes: int = 256 * 1024 * 1024
     forward_max_skew_s: float = 30.0
+    # Scale from zero: requests for a declared model with no replica wait (each for its
+    # service's hold time) while one starts; at most this many at once across all models,
+    # and a waiting stream gets an SSE comment this often so that nothing times it out.
+    max_waiting_for_replica: int = 1024
+    replica_keepalive_s: float = 10.0

@@ -24,6 +24,7 @@ class Job:
         "doc",
         "ended",
         "headers",
+        "held_head",
         "http10",
         "key",
         "kind",
@@ -82,3 +83,6 @@ class Job:
         self.transcript: Transcript | None = None
         self.splice: Splicer | None = None
         self.resumes = 0
+        # A stream held while a replica started: its 200 SSE head is out already, so the first
+        # node's events follow it as they come (no head of theirs), and a failure is an event.
+        self.held_head = False

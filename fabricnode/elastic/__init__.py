@@ -1,8 +1,14 @@
-"""The elastic controller: keeps declared models served through Slurm and follows demand.
+"""The elastic fabric: declared models kept served through Slurm jobs and scaled with demand.
 
-Modules:
-
-* ``policy``  the pure scaling policy: per model, how many replicas to run now (a token-demand
-              forecast at the cold-start horizon, load and TTFT confirmation, scale-in
-              hysteresis), and the static and reactive baselines with the same interface.
+* ``servicefile`` the service file (TOML): its format, the pure parser/validator, canonical
+  bytes, the renderer back to TOML.
+* ``plans``       the service file as the controller's plans (``"auto"`` GPUs from the planner).
+* ``slurmctl``    submit, list and cancel the controller's Slurm jobs (tagged), or dry-run them.
+* ``reconcile``   one controller pass: from Slurm's and the mesh's view, the jobs to submit and
+  cancel (keep-alive across time limits, replacement, scaling, back-off, limits).
+* ``leader``      which of the ``--controller`` agents acts.
+* ``controller``  the control loop (read, decide, act) and its status and decisions.
+* ``policy``      the pure scaling policy: per model, how many replicas to run now (a token-demand
+  forecast at the cold-start horizon, load and TTFT confirmation, scale-in hysteresis), and the
+  static and reactive baselines with the same interface.
 """

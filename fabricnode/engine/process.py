@@ -31,6 +31,7 @@ import os
 import signal
 import subprocess
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +46,8 @@ log = logging.getLogger("fabricnode.engine.service")
 
 PR_SET_PDEATHSIG = 1
 MAX_LINE_BYTES = 64 * 1024
+TAIL_LINES = 20  # the engine's last output lines, kept for its error (``last_error``)
+MAX_TAIL_CHARS = 400
 
 
 class EngineError(FabricError):
@@ -92,6 +95,7 @@ class EngineProcess:
         self._pumped = trio.Event()
         self.returncode: int | None = None
         self.lines = 0
+        self.tail: deque[str] = deque(maxlen=TAIL_LINES)
 
     @property
     def pid(self) -> int | None:
@@ -195,7 +199,19 @@ class EngineProcess:
 
     def _log_line(self, line: bytes) -> None:
         self.lines += 1
-        log.info("[engine] %s", line.decode("utf-8", errors="replace").rstrip("\r"))
+        text = line.decode("utf-8", errors="replace").rstrip("\r")
+        if text.strip():
+            self.tail.append(text[:MAX_TAIL_CHARS])
+        log.info("[engine] %s", text)
+
+    def last_error(self) -> str:
+        """The engine's own words for why it failed: its last output line that reads like an
+        error (``Error``, ``error:``, ``Exception``, ``Traceback`` excluded), else its last line."""
+        words = ("Error", "error:", "Exception", "FAILED", "fatal")
+        for text in reversed(self.tail):
+            if any(w in text for w in words) and not text.startswith("Traceback"):
+                return text.strip()
+        return self.tail[-1].strip() if self.tail else ""
 
     def signal_group(self, sig: int) -> None:
         if self._process is None or self._process.returncode is not None:

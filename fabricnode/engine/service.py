@@ -32,6 +32,9 @@ from fabricnode.engine.process import EngineError, EngineProcess, wait_ready
 from fabricnode.mesh.registry import EngineInfo, ModelInfo, State
 from fabricnode.mesh.service import GossipService
 
+ERROR_LABEL = "fabric.engine_error"
+MAX_ERROR_CHARS = 300
+
 log = logging.getLogger("fabricnode.engine.service")
 
 RESTART_POLICIES = ("no", "on-failure", "always")
@@ -206,4 +209,9 @@ class EngineService:
             return
         self.state = "down"
         log.warning("%s: announcing DOWN", why)
-        self.gossip.update_self(state=State.DOWN)
+        said = self.process.last_error()
+        error = f"{why}: {said}" if said else why
+        # the engine's own words on the entry: the controller reports them for a failed start
+        labels = [(k, v) for k, v in self.gossip.core.self_entry.body.labels if k != ERROR_LABEL]
+        labels.append((ERROR_LABEL, error[:MAX_ERROR_CHARS]))
+        self.gossip.update_self(state=State.DOWN, labels=tuple(sorted(labels)))

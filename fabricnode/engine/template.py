@@ -75,35 +75,46 @@ def parse_template(text: str, model_paths: Sequence[str] = ()) -> EngineTemplate
     if text == SIM:
         return EngineTemplate((), paths)
     try:
+        words = template_words(text)
+    except ConfigError as exc:
+        raise ConfigError(f"--engine-template: {exc}") from None
+    return EngineTemplate(words, paths)
+
+
+def template_words(text: str) -> tuple[str, ...]:
+    """The words of an engine command template (not ``sim``), each checked: known placeholders
+    only, ``{port}`` and ``{model}`` or ``{model_path}`` used. ConfigError (naming no option,
+    for the caller to prefix) if not."""
+    try:
         words = tuple(shlex.split(text))
     except ValueError as exc:
-        raise ConfigError(f"--engine-template: {exc}") from None
+        raise ConfigError(str(exc)) from None
     if not words:
-        raise ConfigError("--engine-template is empty")
+        raise ConfigError("empty command")
     used: set[str] = set()
     for word in words:
         try:
             fields = list(string.Formatter().parse(word))
         except ValueError as exc:
-            raise ConfigError(f"--engine-template word {word!r}: {exc}") from None
+            raise ConfigError(f"word {word!r}: {exc}") from None
         for _, name, spec, conversion in fields:
             if name is None:
                 continue
             if name not in PLACEHOLDERS or spec or conversion:
                 known = ", ".join("{" + p + "}" for p in sorted(PLACEHOLDERS))
                 raise ConfigError(
-                    f"--engine-template: unknown placeholder {{{name}}} in {word!r} "
+                    f"unknown placeholder {{{name}}} in {word!r} "
                     f"(known: {known}; write {{{{ and }}}} for literal braces)"
                 )
             used.add(name)
     if "port" not in used:
         raise ConfigError(
-            "--engine-template must pass {port} to the engine (e.g. --port {port}): the agent "
-            "picks a free port and connects to the engine there"
+            "must pass {port} to the engine (e.g. --port {port}): the agent picks a free port "
+            "and connects to the engine there"
         )
     if "model" not in used and "model_path" not in used:
-        raise ConfigError("--engine-template must name the model: use {model} or {model_path}")
-    return EngineTemplate(words, paths)
+        raise ConfigError("must name the model: use {model} or {model_path}")
+    return words
 
 
 def _model_paths(specs: Sequence[str]) -> dict[str, str]:

@@ -60,6 +60,7 @@ from fabricnode.mesh.registry import (
     SignedEntry,
     State,
 )
+from fabricnode.mesh.servicedoc import ServicesRegister, SignedServices
 from fabricnode.mesh.wire import (
     DEAD,
     MAX_MESSAGES,
@@ -75,6 +76,9 @@ from fabricnode.mesh.wire import (
     Ping,
     PingReq,
     ReplayGuard,
+    ServicesMsg,
+    ServicesRank,
+    ServicesWant,
     SyncReply,
     SyncRequest,
     SyncRow,
@@ -193,6 +197,9 @@ class MeshCore:
             self.verifier,
             max_items=cfg.max_assignments,
             max_clock_skew_s=cfg.max_clock_skew_s,
+        )
+        self.services = ServicesRegister(
+            cfg.trusted_operators, self.verifier, max_clock_skew_s=cfg.max_clock_skew_s
         )
         self.members = MemberTable(self.self_id, cfg.suspicion, self.rng)
         self.loads: dict[str, Load] = {}
@@ -328,6 +335,37 @@ class MeshCore:
             if target is not None and target.addr:
                 self._send(target.addr, [AssignmentMsg(item)], now, reliable=True)
         return outcome
+
+    def publish_services(self, item: SignedServices, now: float) -> Offer:
+        """Accept an operator's service file (from the admin API) and spread it."""
+        return self._on_services(item, now)
+
+    def _on_services(self, item: SignedServices, now: float) -> Offer:
+        outcome = self.services.offer(item, now)
+        if not outcome.accepted:
+            self._drop(f"services_{outcome.value}")
+        elif outcome == Offer.NEW:
+            # Each member forwards a new file once, to a few peers over streams: epidemic
+            # spread in O(log N) hops; anti-entropy (ServicesRank) catches whoever it missed.
+            fanout = self.config.gossip_fanout
+            for m in self.members.random_reachable(fanout, exclude=(self._sender,)):
+                self._send(m.addr, [ServicesMsg(item)], now, reliable=True)
+        return outcome
+
+    def _on_services_rank(self, sender: str, msg: ServicesRank, now: float) -> None:
+        addr = self._reply_addr(sender, None)
+        if not addr:
+            return
+        if self.services.newer_than(msg.rank):
+            assert self.services.current is not None
+            self._send(addr, [ServicesMsg(self.services.current)], now, reliable=True)
+        elif msg.rank is not None and (self.services.rank is None or msg.rank > self.services.rank):
+            self._send(addr, [ServicesWant()], now, reliable=True)
+
+    def _on_services_want(self, sender: str, now: float) -> None:
+        addr = self._reply_addr(sender, None)
+        if addr and self.services.current is not None:
+            self._send(addr, [ServicesMsg(self.services.current)], now, reliable=True)
 
     def _load_direct(self) -> bool:
         return self.members.live_count() <= self.config.load_direct_max_members
@@ -465,6 +503,8 @@ class MeshCore:
                 self._on_load(msg, now)
             elif isinstance(msg, AssignmentMsg):
                 self._on_assignment(msg.assignment, now)
+            elif isinstance(msg, ServicesMsg):
+                self._on_services(msg.services, now)
         for msg in packet.messages:
             if isinstance(msg, Ping):
                 self._on_ping(packet.sender, msg, now, source)
@@ -476,6 +516,10 @@ class MeshCore:
                 self._on_sync_request(packet.sender, msg, now)
             elif isinstance(msg, SyncReply):
                 self._on_sync_reply(packet.sender, msg, now)
+            elif isinstance(msg, ServicesRank):
+                self._on_services_rank(packet.sender, msg, now)
+            elif isinstance(msg, ServicesWant):
+                self._on_services_want(packet.sender, now)
 
     def _on_entry(self, entry: SignedEntry, now: float) -> None:
         sid = entry.session_id
@@ -799,6 +843,7 @@ class MeshCore:
                 EntryMsg(self.self_entry),
                 self.alive,
                 *self._pending_assignments(),
+                ServicesRank(self.services.rank),
                 SyncRequest(tuple(self._rows())),
             ],
             now,

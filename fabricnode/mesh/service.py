@@ -27,6 +27,7 @@ from fabricnode.mesh.core import MeshCore
 from fabricnode.mesh.identity import Identity
 from fabricnode.mesh.keyring import Keyring, file_signature
 from fabricnode.mesh.registry import EntryBody, SignedEntry
+from fabricnode.mesh.servicedoc import SignedServices
 
 log = logging.getLogger("fabricnode.mesh.service")
 
@@ -291,6 +292,12 @@ class GossipService:
     def publish_assignment(self, item: SignedAssignment) -> Offer:
         """An operator's assignment (from the admin API): accepted ones spread at once."""
         outcome = self.core.publish_assignment(item, self.wall_clock())
+        self.poke()
+        return outcome
+
+    def publish_services(self, item: SignedServices) -> Offer:
+        """An operator's service file (from the admin API): a new one spreads at once."""
+        outcome = self.core.publish_services(item, self.wall_clock())
         self.poke()
         return outcome
 

@@ -33,6 +33,7 @@ from fabricnode.mesh.identity import (
     session_id_for,
 )
 from fabricnode.mesh.registry import SignedEntry
+from fabricnode.mesh.servicedoc import DIGEST_PREFIX, Rank, SignedServices
 
 WIRE_VERSION = 1
 ALIVE_DOMAIN = b"fabric/alive/v1"
@@ -220,6 +221,40 @@ class AssignmentMsg:
         return [self.TAG, *self.assignment.to_wire()]
 
 
+@dataclass(frozen=True)
+class ServicesMsg:
+    """The operator-signed service file (``fabricnode.mesh.servicedoc``)."""
+
+    TAG = 11
+    services: SignedServices
+
+    def to_wire(self) -> list[object]:
+        return [self.TAG, *self.services.to_wire()]
+
+
+@dataclass(frozen=True)
+class ServicesRank:
+    """The rank of the service file the sender holds (None: none); rides sync requests."""
+
+    TAG = 12
+    rank: Rank | None
+
+    def to_wire(self) -> list[object]:
+        if self.rank is None:
+            return [self.TAG]
+        return [self.TAG, self.rank[0], self.rank[1]]
+
+
+@dataclass(frozen=True)
+class ServicesWant:
+    """ "Your service file is newer than mine: send it"."""
+
+    TAG = 13
+
+    def to_wire(self) -> list[object]:
+        return [self.TAG]
+
+
 # -- anti-entropy ------------------------------------------------------------------------------
 
 # One row per member: [sid, state, version, digest(8), incarnation, liveness code]
@@ -257,6 +292,9 @@ Message = (
     | SyncRequest
     | SyncReply
     | AssignmentMsg
+    | ServicesMsg
+    | ServicesRank
+    | ServicesWant
 )
 
 
@@ -360,7 +398,16 @@ def _decode_message(raw: Any) -> Message | None:
         return SyncReply(tuple(take_sid(s) for s in want))
     if tag == AssignmentMsg.TAG and n == 3:
         return AssignmentMsg(SignedAssignment.from_wire(fields[1:]))
-    if tag in (1, 2, 3, 4, 5, 6, 7, 8, 9, 10):
+    if tag == ServicesMsg.TAG and n == 3:
+        return ServicesMsg(SignedServices.from_wire(fields[1:]))
+    if tag == ServicesRank.TAG and n == 1:
+        return ServicesRank(None)
+    if tag == ServicesRank.TAG and n == 3:
+        issued = codec.take_float(fields[1], what="services issued_at")
+        return ServicesRank((issued, codec.take_bytes(fields[2], size=DIGEST_PREFIX, what="rank")))
+    if tag == ServicesWant.TAG and n == 1:
+        return ServicesWant()
+    if tag in (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13):
         raise DecodeError(f"message tag {tag} with {n} fields")
     return None
 

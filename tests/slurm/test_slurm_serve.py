@@ -178,6 +178,27 @@ def test_wrapper_engine_choice(tmp_path: Path, engine: str, expected: list[str])
         assert srun[srun.index("start") + 5 : srun.index("--")] == ["--sim-gpu", "L4"]
 
 
+def test_wrapper_template_mode_lets_the_agent_render_its_template(tmp_path: Path) -> None:
+    """FABRIC_ENGINE=template (the elastic controller's jobs): no engine command after --, the
+    agent serves MODEL with its own --engine-template."""
+    template = "vllm serve {model_path} --port {port} --tensor-parallel-size {tp}"
+    done, srun = run_wrapper(
+        tmp_path, "--engine-template", template, "--", "m", env={"FABRIC_ENGINE": "template"}
+    )
+    assert done.returncode == 0, done.stderr
+    assert "--" not in srun
+    start = srun.index("start")
+    assert srun[start + 1 :] == [
+        "--http", "0.0.0.0:8080", "--gossip", "0.0.0.0:7946", "--serve", "m",
+        "--engine-template", template,
+    ]  # fmt: skip
+    done, srun = run_wrapper(
+        tmp_path, "--engine-template", template, "--", "m", "--extra",
+        env={"FABRIC_ENGINE": "template"},
+    )  # fmt: skip
+    assert done.returncode == 2 and "takes no ENGINE ARGS" in done.stderr and srun == []
+
+
 @pytest.mark.parametrize(
     ("args", "env", "message"),
     [

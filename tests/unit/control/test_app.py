@@ -18,6 +18,7 @@ from fabricnode.mesh.identity import Identity, OperatorKey
 from fabricnode.mesh.keyring import Keyring
 from fabricnode.mesh.registry import Hardware, ModelInfo, State
 from fabricnode.mesh.service import TransportStatistics
+from fabricnode.mesh.servicedoc import ServicesBody
 from fabricnode.mesh.wire import DEAD, SUSPECT, Accusation, Load
 from fabricnode.testing.simnet import make_body
 from tests.support.meshview import ENTRY_KEYS
@@ -444,3 +445,28 @@ async def test_untrusted_assignments_are_counted_in_one_log_line(
     assert lines == ["assignments not taken: 3000 untrusted"]
     text = (await get(app, "/metrics")).text
     assert 'fabric_assignments_refused_total{outcome="untrusted"} 3000.0' in text
+
+
+async def test_service_file_post_and_get(app: AdminApp, mesh: Mesh) -> None:
+    """POST /fabric/v1/services takes an operator-signed file (trusted keys only), GET shows it
+    with its text; malformed posts are 400 and refused ones are counted."""
+    operator = OperatorKey(Identity.from_seed(b"operator"))
+    text = '[[model]]\nname = "m"\nengine = "sim"\n'
+    signed = ServicesBody(NOW, text, operator.public_key).sign(operator)
+    async with client(app) as c:
+        r = await c.post("/fabric/v1/services", json=signed.to_json())
+        assert r.status_code == 200 and r.json()["result"] == "untrusted"
+        mesh.core.services.trusted = frozenset({operator.fingerprint})
+        r = await c.post("/fabric/v1/services", json=signed.to_json())
+        assert r.status_code == 200 and r.json()["result"] == "new"
+        assert r.json()["operator"] == operator.fingerprint
+        for bad in (b"not json", b'{"signed": "%%%", "signature": ""}', b"[]"):
+            r = await c.post("/fabric/v1/services", content=bad)
+            assert_openai_error(r, 400, r.json()["error"]["code"])
+        r = await c.put("/fabric/v1/services", content=b"{}")
+        assert r.status_code == 405 and "GET or POST" in r.json()["error"]["message"]
+    doc = (await get(app, "/fabric/v1/services")).json()
+    assert doc["services"]["text"] == text and doc["services"]["issued_at"] == NOW
+    assert doc["trusted_operators"] == [operator.fingerprint]
+    text = (await get(app, "/metrics")).text
+    assert 'fabric_services_refused_total{outcome="untrusted"} 1.0' in text

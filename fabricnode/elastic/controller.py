@@ -1,0 +1,345 @@
+"""The control loop an agent runs with ``--controller``: read, decide, act, every few seconds.
+
+Theory of operation
+-------------------
+Each tick (``interval_s``) the controller asks the registry who acts (``leader.acting``). A
+standby only keeps its status current ("standby; acting: <id>"). The acting one:
+
+1. reads the mesh's service file (``core.services``), parses it (``ServicePlans``; a file
+   that does not parse changes nothing: the error is the status, the jobs keep serving);
+2. lists the mesh's jobs from Slurm (``SlurmControl.list_jobs`` in a worker thread) and the
+   replicas from the registry (entries labelled ``fabric.service``, matched to jobs by their
+   ``slurm.job_id`` label; an entry's DOWN state or this agent's dead verdict makes it not
+   alive; the engine's error from the ``fabric.engine_error`` label);
+3. asks the scaler for each model's target (``Scaler.target``: the demand policy, within the
+   service's min and max) and runs ``reconcile``;
+4. carries out the actions in a worker thread: ``sbatch`` for submissions (the service's
+   partition, account, QoS, time limit, extra options, engine), ``scancel --signal=TERM`` for
+   cancels (the agent leaves and drains). Slurm's refusals become the model's status and a
+   decision with the refusal's text; the next pass tries again.
+
+Every decision is a log line, a ``Decision`` in ``recent`` (the last ``MAX_DECISIONS``) and a
+count in ``decisions`` by (action, reason kind), which the admin API serves as
+``/fabric/v1/controller`` and Prometheus text. A takeover starts from Slurm's list of jobs, so
+the new acting controller neither forgets its predecessor's jobs nor submits twice for them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import trio
+
+from fabricnode.elastic.leader import CONTROLLER_LABEL, Candidate, acting, candidate_since
+from fabricnode.elastic.reconcile import (
+    Cancel,
+    Goal,
+    Limits,
+    Memory,
+    ModelStatus,
+    Replica,
+    Submit,
+    reconcile,
+)
+from fabricnode.elastic.slurmctl import SlurmControl, SlurmRefused, Submission
+from fabricnode.engine.service import ERROR_LABEL
+from fabricnode.errors import FabricError
+from fabricnode.mesh.core import MeshCore
+from fabricnode.mesh.membership import Liveness
+from fabricnode.mesh.registry import State
+
+log = logging.getLogger("fabricnode.elastic.controller")
+
+SERVICE_LABEL = "fabric.service"
+JOB_LABEL = "slurm.job_id"
+ENGINE_ERROR_LABEL = ERROR_LABEL  # the engine supervisor puts its error there
+MAX_DECISIONS = 200
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    """What the controller needs of one declared model (from the service file)."""
+
+    model: str
+    min_replicas: int
+    max_replicas: int
+    gpus: int
+    partitions: tuple[str, ...] = ()
+    time_limit: str | None = None  # as sbatch takes it
+    time_limit_s: int | None = None
+    account: str | None = None
+    qos: str | None = None
+    sbatch_args: tuple[str, ...] = ()
+    engine: str = "sim"  # "sim" or an engine command template (fabricnode.engine.template)
+    model_path: str | None = None
+    idle_to_zero_s: float | None = None  # min_replicas 0: scale to zero after this idle time
+
+
+@dataclass(frozen=True)
+class ServicePlans:
+    models: tuple[ModelPlan, ...]
+    limits: Limits = field(default_factory=Limits)
+    digest: str = ""
+
+
+class Scaler(Protocol):
+    async def observe(self, plans: Sequence[ModelPlan], now: float) -> None:
+        """Gather what ``target`` needs (may block in a worker thread, never the loop)."""
+        ...
+
+    def target(self, plan: ModelPlan, now: float) -> tuple[int, str]:
+        """Replicas wanted now (before clamping to the plan's min and max) and why."""
+        ...
+
+
+class MinReplicas:
+    """The scaler without demand signals: every model at its ``min_replicas``."""
+
+    async def observe(self, plans: Sequence[ModelPlan], now: float) -> None:
+        return None
+
+    def target(self, plan: ModelPlan, now: float) -> tuple[int, str]:
+        return plan.min_replicas, "min replicas"
+
+
+@dataclass(frozen=True)
+class Decision:
+    at: float
+    model: str
+    action: str  # "submit", "cancel", "refused", "invalid"
+    reason: str
+    job_id: str = ""
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "at": self.at,
+            "model": self.model,
+            "action": self.action,
+            "reason": self.reason,
+            "job_id": self.job_id or None,
+        }
+
+
+@dataclass
+class ControllerStatus:
+    role: str = "starting"  # "acting", "standby", "starting"
+    acting: str = ""  # session id of the acting controller
+    service_digest: str = ""
+    error: str = ""  # why the last pass did nothing (bad file, squeue failed)
+    models: tuple[ModelStatus, ...] = ()
+    last_pass_at: float = 0.0
+    dry_run: bool = False
+    commands: tuple[str, ...] = ()  # dry-run: what it would have run
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "role": self.role,
+            "acting": self.acting or None,
+            "service_digest": self.service_digest or None,
+            "error": self.error or None,
+            "last_pass_at": self.last_pass_at or None,
+            "dry_run": self.dry_run,
+            "models": [m.to_json() for m in self.models],
+            "commands": list(self.commands),
+        }
+
+
+@dataclass
+class Controller:
+    core: MeshCore
+    slurm: SlurmControl
+    parse: Callable[[str], ServicePlans]  # raises FabricError with the reasons
+    relabel: Callable[[tuple[tuple[str, str], ...]], object]
+    scaler: Scaler = field(default_factory=MinReplicas)
+    interval_s: float = 2.0
+    wall_clock: Callable[[], float] = time.time
+    memory: Memory = field(default_factory=Memory)
+    status: ControllerStatus = field(default_factory=ControllerStatus)
+    recent: deque[Decision] = field(default_factory=lambda: deque(maxlen=MAX_DECISIONS))
+    decisions: Counter[tuple[str, str]] = field(default_factory=Counter)
+    _digest: str = ""
+
+    async def run(self) -> None:
+        since = self.wall_clock()
+        self.relabel(((CONTROLLER_LABEL, f"{since:.3f}"),))
+        self.status.dry_run = self.slurm.dry_run
+        log.info("controller candidate%s", " (dry run)" if self.slurm.dry_run else "")
+        while True:
+            await trio.sleep(self.interval_s)
+            try:
+                await self.tick()
+            except FabricError as exc:  # a pass that failed changes nothing; say why
+                self.status.error = str(exc)
+                log.warning("controller pass skipped: %s", exc)
+
+    async def tick(self) -> None:
+        leader = acting(self._candidates())
+        me = self.core.self_id
+        role = "acting" if leader is not None and leader.session_id == me else "standby"
+        if role != self.status.role:
+            log.info("controller: %s (acting: %s)", role, leader.session_id[:8] if leader else "-")
+        self.status.role = role
+        self.status.acting = leader.session_id if leader else ""
+        if role == "acting":
+            await self.run_pass()
+
+    def _candidates(self) -> list[Candidate]:
+        out = []
+        for entry in self.core.registry:
+            since = candidate_since(entry.body.labels)
+            if since is None:
+                continue
+            live = self.core.liveness(entry.session_id)
+            dead = entry.body.state >= State.DOWN or live in (Liveness.DEAD, Liveness.LEFT)
+            out.append(Candidate(entry.session_id, since, dead, entry.body.addresses.http))
+        return out
+
+    def replicas(self) -> list[Replica]:
+        out = []
+        for entry in self.core.registry:
+            labels = dict(entry.body.labels)
+            model = labels.get(SERVICE_LABEL)
+            if not model:
+                continue
+            live = self.core.liveness(entry.session_id)
+            alive = live not in (Liveness.DEAD, Liveness.LEFT) and entry.body.state < State.DOWN
+            out.append(
+                Replica(
+                    entry.session_id,
+                    model,
+                    labels.get(JOB_LABEL, ""),
+                    entry.body.state.name.lower(),
+                    alive,
+                    labels.get(ENGINE_ERROR_LABEL, ""),
+                )
+            )
+        return out
+
+    async def run_pass(self) -> None:
+        now = self.wall_clock()
+        current = self.core.services.current
+        if current is None:
+            self.status.error = "no service file applied (fabric services apply FILE)"
+            return
+        try:
+            plans = self.parse(current.body.text)
+        except FabricError as exc:
+            if current.digest.hex() != self._digest:
+                self._digest = current.digest.hex()
+                self._decide(Decision(now, "", "invalid", str(exc)))
+            self.status.error = f"the service file is invalid, nothing changes: {exc}"
+            return
+        if plans.digest != self.status.service_digest:
+            for p in plans.models:  # a new file: failed models get another chance
+                self.memory.reset_model(p.model)
+            self.status.service_digest = plans.digest
+        jobs = await trio.to_thread.run_sync(self.slurm.list_jobs)
+        ran = len(self.slurm.commands)
+        await self.scaler.observe(plans.models, now)
+        goals = []
+        for plan in plans.models:
+            want, why = self.scaler.target(plan, now)
+            target = max(plan.min_replicas, min(plan.max_replicas, want))
+            goals.append(
+                Goal(plan.model, target, plan.gpus, plan.partitions, plan.time_limit_s, why)
+            )
+        result = reconcile(now, goals, jobs, self.replicas(), self.memory, plans.limits)
+        by_model = {p.model: p for p in plans.models}
+        refused: dict[str, str] = {}
+        for action in result.actions:
+            if isinstance(action, Submit):
+                plan = by_model[action.model]
+                try:
+                    job_id = await trio.to_thread.run_sync(
+                        self.slurm.submit, _submission(plan, action)
+                    )
+                except SlurmRefused as exc:
+                    refused[action.model] = str(exc)
+                    self._decide(Decision(now, action.model, "refused", f"sbatch: {exc}"))
+                    continue
+                if not self.slurm.dry_run:  # a dry run's jobs never show in squeue
+                    self.memory.known[job_id] = (action.model, action.partition or "")
+                self._decide(Decision(now, action.model, "submit", action.reason, job_id))
+            elif isinstance(action, Cancel):
+                try:
+                    await trio.to_thread.run_sync(self.slurm.cancel, action.job_id, action.hard)
+                except SlurmRefused as exc:
+                    self._decide(Decision(now, action.model, "refused", f"scancel: {exc}"))
+                    continue
+                self._decide(Decision(now, action.model, "cancel", action.reason, action.job_id))
+        self.status.models = tuple(
+            _refused(s, refused[s.model]) if s.model in refused else s for s in result.status
+        )
+        self.status.error = ""
+        self.status.last_pass_at = now
+        self.status.commands = tuple(self.slurm.commands[ran:]) if self.slurm.dry_run else ()
+
+    def _decide(self, decision: Decision) -> None:
+        self.recent.append(decision)
+        self.decisions[(decision.action, _kind(decision.reason))] += 1
+        job = f" job {decision.job_id}" if decision.job_id else ""
+        log.info(
+            "controller %s %s%s: %s", decision.action, decision.model or "-", job, decision.reason
+        )
+
+
+# The jobs' agents take any free ports (they announce them in the registry): several jobs
+# starting at once on one node must not race for the wrapper's preferred 8080/7946.
+JOB_AGENT_ARGS = ("--http", "0.0.0.0:0", "--gossip", "0.0.0.0:0")
+MAX_SIGNAL_LEAD_S = 120  # the wrapper's --signal=TERM@120
+
+
+def _submission(plan: ModelPlan, action: Submit) -> Submission:
+    extra: tuple[str, ...] = ()
+    if plan.time_limit_s is not None and plan.time_limit_s < 4 * MAX_SIGNAL_LEAD_S:
+        # Slurm's warning signal (the agent leaves on it) at most a quarter of a short job
+        # before its end, not the wrapper's 120 s that would end a 2-minute job at once.
+        extra = (f"--signal=TERM@{max(10, plan.time_limit_s // 4)}",)
+    return Submission(
+        model=plan.model,
+        gpus=action.gpus,
+        partition=action.partition,
+        time_limit=plan.time_limit,
+        account=plan.account,
+        qos=plan.qos,
+        sbatch_args=(*extra, *plan.sbatch_args),
+        agent_args=JOB_AGENT_ARGS,
+        engine=plan.engine,
+        model_path=plan.model_path,
+        replaces=action.replaces,
+    )
+
+
+def _refused(status: ModelStatus, why: str) -> ModelStatus:
+    return ModelStatus(
+        status.model,
+        status.target,
+        status.serving,
+        status.starting,
+        status.pending,
+        status.draining,
+        "refused",
+        f"Slurm refused the last submission: {why}",
+    )
+
+
+KINDS = ("time limit", "pending", "scale down", "no longer", "min replicas", "demand", "forecast")
+
+
+def _kind(reason: str) -> str:
+    """A small set of reason kinds for metric labels (the full reason is in the log)."""
+    for kind in KINDS:
+        if kind in reason:
+            return kind
+    return reason.split(":", 1)[0][:32] if reason else "other"
+
+
+def summarise(controller: Controller, limit: int = 50) -> dict[str, object]:
+    """``/fabric/v1/controller``'s body."""
+    recent: Sequence[Decision] = list(controller.recent)[-limit:]
+    return {**controller.status.to_json(), "decisions": [d.to_json() for d in recent]}

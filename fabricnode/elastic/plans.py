@@ -1,0 +1,72 @@
+"""From the service file to what the controller acts on (``ModelPlan`` per declared model).
+
+``gpus_per_replica = "auto"`` asks the placement planner (``scheduler``) for the smallest
+tensor-parallel degree that holds the model on its first allowed GPU type with room for its KV
+cache (``scheduler.replica.tp_options``, a typical chat workload's lengths), by node shape: the
+TP stays within one node (the type's ``gpus_per_node``). A model the planner does not know (not
+in the catalog, no config.json at its path) or without a GPU type gets one GPU per replica, and
+the status says so.
+"""
+
+from __future__ import annotations
+
+from scheduler.catalog import builtin_catalog
+from scheduler.errors import SchedulerError
+from scheduler.replica import tp_options
+from scheduler.workload import Workload
+
+from fabricnode.elastic.controller import ModelPlan, ServicePlans
+from fabricnode.elastic.reconcile import Limits
+from fabricnode.elastic.servicefile import ModelService, ServiceSpec, parse
+
+# A typical chat request (the Azure conversation trace's means, rounded) for "auto" GPUs.
+AUTO_INPUT_TOKENS = 1200
+AUTO_OUTPUT_TOKENS = 200
+
+
+def plans_from_text(text: str) -> ServicePlans:
+    """The controller's plans of a service file; ``ServiceFileError`` if it is not valid."""
+    return plans_of(parse(text, "the mesh's service file"))
+
+
+def plans_of(spec: ServiceSpec) -> ServicePlans:
+    return ServicePlans(
+        tuple(_plan(m) for m in spec.models),
+        Limits(spec.limits.max_jobs, spec.limits.max_gpus),
+        spec.digest(),
+    )
+
+
+def auto_gpus(model: ModelService) -> int:
+    """GPUs per replica for ``gpus_per_replica = "auto"`` (module docstring)."""
+    if model.simulated or not model.gpu_types:
+        return 1
+    catalog = builtin_catalog()
+    try:
+        spec = catalog.model(model.model_path or model.name)
+        gpu = catalog.gpu(model.gpu_types[0])
+    except SchedulerError:
+        return 1
+    lengths = Workload(spec.name, 1.0, AUTO_INPUT_TOKENS, AUTO_OUTPUT_TOKENS).lengths(
+        spec.max_context
+    )
+    options = tp_options(spec, gpu, lengths)
+    return options[0] if options else 1
+
+
+def _plan(m: ModelService) -> ModelPlan:
+    return ModelPlan(
+        model=m.name,
+        min_replicas=m.min_replicas,
+        max_replicas=m.max_replicas,
+        gpus=m.gpus_per_replica if m.gpus_per_replica is not None else auto_gpus(m),
+        partitions=m.partitions,
+        time_limit=m.time_limit,
+        time_limit_s=m.time_limit_s,
+        account=m.account,
+        qos=m.qos,
+        sbatch_args=m.sbatch_args,
+        engine=m.engine,
+        model_path=m.model_path,
+        idle_to_zero_s=m.idle_to_zero_s,
+    )

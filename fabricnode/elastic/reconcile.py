@@ -1,0 +1,366 @@
+"""One pass of the controller: from what Slurm and the mesh show, the jobs to submit and cancel.
+
+Pure: ``reconcile(now, goals, jobs, replicas, memory, limits)`` returns the actions and each
+model's status; the controller loop (``fabricnode.elastic.controller``) gathers the inputs
+(``squeue`` through ``slurmctl``, the registry) and carries out the actions. Starting every pass
+from Slurm's own list of our jobs is what makes a takeover or a healed partition safe: a new
+acting controller counts the jobs its predecessor submitted, never its own memory.
+
+Rules, per model (its ``Goal``: the replicas wanted now, between the service's min and max):
+
+1. **Units.** Each of our jobs for the model is PENDING, STARTING (running, no SERVING replica
+   yet) or SERVING (its agent's entry, matched by the ``slurm.job_id`` label, is SERVING and
+   alive). A time-limit successor and the job it replaces (``replaces=``) count as one unit
+   until the old job is gone; jobs being drained by a cancel do not count.
+2. **Time limits, make-before-break.** A SERVING job whose end is nearer than the model's lead
+   time (``Memory.lead_s``: the learned time from ``sbatch`` to SERVING on that partition, times
+   ``lead_factor`` and at least ``lead_slack_s`` more, plus the agent's leave margin) gets a
+   successor, unless it has one. Only a serving job: one still starting replaces nothing yet,
+   and while the lead is longer than a job (before anything was learned, or for very short
+   jobs) successors must not chain.
+3. **Too few** units (a job ended: time limit, preemption, crash; or the goal grew): submit the
+   difference, on the first allowed partition not penalised for pending too long.
+4. **Too many** units: cancel the newest PENDING jobs first, then STARTING, then SERVING ones
+   (a cancel is SIGTERM: the agent leaves and drains its requests). Never below the goal.
+5. **Pending too long.** A job pending longer than ``patience_s`` on a partition when another
+   is allowed is cancelled and resubmitted on the next partition, which is then preferred for
+   ``penalty_s``.
+6. **Start failures back off.** A job that ends without ever serving is a start failure (its
+   replica's error, when the agent published one, is kept). Retries wait ``backoff_s * 2^(k-1)``
+   (capped); after ``max_failures`` in a row the model is *failed* and nothing more is submitted
+   for it until the service file changes (``Memory.reset_model``). A replica that serves resets
+   the count.
+7. **Limits.** A submission that would exceed the mesh's ``max_jobs`` or ``max_gpus`` is not
+   made; the status says so. Cancels are never limited.
+
+Learning (``Memory.observe``): the first time a job's replica is SERVING, ``now - submitted_at``
+(queue wait plus engine start-up) is folded into an exponentially weighted mean per (model,
+partition); until then ``default_lead_s`` is used.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from fabricnode.elastic.slurmctl import Job
+
+PENDING, STARTING, SERVING = "pending", "starting", "serving"
+
+
+@dataclass(frozen=True)
+class Goal:
+    """What one model needs now (the service file's settings and the policy's target)."""
+
+    model: str
+    target: int  # replicas wanted now, already within [min, max]
+    gpus: int  # per replica (one job)
+    partitions: tuple[str, ...]  # in order of preference; () = the site's default
+    time_limit_s: int | None = None
+    reason: str = "min replicas"  # why the target is what it is (policy's reason)
+
+
+@dataclass(frozen=True)
+class Replica:
+    """A replica as the registry shows it."""
+
+    session_id: str
+    model: str
+    job_id: str
+    state: str  # "join", "serving", "down", "left"
+    alive: bool = True
+    error: str = ""  # the engine's last error, when the agent published one
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_jobs: int | None = None
+    max_gpus: int | None = None
+
+
+@dataclass(frozen=True)
+class Tuning:
+    default_lead_s: float = 180.0  # sbatch to SERVING before anything was observed
+    lead_factor: float = 1.5  # safety on the learned lead time...
+    lead_slack_s: float = 30.0  # ...and at least this much (queue and start-up vary)
+    leave_margin_s: float = 120.0  # the agents leave this long before their time limit
+    learn_weight: float = 0.3  # EWMA weight of a new observation
+    patience_s: float = 300.0  # pending this long on a partition: try the next one
+    penalty_s: float = 900.0  # how long a partition that kept a job pending is avoided
+    backoff_s: float = 30.0
+    max_backoff_s: float = 600.0
+    max_failures: int = 5
+    drain_kill_s: float = 180.0  # a cancelled job still running after this is cancelled hard
+
+
+@dataclass(frozen=True)
+class Submit:
+    model: str
+    gpus: int
+    partition: str | None
+    time_limit_s: int | None
+    reason: str
+    replaces: str = ""
+
+
+@dataclass(frozen=True)
+class Cancel:
+    job_id: str
+    model: str
+    reason: str
+    hard: bool = False  # scancel outright (a drain that did not end), not SIGTERM
+
+
+Action = Submit | Cancel
+
+
+@dataclass
+class Failures:
+    count: int = 0
+    next_try_at: float = 0.0
+    last_error: str = ""
+    failed: bool = False
+
+
+@dataclass
+class Memory:
+    """What the acting controller learned and remembers between passes (lost on takeover:
+    a new controller relearns, starting from the defaults)."""
+
+    tuning: Tuning = field(default_factory=Tuning)
+    lead: dict[tuple[str, str], float] = field(default_factory=dict)  # (model, partition) -> s
+    served: set[str] = field(default_factory=set)  # jobs whose replica was seen SERVING
+    known: dict[str, tuple[str, str]] = field(default_factory=dict)  # job -> (model, partition)
+    draining: dict[str, float] = field(default_factory=dict)  # job -> when we cancelled it
+    failures: dict[str, Failures] = field(default_factory=dict)
+    penalised: dict[tuple[str, str], float] = field(default_factory=dict)  # until when
+    errors: dict[str, str] = field(default_factory=dict)  # job -> replica error seen
+
+    def lead_s(self, model: str, partition: str, time_limit_s: int | None = None) -> float:
+        """How long before a job's end its successor is submitted: the learned time to
+        SERVING with a safety factor, plus the time the job's agent leaves before its end
+        (``leave_margin_s``, at most half the job, as the agent does)."""
+        t = self.tuning
+        learned = self.lead.get((model, partition), t.default_lead_s)
+        margin = t.leave_margin_s
+        if time_limit_s is not None:
+            margin = min(margin, time_limit_s / 2)
+        return max(learned * t.lead_factor, learned + t.lead_slack_s) + margin
+
+    def observe(self, model: str, partition: str, seconds: float) -> None:
+        w = self.tuning.learn_weight
+        old = self.lead.get((model, partition))
+        self.lead[(model, partition)] = seconds if old is None else (1 - w) * old + w * seconds
+
+    def reset_model(self, model: str) -> None:
+        self.failures.pop(model, None)
+
+    def failure(self, model: str) -> Failures:
+        return self.failures.setdefault(model, Failures())
+
+
+@dataclass(frozen=True)
+class ModelStatus:
+    model: str
+    target: int
+    serving: int
+    starting: int
+    pending: int
+    draining: int
+    state: str  # "ok", "scaling", "backing off", "failed", "limited"
+    note: str = ""
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "model": self.model,
+            "target": self.target,
+            "serving": self.serving,
+            "starting": self.starting,
+            "pending": self.pending,
+            "draining": self.draining,
+            "state": self.state,
+            "note": self.note,
+        }
+
+
+@dataclass(frozen=True)
+class Pass:
+    actions: tuple[Action, ...]
+    status: tuple[ModelStatus, ...]
+
+
+def reconcile(
+    now: float,
+    goals: Sequence[Goal],
+    jobs: Iterable[Job],
+    replicas: Iterable[Replica],
+    memory: Memory,
+    limits: Limits = Limits(),
+) -> Pass:
+    """One pass (see the module docstring). Updates ``memory`` with what it learned."""
+    jobs = list(jobs)
+    t = memory.tuning
+    by_job: dict[str, Replica] = {}
+    for r in replicas:
+        if r.job_id and r.alive and r.state not in ("left",):
+            by_job[r.job_id] = r
+        if r.job_id and r.error:
+            memory.errors[r.job_id] = r.error
+    _learn(now, jobs, by_job, memory)
+    used_jobs = sum(1 for j in jobs if not j.ending)
+    used_gpus = sum(g.gpus for g in goals for j in jobs if j.model == g.model and not j.ending)
+    actions: list[Action] = []
+    status: list[ModelStatus] = []
+    for goal in goals:
+        mine = [j for j in jobs if j.model == goal.model and not j.ending]
+        live = [j for j in mine if j.job_id not in memory.draining]
+        phase = {j.job_id: _phase(j, by_job) for j in live}
+        successors = {j.replaces for j in live if j.replaces}
+        units = [j for j in live if j.job_id not in successors]  # a handover pair counts once
+        # rule 5: pending too long where another partition is allowed
+        for j in list(units):
+            waited = now - (j.submitted_at or now)
+            if (
+                phase[j.job_id] == PENDING
+                and len(goal.partitions) > 1
+                and j.partition in goal.partitions
+                and waited > t.patience_s
+            ):
+                memory.penalised[(goal.model, j.partition)] = now + t.penalty_s
+                actions.append(
+                    Cancel(j.job_id, goal.model, f"pending {waited:.0f} s on {j.partition}")
+                )
+                memory.draining[j.job_id] = now
+                units.remove(j)
+        # rule 2: successors ahead of time limits, for serving jobs only (a job still starting
+        # replaces nothing yet, and a lead longer than a job must not chain successors)
+        for j in units:
+            if (
+                phase[j.job_id] == SERVING
+                and j.ends_at is not None
+                and j.job_id not in {x.replaces for x in live}
+                and j.ends_at - now <= memory.lead_s(goal.model, j.partition, j.time_limit_s)
+            ):
+                actions.append(
+                    Submit(
+                        goal.model,
+                        goal.gpus,
+                        _partition(goal, memory, now),
+                        goal.time_limit_s,
+                        f"time limit of job {j.job_id} in {j.ends_at - now:.0f} s",
+                        replaces=j.job_id,
+                    )
+                )
+        fail = memory.failure(goal.model)
+        note = ""
+        state = "ok"
+        deficit = goal.target - len(units)
+        if deficit > 0:
+            if fail.failed:
+                state, note = "failed", fail.last_error
+                deficit = 0
+            elif now < fail.next_try_at:
+                state = "backing off"
+                note = f"retry in {fail.next_try_at - now:.0f} s: {fail.last_error}"
+                deficit = 0
+        for _ in range(max(0, deficit)):
+            room_jobs = limits.max_jobs is None or used_jobs < limits.max_jobs
+            room_gpus = limits.max_gpus is None or used_gpus + goal.gpus <= limits.max_gpus
+            if not (room_jobs and room_gpus):
+                state = "limited"
+                note = "max_jobs" if not room_jobs else "max_gpus"
+                note = f"mesh limit {note} reached"
+                break
+            used_jobs += 1
+            used_gpus += goal.gpus
+            actions.append(
+                Submit(
+                    goal.model,
+                    goal.gpus,
+                    _partition(goal, memory, now),
+                    goal.time_limit_s,
+                    goal.reason if len(units) else f"{goal.reason} (none running)",
+                )
+            )
+            state = "scaling"
+        surplus = len(units) - goal.target
+        if surplus > 0:
+            order = {PENDING: 0, STARTING: 1, SERVING: 2}
+            victims = sorted(
+                units, key=lambda j: (order[phase[j.job_id]], -(j.submitted_at or 0.0))
+            )[:surplus]
+            for j in victims:
+                actions.append(Cancel(j.job_id, goal.model, f"scale down to {goal.target}"))
+                memory.draining[j.job_id] = now
+            state = "scaling"
+        counts = {p: sum(1 for j in live if phase[j.job_id] == p) for p in (PENDING, STARTING)}
+        status.append(
+            ModelStatus(
+                goal.model,
+                goal.target,
+                sum(1 for j in live if phase[j.job_id] == SERVING),
+                counts[STARTING],
+                counts[PENDING],
+                sum(1 for j in mine if j.job_id in memory.draining),
+                state,
+                note,
+            )
+        )
+    # drains that hang (an agent that does not leave): cancel those jobs outright, once
+    for j in jobs:
+        since = memory.draining.get(j.job_id)
+        if since is not None and j.running and now - since > t.drain_kill_s:
+            actions.append(Cancel(j.job_id, j.model, f"drain took over {t.drain_kill_s:g} s", True))
+            memory.draining[j.job_id] = now + 10 * t.drain_kill_s  # not again soon
+    # jobs of models no longer declared: drain them
+    declared = {g.model for g in goals}
+    for j in jobs:
+        if j.model not in declared and not j.ending and j.job_id not in memory.draining:
+            actions.append(Cancel(j.job_id, j.model, "no longer in the service file"))
+            memory.draining[j.job_id] = now
+    return Pass(tuple(actions), tuple(status))
+
+
+def _phase(job: Job, by_job: Mapping[str, Replica]) -> str:
+    if job.pending:
+        return PENDING
+    replica = by_job.get(job.job_id)
+    return SERVING if replica is not None and replica.state == "serving" else STARTING
+
+
+def _learn(now: float, jobs: Sequence[Job], by_job: Mapping[str, Replica], memory: Memory) -> None:
+    t = memory.tuning
+    listed = {j.job_id: j for j in jobs}
+    for j in jobs:
+        if not j.ending:
+            memory.known.setdefault(j.job_id, (j.model, j.partition))
+        replica = by_job.get(j.job_id)
+        if replica is not None and replica.state == "serving" and j.job_id not in memory.served:
+            memory.served.add(j.job_id)
+            if j.submitted_at is not None:
+                memory.observe(j.model, j.partition, max(0.0, now - j.submitted_at))
+            memory.reset_model(j.model)
+    for job_id, (model, _partition) in list(memory.known.items()):
+        job = listed.get(job_id)
+        gone = job is None or job.ending
+        if not gone:
+            continue
+        del memory.known[job_id]
+        cancelled = memory.draining.pop(job_id, None) is not None
+        if job_id in memory.served or cancelled:
+            memory.served.discard(job_id)
+            continue
+        fail = memory.failure(model)  # ended without ever serving: a start failure
+        fail.count += 1
+        fail.last_error = memory.errors.pop(job_id, "") or f"job {job_id} ended before serving"
+        fail.next_try_at = now + min(t.max_backoff_s, t.backoff_s * 2 ** (fail.count - 1))
+        fail.failed = fail.count >= t.max_failures
+
+
+def _partition(goal: Goal, memory: Memory, now: float) -> str | None:
+    if not goal.partitions:
+        return None
+    for p in goal.partitions:
+        if memory.penalised.get((goal.model, p), 0.0) <= now:
+            return p
+    return goal.partitions[-1]

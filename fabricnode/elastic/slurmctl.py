@@ -1,0 +1,235 @@
+"""The controller's hands on Slurm: submit, list and cancel the jobs it owns, or only say so.
+
+Rules
+-----
+* Every job the controller submits is tagged in its Slurm *comment*:
+  ``fabric-elastic mesh=<mesh id> model=<model, %-quoted> [replaces=<job id>]``. The mesh id
+  (``mesh_tag``) keeps two meshes run by one user apart; the
+  model says which service the job serves; ``replaces`` links a time-limit successor to the
+  job it takes over from. ``list_jobs`` lists the user's jobs with ``squeue`` and keeps only
+  ours, so decisions always start from Slurm's own view, never from the controller's memory.
+* ``submit`` runs ``sbatch --parsable`` around the ``fabric-serve.sbatch`` wrapper with the
+  service's partition, account, QoS, time limit, GPUs and extra options, and returns the job id
+  or a ``SlurmRefused`` carrying sbatch's own message (unknown partition, QoS limit, ...). The
+  job's agent is labelled ``fabric.service=<model>``; it runs the simulated engine
+  (``FABRIC_ENGINE=sim``) or renders the service's engine template itself
+  (``FABRIC_ENGINE=template``, ``fabric start --engine-template T --serve MODEL``).
+* ``dry_run`` records every command it would run (``commands``) and runs nothing but the
+  read-only ``squeue``.
+* Blocking: call from a worker thread (``trio.to_thread.run_sync``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shlex
+import subprocess
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import quote, unquote
+
+from fabricnode.errors import FabricError
+from fabricnode.host.slurm import parse_sbatch_job_id, parse_slurm_time, parse_time_limit
+
+TAG = "fabric-elastic"
+SQUEUE_FIELDS = (
+    "%i|%T|%P|%V|%S|%e|%l|%r|%k"  # id state partition submit start end limit reason comment
+)
+COMMAND_TIMEOUT_S = 30.0
+
+# argv -> (exit status, stdout, stderr); a missing command is 127
+Runner = Callable[[Sequence[str]], tuple[int, str, str]]
+
+
+class SlurmRefused(FabricError):
+    """sbatch or scancel said no; the message is Slurm's own."""
+
+
+def run(argv: Sequence[str]) -> tuple[int, str, str]:
+    try:
+        done = subprocess.run(
+            list(argv),
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            errors="replace",
+            timeout=COMMAND_TIMEOUT_S,
+            check=False,
+        )
+    except FileNotFoundError:
+        return 127, "", f"{argv[0]}: command not found"
+    except (OSError, subprocess.SubprocessError) as exc:
+        return 1, "", f"{argv[0]}: {exc}"
+    return done.returncode, done.stdout, done.stderr
+
+
+def mesh_tag(seed: bytes) -> str:
+    """A short, stable id of a mesh from something every agent of it shares (the agent uses
+    its ``$FABRIC_HOME`` path, which the jobs share for the rendezvous file; not the cluster
+    key, which an operator may rotate)."""
+    return hashlib.sha256(b"fabric/elastic/mesh/v1\0" + seed).hexdigest()[:12]
+
+
+@dataclass(frozen=True)
+class Job:
+    """One of our jobs as squeue shows it; times in unix seconds (None when unknown)."""
+
+    job_id: str
+    model: str
+    state: str  # PENDING, RUNNING, COMPLETING, ... (squeue's long names)
+    partition: str
+    submitted_at: float | None
+    started_at: float | None
+    ends_at: float | None
+    time_limit_s: int | None
+    reason: str
+    replaces: str = ""
+
+    @property
+    def pending(self) -> bool:
+        return self.state in ("PENDING", "CONFIGURING", "REQUEUED", "RESIZING", "SUSPENDED")
+
+    @property
+    def running(self) -> bool:
+        return self.state == "RUNNING"
+
+    @property
+    def ending(self) -> bool:
+        return not (self.pending or self.running)
+
+
+@dataclass(frozen=True)
+class Submission:
+    model: str
+    gpus: int
+    partition: str | None
+    time_limit: str | None
+    account: str | None = None
+    qos: str | None = None
+    sbatch_args: tuple[str, ...] = ()
+    engine: str = "sim"  # "sim" (the simulated engine) or an engine command template
+    model_path: str | None = None  # {model_path} of the template (default: the model id)
+    agent_args: tuple[str, ...] = ()
+    replaces: str = ""
+
+
+def comment_for(mesh: str, model: str, replaces: str = "") -> str:
+    text = f"{TAG} mesh={mesh} model={quote(model, safe='')}"
+    return text + (f" replaces={replaces}" if replaces else "")
+
+
+def parse_comment(comment: str, mesh: str) -> tuple[str, str] | None:
+    """(model, replaces) of one of this mesh's jobs, or None for any other job."""
+    words = comment.split()
+    if not words or words[0] != TAG:
+        return None
+    fields = dict(w.split("=", 1) for w in words[1:] if "=" in w)
+    if fields.get("mesh") != mesh or not fields.get("model"):
+        return None
+    return unquote(fields["model"]), fields.get("replaces", "")
+
+
+def parse_squeue(text: str, mesh: str) -> list[Job]:
+    jobs: list[Job] = []
+    for line in text.splitlines():
+        parts = line.strip().split("|", 8)
+        if len(parts) != 9:
+            continue
+        job_id, state, partition, submit, start, end, limit, reason, comment = parts
+        ours = parse_comment(comment, mesh)
+        if ours is None or not job_id.strip():
+            continue
+        jobs.append(
+            Job(
+                job_id.strip(),
+                ours[0],
+                state.strip(),
+                partition.strip(),
+                parse_slurm_time(submit.strip()),
+                parse_slurm_time(start.strip()),
+                parse_slurm_time(end.strip()),
+                parse_time_limit(limit.strip()),
+                "" if reason.strip() == "None" else reason.strip(),
+                ours[1],
+            )
+        )
+    return jobs
+
+
+@dataclass
+class SlurmControl:
+    mesh: str
+    script: Path
+    user: str  # whose jobs squeue lists (the agent's user)
+    runner: Runner = run
+    dry_run: bool = False
+    output: str | None = None  # the jobs' batch output (Slurm's %j allowed); None: sbatch's
+    commands: list[str] = field(default_factory=list)  # what ran (or would have, dry-run)
+
+    def list_jobs(self) -> list[Job]:
+        argv = ["squeue", "--noheader", "-u", self.user, f"--format={SQUEUE_FIELDS}"]
+        rc, out, err = self.runner(argv)
+        if rc != 0:
+            raise SlurmRefused(f"squeue failed: {(err or out).strip() or f'exit status {rc}'}")
+        return parse_squeue(out, self.mesh)
+
+    def sbatch_argv(self, s: Submission) -> list[str]:
+        argv = ["sbatch", "--parsable", f"--job-name=fabric-{_slug(s.model)}"]
+        argv.append(f"--comment={comment_for(self.mesh, s.model, s.replaces)}")
+        if s.gpus > 0:
+            argv.append(f"--gres=gpu:{s.gpus}")
+        if self.output:
+            argv.append(f"--output={self.output}")
+        for flag, value in (
+            ("--partition", s.partition),
+            ("--time", s.time_limit),
+            ("--account", s.account),
+            ("--qos", s.qos),
+        ):
+            if value:
+                argv.append(f"{flag}={value}")
+        agent = [*s.agent_args, "--label", f"fabric.service={s.model}"]
+        if s.engine.strip() == "sim":
+            argv.append("--export=ALL,FABRIC_ENGINE=sim")
+        else:  # the job's agent renders the template for the model (fabric start --serve)
+            argv.append("--export=ALL,FABRIC_ENGINE=template")
+            agent += ["--engine-template", s.engine]
+            if s.model_path:
+                agent += ["--model-path", f"{s.model}={s.model_path}"]
+        return [*argv, *s.sbatch_args, str(self.script), *agent, "--", s.model]
+
+    def submit(self, s: Submission) -> str:
+        """The new job's id; ``SlurmRefused`` with sbatch's message when it says no."""
+        argv = self.sbatch_argv(s)
+        self.commands.append(shlex.join(argv))
+        if self.dry_run:
+            return f"dry-run-{len(self.commands)}"
+        rc, out, err = self.runner(argv)
+        job_id = parse_sbatch_job_id(out) if rc == 0 else None
+        if job_id is None:
+            raise SlurmRefused(_first_line(err or out) or f"sbatch exit status {rc}")
+        return job_id
+
+    def cancel(self, job_id: str, hard: bool = False) -> None:
+        """SIGTERM to the job's step, the agent (it leaves and drains its requests, then exits,
+        and the job ends with it); ``hard``: cancel the job outright (a drain that hangs)."""
+        argv = ["scancel", job_id] if hard else ["scancel", "--signal=TERM", job_id]
+        self.commands.append(shlex.join(argv))
+        if self.dry_run:
+            return
+        rc, out, err = self.runner(argv)
+        if rc != 0:
+            raise SlurmRefused(_first_line(err or out) or f"scancel exit status {rc}")
+
+
+def _slug(model: str) -> str:
+    base = model.rstrip("/").rsplit("/", 1)[-1] or "model"
+    return "".join(c if c.isalnum() or c in "._-" else "_" for c in base)[:40]
+
+
+def _first_line(text: str) -> str:
+    for line in text.splitlines():
+        if line.strip():
+            return line.strip().removeprefix("sbatch: error: ").removeprefix("scancel: error: ")
+    return ""

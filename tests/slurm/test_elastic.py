@@ -1,0 +1,378 @@
+"""The elastic controller on a real Slurm (tests/support/slurmcluster.py), with simulated
+engines: a service file applied through `fabric services apply`, two controller agents (one
+acts), jobs of two minutes kept at two SERVING replicas across their time limits, a job's
+agent killed and replaced, the acting controller killed and its standby taking over, squeue
+watched the whole time for a duplicate job, a steady client load that sees no failure, and a
+service file Slurm refuses reported without touching what serves.
+
+Timings are printed (run with ``-s``). ``FABRIC_ELASTIC_MINUTES`` (default 2.5) sets how long the
+keep-alive run lasts; the acceptance run of docs/services.md uses 10.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from cli.localmesh import AgentProcess, LocalMesh
+from fabricnode.control.client import AdminClient
+from fabricnode.elastic.slurmctl import parse_comment
+from fabricnode.errors import AgentApiError
+from fabricnode.mesh.identity import OperatorKey
+from tests.support import REPO
+from tests.support.slurmcluster import SlurmCluster
+
+WRAPPER = REPO / "slurm" / "fabric-serve.sbatch"
+FABRIC = Path(sys.executable).parent / "fabric"
+MODEL = "sim-elastic"
+MINUTES = float(os.environ.get("FABRIC_ELASTIC_MINUTES", "2.5"))
+
+SERVICE = f"""
+[limits]
+max_jobs = 6
+max_gpus = 6
+
+[[model]]
+name = "{MODEL}"
+engine = "sim"
+gpus_per_replica = 1
+min_replicas = 2
+max_replicas = 2
+partitions = ["high"]
+time_limit = "2:00"
+"""
+
+pytestmark = pytest.mark.slow
+
+
+@dataclass
+class Watch:
+    """Sampled every half second: SERVING replicas, our jobs in squeue, client results."""
+
+    serving: list[tuple[float, int]] = field(default_factory=list)
+    too_many: list[str] = field(default_factory=list)  # squeue lines breaking the rule
+    results: Counter[str] = field(default_factory=Counter)
+    stop: threading.Event = field(default_factory=threading.Event)
+
+
+def fabric(mesh: LocalMesh, agent: AgentProcess, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "cli.main", "--agent", agent.http_url, *args],
+        env=mesh.env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def our_jobs(cluster: SlurmCluster) -> list[tuple[str, str, str]]:
+    """(job id, state, replaces) of the jobs tagged for MODEL, any mesh."""
+    done = cluster.run("squeue", "-h", "-o", "%i|%T|%k", check=False)
+    out = []
+    for line in done.stdout.splitlines():
+        job_id, state, comment = [*line.split("|", 2), "", ""][:3]
+        words = comment.split()
+        mesh = next((w[5:] for w in words if w.startswith("mesh=")), "")
+        tagged = parse_comment(comment, mesh) if mesh else None
+        if tagged is not None and tagged[0] == MODEL:
+            out.append((job_id, state, tagged[1]))
+    return out
+
+
+def serving_count(url: str, model: str = MODEL) -> int | None:
+    try:
+        with AdminClient(url, timeout_s=2.0) as client:
+            nodes = client.nodes(state="serving")
+    except AgentApiError:
+        return None
+    return sum(
+        1
+        for n in nodes
+        if (n.get("labels") or {}).get("fabric.service") == model and n.get("liveness") == "alive"
+    )
+
+
+def watch(cluster: SlurmCluster, ingress: AgentProcess, w: Watch) -> None:
+    while not w.stop.is_set():
+        count = serving_count(ingress.http_url)
+        if count is not None:
+            w.serving.append((time.monotonic(), count))
+        jobs = our_jobs(cluster)
+        successors = Counter(r for _, _, r in jobs if r)
+        units = [j for j, _, _ in jobs if j not in successors]  # a handover pair counts once
+        live = {j for j, state, _ in jobs if state in ("PENDING", "RUNNING")}
+        units = [j for j in units if j in live]
+        if len(units) > 2 or any(n > 1 for n in successors.values()):
+            w.too_many.append(repr(jobs))
+        time.sleep(0.5)
+
+
+def load(ingress: AgentProcess, w: Watch) -> None:
+    with httpx.Client(base_url=ingress.http_url, timeout=60) as client:
+        while not w.stop.is_set():
+            body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                    "max_tokens": 8}  # fmt: skip
+            try:
+                r = client.post("/v1/chat/completions", json=body)
+                w.results[str(r.status_code)] += 1
+            except httpx.HTTPError as exc:
+                w.results[type(exc).__name__] += 1
+            time.sleep(0.5)
+
+
+def controller_role(agent: AgentProcess) -> str | None:
+    try:
+        with AdminClient(agent.http_url, timeout_s=2.0) as client:
+            return str(client.get_json("/fabric/v1/controller")["role"])
+    except AgentApiError:
+        return None
+
+
+@dataclass
+class Elastic:
+    mesh: LocalMesh
+    ingress: AgentProcess
+    controllers: list[AgentProcess]
+
+
+@pytest.fixture(scope="module")
+def elastic(
+    slurm_cluster: SlurmCluster, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Elastic]:
+    """An ingress and two controller agents (one acts) trusting the mesh's operator key."""
+    if not FABRIC.exists():
+        pytest.skip(f"no fabric console script next to {sys.executable}")
+    local = LocalMesh(tmp_path_factory.mktemp("elastic") / "mesh")
+    key = OperatorKey.generate()
+    key.save(local.workdir / "operator.key")
+    trust = ("--trust-operator", key.fingerprint)
+    env = {**slurm_cluster.env, "FABRIC_BIN": str(FABRIC), "FABRIC_SIM_GPU": "H100",
+           "FABRIC_LEAVE_BEFORE_END": "", "FABRIC_JOIN": ""}  # fmt: skip
+    try:
+        ingress = local.start("ingress", args=trust)
+        controllers = [
+            local.start(name, args=[*trust, "--controller"], env=env) for name in ("ctl-a", "ctl-b")
+        ]
+        yield Elastic(local, ingress, controllers)
+    finally:
+        local.close()  # the controllers first, so that nothing replaces the jobs cancelled next
+        ours = [j for j, _, _ in our_jobs(slurm_cluster)]
+        if ours:
+            slurm_cluster.run("scancel", *ours, check=False)
+        for agent in local.agents:
+            print(f"--- {agent.name} (exit {agent.proc.returncode}) ---\n{agent.stderr_tail(25)}")
+        for out in sorted((local.workdir / "logs").glob("slurm-*.out"))[-6:]:
+            print(f"--- {out.name} ---\n" + "\n".join(out.read_text().splitlines()[-8:]))
+
+
+def test_the_controller_keeps_replicas_across_time_limits_kills_and_its_own_failover(
+    slurm_cluster: SlurmCluster, elastic: Elastic, tmp_path: Path
+) -> None:
+    mesh, ingress, controllers = elastic.mesh, elastic.ingress, elastic.controllers
+    service = tmp_path / "services.toml"
+    service.write_text(SERVICE)
+    done = fabric(mesh, ingress, "services", "apply", str(service))
+    assert done.returncode == 0, done.stdout + done.stderr
+    started = time.monotonic()
+    w = Watch()
+    threads = [
+        threading.Thread(target=watch, args=(slurm_cluster, ingress, w), daemon=True),
+        threading.Thread(target=load, args=(ingress, w), daemon=True),
+    ]
+    try:
+        for t in threads:
+            t.start()
+        while not any(n >= 2 for _, n in w.serving):
+            assert time.monotonic() - started < 90, f"never 2 SERVING: {w.serving[-5:]}"
+            time.sleep(0.5)
+        ramp = time.monotonic() - started
+        print(f"2 replicas SERVING {ramp:.1f} s after the service file was applied")
+        steady_from = time.monotonic()
+        end = steady_from + MINUTES * 60
+
+        # a job's agent crashes: replaced (the engine goes with it)
+        time.sleep(min(40.0, MINUTES * 15))
+        victim = next(j for j, state, _ in our_jobs(slurm_cluster) if state == "RUNNING")
+        slurm_cluster.scancel(int(victim), "--full", signal="KILL")
+        print(f"killed job {victim} at {time.monotonic() - steady_from:.1f} s")
+
+        # the acting controller crashes: the standby acts within 10 s
+        time.sleep(20.0)
+        roles = {a.name: controller_role(a) for a in controllers}
+        acting = next(a for a in controllers if roles[a.name] == "acting")
+        standby = next(a for a in controllers if a is not acting)
+        acting.kill()
+        t0 = time.monotonic()
+        while controller_role(standby) != "acting":
+            assert time.monotonic() - t0 < 10, "the standby did not take over within 10 s"
+            time.sleep(0.2)
+        print(f"standby acting {time.monotonic() - t0:.1f} s after the acting controller died")
+
+        while time.monotonic() < end:
+            time.sleep(1.0)
+    finally:
+        w.stop.set()
+        for t in threads:
+            t.join(timeout=60)
+    steady = [n for at, n in w.serving if at >= steady_from]
+    share = sum(1 for n in steady if n >= 2) / max(1, len(steady))
+    print(f"2 SERVING for {share:.1%} of {len(steady)} samples over {MINUTES:g} min; "
+          f"client results {dict(w.results)}")  # fmt: skip
+    status = fabric(mesh, standby, "services", "--json")
+    print(status.stdout[-3000:])
+    decisions = json.loads(status.stdout)["decisions"]
+    reasons = Counter(d["reason"].split(" ")[0] for d in decisions)
+    print(f"decisions: {reasons}")
+    assert w.too_many == [], w.too_many[:3]
+    assert set(w.results) == {"200"}, w.results
+    assert share >= 0.99
+    assert any("time limit" in d["reason"] for d in decisions)
+
+
+def test_a_file_slurm_refuses_is_reported_and_the_mesh_keeps_serving(
+    slurm_cluster: SlurmCluster, elastic: Elastic, tmp_path: Path
+) -> None:
+    mesh, ingress = elastic.mesh, elastic.ingress
+    bad = tmp_path / "bad.toml"
+    more = SERVICE.replace("min_replicas = 2", "min_replicas = 3")
+    bad.write_text(more.replace("max_replicas = 2", "max_replicas = 3").replace("high", "nope"))
+    done = fabric(mesh, ingress, "services", "apply", str(bad))
+    assert done.returncode == 0, done.stderr
+    deadline = time.monotonic() + 30
+    while True:
+        doc = json.loads(fabric(mesh, ingress, "services", "--json").stdout)
+        model = doc["models"][0] if doc["models"] else {}
+        if model.get("state") == "refused":
+            break
+        assert time.monotonic() < deadline, doc
+        time.sleep(1)
+    assert "invalid partition" in model["note"].lower()
+    assert (serving_count(ingress.http_url) or 0) >= 2  # what serves keeps serving
+    # a file that does not parse is refused here, with its line, and nothing is sent
+    broken = tmp_path / "broken.toml"
+    broken.write_text(SERVICE.replace("min_replicas = 2", "min_replicas = -1"))
+    done = fabric(mesh, ingress, "services", "apply", str(broken))
+    assert done.returncode == 1 and "broken.toml:" in done.stderr and "min_replicas" in done.stderr
+
+
+COLD = """
+[limits]
+max_jobs = 4
+max_gpus = 4
+
+[[model]]
+name = "cold"
+engine = "sim"
+gpus_per_replica = 1
+min_replicas = 0
+max_replicas = 1
+idle_to_zero = "20s"
+hold_requests = "2m"
+partitions = ["high"]
+time_limit = "10:00"
+"""
+
+
+def test_a_scaled_to_zero_model_starts_on_its_first_request_and_returns_to_zero_when_idle(
+    slurm_cluster: SlurmCluster, elastic: Elastic, tmp_path: Path
+) -> None:
+    mesh, ingress = elastic.mesh, elastic.ingress
+    service = tmp_path / "cold.toml"
+    service.write_text(COLD)  # replaces the file: the other model's jobs drain
+    done = fabric(mesh, ingress, "services", "apply", str(service))
+    assert done.returncode == 0, done.stderr
+    client = openai.OpenAI(base_url=ingress.http_url + "/v1", api_key="unused")  # defaults
+    answers: dict[str, object] = {}
+
+    def ask_stream() -> None:
+        chunks = client.chat.completions.create(
+            model="cold", messages=[{"role": "user", "content": "hi"}], max_tokens=8, stream=True
+        )
+        answers["stream"] = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+    started = time.monotonic()
+    streamer = threading.Thread(target=ask_stream)
+    streamer.start()
+    r = client.chat.completions.create(
+        model="cold", messages=[{"role": "user", "content": "hi"}], max_tokens=8
+    )
+    first = time.monotonic() - started
+    streamer.join(120)
+    print(f"first request to a scaled-to-zero model answered in {first:.1f} s")
+    assert r.choices[0].message.content and answers.get("stream")
+    # idle: back to zero, the job drained and gone from the queue
+    t0 = time.monotonic()
+    while [j for j in cold_jobs(slurm_cluster) if j[1] in ("PENDING", "RUNNING")]:
+        assert time.monotonic() - t0 < 90, cold_jobs(slurm_cluster)
+        time.sleep(1)
+    while serving_count(ingress.http_url, "cold") != 0:  # its agent is leaving
+        assert time.monotonic() - t0 < 90, "the job ended but its replica still serves"
+        time.sleep(0.5)
+    print(f"scaled back to zero {time.monotonic() - t0:.1f} s after the last request")
+
+
+def cold_jobs(cluster: SlurmCluster) -> list[tuple[str, str]]:
+    done = cluster.run("squeue", "-h", "-o", "%i|%T|%k", check=False)
+    return [
+        (line.split("|")[0], line.split("|")[1])
+        for line in done.stdout.splitlines()
+        if "model=cold" in line
+    ]
+
+
+def test_a_preempted_replica_is_replaced_and_no_request_fails(
+    slurm_cluster: SlurmCluster, elastic: Elastic, tmp_path: Path
+) -> None:
+    """Replicas on the preemptible partition first (``low``); a ``high`` job needing three of
+    the four GPUs preempts one; the client load sees no failure and the replica comes back."""
+    mesh, ingress = elastic.mesh, elastic.ingress
+    service = tmp_path / "preempt.toml"
+    service.write_text(SERVICE.replace('["high"]', '["low"]').replace('"2:00"', '"10:00"'))
+    assert fabric(mesh, ingress, "services", "apply", str(service)).returncode == 0
+    t0 = time.monotonic()
+
+    def settled() -> bool:  # two replicas serving from low, nothing else of ours running
+        done = slurm_cluster.run("squeue", "-h", "-o", "%i|%T|%P|%k", check=False).stdout
+        ours = [line.split("|") for line in done.splitlines() if "fabric-elastic" in line]
+        low = [p for p in ours if p[1] == "RUNNING" and p[2] == "low" and f"model={MODEL}" in p[3]]
+        return len(low) == 2 and len(ours) == 2 and (serving_count(ingress.http_url) or 0) >= 2
+
+    while not settled():
+        assert time.monotonic() - t0 < 120, slurm_cluster.squeue()
+        time.sleep(0.5)
+    w = Watch()
+    loader = threading.Thread(target=load, args=(ingress, w), daemon=True)
+    loader.start()
+    try:
+        time.sleep(3)
+        before = {j for j, state, _ in our_jobs(slurm_cluster) if state == "RUNNING"}
+        big = slurm_cluster.sbatch("sleep 20", "-p", "high", "--gres=gpu:3")
+        t0 = time.monotonic()
+        while before <= {j for j, state, _ in our_jobs(slurm_cluster) if state == "RUNNING"}:
+            assert time.monotonic() - t0 < 60, f"no replica was preempted: {slurm_cluster.squeue()}"
+            time.sleep(0.5)
+        print(f"a replica preempted {time.monotonic() - t0:.1f} s after the high job came")
+        slurm_cluster.wait_state(big, ("COMPLETED",), timeout_s=90)
+        t0 = time.monotonic()
+        while (serving_count(ingress.http_url) or 0) < 2:
+            assert time.monotonic() - t0 < 60, "the preempted replica was not replaced"
+            time.sleep(0.5)
+        print(f"replaced: 2 SERVING {time.monotonic() - t0:.1f} s after the high job ended")
+        time.sleep(3)
+    finally:
+        w.stop.set()
+        loader.join(timeout=60)
+    print(f"client results during the preemption: {dict(w.results)}")
+    assert set(w.results) == {"200"}, w.results

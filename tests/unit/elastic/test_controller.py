@@ -1,0 +1,172 @@
+"""The control loop's passes on the pure mesh core and a fake Slurm: leadership among
+controller agents (a takeover starts from Slurm's list and never submits twice), replicas read
+from the registry, Slurm's refusals and invalid service files reported, dry-run."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import trio
+
+from fabricnode.elastic.controller import Controller, ModelPlan, ServicePlans
+from fabricnode.elastic.leader import CONTROLLER_LABEL
+from fabricnode.elastic.slurmctl import SlurmControl, comment_for, mesh_tag
+from fabricnode.errors import ConfigError
+from fabricnode.mesh.core import MeshConfig
+from fabricnode.mesh.identity import Identity, OperatorKey
+from fabricnode.mesh.registry import State
+from fabricnode.mesh.servicedoc import ServicesBody
+from fabricnode.testing.simnet import SimNetwork, SimNode
+
+OPERATOR = OperatorKey(Identity.from_seed(b"o" * 32))
+MESH = mesh_tag(b"k" * 32)
+PLANS = {
+    "two": ServicePlans((ModelPlan("m", 2, 4, 1, ("gpu",), "2:00", 120),), digest="two"),
+    "none": ServicePlans((), digest="none"),
+}
+
+
+class FakeSlurm:
+    """sbatch, squeue and scancel over an in-memory job list (squeue's format)."""
+
+    def __init__(self, refuse: str = "") -> None:
+        self.jobs: dict[str, tuple[str, str]] = {}  # id -> (state, comment)
+        self.next_id = 100
+        self.refuse = refuse
+        self.submitted: list[str] = []
+
+    def __call__(self, argv: Sequence[str]) -> tuple[int, str, str]:
+        if argv[0] == "sbatch":
+            if self.refuse:
+                return 1, "", f"sbatch: error: {self.refuse}\n"
+            self.next_id += 1
+            comment = next(a for a in argv if a.startswith("--comment="))[len("--comment=") :]
+            self.jobs[str(self.next_id)] = ("PENDING", comment)
+            self.submitted.append(str(self.next_id))
+            return 0, f"{self.next_id}\n", ""
+        if argv[0] == "scancel":
+            self.jobs.pop(argv[-1], None)
+            return 0, "", ""
+        lines = [
+            f"{i}|{state}|gpu|N/A|N/A|N/A|2:00|None|{comment}"
+            for i, (state, comment) in self.jobs.items()
+        ]
+        return 0, "\n".join(lines), ""
+
+
+def parse(text: str) -> ServicePlans:
+    if text not in PLANS:
+        raise ConfigError(f"line 1: unknown service file {text!r}")
+    return PLANS[text]
+
+
+def mesh(n: int) -> SimNetwork:
+    net = SimNetwork(config=MeshConfig(trusted_operators=(OPERATOR.fingerprint,)), seed=3)
+    first = net.add_node(0)
+    for i in range(1, n):
+        net.add_node(i, seeds=[first.addr])
+    net.run_for(10)
+    return net
+
+
+def controller(
+    net: SimNetwork, node: SimNode, slurm: FakeSlurm, dry_run: bool = False
+) -> Controller:
+    def relabel(labels: tuple[tuple[str, str], ...]) -> None:
+        node.core.update_self(net.wall, labels=labels)
+        net.poke(node)
+
+    ctl = Controller(
+        node.core,
+        SlurmControl(MESH, Path("/x.sbatch"), "me", slurm, dry_run),
+        parse,
+        relabel,
+        wall_clock=lambda: net.wall,
+    )
+    return ctl
+
+
+def apply(net: SimNetwork, node: SimNode, text: str) -> None:
+    node.core.publish_services(
+        ServicesBody(net.wall, text, OPERATOR.public_key).sign(OPERATOR), net.wall
+    )
+    net.poke(node)
+    net.run_for(5)
+
+
+def announce(net: SimNetwork, ctl: Controller, node: SimNode, since: float) -> None:
+    node.core.update_self(net.wall, labels=((CONTROLLER_LABEL, f"{since:.3f}"),))
+    net.poke(node)
+
+
+def test_one_controller_acts_and_a_takeover_never_submits_twice() -> None:
+    net = mesh(4)
+    nodes = list(net.nodes.values())
+    slurm = FakeSlurm()
+    first, second = controller(net, nodes[1], slurm), controller(net, nodes[2], slurm)
+    announce(net, first, nodes[1], 100.0)
+    announce(net, second, nodes[2], 200.0)  # the newcomer stands by
+    apply(net, nodes[0], "two")
+
+    async def passes() -> None:
+        await first.tick()
+        await second.tick()
+
+    trio.run(passes)
+    assert (first.status.role, second.status.role) == ("acting", "standby")
+    assert len(slurm.submitted) == 2
+    assert [d.action for d in first.recent] == ["submit", "submit"]
+    assert all(comment_for(MESH, "m") == c for _, c in slurm.jobs.values())
+    # the acting one dies: the standby takes over once it is declared dead, from Slurm's list
+    net.crash(nodes[1].addr)
+    net.run_for(15)
+    trio.run(second.tick)
+    assert second.status.role == "acting"
+    assert len(slurm.submitted) == 2  # the two jobs are counted, none is submitted again
+    assert second.status.models[0].pending == 2
+
+
+def test_replicas_are_matched_to_jobs_through_the_registry() -> None:
+    net = mesh(3)
+    nodes = list(net.nodes.values())
+    slurm = FakeSlurm()
+    ctl = controller(net, nodes[1], slurm)
+    announce(net, ctl, nodes[1], 1.0)
+    apply(net, nodes[0], "two")
+    trio.run(ctl.tick)
+    job = slurm.submitted[0]
+    slurm.jobs[job] = ("RUNNING", slurm.jobs[job][1])
+    labels = (("fabric.service", "m"), ("slurm.job_id", job))
+    nodes[2].core.update_self(net.wall, state=State.SERVING, labels=labels)
+    net.poke(nodes[2])
+    net.run_for(5)
+    trio.run(ctl.tick)
+    (status,) = ctl.status.models
+    assert (status.serving, status.pending, status.state) == (1, 1, "ok")
+
+
+def test_refusals_invalid_files_and_dry_run_change_nothing_and_say_why() -> None:
+    net = mesh(2)
+    nodes = list(net.nodes.values())
+    slurm = FakeSlurm(refuse="invalid partition specified: gpu")
+    ctl = controller(net, nodes[1], slurm)
+    announce(net, ctl, nodes[1], 1.0)
+    trio.run(ctl.tick)
+    assert "no service file" in ctl.status.error
+    apply(net, nodes[0], "two")
+    trio.run(ctl.tick)
+    assert ctl.status.models[0].state == "refused"
+    assert "invalid partition specified: gpu" in ctl.status.models[0].note
+    assert {d.action for d in ctl.recent} == {"refused"}
+    apply(net, nodes[0], "garbage")
+    trio.run(ctl.tick)
+    assert "invalid" in ctl.status.error and "line 1" in ctl.status.error
+    assert ctl.recent[-1].action == "invalid"
+
+    dry = FakeSlurm()
+    ctl = controller(net, nodes[1], dry, dry_run=True)
+    apply(net, nodes[0], "two")
+    trio.run(ctl.tick)
+    assert dry.submitted == [] and len(ctl.status.commands) == 2
+    assert all(c.startswith("sbatch --parsable") for c in ctl.status.commands)

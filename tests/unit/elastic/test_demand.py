@@ -1,0 +1,103 @@
+"""The demand scaler on the pure mesh core: a wanted label starts a scaled-to-zero model, the
+agents' request logs keep it up while used and let it go to zero once idle, and an agent that
+cannot be asked is no news. Also the ingress's view of the declared models."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import httpx
+import trio
+
+from fabricnode.elastic.controller import ModelPlan
+from fabricnode.elastic.demand import WANTED_LABEL, Declared, DemandScaler
+from fabricnode.mesh.core import MeshConfig
+from fabricnode.mesh.identity import Identity, OperatorKey
+from fabricnode.mesh.servicedoc import ServicesBody
+from fabricnode.testing.simnet import SimNetwork
+
+OPERATOR = OperatorKey(Identity.from_seed(b"o" * 32))
+COLD = ModelPlan("cold", 0, 2, 1, idle_to_zero_s=60.0)
+WARM = ModelPlan("warm", 1, 2, 1)
+
+
+def mesh(n: int = 3) -> SimNetwork:
+    net = SimNetwork(config=MeshConfig(trusted_operators=(OPERATOR.fingerprint,)), seed=9)
+    first = net.add_node(0)
+    for i in range(1, n):
+        net.add_node(i, seeds=[first.addr])
+    net.run_for(10)
+    return net
+
+
+class Logs:
+    def __init__(self) -> None:
+        self.requests: dict[str, float] = {}
+        self.down: set[str] = set()
+        self.asked = 0
+
+    def __call__(self, url: str, window_s: float) -> Mapping[str, float]:
+        self.asked += 1
+        if url in self.down:
+            raise httpx.ConnectError("refused")
+        return {"cold": self.requests.get(url, 0.0)}
+
+
+def test_wanted_starts_then_request_logs_keep_it_up_until_it_is_idle() -> None:
+    net = mesh()
+    nodes = list(net.nodes.values())
+    for i, node in enumerate(nodes):  # simulated nodes have no HTTP address: give them one
+        body = node.core.self_entry.body
+        addresses = dataclasses.replace(body.addresses, http=f"http://10.0.0.{i}:8080")
+        node.core.update_self(net.wall, addresses=addresses)
+        net.poke(node)
+    net.run_for(3)
+    logs = Logs()
+    scaler = DemandScaler(nodes[0].core, ask=logs, check_interval_s=10.0)
+
+    def step(at: float) -> tuple[int, str]:
+        trio.run(scaler.observe, [COLD, WARM], at)
+        return scaler.target(COLD, at)
+
+    assert step(0.0) == (0, "idle for 60 s")
+    assert scaler.target(WARM, 0.0) == (1, "min replicas")
+    nodes[2].core.update_self(net.wall, labels=((WANTED_LABEL, "cold other"),))
+    net.poke(nodes[2])
+    net.run_for(3)
+    assert step(1.0) == (1, "scale from zero: requests waiting")
+    nodes[2].core.update_self(net.wall, labels=())
+    net.poke(nodes[2])
+    net.run_for(3)
+    assert step(30.0) == (1, "active recently")  # wanted at 1.0, within 60 s
+    url = nodes[1].core.self_entry.body.addresses.http
+    logs.requests[url] = 3.0  # a request in the window: active again
+    assert step(50.0) == (1, "active recently")
+    logs.requests[url] = 0.0
+    assert step(105.0) == (1, "active recently")  # last activity 50.0
+    logs.down.add(url)  # an agent that cannot be asked: no news, the last verdict stands
+    assert step(105.0) == (1, "active recently")
+    assert step(111.0) == (0, "idle for 60 s")
+    logs.down.clear()
+    assert step(125.0) == (0, "idle for 60 s")
+    assert logs.asked >= 3 * 4  # every check asked every agent (3), stopping at one that failed
+
+
+def test_declared_models_and_hold_times_follow_the_service_file() -> None:
+    net = mesh(1)
+    (node,) = net.nodes.values()
+    declared = Declared(node.core)
+    assert declared.models() == [] and declared.hold_s("cold") is None
+    text = (
+        '[limits]\nmax_jobs = 2\nmax_gpus = 2\n\n[[model]]\nname = "cold"\nengine = "sim"\n'
+        'min_replicas = 0\nhold_requests = "45s"\n'
+    )
+    node.core.publish_services(
+        ServicesBody(net.wall, text, OPERATOR.public_key).sign(OPERATOR), net.wall
+    )
+    assert declared.models() == ["cold"] and declared.hold_s("cold") == 45.0
+    bad = "[[model]]\nname = 1\n"
+    node.core.publish_services(
+        ServicesBody(net.wall + 1, bad, OPERATOR.public_key).sign(OPERATOR), net.wall + 1
+    )
+    assert declared.models() == []  # an invalid file declares nothing

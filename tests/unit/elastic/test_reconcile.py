@@ -1,0 +1,214 @@
+"""One controller pass, without Slurm or sockets: keep-alive across time limits, replacing what
+ended, scaling both ways, partitions that keep jobs pending, start failures backing off, limits,
+and the memory a pass learns from (Hypothesis checks the counting laws)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fabricnode.elastic.reconcile import (
+    Cancel,
+    Goal,
+    Limits,
+    Memory,
+    Replica,
+    Submit,
+    Tuning,
+    reconcile,
+)
+from fabricnode.elastic.slurmctl import Job
+
+NOW = 1_800_000_000.0
+M = "llama-3.1-8b"
+
+
+def job(
+    job_id: str,
+    state: str = "RUNNING",
+    *,
+    model: str = M,
+    partition: str = "gpu",
+    submitted: float = NOW - 600,
+    ends: float | None = NOW + 3600,
+    replaces: str = "",
+) -> Job:
+    started = None if state == "PENDING" else submitted + 5
+    return Job(job_id, model, state, partition, submitted, started, ends, 7200, "", replaces)
+
+
+def serving(job_id: str, model: str = M) -> Replica:
+    return Replica(f"s{job_id:>031}", model, job_id, "serving")
+
+
+def goal(target: int = 2, partitions: tuple[str, ...] = ("gpu",), model: str = M) -> Goal:
+    return Goal(model, target, 1, partitions, 7200, "min replicas")
+
+
+def submits(actions: object) -> list[Submit]:
+    return [a for a in actions if isinstance(a, Submit)]  # type: ignore[attr-defined]
+
+
+def cancels(actions: object) -> list[Cancel]:
+    return [a for a in actions if isinstance(a, Cancel)]  # type: ignore[attr-defined]
+
+
+def test_steady_state_does_nothing() -> None:
+    p = reconcile(NOW, [goal()], [job("1"), job("2")], [serving("1"), serving("2")], Memory())
+    assert p.actions == ()
+    (s,) = p.status
+    assert (s.serving, s.starting, s.pending, s.state) == (2, 0, 0, "ok")
+
+
+def test_missing_replicas_are_submitted_on_the_preferred_partition() -> None:
+    p = reconcile(NOW, [goal(3, ("preempt", "gpu"))], [job("1")], [serving("1")], Memory())
+    new = submits(p.actions)
+    assert len(new) == 2 and {s.partition for s in new} == {"preempt"}
+    assert p.status[0].state == "scaling"
+
+
+def test_a_job_near_its_time_limit_gets_one_successor_ahead_of_the_learned_lead() -> None:
+    memory = Memory(Tuning(default_lead_s=60, lead_factor=1.5, lead_slack_s=10, leave_margin_s=30))
+    lead = memory.lead_s(M, "gpu")
+    assert lead == 120  # max(60 * 1.5, 60 + 10) + 30
+    # (both were seen SERVING 60 s after submission: what the lead assumed)
+    far = [job("1", ends=NOW + lead + 5, submitted=NOW - 60), job("2", submitted=NOW - 60)]
+    assert reconcile(NOW, [goal()], far, [serving("1"), serving("2")], memory).actions == ()
+    near = [job("1", ends=NOW + lead - 5, submitted=NOW - 60), job("2", submitted=NOW - 60)]
+    p = reconcile(NOW, [goal()], near, [serving("1"), serving("2")], memory)
+    (succ,) = submits(p.actions)
+    assert succ.replaces == "1" and "time limit of job 1" in succ.reason
+    # next pass: the successor is pending; the pair counts as one unit, nothing more is done
+    jobs = [*near, job("3", "PENDING", submitted=NOW, replaces="1")]
+    p = reconcile(NOW + 1, [goal()], jobs, [serving("1"), serving("2")], memory)
+    assert p.actions == ()
+    assert p.status[0].serving == 2 and p.status[0].pending == 1
+
+
+def test_the_lead_is_learned_from_submission_to_serving() -> None:
+    memory = Memory(Tuning(default_lead_s=500, lead_factor=1.0, lead_slack_s=0, leave_margin_s=0))
+    started = job("7", submitted=NOW - 40)
+    reconcile(NOW, [goal(1)], [started], [Replica("a" * 32, M, "7", "join")], memory)
+    assert memory.lead_s(M, "gpu") == 500  # not serving yet
+    reconcile(NOW, [goal(1)], [started], [serving("7")], memory)
+    assert memory.lead_s(M, "gpu") == 40
+    reconcile(NOW + 99, [goal(1)], [started], [serving("7")], memory)  # observed once per job
+    assert memory.lead_s(M, "gpu") == 40
+
+
+def test_a_preempted_or_crashed_replica_is_replaced_without_backoff() -> None:
+    memory = Memory()
+    jobs = [job("1"), job("2")]
+    reconcile(NOW, [goal()], jobs, [serving("1"), serving("2")], memory)
+    p = reconcile(NOW + 5, [goal()], jobs[:1], [serving("1")], memory)  # job 2 vanished
+    assert len(submits(p.actions)) == 1 and memory.failure(M).count == 0
+
+
+def test_start_failures_back_off_then_the_model_is_failed_with_the_engine_error() -> None:
+    memory = Memory(Tuning(backoff_s=10, max_failures=3))
+    t = NOW
+    for attempt in range(1, 4):
+        j = job(f"j{attempt}", submitted=t)
+        broken = Replica("b" * 32, M, j.job_id, "down", error="model path /x: no such file")
+        reconcile(t, [goal(1)], [j], [broken], memory)
+        t += 1
+        p = reconcile(t, [goal(1)], [], [], memory)  # the job ended without serving
+        fail = memory.failure(M)
+        assert fail.count == attempt and fail.last_error == "model path /x: no such file"
+        if attempt < 3:
+            assert submits(p.actions) == [] and p.status[0].state == "backing off"
+            assert fail.next_try_at == t + 10 * 2 ** (attempt - 1)
+            t = fail.next_try_at
+            assert len(submits(reconcile(t, [goal(1)], [], [], memory).actions)) == 1
+    assert p.status[0].state == "failed" and "no such file" in p.status[0].note
+    assert reconcile(t + 10_000, [goal(1)], [], [], memory).actions == ()
+    memory.reset_model(M)  # a new service file
+    assert len(submits(reconcile(t + 10_000, [goal(1)], [], [], memory).actions)) == 1
+
+
+def test_scale_down_cancels_pending_then_starting_then_serving_and_never_below_target() -> None:
+    jobs = [
+        job("1", submitted=NOW - 900),
+        job("2", submitted=NOW - 800),
+        job("3", submitted=NOW - 100),  # running, not serving yet
+        job("4", "PENDING", submitted=NOW - 50),
+    ]
+    memory = Memory()
+    p = reconcile(NOW, [goal(1)], jobs, [serving("1"), serving("2")], memory)
+    assert [c.job_id for c in cancels(p.actions)] == ["4", "3", "2"]
+    # cancelled jobs drain: they no longer count, and are not cancelled twice
+    p = reconcile(NOW + 1, [goal(1)], jobs, [serving("1"), serving("2")], memory)
+    assert p.actions == () and p.status[0].draining == 3
+    # once they are gone they were not start failures
+    p = reconcile(NOW + 60, [goal(1)], jobs[:1], [serving("1")], memory)
+    assert p.actions == () and memory.failure(M).count == 0
+
+
+def test_a_partition_that_keeps_a_job_pending_is_left_for_the_next() -> None:
+    memory = Memory(Tuning(patience_s=120, penalty_s=600))
+    stuck = job("9", "PENDING", partition="preempt", submitted=NOW - 121)
+    p = reconcile(NOW, [goal(1, ("preempt", "gpu"))], [stuck], [], memory)
+    assert [c.job_id for c in cancels(p.actions)] == ["9"]
+    assert [s.partition for s in submits(p.actions)] == ["gpu"]
+    # with a single allowed partition it just waits
+    p = reconcile(NOW, [goal(1, ("preempt",))], [stuck], [], Memory(Tuning(patience_s=120)))
+    assert p.actions == ()
+
+
+def test_mesh_limits_are_never_exceeded() -> None:
+    goals = [goal(3), goal(3, model="other")]
+    p = reconcile(NOW, goals, [job("1")], [serving("1")], Memory(), Limits(max_jobs=4))
+    assert len(submits(p.actions)) == 3  # 1 running + 3 = 4
+    assert p.status[1].state == "limited" and "max_jobs" in p.status[1].note
+    gpus = [replace(g, gpus=4) for g in goals]
+    p = reconcile(NOW, gpus, [], [], Memory(), Limits(max_gpus=10))
+    assert len(submits(p.actions)) == 2
+
+
+def test_jobs_of_a_model_no_longer_declared_are_drained() -> None:
+    p = reconcile(NOW, [goal(1)], [job("1"), job("5", model="old")], [serving("1")], Memory())
+    assert [(c.job_id, c.reason) for c in cancels(p.actions)] == [
+        ("5", "no longer in the service file")
+    ]
+
+
+@given(
+    target=st.integers(0, 6),
+    states=st.lists(st.sampled_from(["PENDING", "RUNNING", "SERVING"]), max_size=8),
+)
+@settings(max_examples=200, deadline=None)
+def test_after_a_pass_the_jobs_that_count_equal_the_target(target: int, states: list[str]) -> None:
+    jobs = [job(str(i), "PENDING" if s == "PENDING" else "RUNNING") for i, s in enumerate(states)]
+    replicas = [serving(str(i)) for i, s in enumerate(states) if s == "SERVING"]
+    p = reconcile(NOW, [goal(target)], jobs, replicas, Memory())
+    assert len(jobs) + len(submits(p.actions)) - len(cancels(p.actions)) == target
+    assert not (submits(p.actions) and cancels(p.actions))
+
+
+def test_only_serving_jobs_get_successors_so_a_long_lead_never_chains_them() -> None:
+    memory = Memory(Tuning(default_lead_s=600))  # longer than the jobs themselves
+    short = [job("1", ends=NOW + 100), job("2", ends=NOW + 100)]
+    starting = [Replica("a" * 32, M, "1", "join"), Replica("b" * 32, M, "2", "join")]
+    assert reconcile(NOW, [goal()], short, starting, memory).actions == ()
+    p = reconcile(NOW, [goal()], short, [serving("1"), serving("2")], memory)
+    assert sorted(s.replaces for s in submits(p.actions)) == ["1", "2"]
+    # the successors start: none of them gets a successor of its own
+    jobs = [*short, job("3", ends=NOW + 120, replaces="1"), job("4", ends=NOW + 120, replaces="2")]
+    p = reconcile(NOW + 5, [goal()], jobs, [serving("1"), serving("2")], memory)
+    assert p.actions == ()
+
+
+def test_a_drain_that_hangs_is_cancelled_outright_once() -> None:
+    memory = Memory(Tuning(drain_kill_s=100))
+    jobs = [job("1"), job("2")]
+    p = reconcile(NOW, [goal(1)], jobs, [serving("1"), serving("2")], memory)
+    (victim,) = cancels(p.actions)
+    assert not victim.hard
+    p = reconcile(NOW + 50, [goal(1)], jobs, [serving("1"), serving("2")], memory)
+    assert p.actions == ()
+    p = reconcile(NOW + 101, [goal(1)], jobs, [serving("1"), serving("2")], memory)
+    (hard,) = cancels(p.actions)
+    assert hard.hard and hard.job_id == victim.job_id and "drain took over" in hard.reason
+    assert reconcile(NOW + 102, [goal(1)], jobs, [serving("1")], memory).actions == ()
