@@ -797,7 +797,8 @@ SWEEP: list[tuple[str, Callable[[PolicyConfig], PolicyConfig]]] = [
 
 def row(label: str, p: Part, width: int = 24) -> str:
     return (
-        f"{label:{width}} {fmt(p.gpu_hours, 1):>6} {fmt(100 * p.attainment, 2):>7} "
+        f"{label:{width}} {fmt(p.replica_hours, 2):>5} {fmt(p.gpu_hours, 1):>6} "
+        f"{fmt(100 * p.attainment, 2):>7} "
         f"{fmt(p.ttft_p50_s):>6} {fmt(p.ttft_p95_s):>6} {fmt(p.ttft_p99_s):>6}"
     )
 
@@ -846,7 +847,8 @@ def main() -> int:
     )
     results = {name: run_policy(name, trace, cluster, static, config) for name in names}
     say(
-        f"\n{'policy':24} {'GPU-h':>6} {'in obj%':>7} {'p50':>6} {'p95':>6} {'p99':>6} "
+        f"\n{'policy':24} {'rep-h':>5} {'GPU-h':>6} {'in obj%':>7} {'p50':>6} {'p95':>6} "
+        f"{'p99':>6} "
         f"{'cold':>5} {'events':>6} {'peak':>4}  reasons"
     )
     for name, f in results.items():

@@ -114,8 +114,10 @@ class TokenDemand:
 
 @dataclass(frozen=True)
 class ReplicaCapacity:
-    """What one replica sustains within the TTFT objective doing only prefill, or only decode
-    (tokens/s). A replica time-shares the two, so ``work`` adds the fractions."""
+    """What one replica sustains doing only prefill, or only decode (tokens/s): the planner's
+    saturation rates, or rates the controller measured within the objective. A replica
+    time-shares the two, so ``work`` adds the fractions; ``target_utilisation`` is a share of
+    these rates."""
 
     prefill_tokens_per_s: float
     decode_tokens_per_s: float
