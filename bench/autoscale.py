@@ -33,7 +33,8 @@ four times replica-hours; ``--model/--gpu/--tp`` pick another from the scheduler
   ``in + out`` KV reservation fits, chunked prefill within ``max_batched_tokens``, one decode
   token per running request per iteration, iteration time from ``StepModel.time``. des.py
   replays a fixed placement; here replicas come and go, so the bench drives its own copy of
-  those rules with a cold start, draining and a router.
+  those rules with a cold start, draining and a router (a fixed count gives des.py's TTFTs
+  exactly: tests/system/test_bench_autoscale.py).
 * A replica the policy asks for serves ``--cold-start`` seconds later (Slurm queue wait plus
   engine start; default 90 s) and is billed from its submission. Scaling in cancels starting
   replicas first (billed until then), then drains the least-loaded serving ones: they take no
