@@ -31,7 +31,8 @@ Rules, per model (its ``Goal``: the replicas wanted now, between the service's m
    for it until the service file changes (``Memory.reset_model``). A replica that serves resets
    the count.
 7. **Limits.** A submission that would exceed the mesh's ``max_jobs`` or ``max_gpus`` is not
-   made; the status says so. Cancels are never limited.
+   made, a time-limit successor included (the old job then ends before its replacement
+   starts); the status says so. Cancels are never limited.
 
 Learning (``Memory.observe``): the first time a job's replica is SERVING, ``now - submitted_at``
 (queue wait plus engine start-up) is folded into an exponentially weighted mean per (model,
@@ -207,11 +208,29 @@ def reconcile(
         if r.job_id and r.error:
             memory.errors[r.job_id] = r.error
     _learn(now, jobs, by_job, memory)
-    used_jobs = sum(1 for j in jobs if not j.ending)
-    used_gpus = sum(g.gpus for g in goals for j in jobs if j.model == g.model and not j.ending)
+    budget = _Budget(
+        limits,
+        sum(1 for j in jobs if not j.ending),
+        sum(g.gpus for g in goals for j in jobs if j.model == g.model and not j.ending),
+    )
     actions: list[Action] = []
     status: list[ModelStatus] = []
     for goal in goals:
+        limited = ""  # which mesh limit stopped a submission of this model, if one did
+
+        def submit(goal: Goal, reason: str, replaces: str = "") -> bool:
+            """Submit one job of ``goal`` unless a mesh limit forbids it (rule 7)."""
+            nonlocal limited
+            refused = budget.take(goal.gpus)
+            if refused:
+                limited = refused
+                return False
+            partition = _partition(goal, memory, now)
+            actions.append(
+                Submit(goal.model, goal.gpus, partition, goal.time_limit_s, reason, replaces)
+            )
+            return True
+
         mine = [j for j in jobs if j.model == goal.model and not j.ending]
         live = [j for j in mine if j.job_id not in memory.draining]
         phase = {j.job_id: _phase(j, by_job) for j in live}
@@ -241,16 +260,7 @@ def reconcile(
                 and j.job_id not in {x.replaces for x in live}
                 and j.ends_at - now <= memory.lead_s(goal.model, j.partition, j.time_limit_s)
             ):
-                actions.append(
-                    Submit(
-                        goal.model,
-                        goal.gpus,
-                        _partition(goal, memory, now),
-                        goal.time_limit_s,
-                        f"time limit of job {j.job_id} in {j.ends_at - now:.0f} s",
-                        replaces=j.job_id,
-                    )
-                )
+                submit(goal, f"time limit of job {j.job_id} in {j.ends_at - now:.0f} s", j.job_id)
         fail = memory.failure(goal.model)
         note = ""
         state = "ok"
@@ -264,25 +274,11 @@ def reconcile(
                 note = f"retry in {fail.next_try_at - now:.0f} s: {fail.last_error}"
                 deficit = 0
         for _ in range(max(0, deficit)):
-            room_jobs = limits.max_jobs is None or used_jobs < limits.max_jobs
-            room_gpus = limits.max_gpus is None or used_gpus + goal.gpus <= limits.max_gpus
-            if not (room_jobs and room_gpus):
-                state = "limited"
-                note = "max_jobs" if not room_jobs else "max_gpus"
-                note = f"mesh limit {note} reached"
+            if not submit(goal, goal.reason if len(units) else f"{goal.reason} (none running)"):
                 break
-            used_jobs += 1
-            used_gpus += goal.gpus
-            actions.append(
-                Submit(
-                    goal.model,
-                    goal.gpus,
-                    _partition(goal, memory, now),
-                    goal.time_limit_s,
-                    goal.reason if len(units) else f"{goal.reason} (none running)",
-                )
-            )
             state = "scaling"
+        if limited:
+            state, note = "limited", f"mesh limit {limited} reached"
         surplus = len(units) - goal.target
         if surplus > 0:
             order = {PENDING: 0, STARTING: 1, SERVING: 2}
@@ -319,6 +315,25 @@ def reconcile(
             actions.append(Cancel(j.job_id, j.model, "no longer in the service file"))
             memory.draining[j.job_id] = now
     return Pass(tuple(actions), tuple(status))
+
+
+@dataclass
+class _Budget:
+    """Jobs and GPUs the mesh's jobs hold, against its limits (rule 7)."""
+
+    limits: Limits
+    jobs: int
+    gpus: int
+
+    def take(self, gpus: int) -> str:
+        """Count one more job of ``gpus`` GPUs, or name the limit that forbids it."""
+        if self.limits.max_jobs is not None and self.jobs >= self.limits.max_jobs:
+            return "max_jobs"
+        if self.limits.max_gpus is not None and self.gpus + gpus > self.limits.max_gpus:
+            return "max_gpus"
+        self.jobs += 1
+        self.gpus += gpus
+        return ""
 
 
 def _phase(job: Job, by_job: Mapping[str, Replica]) -> str:

@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import hashlib
 import shlex
-import subprocess
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import quote, unquote
 
 from fabricnode.errors import FabricError
+from fabricnode.host.hostcmd import run_full
 from fabricnode.host.slurm import parse_sbatch_job_id, parse_slurm_time, parse_time_limit
 
 TAG = "fabric-elastic"
@@ -47,21 +47,7 @@ class SlurmRefused(FabricError):
 
 
 def run(argv: Sequence[str]) -> tuple[int, str, str]:
-    try:
-        done = subprocess.run(
-            list(argv),
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            text=True,
-            errors="replace",
-            timeout=COMMAND_TIMEOUT_S,
-            check=False,
-        )
-    except FileNotFoundError:
-        return 127, "", f"{argv[0]}: command not found"
-    except (OSError, subprocess.SubprocessError) as exc:
-        return 1, "", f"{argv[0]}: {exc}"
-    return done.returncode, done.stdout, done.stderr
+    return run_full(argv, COMMAND_TIMEOUT_S)
 
 
 def mesh_tag(seed: bytes) -> str:

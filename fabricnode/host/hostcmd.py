@@ -16,8 +16,9 @@ Runner = Callable[[Sequence[str]], str | None]
 DEFAULT_TIMEOUT_S = 10.0
 
 
-def run_command(argv: Sequence[str], timeout_s: float = DEFAULT_TIMEOUT_S) -> str | None:
-    """``argv``'s standard output, or None if it cannot be run, exits non-zero or times out."""
+def run_full(argv: Sequence[str], timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[int, str, str]:
+    """``argv``'s exit status, standard output and error; a command that cannot be run is 127
+    (not found) or 1 (any other failure to start, or a timeout), its error the reason."""
     try:
         done = subprocess.run(
             list(argv),
@@ -28,8 +29,14 @@ def run_command(argv: Sequence[str], timeout_s: float = DEFAULT_TIMEOUT_S) -> st
             timeout=timeout_s,
             check=False,
         )
-    except (OSError, subprocess.SubprocessError, ValueError):
-        return None
-    if done.returncode != 0:
-        return None
-    return done.stdout
+    except FileNotFoundError:
+        return 127, "", f"{argv[0]}: command not found"
+    except (OSError, subprocess.SubprocessError, ValueError) as exc:
+        return 1, "", f"{argv[0]}: {exc}"
+    return done.returncode, done.stdout, done.stderr
+
+
+def run_command(argv: Sequence[str], timeout_s: float = DEFAULT_TIMEOUT_S) -> str | None:
+    """``argv``'s standard output, or None if it cannot be run, exits non-zero or times out."""
+    code, out, _ = run_full(argv, timeout_s)
+    return out if code == 0 else None

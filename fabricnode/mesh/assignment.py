@@ -23,8 +23,6 @@ Rules
 
 from __future__ import annotations
 
-import base64
-import binascii
 import enum
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -138,21 +136,11 @@ class SignedAssignment:
 
     def to_json(self) -> dict[str, str]:
         """The HTTP form (``POST /fabric/v1/assignments``): the signed bytes, base64."""
-        return {
-            "signed": base64.b64encode(self.signed_bytes).decode(),
-            "signature": base64.b64encode(self.signature).decode(),
-        }
+        return codec.signed_json(self.signed_bytes, self.signature)
 
     @classmethod
     def from_json(cls, doc: Any) -> SignedAssignment:
-        if not isinstance(doc, dict):
-            raise DecodeError("assignment: expected an object with signed and signature")
-        try:
-            signed = base64.b64decode(str(doc.get("signed", "")), validate=True)
-            signature = base64.b64decode(str(doc.get("signature", "")), validate=True)
-        except (binascii.Error, ValueError):
-            raise DecodeError("assignment: signed and signature must be base64") from None
-        return cls.from_wire([signed, signature])
+        return cls.from_wire(codec.signed_from_json(doc, "assignment"))
 
     def describe(self) -> dict[str, object]:
         b = self.body

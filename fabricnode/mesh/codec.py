@@ -7,6 +7,8 @@ boundary catch ``WireError``, count it and drop the input.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import math
 from typing import Any
 
@@ -119,3 +121,23 @@ def take_float(value: Any, *, lo: float = 0.0, hi: float = 1e18, what: str = "nu
     if not math.isfinite(number) or not (lo <= number <= hi):
         raise DecodeError(f"{what}: {number} out of range {lo}..{hi}")
     return number
+
+
+def signed_json(signed: bytes, signature: bytes) -> dict[str, str]:
+    """The HTTP form of an operator-signed record: its signed bytes and signature, base64."""
+    return {
+        "signed": base64.b64encode(signed).decode(),
+        "signature": base64.b64encode(signature).decode(),
+    }
+
+
+def signed_from_json(doc: Any, what: str) -> list[bytes]:
+    """``[signed, signature]`` of ``signed_json``'s form (not parsed or verified yet)."""
+    if not isinstance(doc, dict):
+        raise DecodeError(f"{what}: expected an object with signed and signature")
+    try:
+        signed = base64.b64decode(str(doc.get("signed", "")), validate=True)
+        signature = base64.b64decode(str(doc.get("signature", "")), validate=True)
+    except (binascii.Error, ValueError):
+        raise DecodeError(f"{what}: signed and signature must be base64") from None
+    return [signed, signature]

@@ -25,8 +25,6 @@ Rules
 
 from __future__ import annotations
 
-import base64
-import binascii
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -104,21 +102,11 @@ class SignedServices:
 
     def to_json(self) -> dict[str, str]:
         """The HTTP form (``POST /fabric/v1/services``): the signed bytes, base64."""
-        return {
-            "signed": base64.b64encode(self.signed_bytes).decode(),
-            "signature": base64.b64encode(self.signature).decode(),
-        }
+        return codec.signed_json(self.signed_bytes, self.signature)
 
     @classmethod
     def from_json(cls, doc: Any) -> SignedServices:
-        if not isinstance(doc, dict):
-            raise DecodeError("services: expected an object with signed and signature")
-        try:
-            signed = base64.b64decode(str(doc.get("signed", "")), validate=True)
-            signature = base64.b64decode(str(doc.get("signature", "")), validate=True)
-        except (binascii.Error, ValueError):
-            raise DecodeError("services: signed and signature must be base64") from None
-        return cls.from_wire([signed, signature])
+        return cls.from_wire(codec.signed_from_json(doc, "services"))
 
     def describe(self) -> dict[str, object]:
         return {

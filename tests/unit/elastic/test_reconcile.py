@@ -212,3 +212,12 @@ def test_a_drain_that_hangs_is_cancelled_outright_once() -> None:
     (hard,) = cancels(p.actions)
     assert hard.hard and hard.job_id == victim.job_id and "drain took over" in hard.reason
     assert reconcile(NOW + 102, [goal(1)], jobs, [serving("1")], memory).actions == ()
+
+
+def test_time_limit_successors_count_against_the_mesh_limits_too() -> None:
+    memory = Memory(Tuning(default_lead_s=600))
+    near = [job("1", ends=NOW + 100), job("2", ends=NOW + 100)]
+    p = reconcile(NOW, [goal()], near, [serving("1"), serving("2")], memory, Limits(max_jobs=3))
+    (succ,) = submits(p.actions)  # room for one successor, not two
+    assert succ.replaces in ("1", "2")
+    assert p.status[0].state == "limited" and "max_jobs" in p.status[0].note
