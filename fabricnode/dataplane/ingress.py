@@ -135,6 +135,8 @@ ENDPOINTS = {
     b"/v1/embeddings": "embeddings",
 }
 RETRYABLE_STATUS = (502, 503, 504)
+# A request waiting for a replica after every node failed tries those nodes again after this.
+RETRY_FAILED_AFTER_S = 5.0
 # An attempt's outcome when its stream broke and a continuation is ready (``_prepare_resume``).
 RESUME = "resume"
 # Request headers passed on to the upstream (anything else stays at the ingress).
@@ -660,9 +662,12 @@ class Ingress:
                     b"cache-control: no-cache\r\ntransfer-encoding: chunked\r\n\r\n"
                 )
                 await client_send(conn, head, cfg.stream_idle_timeout_s)
+            retry_failed_at = job.started + RETRY_FAILED_AFTER_S
             while True:
                 routes = self.table.routes(model)
                 now = self.clock.now()
+                if tried and now >= retry_failed_at:
+                    tried.clear()  # nodes that failed may answer now (the breaker still ejects)
                 if routes and self._candidates(
                     routes, providers, requirements, tried, now, self.wall_clock()
                 ):
