@@ -62,7 +62,7 @@ from fabricnode.dataplane.accounting import RequestLog
 from fabricnode.dataplane.apikeys import ApiKeyStore
 from fabricnode.dataplane.ingress import Ingress
 from fabricnode.elastic.controller import Controller
-from fabricnode.elastic.demand import WANTED_LABEL, Declared, DemandScaler
+from fabricnode.elastic.demand import WANTED_LABEL, Declared, DemandScaler, wanted_labels
 from fabricnode.elastic.leader import CONTROLLER_LABEL
 from fabricnode.elastic.plans import plans_from_text
 from fabricnode.elastic.slurmctl import SlurmControl
@@ -303,8 +303,7 @@ class Agent:
 
         def on_waiting(waiting: Mapping[str, int]) -> None:
             # the acting controller starts a replica for a model we hold requests for
-            words = " ".join(sorted(waiting))
-            gossip.relabel(WANTED_LABEL, ((WANTED_LABEL, words),) if words else ())
+            gossip.relabel(WANTED_LABEL, wanted_labels(waiting))
 
         ingress = Ingress(
             core,

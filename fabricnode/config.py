@@ -41,11 +41,11 @@ from fabricnode.errors import ConfigError
 from fabricnode.host.hardware import parse_sim_gpu
 from fabricnode.host.slurm import DEFAULT_LEAVE_BEFORE_END_S, find_sbatch_script, job_id_of
 from fabricnode.mesh.core import MeshConfig
+from fabricnode.mesh.registry import MAX_LABEL_KEY, MAX_LABEL_VALUE
 
 DEFAULT_HTTP = "0.0.0.0:8080"
 DEFAULT_GOSSIP = "0.0.0.0:7946"
 LOG_LEVELS = ("debug", "info", "warning", "error")
-MAX_LABEL_KEY = 64
 
 
 @dataclass(frozen=True)
@@ -353,6 +353,8 @@ def parse_labels(items: Iterable[str]) -> tuple[tuple[str, str], ...]:
             raise ConfigError(f"--label {item!r}: expected KEY=VALUE")
         if len(key) > MAX_LABEL_KEY:
             raise ConfigError(f"--label {item!r}: key longer than {MAX_LABEL_KEY} characters")
+        if len(value) > MAX_LABEL_VALUE:
+            raise ConfigError(f"--label {key}: value longer than {MAX_LABEL_VALUE} characters")
         out[key] = value
     return tuple(sorted(out.items()))
 

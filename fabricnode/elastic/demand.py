@@ -4,8 +4,9 @@ Rules
 -----
 * **Scale from zero.** An ingress holding requests for a declared model that has no replica
   labels its own entry ``fabric.wanted=<model> [<model> ...]`` (``WANTED_LABEL``; set and
-  cleared by the ingress as the first request starts and the last stops waiting). A model
-  wanted by any alive agent gets a target of at least one replica, at once.
+  cleared as the first request starts and the last stops waiting; ``wanted_labels`` spreads
+  many models over ``fabric.wanted.1`` ... so that every value fits the registry's label
+  limit). A model wanted by any alive agent gets a target of at least one replica, at once.
 * **Idle to zero.** A model whose service allows zero replicas (``min_replicas = 0``) stays
   at one or more while it was active within its ``idle_to_zero`` time: a request wanted it, or
   the agents' request logs (``GET /fabric/v1/workload?window=...`` on every alive agent, the
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import httpx
@@ -35,7 +36,7 @@ from fabricnode.elastic.servicefile import ServiceSpec, parse
 from fabricnode.errors import FabricError
 from fabricnode.mesh.core import MeshCore
 from fabricnode.mesh.membership import Liveness
-from fabricnode.mesh.registry import State
+from fabricnode.mesh.registry import MAX_LABEL_VALUE, State
 
 log = logging.getLogger("fabricnode.elastic.demand")
 
@@ -54,16 +55,34 @@ def ask_workload(url: str, window_s: float) -> dict[str, float]:
     return {str(m): float(row.get("requests", 0.0)) for m, row in models.items()}
 
 
+MAX_WANTED_LABELS = 8
+
+
+def wanted_labels(models: Iterable[str]) -> tuple[tuple[str, str], ...]:
+    """The ``fabric.wanted`` labels for ``models`` held: space-separated names, each value
+    within the registry's limit, at most ``MAX_WANTED_LABELS`` labels (the rest wait for a
+    place: they are added as the first ones stop waiting)."""
+    values: list[str] = []
+    for model in sorted(models):
+        if values and len(values[-1]) + 1 + len(model) <= MAX_LABEL_VALUE:
+            values[-1] += " " + model
+        elif len(values) < MAX_WANTED_LABELS:
+            values.append(model)
+    keys = [WANTED_LABEL] + [f"{WANTED_LABEL}.{i}" for i in range(1, MAX_WANTED_LABELS)]
+    return tuple(zip(keys, values, strict=False))
+
+
 def wanted_models(core: MeshCore) -> set[str]:
-    """Models some alive agent holds requests for (its ``fabric.wanted`` label)."""
+    """Models some alive agent holds requests for (its ``fabric.wanted*`` labels)."""
     out: set[str] = set()
     for entry in core.registry:
-        value = dict(entry.body.labels).get(WANTED_LABEL)
-        if not value or entry.body.state >= State.DOWN:
+        if entry.body.state >= State.DOWN:
             continue
-        if core.liveness(entry.session_id) in (Liveness.DEAD, Liveness.LEFT):
+        values = [v for k, v in entry.body.labels if k.startswith(WANTED_LABEL)]
+        if not values or core.liveness(entry.session_id) in (Liveness.DEAD, Liveness.LEFT):
             continue
-        out.update(value.split())
+        for value in values:
+            out.update(value.split())
     return out
 
 

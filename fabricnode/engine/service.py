@@ -29,11 +29,10 @@ import trio
 from fabricnode.engine.command import EngineCommand, option_values
 from fabricnode.engine.metrics import engine_load, parse_samples
 from fabricnode.engine.process import EngineError, EngineProcess, wait_ready
-from fabricnode.mesh.registry import EngineInfo, ModelInfo, State
+from fabricnode.mesh.registry import MAX_LABEL_VALUE, EngineInfo, ModelInfo, State
 from fabricnode.mesh.service import GossipService
 
 ERROR_LABEL = "fabric.engine_error"
-MAX_ERROR_CHARS = 300
 
 log = logging.getLogger("fabricnode.engine.service")
 
@@ -213,5 +212,5 @@ class EngineService:
         error = f"{why}: {said}" if said else why
         # the engine's own words on the entry: the controller reports them for a failed start
         labels = [(k, v) for k, v in self.gossip.core.self_entry.body.labels if k != ERROR_LABEL]
-        labels.append((ERROR_LABEL, error[:MAX_ERROR_CHARS]))
+        labels.append((ERROR_LABEL, error[:MAX_LABEL_VALUE]))  # what every peer decodes
         self.gossip.update_self(state=State.DOWN, labels=tuple(sorted(labels)))

@@ -59,6 +59,8 @@ ENTRY_DOMAIN = b"fabric/entry/v1"
 MAX_ENTRY_BYTES = 16 * 1024
 MAX_MODELS = 64
 MAX_LABELS = 64
+MAX_LABEL_KEY = 64
+MAX_LABEL_VALUE = 256  # characters; what every peer decodes (a longer one drops the entry)
 
 
 class State(enum.IntEnum):
@@ -155,6 +157,9 @@ class EntryBody:
     def sign(self, identity: Identity) -> SignedEntry:
         if identity.session_id != self.session_id or identity.public_key != self.public_key:
             raise ValueError("an entry can only be signed by its own session key")
+        for key, value in self.labels:  # what peers would refuse must not be signed
+            if len(key) > MAX_LABEL_KEY or len(value) > MAX_LABEL_VALUE:
+                raise ValueError(f"label {key[:64]!r}: key or value too long for the registry")
         data = self.canonical_bytes()
         if len(data) > MAX_ENTRY_BYTES:
             raise ValueError(f"entry of {len(data)} bytes exceeds {MAX_ENTRY_BYTES}")
@@ -249,7 +254,10 @@ def parse_body(signed_bytes: bytes) -> EntryBody:
     for pair in codec.take_list(f[10], max_len=MAX_LABELS, what="labels"):
         k, v = codec.take_list(pair, min_len=2, max_len=2, what="label")
         labels.append(
-            (codec.take_str(k, max_len=64, what="label key", empty=False), codec.take_str(v))
+            (
+                codec.take_str(k, max_len=MAX_LABEL_KEY, what="label key", empty=False),
+                codec.take_str(v, max_len=MAX_LABEL_VALUE, what="label value"),
+            )
         )
     cert = None
     if f[14] is not None:

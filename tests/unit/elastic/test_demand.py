@@ -11,9 +11,17 @@ import httpx
 import trio
 
 from fabricnode.elastic.controller import ModelPlan
-from fabricnode.elastic.demand import WANTED_LABEL, Declared, DemandScaler
+from fabricnode.elastic.demand import (
+    MAX_WANTED_LABELS,
+    WANTED_LABEL,
+    Declared,
+    DemandScaler,
+    wanted_labels,
+    wanted_models,
+)
 from fabricnode.mesh.core import MeshConfig
 from fabricnode.mesh.identity import Identity, OperatorKey
+from fabricnode.mesh.registry import MAX_LABEL_VALUE
 from fabricnode.mesh.servicedoc import ServicesBody
 from fabricnode.testing.simnet import SimNetwork
 
@@ -101,3 +109,21 @@ def test_declared_models_and_hold_times_follow_the_service_file() -> None:
         ServicesBody(net.wall + 1, bad, OPERATOR.public_key).sign(OPERATOR), net.wall + 1
     )
     assert declared.models() == []  # an invalid file declares nothing
+
+
+def test_many_wanted_models_spread_over_labels_that_fit_the_registry() -> None:
+    models = [f"org/model-{i:03d}-" + "x" * 40 for i in range(30)]
+    labels = wanted_labels(models)
+    assert 1 < len(labels) <= MAX_WANTED_LABELS
+    assert all(len(v) <= MAX_LABEL_VALUE for _, v in labels)
+    assert labels[0][0] == WANTED_LABEL and labels[1][0] == f"{WANTED_LABEL}.1"
+    carried = {m for _, v in labels for m in v.split()}
+    assert carried <= set(models) and len(carried) >= 8  # what fits, never a cut name
+    net = mesh(2)
+    node = list(net.nodes.values())[1]
+    node.core.update_self(net.wall, labels=labels)  # signs: every value fits
+    net.poke(node)
+    net.run_for(3)
+    first = next(iter(net.nodes.values()))
+    assert wanted_models(first.core) == carried
+    assert wanted_labels([]) == ()

@@ -22,6 +22,7 @@ from hypothesis.stateful import (
 
 from fabricnode.mesh.identity import Identity, Verifier
 from fabricnode.mesh.registry import (
+    MAX_LABEL_VALUE,
     Hardware,
     MergeOutcome,
     ModelInfo,
@@ -768,3 +769,12 @@ def test_adopting_never_brings_back_a_collected_entry() -> None:
     assert owner.session_id not in collector and collector.is_tombstoned(owner.session_id)
     laggard.adopt(collector)  # the tombstone travels too and covers the older copy
     assert owner.session_id not in laggard and laggard.is_tombstoned(owner.session_id)
+
+
+def test_a_label_value_peers_would_refuse_is_never_signed() -> None:
+    ident = Identity.generate()
+    body = make_body(ident, "10.0.0.9:7946", 1000.0)
+    replace(body, labels=(("k", "v" * MAX_LABEL_VALUE),)).sign(ident)
+    too_long = replace(body, labels=(("k", "v" * (MAX_LABEL_VALUE + 1)),))
+    with pytest.raises(ValueError, match="too long"):
+        too_long.sign(ident)
