@@ -77,6 +77,12 @@ def fabric(mesh: LocalMesh, agent: AgentProcess, *args: str) -> subprocess.Compl
     )
 
 
+def tagged_jobs(cluster: SlurmCluster) -> list[str]:
+    """Every controller job of any model still in the queue (completing ones included)."""
+    done = cluster.run("squeue", "-h", "-o", "%i|%k", check=False)
+    return [line.split("|")[0] for line in done.stdout.splitlines() if "fabric-elastic" in line]
+
+
 def our_jobs(cluster: SlurmCluster) -> list[tuple[str, str, str]]:
     """(job id, state, replaces) of the jobs tagged for MODEL, any mesh."""
     done = cluster.run("squeue", "-h", "-o", "%i|%T|%k", check=False)
@@ -168,9 +174,14 @@ def elastic(
         yield Elastic(local, ingress, controllers)
     finally:
         local.close()  # the controllers first, so that nothing replaces the jobs cancelled next
-        ours = [j for j, _, _ in our_jobs(slurm_cluster)]
+        ours = tagged_jobs(slurm_cluster)
         if ours:
             slurm_cluster.run("scancel", *ours, check=False)
+        # The next module's tests time Slurm's signals: leave them a quiet cluster, not jobs
+        # still ending (their agents draining, slurmd running their epilogs).
+        deadline = time.monotonic() + 60
+        while tagged_jobs(slurm_cluster) and time.monotonic() < deadline:
+            time.sleep(0.5)
         for agent in local.agents:
             print(f"--- {agent.name} (exit {agent.proc.returncode}) ---\n{agent.stderr_tail(25)}")
         for out in sorted((local.workdir / "logs").glob("slurm-*.out"))[-6:]:
