@@ -32,13 +32,12 @@ from fabricnode.errors import DecodeError
 from fabricnode.mesh import codec
 from fabricnode.mesh.identity import (
     PUBLIC_KEY_BYTES,
-    SIGNATURE_BYTES,
     OperatorKey,
     Verifier,
     canonical,
-    key_fingerprint,
     record_digest,
 )
+from fabricnode.mesh.signed import OperatorSigned, take_signed
 
 ASSIGNMENT_DOMAIN = b"fabric/assignment/v1"
 MAX_ASSIGNMENT_BYTES = 1024
@@ -98,7 +97,7 @@ def _check_body(body: AssignmentBody) -> None:
 
 
 @dataclass(frozen=True)
-class SignedAssignment:
+class SignedAssignment(OperatorSigned):
     body: AssignmentBody
     signed_bytes: bytes
     signature: bytes
@@ -115,28 +114,11 @@ class SignedAssignment:
     def rank(self) -> tuple[float, bytes]:
         return (self.body.issued_at, self.digest)
 
-    @property
-    def operator(self) -> str:
-        """Fingerprint of the operator key that signed it."""
-        return key_fingerprint(self.body.operator_key)
-
-    def verify(self, verifier: Verifier) -> bool:
-        return verifier.verify(self.body.operator_key, self.signed_bytes, self.signature)
-
-    def to_wire(self) -> list[bytes]:
-        return [self.signed_bytes, self.signature]
-
     @classmethod
     def from_wire(cls, obj: Any) -> SignedAssignment:
         """Parse (not verify) an assignment from the network; DecodeError if malformed."""
-        signed, signature = codec.take_list(obj, min_len=2, max_len=2, what="assignment")
-        signed = codec.take_bytes(signed, max_len=MAX_ASSIGNMENT_BYTES, what="assignment")
-        signature = codec.take_bytes(signature, size=SIGNATURE_BYTES, what="signature")
+        signed, signature = take_signed(obj, MAX_ASSIGNMENT_BYTES, "assignment")
         return cls(parse_body(signed), signed, signature)
-
-    def to_json(self) -> dict[str, str]:
-        """The HTTP form (``POST /fabric/v1/assignments``): the signed bytes, base64."""
-        return codec.signed_json(self.signed_bytes, self.signature)
 
     @classmethod
     def from_json(cls, doc: Any) -> SignedAssignment:

@@ -34,13 +34,12 @@ from fabricnode.mesh import codec
 from fabricnode.mesh.assignment import Offer
 from fabricnode.mesh.identity import (
     PUBLIC_KEY_BYTES,
-    SIGNATURE_BYTES,
     OperatorKey,
     Verifier,
     canonical,
-    key_fingerprint,
     record_digest,
 )
+from fabricnode.mesh.signed import OperatorSigned, take_signed
 
 SERVICES_DOMAIN = b"fabric/services/v1"
 MAX_SERVICES_TEXT = 64 * 1024
@@ -69,7 +68,7 @@ class ServicesBody:
 
 
 @dataclass(frozen=True)
-class SignedServices:
+class SignedServices(OperatorSigned):
     body: ServicesBody
     signed_bytes: bytes
     signature: bytes
@@ -82,27 +81,11 @@ class SignedServices:
     def rank(self) -> Rank:
         return (self.body.issued_at, self.digest[:DIGEST_PREFIX])
 
-    @property
-    def operator(self) -> str:
-        return key_fingerprint(self.body.operator_key)
-
-    def verify(self, verifier: Verifier) -> bool:
-        return verifier.verify(self.body.operator_key, self.signed_bytes, self.signature)
-
-    def to_wire(self) -> list[bytes]:
-        return [self.signed_bytes, self.signature]
-
     @classmethod
     def from_wire(cls, obj: Any) -> SignedServices:
         """Parse (not verify) a document from the network; DecodeError if malformed."""
-        signed, signature = codec.take_list(obj, min_len=2, max_len=2, what="services")
-        signed = codec.take_bytes(signed, max_len=MAX_SERVICES_BYTES, what="services")
-        signature = codec.take_bytes(signature, size=SIGNATURE_BYTES, what="signature")
+        signed, signature = take_signed(obj, MAX_SERVICES_BYTES, "services")
         return cls(parse_body(signed), signed, signature)
-
-    def to_json(self) -> dict[str, str]:
-        """The HTTP form (``POST /fabric/v1/services``): the signed bytes, base64."""
-        return codec.signed_json(self.signed_bytes, self.signature)
 
     @classmethod
     def from_json(cls, doc: Any) -> SignedServices:
