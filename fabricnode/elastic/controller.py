@@ -42,6 +42,7 @@ from fabricnode.elastic.reconcile import (
     Limits,
     Memory,
     ModelStatus,
+    Placement,
     Replica,
     Submit,
     reconcile,
@@ -78,6 +79,8 @@ class ModelPlan:
     engine: str = "sim"  # "sim" or an engine command template (fabricnode.engine.template)
     model_path: str | None = None
     idle_to_zero_s: float | None = None  # min_replicas 0: scale to zero after this idle time
+    # (Slurm GPU type, GPUs per replica) in order of preference; () = any type with ``gpus``
+    gpu_options: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -246,7 +249,15 @@ class Controller:
             want, why = self.scaler.target(plan, now)
             target = max(plan.min_replicas, min(plan.max_replicas, want))
             goals.append(
-                Goal(plan.model, target, plan.gpus, plan.partitions, plan.time_limit_s, why)
+                Goal(
+                    plan.model,
+                    target,
+                    plan.gpus,
+                    plan.partitions,
+                    plan.time_limit_s,
+                    why,
+                    plan.gpu_options,
+                )
             )
         result = reconcile(now, goals, jobs, self.replicas(), self.memory, plans.limits)
         by_model = {p.model: p for p in plans.models}
@@ -260,7 +271,11 @@ class Controller:
                     )
                 except SlurmRefused as exc:
                     refused[action.model] = str(exc)
-                    self._decide(Decision(now, action.model, "refused", f"sbatch: {exc}"))
+                    place = Placement(action.partition, action.gres_type, action.gpus)
+                    self.memory.refused(action.model, place, str(exc), now)
+                    self._decide(
+                        Decision(now, action.model, "refused", f"sbatch at {place}: {exc}")
+                    )
                     continue
                 if not self.slurm.dry_run:  # a dry run's jobs never show in squeue
                     self.memory.known[job_id] = (action.model, action.partition or "")
@@ -312,6 +327,7 @@ def _submission(plan: ModelPlan, action: Submit) -> Submission:
         engine=plan.engine,
         model_path=plan.model_path,
         replaces=action.replaces,
+        gres_type=action.gres_type,
     )
 
 

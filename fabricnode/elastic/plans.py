@@ -6,6 +6,10 @@ cache (``scheduler.replica.tp_options``, a typical chat workload's lengths), by 
 TP stays within one node (the type's ``gpus_per_node``). A model the planner does not know (not
 in the catalog, no config.json at its path) or without a GPU type gets one GPU per replica, and
 the status says so.
+
+``gres_types`` name the model's GPU types as Slurm knows them (``--gres=gpu:TYPE:N``), paired
+with ``gpu_types`` in order: each Slurm type gets the GPUs per replica of its own GPU type
+("auto" sizes each), and the controller tries them in that order (``ModelPlan.gpu_options``).
 """
 
 from __future__ import annotations
@@ -37,14 +41,15 @@ def plans_of(spec: ServiceSpec) -> ServicePlans:
     )
 
 
-def auto_gpus(model: ModelService) -> int:
-    """GPUs per replica for ``gpus_per_replica = "auto"`` (module docstring)."""
+def auto_gpus(model: ModelService, gpu_type: str | None = None) -> int:
+    """GPUs per replica for ``gpus_per_replica = "auto"`` on ``gpu_type`` (default: the first
+    allowed; module docstring)."""
     if model.simulated or not model.gpu_types:
         return 1
     catalog = builtin_catalog()
     try:
         spec = catalog.model(model.model_path or model.name)
-        gpu = catalog.gpu(model.gpu_types[0])
+        gpu = catalog.gpu(gpu_type or model.gpu_types[0])
     except SchedulerError:
         return 1
     lengths = Workload(spec.name, 1.0, AUTO_INPUT_TOKENS, AUTO_OUTPUT_TOKENS).lengths(
@@ -54,12 +59,28 @@ def auto_gpus(model: ModelService) -> int:
     return options[0] if options else 1
 
 
+def gpu_options(m: ModelService) -> tuple[tuple[str, int], ...]:
+    """(Slurm GPU type, GPUs per replica) in order of preference; () = any type."""
+    out = []
+    for i, name in enumerate(m.gres_types):
+        kind = m.gpu_types[i] if i < len(m.gpu_types) else None
+        gpus = m.gpus_per_replica
+        out.append((name, gpus if gpus is not None else auto_gpus(m, kind)))
+    return tuple(out)
+
+
 def _plan(m: ModelService) -> ModelPlan:
+    options = gpu_options(m)
     return ModelPlan(
         model=m.name,
         min_replicas=m.min_replicas,
         max_replicas=m.max_replicas,
-        gpus=m.gpus_per_replica if m.gpus_per_replica is not None else auto_gpus(m),
+        gpu_options=options,
+        gpus=options[0][1]
+        if options
+        else m.gpus_per_replica
+        if m.gpus_per_replica is not None
+        else auto_gpus(m),
         partitions=m.partitions,
         time_limit=m.time_limit,
         time_limit_s=m.time_limit_s,

@@ -19,12 +19,18 @@ Rules, per model (its ``Goal``: the replicas wanted now, between the service's m
    and while the lead is longer than a job (before anything was learned, or for very short
    jobs) successors must not chain.
 3. **Too few** units (a job ended: time limit, preemption, crash; or the goal grew): submit the
-   difference, on the first allowed partition not penalised for pending too long.
+   difference, at the first allowed *placement* not penalised. A placement is a partition and
+   a Slurm GPU type (``Goal.placements``: every GPU type in order of preference, and within
+   each type every partition in order), so a model stays on its preferred GPUs while any of its
+   partitions can give them.
 4. **Too many** units: cancel the newest PENDING jobs first, then STARTING, then SERVING ones
    (a cancel is SIGTERM: the agent leaves and drains its requests). Never below the goal.
-5. **Pending too long.** A job pending longer than ``patience_s`` on a partition when another
-   is allowed is cancelled and resubmitted on the next partition, which is then preferred for
-   ``penalty_s``.
+5. **Pending too long, or refused.** A job pending longer than ``patience_s`` at a placement
+   when another is allowed is cancelled and resubmitted at the next placement; the one it left
+   is avoided for ``penalty_s`` (when every placement is, the last is used). A placement Slurm
+   refused outright (``Memory.refused``: an unknown partition or GPU type, a QoS or account
+   limit) is avoided for ``refusal_retry_s``; when every placement is, the model waits, its
+   status *refused* with Slurm's words, instead of calling sbatch every pass.
 6. **Start failures back off.** A job that ends without ever serving is a start failure (its
    replica's error, when the agent published one, is kept). Retries wait ``backoff_s * 2^(k-1)``
    (capped); after ``max_failures`` in a row the model is *failed* and nothing more is submitted
@@ -59,6 +65,33 @@ class Goal:
     partitions: tuple[str, ...]  # in order of preference; () = the site's default
     time_limit_s: int | None = None
     reason: str = "min replicas"  # why the target is what it is (policy's reason)
+    # Slurm GPU types with the GPUs per replica on each, in order of preference; () = any type
+    # with ``gpus``
+    gpu_types: tuple[tuple[str, int], ...] = ()
+
+    def placements(self) -> list[Placement]:
+        """Where a replica may be submitted, in order of preference (rule 3)."""
+        types = self.gpu_types or (("", self.gpus),)
+        parts: tuple[str | None, ...] = self.partitions or (None,)
+        return [Placement(p, kind, gpus) for kind, gpus in types for p in parts]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A partition (None: the site's default) and a Slurm GPU type ("": any) with its GPUs."""
+
+    partition: str | None
+    gres_type: str
+    gpus: int
+
+    def key(self) -> tuple[str, str]:
+        return (self.partition or "", self.gres_type)
+
+    def __str__(self) -> str:
+        where = [f"partition {self.partition}"] if self.partition else []
+        if self.gres_type:
+            where.append(f"GPU type {self.gres_type}")
+        return " and ".join(where) or "the default partition"
 
 
 @dataclass(frozen=True)
@@ -87,7 +120,8 @@ class Tuning:
     leave_margin_s: float = 120.0  # the agents leave this long before their time limit
     learn_weight: float = 0.3  # EWMA weight of a new observation
     patience_s: float = 300.0  # pending this long on a partition: try the next one
-    penalty_s: float = 900.0  # how long a partition that kept a job pending is avoided
+    penalty_s: float = 900.0  # how long a placement that kept a job pending is avoided
+    refusal_retry_s: float = 60.0  # how long a placement Slurm refused is avoided
     backoff_s: float = 30.0
     max_backoff_s: float = 600.0
     max_failures: int = 5
@@ -102,6 +136,7 @@ class Submit:
     time_limit_s: int | None
     reason: str
     replaces: str = ""
+    gres_type: str = ""  # Slurm's GPU type; "" = any
 
 
 @dataclass(frozen=True)
@@ -134,7 +169,10 @@ class Memory:
     known: dict[str, tuple[str, str]] = field(default_factory=dict)  # job -> (model, partition)
     draining: dict[str, float] = field(default_factory=dict)  # job -> when we cancelled it
     failures: dict[str, Failures] = field(default_factory=dict)
-    penalised: dict[tuple[str, str], float] = field(default_factory=dict)  # until when
+    # (model, partition, GPU type) -> until when: kept a job pending too long / was refused
+    penalised: dict[tuple[str, str, str], float] = field(default_factory=dict)
+    refusals: dict[tuple[str, str, str], float] = field(default_factory=dict)
+    refusal_notes: dict[str, str] = field(default_factory=dict)  # model -> Slurm's last words
     errors: dict[str, str] = field(default_factory=dict)  # job -> replica error seen
 
     def lead_s(self, model: str, partition: str, time_limit_s: int | None = None) -> float:
@@ -155,6 +193,14 @@ class Memory:
 
     def reset_model(self, model: str) -> None:
         self.failures.pop(model, None)
+        self.refusal_notes.pop(model, None)
+        for key in [k for k in self.refusals if k[0] == model]:
+            del self.refusals[key]
+
+    def refused(self, model: str, place: Placement, why: str, now: float) -> None:
+        """Slurm refused a submission at ``place`` (rule 5)."""
+        self.refusals[(model, *place.key())] = now + self.tuning.refusal_retry_s
+        self.refusal_notes[model] = f"{place}: {why}"
 
     def failure(self, model: str) -> Failures:
         return self.failures.setdefault(model, Failures())
@@ -211,23 +257,41 @@ def reconcile(
     budget = _Budget(
         limits,
         sum(1 for j in jobs if not j.ending),
-        sum(g.gpus for g in goals for j in jobs if j.model == g.model and not j.ending),
+        sum(
+            g.gpus if j.gpus is None else j.gpus
+            for g in goals
+            for j in jobs
+            if j.model == g.model and not j.ending
+        ),
     )
     actions: list[Action] = []
     status: list[ModelStatus] = []
     for goal in goals:
         limited = ""  # which mesh limit stopped a submission of this model, if one did
+        places = goal.placements()
+        held_off = False  # every placement was refused lately: wait (rule 5)
 
         def submit(goal: Goal, reason: str, replaces: str = "") -> bool:
             """Submit one job of ``goal`` unless a mesh limit forbids it (rule 7)."""
-            nonlocal limited
-            refused = budget.take(goal.gpus)
+            nonlocal limited, held_off
+            place = _placement(goal.model, goal.placements(), memory, now)
+            if place is None:
+                held_off = True
+                return False
+            refused = budget.take(place.gpus)
             if refused:
                 limited = refused
                 return False
-            partition = _partition(goal, memory, now)
             actions.append(
-                Submit(goal.model, goal.gpus, partition, goal.time_limit_s, reason, replaces)
+                Submit(
+                    goal.model,
+                    place.gpus,
+                    place.partition,
+                    goal.time_limit_s,
+                    reason,
+                    replaces,
+                    place.gres_type,
+                )
             )
             return True
 
@@ -236,19 +300,18 @@ def reconcile(
         phase = {j.job_id: _phase(j, by_job) for j in live}
         successors = {j.replaces for j in live if j.replaces}
         units = [j for j in live if j.job_id not in successors]  # a handover pair counts once
-        # rule 5: pending too long where another partition is allowed
+        # rule 5: pending too long where another placement is allowed
         for j in list(units):
             waited = now - (j.submitted_at or now)
+            place = _placement_of(j, goal, places)
             if (
                 phase[j.job_id] == PENDING
-                and len(goal.partitions) > 1
-                and j.partition in goal.partitions
+                and len(places) > 1
+                and place is not None
                 and waited > t.patience_s
             ):
-                memory.penalised[(goal.model, j.partition)] = now + t.penalty_s
-                actions.append(
-                    Cancel(j.job_id, goal.model, f"pending {waited:.0f} s on {j.partition}")
-                )
+                memory.penalised[(goal.model, *place.key())] = now + t.penalty_s
+                actions.append(Cancel(j.job_id, goal.model, f"pending {waited:.0f} s on {place}"))
                 memory.draining[j.job_id] = now
                 units.remove(j)
         # rule 2: successors ahead of time limits, for serving jobs only (a job still starting
@@ -277,6 +340,9 @@ def reconcile(
             if not submit(goal, goal.reason if len(units) else f"{goal.reason} (none running)"):
                 break
             state = "scaling"
+        if held_off:
+            state = "refused"
+            note = f"Slurm refused every placement; {memory.refusal_notes.get(goal.model, '')}"
         if limited:
             state, note = "limited", f"mesh limit {limited} reached"
         surplus = len(units) - goal.target
@@ -372,10 +438,22 @@ def _learn(now: float, jobs: Sequence[Job], by_job: Mapping[str, Replica], memor
         fail.failed = fail.count >= t.max_failures
 
 
-def _partition(goal: Goal, memory: Memory, now: float) -> str | None:
-    if not goal.partitions:
-        return None
-    for p in goal.partitions:
-        if memory.penalised.get((goal.model, p), 0.0) <= now:
+def _placement(
+    model: str, places: Sequence[Placement], memory: Memory, now: float
+) -> Placement | None:
+    """The first placement neither penalised nor refused; if all are, the last one not
+    refused (pending somewhere beats not trying); None when Slurm refused every one."""
+    open_ = [p for p in places if memory.refusals.get((model, *p.key()), 0.0) <= now]
+    for p in open_:
+        if memory.penalised.get((model, *p.key()), 0.0) <= now:
             return p
-    return goal.partitions[-1]
+    return open_[-1] if open_ else None
+
+
+def _placement_of(job: Job, goal: Goal, places: Sequence[Placement]) -> Placement | None:
+    """The placement a job of ``goal`` was submitted at (None: not one allowed now)."""
+    partition = job.partition if goal.partitions else None
+    for p in places:
+        if p.partition == partition and p.gres_type == job.gres_type:
+            return p
+    return None

@@ -122,6 +122,7 @@ MODEL_KEYS = (
     "engine",
     "model_path",
     "gpu_types",
+    "gres_types",
     "gpus_per_replica",
     "min_replicas",
     "max_replicas",
@@ -140,6 +141,8 @@ _HINTS: Mapping[str, str] = {
     "gpus": "gpu_types (the allowed GPU types) or gpus_per_replica (how many)",
     "gpu": "gpu_types (the allowed GPU types) or gpus_per_replica (how many)",
     "gpu_type": "gpu_types",
+    "gres_type": "gres_types",
+    "gres": "gres_types (Slurm's GPU type names) or gpus_per_replica (how many)",
     "tp": "gpus_per_replica",
     "partition": "partitions",
     "time": "time_limit",
@@ -174,6 +177,7 @@ class ModelService:
     engine: str  # "sim", or a command template (single-spaced, fabricnode.engine.template)
     model_path: str | None = None  # what {model_path} becomes; None: the name
     gpu_types: tuple[str, ...] = ()  # catalog names, in order of preference; () = any
+    gres_types: tuple[str, ...] = ()  # Slurm's names of those types (--gres=gpu:TYPE:N)
     gpus_per_replica: int | None = None
     min_replicas: int = DEFAULT_MIN_REPLICAS
     max_replicas: int = DEFAULT_MIN_REPLICAS
@@ -207,6 +211,7 @@ class ModelService:
             self.engine,
             self.model_path,
             list(self.gpu_types),
+            list(self.gres_types),
             self.gpus_per_replica or 0,
             self.min_replicas,
             self.max_replicas,
@@ -226,6 +231,7 @@ class ModelService:
             "engine": self.engine,
             "model_path": self.model_path,
             "gpu_types": list(self.gpu_types),
+            "gres_types": list(self.gres_types),
             "gpus_per_replica": AUTO if self.gpus_per_replica is None else self.gpus_per_replica,
             "min_replicas": self.min_replicas,
             "max_replicas": self.max_replicas,
@@ -247,6 +253,7 @@ class ModelService:
             ("engine", self.engine),
             ("model_path", self.model_path),
             ("gpu_types", list(self.gpu_types) or None),
+            ("gres_types", list(self.gres_types) or None),
             ("gpus_per_replica", gpus),
             ("min_replicas", self.min_replicas),
             ("max_replicas", self.max_replicas),
@@ -719,6 +726,7 @@ class _Checker:
             "engine": _engine,
             "model_path": _model_path,
             "gpu_types": _gpu_types(catalog),
+            "gres_types": _list(_word("a Slurm GPU type", ",:"), "Slurm GPU types", key_of=str),
             "gpus_per_replica": _gpus_per_replica,
             "min_replicas": _integer(0, MAX_REPLICAS),
             "max_replicas": _integer(1, MAX_REPLICAS),
@@ -943,6 +951,16 @@ class _Checker:
                     "the engine does not use {model_path}: put {model_path} in its template, "
                     "or drop model_path",
                 )
+        kinds, names = values.get("gpu_types"), values.get("gres_types")
+        if kinds and names and len(kinds) != len(names) and draft.ok("gpu_types", "gres_types"):
+            path, key = self.line_key(draft, "gres_types")
+            self.report(
+                path,
+                draft.where,
+                key,
+                f"{len(names)} Slurm GPU type(s) for {len(kinds)} gpu_types: give Slurm's name "
+                f"of each GPU type, in the same order ({', '.join(kinds)})",
+            )
         gpus = values.get("gpus_per_replica")
         if limits is not None and gpus is not None and gpus > limits.max_gpus:
             path, key = self.line_key(draft, "gpus_per_replica")
@@ -1002,6 +1020,7 @@ def _model_of(values: Mapping[str, Any]) -> ModelService:
         engine=values["engine"],
         model_path=values.get("model_path"),
         gpu_types=values.get("gpu_types", ()),
+        gres_types=values.get("gres_types", ()),
         gpus_per_replica=values.get("gpus_per_replica"),
         min_replicas=values["min_replicas"],
         max_replicas=values["max_replicas"],

@@ -71,6 +71,8 @@ class Job:
     time_limit_s: int | None
     reason: str
     replaces: str = ""
+    gres_type: str = ""  # the Slurm GPU type asked for ("" = any type), from the tag
+    gpus: int | None = None  # GPUs asked for, from the tag (None: an older tag without it)
 
     @property
     def pending(self) -> bool:
@@ -98,22 +100,41 @@ class Submission:
     model_path: str | None = None  # {model_path} of the template (default: the model id)
     agent_args: tuple[str, ...] = ()
     replaces: str = ""
+    gres_type: str = ""  # Slurm's GPU type name (--gres=gpu:TYPE:N); "" = any type
 
 
-def comment_for(mesh: str, model: str, replaces: str = "") -> str:
+@dataclass(frozen=True)
+class Tag:
+    """What a job's comment says of it (``comment_for``)."""
+
+    model: str
+    replaces: str = ""
+    gres_type: str = ""
+    gpus: int | None = None
+
+
+def comment_for(
+    mesh: str, model: str, replaces: str = "", gres_type: str = "", gpus: int | None = None
+) -> str:
     text = f"{TAG} mesh={mesh} model={quote(model, safe='')}"
+    if gpus is not None:
+        text += f" gpu={quote(gres_type, safe='')}:{gpus}"
     return text + (f" replaces={replaces}" if replaces else "")
 
 
-def parse_comment(comment: str, mesh: str) -> tuple[str, str] | None:
-    """(model, replaces) of one of this mesh's jobs, or None for any other job."""
+def parse_comment(comment: str, mesh: str) -> Tag | None:
+    """The tag of one of this mesh's jobs, or None for any other job."""
     words = comment.split()
     if not words or words[0] != TAG:
         return None
     fields = dict(w.split("=", 1) for w in words[1:] if "=" in w)
     if fields.get("mesh") != mesh or not fields.get("model"):
         return None
-    return unquote(fields["model"]), fields.get("replaces", "")
+    gres_type, gpus = "", None
+    kind, sep, count = fields.get("gpu", "").rpartition(":")
+    if sep and count.isdigit():
+        gres_type, gpus = unquote(kind), int(count)
+    return Tag(unquote(fields["model"]), fields.get("replaces", ""), gres_type, gpus)
 
 
 def parse_squeue(text: str, mesh: str) -> list[Job]:
@@ -129,7 +150,7 @@ def parse_squeue(text: str, mesh: str) -> list[Job]:
         jobs.append(
             Job(
                 job_id.strip(),
-                ours[0],
+                ours.model,
                 state.strip(),
                 partition.strip(),
                 parse_slurm_time(submit.strip()),
@@ -137,7 +158,9 @@ def parse_squeue(text: str, mesh: str) -> list[Job]:
                 parse_slurm_time(end.strip()),
                 parse_time_limit(limit.strip()),
                 "" if reason.strip() == "None" else reason.strip(),
-                ours[1],
+                ours.replaces,
+                ours.gres_type,
+                ours.gpus,
             )
         )
     return jobs
@@ -162,9 +185,11 @@ class SlurmControl:
 
     def sbatch_argv(self, s: Submission) -> list[str]:
         argv = ["sbatch", "--parsable", f"--job-name=fabric-{_slug(s.model)}"]
-        argv.append(f"--comment={comment_for(self.mesh, s.model, s.replaces)}")
+        comment = comment_for(self.mesh, s.model, s.replaces, s.gres_type, s.gpus)
+        argv.append(f"--comment={comment}")
         if s.gpus > 0:
-            argv.append(f"--gres=gpu:{s.gpus}")
+            kind = f"{s.gres_type}:" if s.gres_type else ""
+            argv.append(f"--gres=gpu:{kind}{s.gpus}")
         if self.output:
             argv.append(f"--output={self.output}")
         for flag, value in (

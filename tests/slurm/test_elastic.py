@@ -28,7 +28,7 @@ import pytest
 
 from cli.localmesh import AgentProcess, LocalMesh
 from fabricnode.control.client import AdminClient
-from fabricnode.elastic.slurmctl import parse_comment
+from fabricnode.elastic.slurmctl import Tag, parse_comment
 from fabricnode.errors import AgentApiError
 from fabricnode.mesh.identity import OperatorKey
 from tests.support import REPO
@@ -52,6 +52,17 @@ min_replicas = 2
 max_replicas = 2
 partitions = ["high"]
 time_limit = "2:00"
+"""
+
+# The test cluster's GPUs are of Slurm type "fake"; "a100" is refused by sbatch there.
+TYPED = """
+[[model]]
+name = "typed"
+engine = "sim"
+gpus_per_replica = 1
+gres_types = ["a100", "fake"]
+partitions = ["high"]
+time_limit = "10:00"
 """
 
 pytestmark = pytest.mark.slow
@@ -83,8 +94,8 @@ def tagged_jobs(cluster: SlurmCluster) -> list[str]:
     return [line.split("|")[0] for line in done.stdout.splitlines() if "fabric-elastic" in line]
 
 
-def our_jobs(cluster: SlurmCluster) -> list[tuple[str, str, str]]:
-    """(job id, state, replaces) of the jobs tagged for MODEL, any mesh."""
+def controller_jobs(cluster: SlurmCluster) -> list[tuple[str, str, Tag]]:
+    """(job id, state, tag) of the jobs an elastic controller submitted, any mesh."""
     done = cluster.run("squeue", "-h", "-o", "%i|%T|%k", check=False)
     out = []
     for line in done.stdout.splitlines():
@@ -92,9 +103,16 @@ def our_jobs(cluster: SlurmCluster) -> list[tuple[str, str, str]]:
         words = comment.split()
         mesh = next((w[5:] for w in words if w.startswith("mesh=")), "")
         tagged = parse_comment(comment, mesh) if mesh else None
-        if tagged is not None and tagged[0] == MODEL:
-            out.append((job_id, state, tagged[1]))
+        if tagged is not None:
+            out.append((job_id, state, tagged))
     return out
+
+
+def our_jobs(cluster: SlurmCluster) -> list[tuple[str, str, str]]:
+    """(job id, state, replaces) of the jobs tagged for MODEL, any mesh."""
+    return [
+        (j, state, tag.replaces) for j, state, tag in controller_jobs(cluster) if tag.model == MODEL
+    ]
 
 
 def serving_count(url: str, model: str = MODEL) -> int | None:
@@ -258,18 +276,24 @@ def test_a_file_slurm_refuses_is_reported_and_the_mesh_keeps_serving(
     mesh, ingress = elastic.mesh, elastic.ingress
     bad = tmp_path / "bad.toml"
     more = SERVICE.replace("min_replicas = 2", "min_replicas = 3")
-    bad.write_text(more.replace("max_replicas = 2", "max_replicas = 3").replace("high", "nope"))
+    more = more.replace("max_replicas = 2", "max_replicas = 3").replace("high", "nope")
+    # a GPU type this cluster does not have comes first: the next allowed one is used
+    bad.write_text(more + TYPED)
     done = fabric(mesh, ingress, "services", "apply", str(bad))
     assert done.returncode == 0, done.stderr
     deadline = time.monotonic() + 30
     while True:
         doc = json.loads(fabric(mesh, ingress, "services", "--json").stdout)
         model = doc["models"][0] if doc["models"] else {}
-        if model.get("state") == "refused":
+        typed = [tag for _, _, tag in controller_jobs(slurm_cluster) if tag.model == "typed"]
+        if model.get("state") == "refused" and typed:
             break
-        assert time.monotonic() < deadline, doc
+        assert time.monotonic() < deadline, (doc, typed)
         time.sleep(1)
     assert "invalid partition" in model["note"].lower()
+    assert [(t.gres_type, t.gpus) for t in typed] == [("fake", 1)]
+    refusals = [d["reason"] for d in doc["decisions"] if d["action"] == "refused"]
+    assert any("GPU type a100" in r for r in refusals), refusals
     assert (serving_count(ingress.http_url) or 0) >= 2  # what serves keeps serving
     # a file that does not parse is refused here, with its line, and nothing is sent
     broken = tmp_path / "broken.toml"

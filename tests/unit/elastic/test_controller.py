@@ -35,9 +35,11 @@ class FakeSlurm:
         self.next_id = 100
         self.refuse = refuse
         self.submitted: list[str] = []
+        self.sbatch_calls = 0
 
     def __call__(self, argv: Sequence[str]) -> tuple[int, str, str]:
         if argv[0] == "sbatch":
+            self.sbatch_calls += 1
             if self.refuse:
                 return 1, "", f"sbatch: error: {self.refuse}\n"
             self.next_id += 1
@@ -117,7 +119,7 @@ def test_one_controller_acts_and_a_takeover_never_submits_twice() -> None:
     assert (first.status.role, second.status.role) == ("acting", "standby")
     assert len(slurm.submitted) == 2
     assert [d.action for d in first.recent] == ["submit", "submit"]
-    assert all(comment_for(MESH, "m") == c for _, c in slurm.jobs.values())
+    assert all(comment_for(MESH, "m", gpus=1) == c for _, c in slurm.jobs.values())
     # the acting one dies: the standby takes over once it is declared dead, from Slurm's list
     net.crash(nodes[1].addr)
     net.run_for(15)
@@ -159,6 +161,13 @@ def test_refusals_invalid_files_and_dry_run_change_nothing_and_say_why() -> None
     assert ctl.status.models[0].state == "refused"
     assert "invalid partition specified: gpu" in ctl.status.models[0].note
     assert {d.action for d in ctl.recent} == {"refused"}
+    assert "sbatch at partition gpu: invalid partition" in ctl.recent[-1].reason
+    # Slurm said no to the only placement: the next passes wait instead of asking again
+    calls = slurm.sbatch_calls
+    trio.run(ctl.tick)
+    assert slurm.sbatch_calls == calls
+    assert ctl.status.models[0].state == "refused"
+    assert "invalid partition specified: gpu" in ctl.status.models[0].note
     apply(net, nodes[0], "garbage")
     trio.run(ctl.tick)
     assert "invalid" in ctl.status.error and "line 1" in ctl.status.error

@@ -14,6 +14,7 @@ from fabricnode.elastic.reconcile import (
     Goal,
     Limits,
     Memory,
+    Placement,
     Replica,
     Submit,
     Tuning,
@@ -34,9 +35,14 @@ def job(
     submitted: float = NOW - 600,
     ends: float | None = NOW + 3600,
     replaces: str = "",
+    gres_type: str = "",
+    gpus: int | None = None,
 ) -> Job:
     started = None if state == "PENDING" else submitted + 5
-    return Job(job_id, model, state, partition, submitted, started, ends, 7200, "", replaces)
+    return Job(
+        job_id, model, state, partition, submitted, started, ends, 7200, "", replaces, gres_type,
+        gpus,
+    )  # fmt: skip
 
 
 def serving(job_id: str, model: str = M) -> Replica:
@@ -155,6 +161,53 @@ def test_a_partition_that_keeps_a_job_pending_is_left_for_the_next() -> None:
     # with a single allowed partition it just waits
     p = reconcile(NOW, [goal(1, ("preempt",))], [stuck], [], Memory(Tuning(patience_s=120)))
     assert p.actions == ()
+
+
+def test_gpu_types_are_tried_in_order_each_on_every_partition_with_its_own_gpus() -> None:
+    typed = replace(goal(1, ("preempt", "gpu")), gpu_types=(("a100", 2), ("h100", 1)))
+    assert [(p.partition, p.gres_type, p.gpus) for p in typed.placements()] == [
+        ("preempt", "a100", 2), ("gpu", "a100", 2), ("preempt", "h100", 1), ("gpu", "h100", 1),
+    ]  # fmt: skip
+    memory = Memory(Tuning(patience_s=120, penalty_s=600))
+    (first,) = submits(reconcile(NOW, [typed], [], [], memory).actions)
+    assert (first.partition, first.gres_type, first.gpus) == ("preempt", "a100", 2)
+    # A100s pend too long on both partitions: the H100s are tried, with their own count
+    jobs = [job("7", "PENDING", partition="preempt", gres_type="a100", gpus=2, submitted=NOW - 121)]
+    p = reconcile(NOW, [typed], jobs, [], memory)
+    assert [c.job_id for c in cancels(p.actions)] == ["7"]
+    assert "pending 121 s on partition preempt and GPU type a100" in cancels(p.actions)[0].reason
+    (second,) = submits(p.actions)
+    assert (second.partition, second.gres_type) == ("gpu", "a100")
+    jobs = [job("8", "PENDING", partition="gpu", gres_type="a100", gpus=2, submitted=NOW - 121)]
+    (third,) = submits(reconcile(NOW + 1, [typed], jobs, [], memory).actions)
+    assert (third.partition, third.gres_type, third.gpus) == ("preempt", "h100", 1)
+    # GPUs held are counted from the jobs' own tags against max_gpus
+    held = [job("9", gres_type="a100", gpus=2)]
+    p = reconcile(
+        NOW, [replace(typed, target=2)], held, [serving("9")], Memory(), Limits(max_gpus=3)
+    )
+    assert submits(p.actions) == []
+    assert p.status[0].state == "limited"  # 2 held + 2 more > 3
+
+
+def test_a_placement_slurm_refused_is_skipped_and_with_none_left_the_model_waits() -> None:
+    memory = Memory(Tuning(refusal_retry_s=60))
+    two = goal(1, ("nope", "gpu"))
+    memory.refused(M, Placement("nope", "", 1), "invalid partition specified: nope", NOW)
+    (sub,) = submits(reconcile(NOW, [two], [], [], memory).actions)
+    assert sub.partition == "gpu"
+    memory.refused(M, Placement("gpu", "", 1), "Invalid qos specification", NOW)
+    p = reconcile(NOW + 1, [two], [], [], memory)
+    assert p.actions == ()  # no sbatch every pass while Slurm says no
+    (s,) = p.status
+    assert s.state == "refused" and "partition gpu: Invalid qos specification" in s.note
+    # the refusals expire: tried again, in order; a new service file forgets them at once
+    (again,) = submits(reconcile(NOW + 61, [two], [], [], memory).actions)
+    assert again.partition == "nope"
+    memory.refused(M, Placement("nope", "", 1), "no", NOW + 61)
+    memory.refused(M, Placement("gpu", "", 1), "no", NOW + 61)
+    memory.reset_model(M)
+    assert len(submits(reconcile(NOW + 62, [two], [], [], memory).actions)) == 1
 
 
 def test_mesh_limits_are_never_exceeded() -> None:

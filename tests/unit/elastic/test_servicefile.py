@@ -419,6 +419,20 @@ ERRORS = [
         '"a100" is the same as "A100-80G"',
     ),
     (
+        "Slurm GPU types not one per GPU type",
+        f'{LIMITS}{M}gpu_types = ["A100-80G", "H100"]\ngres_types = ["a100"] # <-\n',
+        '[[model]] "m"',
+        "gres_types",
+        "1 Slurm GPU type(s) for 2 gpu_types: give Slurm's name of each GPU type",
+    ),
+    (
+        "Slurm GPU type with a colon",
+        f'{LIMITS}{M}gres_types = ["a100:2"] # <-\n',
+        '[[model]] "m"',
+        "gres_types",
+        "contains :",
+    ),
+    (
         "GPU types empty",
         f"{LIMITS}{M}gpu_types = [] # <-\n",
         '[[model]] "m"',
@@ -849,8 +863,8 @@ def test_canonical_bytes_are_a_domain_tagged_fixed_order_array() -> None:
     domain, version, limits, models = msgpack.unpackb(spec.canonical(), raw=False)
     assert (domain, version, limits) == (DOMAIN, 1, [32, 64])
     assert [row[0] for row in models] == ["llama-3.1-8b", "qwen2.5-72b", "tiny-sim"]
-    assert models[0][7:10] == [2000, 600000, 180000]  # durations in whole milliseconds
-    assert models[1][8] is None  # no idle_to_zero: it does not scale to zero
+    assert models[0][8:11] == [2000, 600000, 180000]  # durations in whole milliseconds
+    assert models[1][9] is None  # no idle_to_zero: it does not scale to zero
 
 
 def test_from_canonical_accepts_only_canonical_bytes_that_check() -> None:
@@ -872,7 +886,7 @@ def test_from_canonical_accepts_only_canonical_bytes_that_check() -> None:
         (packed(domain, version, limits, models[::-1]), "not in canonical form"),
         (packed(domain, version, limits, [models[0][:-1]]), "malformed model"),
         (packed(domain, version, limits, [[*models[0][:3], ["B200"], *models[0][4:]]]), "B200"),
-        (packed(domain, version, limits, [[*models[0][:7], "2s", *models[0][8:]]]), "ttft_p95"),
+        (packed(domain, version, limits, [[*models[0][:8], "2s", *models[0][9:]]]), "ttft_p95"),
         (packed(domain, version, limits, [[*models[0][:3], ["A100"], *models[0][4:]]]), "canon"),
     ]:
         with pytest.raises(DecodeError, match=message):
@@ -1013,6 +1027,7 @@ LIKELY: dict[str, list[object]] = {
     "engine": ["sim", "vllm", "sglang", "x {model} --port {port}", "x {model_path} --port {port}"],
     "model_path": ["/m", "", "a b"],
     "gpu_types": [["A100"], ["h100", "a100-80gb"], [], "A100", ["B200"], ["a100", "A100-80G"]],
+    "gres_types": [["a100"], ["a100", "h100"], [], "a100", ["a:b"], ["x", "x"]],
     "gpus_per_replica": ["auto", 1, 2, 0, 64],
     "min_replicas": [0, 1, 2, -1],
     "max_replicas": [1, 2, 4, 0],

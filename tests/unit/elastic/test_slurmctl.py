@@ -12,6 +12,7 @@ from fabricnode.elastic.slurmctl import (
     SlurmControl,
     SlurmRefused,
     Submission,
+    Tag,
     comment_for,
     mesh_tag,
     parse_comment,
@@ -23,10 +24,13 @@ MESH = mesh_tag(b"k" * 32)
 
 def test_comments_tag_our_jobs_and_nobody_elses() -> None:
     text = comment_for(MESH, "org/Model 7B", "41")
-    assert parse_comment(text, MESH) == ("org/Model 7B", "41")
+    assert parse_comment(text, MESH) == Tag("org/Model 7B", "41")
     assert parse_comment(text, mesh_tag(b"other" * 8)) is None
     assert parse_comment("my own job", MESH) is None
-    assert parse_comment(comment_for(MESH, "m"), MESH) == ("m", "")
+    assert parse_comment(comment_for(MESH, "m"), MESH) == Tag("m")
+    typed = comment_for(MESH, "m", "", "a100_80g", 4)
+    assert parse_comment(typed, MESH) == Tag("m", "", "a100_80g", 4)
+    assert parse_comment(comment_for(MESH, "m", "9", "", 2), MESH) == Tag("m", "9", "", 2)
 
 
 def test_squeue_lines_become_jobs_with_unix_times() -> None:
@@ -76,7 +80,7 @@ def test_sbatch_line_carries_the_tag_resources_and_the_wrapper_arguments() -> No
     assert job == "4242"
     argv = runner.calls[0]
     assert argv[:3] == ["sbatch", "--parsable", "--job-name=fabric-llama-3.1-8b"]
-    assert f"--comment={comment_for(MESH, 'llama-3.1-8b', '41')}" in argv
+    assert f"--comment={comment_for(MESH, 'llama-3.1-8b', '41', gpus=2)}" in argv
     for flag in ("--gres=gpu:2", "--partition=gpu-preempt", "--time=2:00:00",
                  "--account=proj", "--qos=normal", "--export=ALL,FABRIC_ENGINE=template",
                  "--constraint=a100"):  # fmt: skip
