@@ -344,7 +344,23 @@ def _refused(status: ModelStatus, why: str) -> ModelStatus:
     )
 
 
-KINDS = ("time limit", "pending", "scale down", "no longer", "min replicas", "demand", "forecast")
+KINDS = (
+    "preempted",
+    "node failure",
+    "failed",
+    "out of memory",
+    "cancelled outside",
+    "gone from the queue",
+    "time limit",
+    "pending",
+    "scale down",
+    "no longer",
+    "min replicas",
+    "demand",
+    "forecast",
+    "sbatch",
+    "scancel",
+)
 
 
 def _kind(reason: str) -> str:

@@ -19,7 +19,9 @@ Rules, per model (its ``Goal``: the replicas wanted now, between the service's m
    and while the lead is longer than a job (before anything was learned, or for very short
    jobs) successors must not chain.
 3. **Too few** units (a job ended: time limit, preemption, crash; or the goal grew): submit the
-   difference, at the first allowed *placement* not penalised. A placement is a partition and
+   difference (a replacement's reason names the job it replaces and how that one ended, as
+   ``squeue --states=all`` shows it: "replaces job 12 (preempted)"), at the first allowed
+   *placement* not penalised. A placement is a partition and
    a Slurm GPU type (``Goal.placements``: every GPU type in order of preference, and within
    each type every partition in order), so a model stays on its preferred GPUs while any of its
    partitions can give them.
@@ -126,6 +128,9 @@ class Tuning:
     max_backoff_s: float = 600.0
     max_failures: int = 5
     drain_kill_s: float = 180.0  # a cancelled job still running after this is cancelled hard
+    # a serving job that ended on its own is COMPLETING for a moment before squeue shows how it
+    # ended; its replacement waits this long at most for that (the resources are held anyway)
+    completing_wait_s: float = 30.0
 
 
 @dataclass(frozen=True)
@@ -174,6 +179,10 @@ class Memory:
     refusals: dict[tuple[str, str, str], float] = field(default_factory=dict)
     refusal_notes: dict[str, str] = field(default_factory=dict)  # model -> Slurm's last words
     errors: dict[str, str] = field(default_factory=dict)  # job -> replica error seen
+    # model -> served jobs that ended this pass and how ("job 12 preempted"): a replacement's
+    # reason names them
+    ended: dict[str, list[str]] = field(default_factory=dict)
+    completing: dict[str, float] = field(default_factory=dict)  # served job -> first seen so
 
     def lead_s(self, model: str, partition: str, time_limit_s: int | None = None) -> float:
         """How long before a job's end its successor is submitted: the learned time to
@@ -336,8 +345,15 @@ def reconcile(
                 state = "backing off"
                 note = f"retry in {fail.next_try_at - now:.0f} s: {fail.last_error}"
                 deficit = 0
-        for _ in range(max(0, deficit)):
-            if not submit(goal, goal.reason if len(units) else f"{goal.reason} (none running)"):
+        lost = memory.ended.pop(goal.model, [])
+        # served jobs that just ended on their own, until squeue says how (Tuning)
+        settling = sum(1 for j in jobs if j.model == goal.model and j.job_id in memory.completing)
+        for _ in range(max(0, deficit - settling)):
+            if lost:
+                reason = f"replaces {lost.pop(0)}"
+            else:
+                reason = goal.reason if len(units) else f"{goal.reason} (none running)"
+            if not submit(goal, reason):
                 break
             state = "scaling"
         if held_off:
@@ -426,9 +442,21 @@ def _learn(now: float, jobs: Sequence[Job], by_job: Mapping[str, Replica], memor
         gone = job is None or job.ending
         if not gone:
             continue
+        if (
+            job is not None
+            and job.state == "COMPLETING"
+            and job_id in memory.served
+            and job_id not in memory.draining
+            and now - memory.completing.setdefault(job_id, now) < t.completing_wait_s
+        ):
+            continue  # how it ended shows once it has: its replacement waits for that
+        memory.completing.pop(job_id, None)
         del memory.known[job_id]
         cancelled = memory.draining.pop(job_id, None) is not None
         if job_id in memory.served or cancelled:
+            if not cancelled:
+                cause = job.end_cause if job is not None else "gone from the queue"
+                memory.ended.setdefault(model, []).append(f"job {job_id} ({cause})")
             memory.served.discard(job_id)
             continue
         fail = memory.failure(model)  # ended without ever serving: a start failure

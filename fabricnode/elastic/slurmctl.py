@@ -86,6 +86,28 @@ class Job:
     def ending(self) -> bool:
         return not (self.pending or self.running)
 
+    @property
+    def end_cause(self) -> str:
+        """How an ended job ended, in words ("" while it is pending or running)."""
+        if not self.ending:
+            return ""
+        return END_CAUSES.get(self.state, self.state.lower().replace("_", " "))
+
+
+# squeue's final states, as the reason of a replacement says them
+END_CAUSES = {
+    "PREEMPTED": "preempted",
+    "TIMEOUT": "time limit reached",
+    "FAILED": "failed",
+    "NODE_FAIL": "node failure",
+    "BOOT_FAIL": "node failure",
+    "OUT_OF_MEMORY": "out of memory",
+    "CANCELLED": "cancelled outside the fabric",
+    "COMPLETED": "ended",
+    "COMPLETING": "ended",
+    "DEADLINE": "deadline reached",
+}
+
 
 @dataclass(frozen=True)
 class Submission:
@@ -177,7 +199,11 @@ class SlurmControl:
     commands: list[str] = field(default_factory=list)  # what ran (or would have, dry-run)
 
     def list_jobs(self) -> list[Job]:
-        argv = ["squeue", "--noheader", "-u", self.user, f"--format={SQUEUE_FIELDS}"]
+        # every state: a job that ended lately (within slurmctld's MinJobAge) shows how it ended
+        # (PREEMPTED, TIMEOUT, NODE_FAIL...), which names the cause of its replacement
+        argv = [
+            "squeue", "--noheader", "--states=all", "-u", self.user, f"--format={SQUEUE_FIELDS}",
+        ]  # fmt: skip
         rc, out, err = self.runner(argv)
         if rc != 0:
             raise SlurmRefused(f"squeue failed: {(err or out).strip() or f'exit status {rc}'}")

@@ -405,6 +405,9 @@ def test_a_preempted_replica_is_replaced_and_no_request_fails(
             assert time.monotonic() - t0 < 60, "the preempted replica was not replaced"
             time.sleep(0.5)
         print(f"replaced: 2 SERVING {time.monotonic() - t0:.1f} s after the high job ended")
+        doc = json.loads(fabric(mesh, ingress, "services", "--json").stdout)
+        reasons = [d["reason"] for d in doc["decisions"] if d["action"] == "submit"]
+        assert any(r.endswith("(preempted)") for r in reasons), reasons
         time.sleep(3)
     finally:
         w.stop.set()

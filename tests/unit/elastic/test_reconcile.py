@@ -110,6 +110,28 @@ def test_a_preempted_or_crashed_replica_is_replaced_without_backoff() -> None:
     reconcile(NOW, [goal()], jobs, [serving("1"), serving("2")], memory)
     p = reconcile(NOW + 5, [goal()], jobs[:1], [serving("1")], memory)  # job 2 vanished
     assert len(submits(p.actions)) == 1 and memory.failure(M).count == 0
+    assert submits(p.actions)[0].reason == "replaces job 2 (gone from the queue)"
+    # squeue --states=all says how a job ended: the replacement's reason says it too
+    jobs = [job("1"), job("3")]
+    reconcile(NOW + 10, [goal()], jobs, [serving("1"), serving("3")], memory)
+    ended = [job("1", "NODE_FAIL"), job("3", "PREEMPTED")]
+    p = reconcile(NOW + 15, [goal()], ended, [], memory)
+    assert sorted(s.reason for s in submits(p.actions)) == [
+        "replaces job 1 (node failure)", "replaces job 3 (preempted)",
+    ]  # fmt: skip
+    # a cause is told once: a later scale-up is not called a replacement
+    p = reconcile(NOW + 20, [goal(3)], [job("4"), job("5")], [serving("4"), serving("5")], memory)
+    assert [s.reason for s in submits(p.actions)] == ["min replicas"]
+    # a job COMPLETING has not said how it ended yet: its replacement waits for that, briefly
+    memory = Memory(Tuning(completing_wait_s=30))
+    reconcile(NOW, [goal(1)], [job("6")], [serving("6")], memory)
+    assert reconcile(NOW + 2, [goal(1)], [job("6", "COMPLETING")], [], memory).actions == ()
+    p = reconcile(NOW + 4, [goal(1)], [job("6", "PREEMPTED")], [], memory)
+    assert [s.reason for s in submits(p.actions)] == ["replaces job 6 (preempted)"]
+    reconcile(NOW, [goal(1)], [job("7")], [serving("7")], memory)
+    assert reconcile(NOW + 2, [goal(1)], [job("7", "COMPLETING")], [], memory).actions == ()
+    p = reconcile(NOW + 33, [goal(1)], [job("7", "COMPLETING")], [], memory)
+    assert [s.reason for s in submits(p.actions)] == ["replaces job 7 (ended)"]
 
 
 def test_start_failures_back_off_then_the_model_is_failed_with_the_engine_error() -> None:

@@ -47,6 +47,7 @@ max_gpus = 64
 name = "llama-3.1-8b"
 engine = "vllm serve /scratch/models/Llama-3.1-8B --served-model-name {model} --port {port} --tensor-parallel-size {tp}"
 gpu_types = ["A100-80G", "H100"]
+gres_types = ["a100", "h100"]
 gpus_per_replica = 2
 min_replicas = 0
 max_replicas = 4
@@ -99,6 +100,7 @@ def test_full_file_parses_to_the_normalised_spec() -> None:
         engine="vllm serve /scratch/models/Llama-3.1-8B --served-model-name {model} "
         "--port {port} --tensor-parallel-size {tp}",
         gpu_types=("A100-80G", "H100-SXM"),
+        gres_types=("a100", "h100"),
         gpus_per_replica=2,
         min_replicas=0,
         max_replicas=4,
@@ -838,6 +840,7 @@ max_replicas = 4
 min_replicas = 0
 gpus_per_replica = 2
 gpu_types = ["a100-80gb", "H100-SXM5"]
+gres_types = ["a100", "h100"]
 engine = "vllm serve /scratch/models/Llama-3.1-8B --served-model-name {model} --port {port} --tensor-parallel-size {tp}"
 """  # noqa: E501
 
