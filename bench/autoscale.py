@@ -49,7 +49,8 @@ four times replica-hours; ``--model/--gpu/--tp`` pick another from the scheduler
   prefill rate is the roofline rate of a full ``max_batched_tokens`` chunk of mean-length
   prompts; the decode rate makes the time-share model ``in / mu_p + out / mu_d = 1 /
   max_rate`` agree with the analytic model's saturation rate (``scheduler.analytic``) for the
-  first half hour's mean lengths.
+  first half hour's mean lengths (``fabricnode.elastic.capacity.planner_capacity``, what the
+  controller uses too).
 * Dynamic policies start with the replicas the first two minutes' demand needs; bounds are
   [1, 2 x static].
 
@@ -106,6 +107,7 @@ from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
 
+from fabricnode.elastic.capacity import planner_capacity
 from fabricnode.elastic.policy import (
     Decision,
     ForecastPolicy,
@@ -119,8 +121,8 @@ from fabricnode.elastic.policy import (
     TokenDemand,
     replicas_for,
 )
-from scheduler.analytic import max_rate
 from scheduler.catalog import builtin_catalog
+from scheduler.errors import SchedulerError
 from scheduler.replica import ReplicaPerf
 from scheduler.workload import LengthStats
 
@@ -648,19 +650,6 @@ def fmt(value: float, digits: int = 2) -> str:
 # -- the cluster ---------------------------------------------------------------------------------
 
 
-def calibrate(perf: ReplicaPerf, lengths: LengthStats) -> ReplicaCapacity:
-    """The planner's per-replica capacity (module docstring)."""
-    budget = perf.serving.max_batched_tokens
-    prompts = budget / lengths.input_mean
-    chunk_s = perf.step.time(budget, prompts, budget / 2, prompts * lengths.prefill_pairs)
-    mu_p = budget / chunk_s
-    rate = max_rate(perf, lengths)
-    decode_share = 1.0 / rate - lengths.input_mean / mu_p
-    if decode_share <= 0:
-        raise SystemExit(f"{perf.name}: the analytic rate {rate:.2f} req/s is prefill-bound")
-    return ReplicaCapacity(mu_p, lengths.output_mean / decode_share)
-
-
 def static_replicas(
     trace: Trace, capacity: ReplicaCapacity, config: PolicyConfig, compress: float
 ) -> int:
@@ -680,7 +669,10 @@ def static_replicas(
 def build_cluster(trace: Trace, args: argparse.Namespace, config: PolicyConfig) -> Cluster:
     catalog = builtin_catalog()
     perf = ReplicaPerf(catalog.model(args.model), catalog.gpu(args.gpu), args.tp)
-    capacity = calibrate(perf, trace.lengths(upto_s=trace.span_s / 2))
+    try:
+        capacity = planner_capacity(perf, trace.lengths(upto_s=trace.span_s / 2))
+    except SchedulerError as exc:
+        raise SystemExit(str(exc)) from None
     start = trace.demand(0.0, min(trace.span_s, 120.0 / args.compress))
     static = static_replicas(trace, capacity, config, args.compress)
     return Cluster(

@@ -117,6 +117,7 @@ def status_doc(held: Json, nodes: list[Json], controller: Json | None) -> Json:
                 "draining": st.get("draining"),
                 "state": st.get("state", "no controller"),
                 "note": st.get("note", ""),
+                "reason": st.get("reason", ""),
             }
         )
     return {

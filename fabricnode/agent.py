@@ -62,7 +62,8 @@ from fabricnode.dataplane.accounting import RequestLog
 from fabricnode.dataplane.apikeys import ApiKeyStore
 from fabricnode.dataplane.ingress import Ingress
 from fabricnode.elastic.controller import Controller
-from fabricnode.elastic.demand import WANTED_LABEL, Declared, DemandScaler, wanted_labels
+from fabricnode.elastic.demand import WANTED_LABEL, Declared, wanted_labels
+from fabricnode.elastic.follow import ForecastScaler
 from fabricnode.elastic.leader import CONTROLLER_LABEL
 from fabricnode.elastic.plans import plans_from_text
 from fabricnode.elastic.slurmctl import SlurmControl
@@ -504,7 +505,7 @@ class Agent:
             slurm,
             plans_from_text,
             lambda labels: gossip.relabel(CONTROLLER_LABEL, labels),
-            scaler=DemandScaler(core),
+            scaler=ForecastScaler(core),
             interval_s=cc.interval_s,
             wall_clock=self.wall_clock,
         )

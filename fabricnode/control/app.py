@@ -26,6 +26,9 @@ Endpoints (all GET; HEAD is answered like GET without a body):
   reasons (``fabricnode.elastic.controller.summarise``); 404 without a controller.
 * ``/fabric/v1/workload`` — this ingress's request log summarised per model over the last
   ``window`` seconds (default 3600): request count and token sums, the planner's workload.
+  With ``after=<cursor>`` instead (``end`` to start): only what the log gained after the
+  cursor, per model (requests, prompt and output tokens, a TTFT histogram:
+  ``accounting.recent_sums``), and the next ``cursor``; the elastic controller polls it.
 * ``/metrics`` — Prometheus text, every name prefixed ``fabric_``.
 
 Errors have the OpenAI shape ``{"error": {"message", "type", "code"}}``: 400 bad query, 404 unknown
@@ -56,7 +59,10 @@ from fabricnode.asgi import Receive, Send, lifespan
 from fabricnode.control.views import Json, entry_view, match_sessions, models_view, node_views
 from fabricnode.dataplane.accounting import (
     TraceRecord,
+    parse_cursor,
     read_request_log,
+    read_request_log_after,
+    recent_sums,
     request_log_files,
     workload_sums,
 )
@@ -388,13 +394,17 @@ class AdminApp:
 
     async def workload(self, query: list[tuple[str, str]]) -> Response:
         params = dict(query)
-        unknown = set(params) - {"window"}
+        unknown = set(params) - {"window", "after"}
         if unknown:
             raise HttpError(
                 400,
-                f"unknown query parameter {sorted(unknown)[0]!r} (use window)",
+                f"unknown query parameter {sorted(unknown)[0]!r} (use window or after)",
                 "invalid_parameter",
             )
+        if "after" in params:
+            if "window" in params:
+                raise HttpError(400, "give window or after, not both", "invalid_parameter")
+            return await self._workload_after(params["after"])
         try:
             window = float(params.get("window", DEFAULT_WORKLOAD_WINDOW_S))
         except ValueError:
@@ -412,6 +422,31 @@ class AdminApp:
         recent = [r for r in records if r.t >= now - window]
         return json_response(
             {"window_s": window, "models": workload_sums(recent), "request_log": str(path)}
+        )
+
+    async def _workload_after(self, cursor: str) -> Response:
+        """What the request log gained after ``cursor`` (``end``: nothing, the cursor at the
+        end), per model (``recent_sums``), and the cursor to ask after next time."""
+        try:
+            parse_cursor(cursor)
+        except ValueError as exc:
+            raise HttpError(400, f"after: {exc}", "invalid_parameter") from None
+        path = self.request_log_path
+        if path is None:
+            return json_response(
+                {"after": cursor, "cursor": cursor, "models": {}, "request_log": None}
+            )
+        try:
+            records, new = await trio.to_thread.run_sync(read_request_log_after, path, cursor)
+        except FabricError as exc:
+            raise HttpError(500, str(exc), "request_log_unreadable") from None
+        return json_response(
+            {
+                "after": cursor,
+                "cursor": new,
+                "models": recent_sums(records),
+                "request_log": str(path),
+            }
         )
 
     def metrics(self, query: list[tuple[str, str]]) -> Response:

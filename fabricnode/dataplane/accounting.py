@@ -19,6 +19,9 @@ Everything here is sync and cheap enough for the request hot path of the trio da
   are dropped and counted rather than growing without limit) and ``flush`` appends them as JSON
   lines, meant to run periodically in a worker thread. The file is rotated by size
   (``log.jsonl`` -> ``log.jsonl.1`` -> ...). A full disk costs log lines, never the ingress.
+* ``read_request_log_after`` reads only what the log gained after a cursor (inode and offset,
+  kept across rotations), and ``recent_sums`` sums it per model with a mergeable TTFT
+  histogram: the elastic controller polls every agent for it every few seconds.
 
 Request log format (one JSON object per line, the LLMFabric trace schema plus ingress fields)::
 
@@ -700,3 +703,164 @@ def merge_workload_sums(
             "output_std": out_std,
         }
     return summary
+
+
+# -- the log's tail, for the elastic controller -----------------------------------------------
+#
+# The controller asks every agent every few seconds what its log gained since the last time.
+# A cursor names a place in the log: ``<inode>:<byte offset>`` of the file the place is in, so
+# rotation (``path`` renamed to ``path.1``) does not lose it; only the bytes after it are read,
+# and only whole lines (a line being written is read next time, whole).
+
+CURSOR_END = "end"  # ask for a cursor at the log's end (nothing before it counts)
+TTFT_BUCKET_BASE_S = 0.01  # the TTFT histogram's first bucket holds up to this
+TTFT_BUCKET_FACTOR = 2**0.25  # each bucket's bound is this much above the last (~19%)
+TTFT_BUCKETS = 80  # the last bucket ends at 0.01 * 2**(79/4), about 8 minutes; it holds the rest
+
+
+def ttft_bucket(ttft_s: float) -> int:
+    """The histogram bucket of one time to first token: bucket ``i`` holds the times in
+    ``(bound(i-1), bound(i)]``, ``bound(i) = TTFT_BUCKET_BASE_S * TTFT_BUCKET_FACTOR**i``."""
+    if ttft_s <= TTFT_BUCKET_BASE_S:
+        return 0
+    i = math.ceil(math.log(ttft_s / TTFT_BUCKET_BASE_S) / math.log(TTFT_BUCKET_FACTOR) - 1e-9)
+    return min(TTFT_BUCKETS - 1, i)
+
+
+def ttft_bound(bucket: int) -> float:
+    """The upper bound of a bucket (seconds)."""
+    return TTFT_BUCKET_BASE_S * TTFT_BUCKET_FACTOR**bucket
+
+
+def ttft_quantile(histogram: Mapping[int, float], q: float) -> float | None:
+    """The ``q`` quantile of a TTFT histogram (bucket -> count), as the upper bound of the
+    bucket it falls in (so at most ~19% above the true value); None when it is empty."""
+    total = sum(histogram.values())
+    if total <= 0:
+        return None
+    need = q * total
+    seen = 0.0
+    for bucket in sorted(histogram):
+        seen += histogram[bucket]
+        if seen >= need - 1e-9:
+            return ttft_bound(bucket)
+    return ttft_bound(max(histogram))
+
+
+def recent_sums(records: Iterable[TraceRecord]) -> dict[str, dict[str, Any]]:
+    """Per model, what the elastic controller's scaling policy needs of some records: counts
+    and token sums (mergeable across ingresses) and a TTFT histogram.
+
+    ``requests`` counts what was not refused as a client error (4xx), as ``workload_sums``;
+    ``prompt_tokens`` sums the known input tokens of those, over ``prompt_known`` requests;
+    ``output_tokens`` the known output tokens, over ``output_known`` (answered) requests;
+    ``ttft`` maps a bucket (``ttft_bucket``, as a string: JSON keys) to the count of answered
+    requests whose first token came in it (streams only: a JSON answer has no first token).
+    """
+    out: dict[str, dict[str, Any]] = {}
+    for r in records:
+        if 400 <= r.status < 500:
+            continue
+        row = out.get(r.model)
+        if row is None:
+            row = out[r.model] = {
+                "requests": 0,
+                "prompt_tokens": 0,
+                "prompt_known": 0,
+                "output_tokens": 0,
+                "output_known": 0,
+                "ttft": {},
+            }
+        row["requests"] += 1
+        if r.input_tokens is not None and r.input_tokens >= 0:
+            row["prompt_tokens"] += r.input_tokens
+            row["prompt_known"] += 1
+        if r.output_tokens is not None and r.output_tokens >= 0:
+            row["output_tokens"] += r.output_tokens
+            row["output_known"] += 1
+        if r.ttft_s is not None and r.status == 200 and r.ttft_s >= 0:
+            key = str(ttft_bucket(r.ttft_s))
+            row["ttft"][key] = row["ttft"].get(key, 0) + 1
+    return out
+
+
+def parse_cursor(cursor: str) -> tuple[int, int] | None:
+    """``(inode, offset)`` of a cursor, None for ``CURSOR_END``; ValueError if malformed."""
+    if cursor == CURSOR_END:
+        return None
+    ino, sep, offset = cursor.partition(":")
+    if not sep or not ino.isdigit() or not offset.isdigit() or len(cursor) > 64:
+        raise ValueError(f"not a request log cursor: {cursor[:64]!r}")
+    return int(ino), int(offset)
+
+
+def read_request_log_after(path: Path, cursor: str) -> tuple[list[TraceRecord], str]:
+    """The records appended to the request log at ``path`` after ``cursor``, and the cursor
+    after them (module section above). Blocking file I/O: call it from a worker thread.
+
+    ``CURSOR_END`` gives no record and the cursor at the end. A cursor whose file is gone
+    (rotated out of the kept files) or was cut shorter reads what the current files hold. Lines
+    that are not trace records are skipped; ValueError for a malformed cursor, ConfigError
+    when a file cannot be read.
+    """
+    place = parse_cursor(cursor)
+    files = request_log_files(path)
+    if not files:
+        return [], "0:0"  # nothing logged yet: whatever is written first is new
+    stats = []
+    for file in files:
+        try:
+            stats.append((file, os.stat(file)))
+        except FileNotFoundError:  # rotated away between the listing and now
+            continue
+        except OSError as exc:
+            raise ConfigError(f"cannot read request log {file}: {exc.strerror}") from exc
+    if not stats:
+        return [], "0:0"
+    if place is None:
+        file, st = stats[-1]
+        return [], _cursor_at_end(file, st.st_ino, st.st_size)
+    ino, offset = place
+    start = next((i for i, (_, st) in enumerate(stats) if st.st_ino == ino), None)
+    if start is None or stats[start][1].st_size < offset:
+        start, offset = len(stats) - 1, 0  # its file is gone or was cut: the current one
+    records: list[TraceRecord] = []
+    new_cursor = cursor
+    for i in range(start, len(stats)):
+        file, st = stats[i]
+        at = offset if i == start else 0
+        data = _read_from(file, at)
+        whole = data.rfind(b"\n") + 1
+        for line in data[:whole].splitlines():
+            if not line.strip():
+                continue
+            try:
+                records.append(TraceRecord.from_dict(_loads(line)))
+            except (*_JSON_ERRORS, KeyError):
+                continue
+        new_cursor = f"{st.st_ino}:{at + whole}"
+    return records, new_cursor
+
+
+def _read_from(file: Path, offset: int) -> bytes:
+    try:
+        with open(file, "rb") as f:
+            f.seek(offset)
+            return f.read()
+    except FileNotFoundError:
+        return b""
+    except OSError as exc:
+        raise ConfigError(f"cannot read request log {file}: {exc.strerror}") from exc
+
+
+def _cursor_at_end(file: Path, ino: int, size: int) -> str:
+    """The cursor after the last whole line of ``file`` (a line being written is not yet)."""
+    at = max(0, size - MAX_LINE_BYTES)
+    try:
+        with open(file, "rb") as f:
+            f.seek(at)
+            data = f.read(size - at)
+    except OSError as exc:
+        raise ConfigError(f"cannot read request log {file}: {exc.strerror}") from exc
+    end = at + data.rfind(b"\n") + 1
+    return f"{ino}:{end}"

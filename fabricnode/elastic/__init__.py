@@ -11,4 +11,9 @@
 * ``policy``      the pure scaling policy: per model, how many replicas to run now (a token-demand
   forecast at the cold-start horizon, load and TTFT confirmation, scale-in hysteresis), and the
   static and reactive baselines with the same interface.
+* ``demand``      the demand rules: scale from zero on requests held, idle to zero.
+* ``signals``     what the policy is told: the agents' request logs (polled incrementally), the
+  replicas' gossiped load, the p95 TTFT.
+* ``capacity``    what one replica sustains, from the planner or a low default.
+* ``follow``      the controller's scaler: the demand rules, and the policy above them.
 """

@@ -11,8 +11,10 @@ standby only keeps its status current ("standby; acting: <id>"). The acting one:
    replicas from the registry (entries labelled ``fabric.service``, matched to jobs by their
    ``slurm.job_id`` label; an entry's DOWN state or this agent's dead verdict makes it not
    alive; the engine's error from the ``fabric.engine_error`` label);
-3. asks the scaler for each model's target (``Scaler.target``: the demand policy, within the
-   service's min and max) and runs ``reconcile``;
+3. tells the scaler what it holds of each model (``Fleet``: serving and starting units as the
+   pass counts them, the learned cold start), asks it for each model's target
+   (``Scaler.target``: the demand rules and the scaling policy, clamped to the service's min
+   and max) and runs ``reconcile`` with the target's reason;
 4. carries out the actions in a worker thread: ``sbatch`` for submissions (the service's
    partition, account, QoS, time limit, extra options, engine), ``scancel --signal=TERM`` for
    cancels (the agent leaves and drains). Slurm's refusals become the model's status and a
@@ -29,22 +31,25 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import trio
 
 from fabricnode.elastic.leader import CONTROLLER_LABEL, Candidate, acting, candidate_since
+from fabricnode.elastic.policy import REASONS as POLICY_REASONS
 from fabricnode.elastic.reconcile import (
     Cancel,
     Goal,
+    Held,
     Limits,
     Memory,
     ModelStatus,
     Placement,
     Replica,
     Submit,
+    holdings,
     reconcile,
 )
 from fabricnode.elastic.slurmctl import SlurmControl, SlurmRefused, Submission
@@ -81,6 +86,8 @@ class ModelPlan:
     idle_to_zero_s: float | None = None  # min_replicas 0: scale to zero after this idle time
     # (Slurm GPU type, GPUs per replica) in order of preference; () = any type with ``gpus``
     gpu_options: tuple[tuple[str, int], ...] = ()
+    ttft_p95_s: float | None = None  # the latency objective, if the service has one
+    gpu_types: tuple[str, ...] = ()  # allowed GPU types (catalog names), in order of preference
 
 
 @dataclass(frozen=True)
@@ -90,8 +97,18 @@ class ServicePlans:
     digest: str = ""
 
 
+@dataclass(frozen=True)
+class Fleet:
+    """What the controller holds of each model when it asks the scaler: the units a pass
+    counts (``reconcile.Held``; a model with none is absent) and each model's cold start, the
+    learned time from ``sbatch`` to SERVING (``Memory.cold_start_s``)."""
+
+    held: Mapping[str, Held] = field(default_factory=dict)
+    cold_start_s: Mapping[str, float] = field(default_factory=dict)
+
+
 class Scaler(Protocol):
-    async def observe(self, plans: Sequence[ModelPlan], now: float) -> None:
+    async def observe(self, plans: Sequence[ModelPlan], now: float, fleet: Fleet) -> None:
         """Gather what ``target`` needs (may block in a worker thread, never the loop)."""
         ...
 
@@ -103,7 +120,7 @@ class Scaler(Protocol):
 class MinReplicas:
     """The scaler without demand signals: every model at its ``min_replicas``."""
 
-    async def observe(self, plans: Sequence[ModelPlan], now: float) -> None:
+    async def observe(self, plans: Sequence[ModelPlan], now: float, fleet: Fleet) -> None:
         return None
 
     def target(self, plan: ModelPlan, now: float) -> tuple[int, str]:
@@ -243,22 +260,19 @@ class Controller:
             self.status.service_digest = plans.digest
         jobs = await trio.to_thread.run_sync(self.slurm.list_jobs)
         ran = len(self.slurm.commands)
-        await self.scaler.observe(plans.models, now)
+        fleet = Fleet(
+            holdings(jobs, self.replicas(), self.memory),
+            {
+                p.model: self.memory.cold_start_s(p.model, _goal(p, 0, "").placements(), now)
+                for p in plans.models
+            },
+        )
+        await self.scaler.observe(plans.models, now, fleet)
         goals = []
         for plan in plans.models:
             want, why = self.scaler.target(plan, now)
             target = max(plan.min_replicas, min(plan.max_replicas, want))
-            goals.append(
-                Goal(
-                    plan.model,
-                    target,
-                    plan.gpus,
-                    plan.partitions,
-                    plan.time_limit_s,
-                    why,
-                    plan.gpu_options,
-                )
-            )
+            goals.append(_goal(plan, target, why))
         result = reconcile(now, goals, jobs, self.replicas(), self.memory, plans.limits)
         by_model = {p.model: p for p in plans.models}
         refused: dict[str, str] = {}
@@ -303,6 +317,18 @@ class Controller:
         )
 
 
+def _goal(plan: ModelPlan, target: int, why: str) -> Goal:
+    return Goal(
+        plan.model,
+        target,
+        plan.gpus,
+        plan.partitions,
+        plan.time_limit_s,
+        why,
+        plan.gpu_options,
+    )
+
+
 # The jobs' agents take any free ports (they announce them in the registry): several jobs
 # starting at once on one node must not race for the wrapper's preferred 8080/7946.
 JOB_AGENT_ARGS = ("--http", "0.0.0.0:0", "--gossip", "0.0.0.0:0")
@@ -341,6 +367,7 @@ def _refused(status: ModelStatus, why: str) -> ModelStatus:
         status.draining,
         "refused",
         f"Slurm refused the last submission: {why}",
+        status.reason,
     )
 
 
@@ -364,7 +391,12 @@ KINDS = (
 
 
 def _kind(reason: str) -> str:
-    """A small set of reason kinds for metric labels (the full reason is in the log)."""
+    """A small set of reason kinds for metric labels (the full reason is in the log): the
+    scaling policy's reason when the text starts with it (``forecast: ...``), else the first
+    of ``KINDS`` in it."""
+    head = reason.split(":", 1)[0]
+    if head in POLICY_REASONS:
+        return head
     for kind in KINDS:
         if kind in reason:
             return kind

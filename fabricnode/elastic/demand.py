@@ -15,10 +15,11 @@ Rules
   (the replica being drained is one such agent: it has stopped answering while it leaves);
   if that agent had requests waiting, they wait for a replica and want it back.
 * Otherwise the target is ``min_replicas``. (Scaling above it with load and forecasts is the
-  policy's: ``fabricnode.elastic.policy``.)
+  policy's: ``fabricnode.elastic.follow``.)
 
-``DemandScaler`` is the controller's ``Scaler``; ``declared_holds`` gives the ingress the
-declared models and how long a request for each may wait.
+``DemandScaler`` is these rules as a ``Scaler`` (``follow.ForecastScaler``, the controller's,
+takes the larger of its target and the policy's); ``Declared`` gives the ingress the declared
+models and how long a request for each may wait.
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ from dataclasses import dataclass, field
 import httpx
 import trio
 
-from fabricnode.elastic.controller import ModelPlan
+from fabricnode.elastic.controller import Fleet, ModelPlan
 from fabricnode.elastic.servicefile import ServiceSpec, parse
+from fabricnode.elastic.signals import agent_urls
 from fabricnode.errors import FabricError
 from fabricnode.mesh.core import MeshCore
 from fabricnode.mesh.membership import Liveness
@@ -97,7 +99,9 @@ class DemandScaler:
     checked_at: dict[str, float] = field(default_factory=dict)
     _wanted: set[str] = field(default_factory=set)
 
-    async def observe(self, plans: Sequence[ModelPlan], now: float) -> None:
+    async def observe(
+        self, plans: Sequence[ModelPlan], now: float, fleet: Fleet | None = None
+    ) -> None:
         """Read the request logs of the models due for an idleness check, in a worker thread
         (the controller's own agent is one of those asked: its loop must stay free)."""
         wanted = wanted_models(self.core)
@@ -130,15 +134,7 @@ class DemandScaler:
         return 0, f"idle for {idle_s:g} s"
 
     def _agent_urls(self) -> list[tuple[str, str]]:
-        out = []
-        for entry in self.core.registry:
-            url = entry.body.addresses.http
-            if not url or entry.body.state >= State.DOWN:
-                continue
-            if self.core.liveness(entry.session_id) in (Liveness.DEAD, Liveness.LEFT):
-                continue
-            out.append((entry.session_id, url))
-        return out
+        return agent_urls(self.core)
 
     def _requests(
         self, urls: Sequence[tuple[str, str]], model: str, window_s: float

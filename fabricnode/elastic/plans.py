@@ -90,4 +90,6 @@ def _plan(m: ModelService) -> ModelPlan:
         engine=m.engine,
         model_path=m.model_path,
         idle_to_zero_s=m.idle_to_zero_s,
+        ttft_p95_s=m.ttft_p95_s,
+        gpu_types=m.gpu_types,
     )

@@ -396,6 +396,31 @@ class DemandForecaster:
             horizon_s=horizon_s,
         )
 
+    def observe_arrivals(self, now: float, requests: int, prompt_tokens: int) -> None:
+        """``requests`` arrivals of ``prompt_tokens`` in all, at once (as that many calls of
+        ``observe_arrival``): what the controller reads from the request logs per poll."""
+        self._advance(now)
+        self._prompt_tokens += max(0, prompt_tokens)
+        self._requests += max(0, requests)
+
+    def observe_completions(self, now: float, completions: int, output_tokens: int) -> None:
+        """``completions`` requests of ``output_tokens`` in all, at once: the running mean moves
+        as if each had the batch's mean output."""
+        self._advance(now)
+        if completions <= 0:
+            return
+        x = max(0, output_tokens) / completions
+        alpha = self.config.output_alpha
+        # a plain mean while 1/(k+1) > alpha (observe_completion's rule), alpha after that
+        plain = min(completions, max(0, math.ceil(1.0 / alpha - 1.0 - 1e-9) - self._completions))
+        if plain:
+            k = self._completions
+            self._output_mean = (self._output_mean * k + x * plain) / (k + plain)
+        rest = completions - plain
+        if rest:
+            self._output_mean = x + (self._output_mean - x) * (1.0 - alpha) ** rest
+        self._completions += completions
+
 
 def _larger(a: TokenDemand, b: TokenDemand) -> TokenDemand:
     return TokenDemand(
@@ -553,6 +578,14 @@ class ForecastPolicy(_Observer):
             if calm:
                 return Decision(held, "low-demand")
         return Decision(cur)
+
+    def observe_arrivals(self, now: float, requests: int, prompt_tokens: int) -> None:
+        """Several arrivals at once (``DemandForecaster.observe_arrivals``)."""
+        self.forecaster.observe_arrivals(self._clock(now), requests, prompt_tokens)
+
+    def observe_completions(self, now: float, completions: int, output_tokens: int) -> None:
+        """Several completions at once (``DemandForecaster.observe_completions``)."""
+        self.forecaster.observe_completions(self._clock(now), completions, output_tokens)
 
 
 # -- the baselines ------------------------------------------------------------------------------

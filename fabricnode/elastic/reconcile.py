@@ -26,7 +26,8 @@ Rules, per model (its ``Goal``: the replicas wanted now, between the service's m
    each type every partition in order), so a model stays on its preferred GPUs while any of its
    partitions can give them.
 4. **Too many** units: cancel the newest PENDING jobs first, then STARTING, then SERVING ones
-   (a cancel is SIGTERM: the agent leaves and drains its requests). Never below the goal.
+   (a cancel is SIGTERM: the agent leaves and drains its requests). Never below the goal. The
+   cancel's reason carries the goal's (``scale down to 2: low-demand: ...``).
 5. **Pending too long, or refused.** A job pending longer than ``patience_s`` at a placement
    when another is allowed is cancelled and resubmitted at the next placement; the one it left
    is avoided for ``penalty_s`` (when every placement is, the last is used). A placement Slurm
@@ -44,7 +45,9 @@ Rules, per model (its ``Goal``: the replicas wanted now, between the service's m
 
 Learning (``Memory.observe``): the first time a job's replica is SERVING, ``now - submitted_at``
 (queue wait plus engine start-up) is folded into an exponentially weighted mean per (model,
-partition); until then ``default_lead_s`` is used.
+partition); until then ``default_lead_s`` is used. The same learned time is the scaling
+policy's cold start (``Memory.cold_start_s``), and ``holdings`` counts each model's units as a
+pass does (serving, and pending or starting), for the policy before the pass runs.
 """
 
 from __future__ import annotations
@@ -195,6 +198,16 @@ class Memory:
             margin = min(margin, time_limit_s / 2)
         return max(learned * t.lead_factor, learned + t.lead_slack_s) + margin
 
+    def cold_start_s(self, model: str, places: Sequence[Placement], now: float) -> float:
+        """The learned time from ``sbatch`` to SERVING of a job submitted now (on the partition
+        a submission would take, else the longest learned on any partition of the model),
+        ``default_lead_s`` before anything was learned: the scaling policy's horizon."""
+        place = _placement(model, places, self, now)
+        if place is not None and place.partition and (model, place.partition) in self.lead:
+            return self.lead[(model, place.partition)]
+        learned = [s for (m, _), s in self.lead.items() if m == model]
+        return max(learned) if learned else self.tuning.default_lead_s
+
     def observe(self, model: str, partition: str, seconds: float) -> None:
         w = self.tuning.learn_weight
         old = self.lead.get((model, partition))
@@ -225,6 +238,7 @@ class ModelStatus:
     draining: int
     state: str  # "ok", "scaling", "backing off", "failed", "limited"
     note: str = ""
+    reason: str = ""  # why the target is what it is (the goal's reason)
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -236,6 +250,7 @@ class ModelStatus:
             "draining": self.draining,
             "state": self.state,
             "note": self.note,
+            "reason": self.reason,
         }
 
 
@@ -368,7 +383,8 @@ def reconcile(
                 units, key=lambda j: (order[phase[j.job_id]], -(j.submitted_at or 0.0))
             )[:surplus]
             for j in victims:
-                actions.append(Cancel(j.job_id, goal.model, f"scale down to {goal.target}"))
+                why = f"scale down to {goal.target}: {goal.reason}"
+                actions.append(Cancel(j.job_id, goal.model, why))
                 memory.draining[j.job_id] = now
             state = "scaling"
         counts = {p: sum(1 for j in live if phase[j.job_id] == p) for p in (PENDING, STARTING)}
@@ -382,6 +398,7 @@ def reconcile(
                 sum(1 for j in mine if j.job_id in memory.draining),
                 state,
                 note,
+                goal.reason,
             )
         )
     # drains that hang (an agent that does not leave): cancel those jobs outright, once
@@ -485,3 +502,30 @@ def _placement_of(job: Job, goal: Goal, places: Sequence[Placement]) -> Placemen
         if p.partition == partition and p.gres_type == job.gres_type:
             return p
     return None
+
+
+@dataclass(frozen=True)
+class Held:
+    """What the controller holds of one model, as a pass counts it (rule 1): units serving,
+    and units submitted but not serving yet (pending or starting); draining jobs not at all."""
+
+    serving: int = 0
+    starting: int = 0
+
+    @property
+    def replicas(self) -> int:
+        return self.serving + self.starting
+
+
+def holdings(jobs: Iterable[Job], replicas: Iterable[Replica], memory: Memory) -> dict[str, Held]:
+    """Per model, the units the next pass starts from (``Held``), for the scaling policy."""
+    by_job = {r.job_id: r for r in replicas if r.job_id and r.alive and r.state != "left"}
+    live = [j for j in jobs if not j.ending and j.job_id not in memory.draining]
+    ids = {j.job_id for j in live}
+    counts: dict[str, list[int]] = {}
+    for j in live:
+        if j.replaces in ids:
+            continue  # a handover pair counts once, as its old job (serving: it had to be)
+        row = counts.setdefault(j.model, [0, 0])
+        row[0 if _phase(j, by_job) == SERVING else 1] += 1
+    return {model: Held(serving, starting) for model, (serving, starting) in counts.items()}

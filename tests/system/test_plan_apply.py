@@ -15,6 +15,7 @@ import pytest
 
 from cli.localmesh import AgentProcess, LocalMesh, wait_until
 from fabricnode.control.client import AdminClient
+from fabricnode.elastic.signals import ask_after
 from fabricnode.mesh.identity import OperatorKey
 from scheduler.node_assign import NodePlan
 
@@ -192,3 +193,33 @@ def test_node_plan_json_shape_is_stable() -> None:
         "unplaced",
         "idle_nodes",
     }
+
+
+def test_the_controller_reads_what_a_real_agents_request_log_gained(mesh: LocalMesh) -> None:
+    """``workload?after=``: a cursor at the end, then only the requests logged since, with
+    their tokens and the streams' first tokens, as the elastic controller's poller reads it."""
+    ingress = mesh.start("ingress")
+    mesh.start("serving", args=["--sim", "llama-2-7b", "--sim-gpu", "A100-80G:1"])
+    client = AdminClient(ingress.http_url)
+    assert wait_until(lambda: len(client.nodes(state="serving")) == 1, 20)
+    api = openai.OpenAI(base_url=f"{ingress.http_url}/v1", api_key="none", max_retries=0)
+    api.completions.create(model="llama-2-7b", prompt="x " * 100, max_tokens=4)
+    time.sleep(1.5)  # the request log is flushed every second
+    cursor, before = ask_after(ingress.http_url, "end")
+    assert before == {}  # what was logged before the first ask does not count
+    for _ in range(3):
+        stream = api.completions.create(
+            model="llama-2-7b",
+            prompt="x " * 300,
+            max_tokens=8,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        assert len(list(stream)) > 1
+    time.sleep(1.5)
+    cursor, gained = ask_after(ingress.http_url, cursor)
+    sums = gained["llama-2-7b"]
+    assert sums.requests == 3 and sums.output_tokens == 3 * 8
+    assert sums.prompt_known == 3 and sums.prompt_tokens >= 3 * 300
+    assert sum(sums.ttft.values()) == 3
+    assert ask_after(ingress.http_url, cursor) == (cursor, {})

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -12,6 +13,7 @@ import pytest
 
 from fabricnode.control.app import AdminApp
 from fabricnode.control.views import models_view
+from fabricnode.dataplane.accounting import RequestLog, TraceRecord
 from fabricnode.mesh.assignment import AssignmentBody
 from fabricnode.mesh.core import MeshCore
 from fabricnode.mesh.identity import Identity, OperatorKey
@@ -470,3 +472,34 @@ async def test_service_file_post_and_get(app: AdminApp, mesh: Mesh) -> None:
     assert doc["trusted_operators"] == [operator.fingerprint]
     text = (await get(app, "/metrics")).text
     assert 'fabric_services_refused_total{outcome="untrusted"} 1.0' in text
+
+
+async def test_workload_after_a_cursor_sums_only_what_the_log_gained(
+    mesh: Mesh, tmp_path: Path
+) -> None:
+    """``after=end`` gives a cursor; ``after=<cursor>`` only the records logged since, per
+    model, and the next cursor; ``window`` still summarises the whole window."""
+    log_path = tmp_path / "requests.jsonl"
+    app = AdminApp(mesh.core, wall_clock=lambda: NOW + 1, request_log_path=log_path)
+    log = RequestLog(log_path)
+    log.append(TraceRecord(NOW - 5, "m", 100, 10, 1.0))
+    log.flush()
+    first = (await get(app, "/fabric/v1/workload", after="end")).json()
+    assert first["models"] == {} and first["cursor"] != "end"
+    log.append(TraceRecord(NOW - 1, "m", 40, 4, 1.0, ttft_s=0.3, stream=True))
+    log.append(TraceRecord(NOW - 1, "other", 7, 1, 1.0))
+    log.flush()
+    doc = (await get(app, "/fabric/v1/workload", after=first["cursor"])).json()
+    assert doc["after"] == first["cursor"]
+    assert doc["models"]["m"]["requests"] == 1 and doc["models"]["m"]["prompt_tokens"] == 40
+    assert (
+        doc["models"]["m"]["output_tokens"] == 4 and sum(doc["models"]["m"]["ttft"].values()) == 1
+    )
+    assert doc["models"]["other"]["requests"] == 1
+    again = (await get(app, "/fabric/v1/workload", after=doc["cursor"])).json()
+    assert again["models"] == {} and again["cursor"] == doc["cursor"]
+    window = (await get(app, "/fabric/v1/workload", window="60")).json()
+    assert window["models"]["m"]["requests"] == 2  # the window's behaviour is unchanged
+    for bad in ({"after": "x:1"}, {"after": "end", "window": "60"}):
+        r = await get(app, "/fabric/v1/workload", **bad)
+        assert_openai_error(r, 400, "invalid_parameter")

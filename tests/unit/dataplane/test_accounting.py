@@ -457,3 +457,67 @@ def test_workload_sums_merged_over_ingresses_equal_one_summary(
     for model, row in whole.items():
         for key, value in row.items():
             assert merged[model][key] == pytest.approx(value, rel=1e-6, abs=1e-6), key
+
+
+# -- the log's tail (the elastic controller's signals) ----------------------------------------
+
+
+def test_the_tail_after_a_cursor_is_read_once_whole_lines_only_across_rotations(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "log.jsonl"
+    assert accounting.read_request_log_after(path, "end") == ([], "0:0")  # nothing logged yet
+    line_bytes = len(json.dumps(record().as_dict(), separators=(",", ":"))) + 1
+    log = RequestLog(path, rotate_bytes=3 * line_bytes, keep=2)
+
+    def write(*ts: float) -> list[TraceRecord]:
+        out = [record(t=t) for t in ts]
+        for r in out:
+            log.append(r)
+            log.flush()
+        return out
+
+    write(1.0, 2.0)
+    records, cursor = accounting.read_request_log_after(path, "end")
+    assert records == []  # end: what was there before does not count
+    new = write(3.0)
+    records, cursor = accounting.read_request_log_after(path, cursor)
+    assert records == new
+    assert accounting.read_request_log_after(path, cursor) == ([], cursor)  # nothing twice
+    with path.open("ab") as f:  # a line being written is left for the next read
+        f.write(b'{"v": 1, "T": 9.0, "M": "m", "I"')
+    records, torn = accounting.read_request_log_after(path, cursor)
+    assert records == [] and torn == cursor
+    with path.open("ab") as f:
+        f.write(b': 1, "O": 2, "latency_s": 0.5}\n')
+    records, cursor = accounting.read_request_log_after(path, cursor)
+    assert [(r.t, r.input_tokens) for r in records] == [(9.0, 1)]
+    new = write(4.0, 5.0, 6.0, 7.0)  # rotates past the cursor's file: nothing lost
+    assert path.with_name("log.jsonl.1").exists()
+    records, cursor = accounting.read_request_log_after(path, cursor)
+    assert records == new
+    with pytest.raises(ValueError):
+        accounting.read_request_log_after(path, "12:x")
+
+
+def test_recent_sums_count_tokens_and_a_ttft_histogram() -> None:
+    rows = [
+        TraceRecord(1.0, "m", 100, 10, 1.0, ttft_s=0.2, stream=True),
+        TraceRecord(2.0, "m", None, 20, 1.0, ttft_s=1.0, stream=True),
+        TraceRecord(3.0, "m", 50, None, 1.0, status=503),
+        TraceRecord(4.0, "m", 70, None, 0.1, status=429),  # a client error: not demand
+    ]
+    sums = accounting.recent_sums(rows)
+    assert set(sums) == {"m"}
+    m = sums["m"]
+    assert (m["requests"], m["prompt_tokens"], m["prompt_known"]) == (3, 150, 2)
+    assert (m["output_tokens"], m["output_known"]) == (30, 2)
+    histogram = {int(k): v for k, v in m["ttft"].items()}
+    assert sum(histogram.values()) == 2
+    p50 = accounting.ttft_quantile(histogram, 0.5)
+    p95 = accounting.ttft_quantile(histogram, 0.95)
+    assert p50 is not None and 0.2 <= p50 < 0.2 * accounting.TTFT_BUCKET_FACTOR
+    assert p95 is not None and 1.0 <= p95 < 1.0 * accounting.TTFT_BUCKET_FACTOR
+    assert accounting.ttft_quantile({}, 0.95) is None
+    assert accounting.ttft_bucket(0.0) == 0
+    assert accounting.ttft_bucket(1e9) == accounting.TTFT_BUCKETS - 1

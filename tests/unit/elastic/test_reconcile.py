@@ -12,12 +12,14 @@ from hypothesis import strategies as st
 from fabricnode.elastic.reconcile import (
     Cancel,
     Goal,
+    Held,
     Limits,
     Memory,
     Placement,
     Replica,
     Submit,
     Tuning,
+    holdings,
     reconcile,
 )
 from fabricnode.elastic.slurmctl import Job
@@ -296,3 +298,33 @@ def test_time_limit_successors_count_against_the_mesh_limits_too() -> None:
     (succ,) = submits(p.actions)  # room for one successor, not two
     assert succ.replaces in ("1", "2")
     assert p.status[0].state == "limited" and "max_jobs" in p.status[0].note
+
+
+def test_holdings_count_units_as_a_pass_does_and_the_cold_start_is_the_learned_lead() -> None:
+    """What the scaling policy is told before a pass: a handover pair is one unit, a draining
+    job none, a pending or still starting job a starting unit; its cold start the learned time
+    from sbatch to SERVING on the partition a submission would take."""
+    memory = Memory()
+    jobs = [
+        job("1"),
+        job("2", ends=NOW + 60),
+        job("3", "PENDING", replaces="2"),  # 2's successor: one unit with it
+        job("4"),  # running, its replica not serving yet
+        job("5", "PENDING"),
+        job("6"),  # being drained
+        job("7", "COMPLETED"),
+        job("8", model="other", partition="cpu"),
+    ]
+    memory.draining["6"] = NOW - 5
+    held = holdings(jobs, [serving("1"), serving("2"), serving("6"), serving("8", "other")], memory)
+    assert held == {M: Held(serving=2, starting=2), "other": Held(serving=1, starting=0)}
+    assert held[M].replicas == 4
+    places = goal(partitions=("gpu", "big")).placements()
+    assert memory.cold_start_s(M, places, NOW) == memory.tuning.default_lead_s
+    memory.observe(M, "gpu", 90.0)
+    memory.observe(M, "big", 400.0)
+    assert memory.cold_start_s(M, places, NOW) == 90.0
+    memory.penalised[(M, "gpu", "")] = NOW + 60  # submissions go to "big" for now
+    assert memory.cold_start_s(M, places, NOW) == 400.0
+    default = goal(partitions=()).placements()
+    assert memory.cold_start_s(M, default, NOW) == 400.0  # the site's default: the longest

@@ -1,0 +1,298 @@
+"""The controller's scaler above the minimum, on the pure mesh core with fake request logs: a
+rising demand scales out on the forecast, a falling one scales in only after the hold, an agent
+that does not answer changes nothing, an idle model still goes to zero; and through the
+controller, the policy's reason is the decision's."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import httpx
+import pytest
+import trio
+
+from fabricnode.elastic.controller import Controller, Fleet, ModelPlan, ServicePlans
+from fabricnode.elastic.demand import WANTED_LABEL, DemandScaler
+from fabricnode.elastic.follow import ForecastScaler, follows_demand
+from fabricnode.elastic.policy import ReplicaCapacity
+from fabricnode.elastic.reconcile import Held
+from fabricnode.elastic.signals import ModelSums, TtftWindow, WorkloadPoller
+from fabricnode.elastic.slurmctl import SlurmControl
+from fabricnode.mesh.core import MeshConfig
+from fabricnode.mesh.identity import Identity, OperatorKey
+from fabricnode.mesh.registry import State
+from fabricnode.mesh.wire import Load
+from fabricnode.testing.simnet import SimNetwork
+from tests.unit.elastic.test_controller import MESH, FakeSlurm, announce, apply
+
+OPERATOR = OperatorKey(Identity.from_seed(b"o" * 32))
+CAPACITY = ReplicaCapacity(prefill_tokens_per_s=2000.0, decode_tokens_per_s=200.0)
+PROMPT, OUTPUT = 1000, 20  # tokens of every request of the fake traffic
+COLD_START_S = 30.0
+STEP_S = 2.0  # the controller's pass
+HOT = ModelPlan("hot", 1, 4, 1, ttft_p95_s=2.0, gpu_types=("A100-80G",))
+
+
+def mesh(n: int = 3) -> SimNetwork:
+    net = SimNetwork(config=MeshConfig(trusted_operators=(OPERATOR.fingerprint,)), seed=9)
+    first = net.add_node(0)
+    for i in range(1, n):
+        net.add_node(i, seeds=[first.addr])
+    net.run_for(10)
+    for i, node in enumerate(net.nodes.values()):  # simulated nodes have no HTTP address
+        body = node.core.self_entry.body
+        addresses = dataclasses.replace(body.addresses, http=f"http://10.0.0.{i}:8080")
+        node.core.update_self(net.wall, addresses=addresses)
+        net.poke(node)
+    net.run_for(3)
+    return net
+
+
+class Logs:
+    """Every agent's request log as lists of requests; a cursor is a position in one."""
+
+    def __init__(self, urls: Sequence[str]) -> None:
+        self.logged: dict[str, list[tuple[str, int, int]]] = {u: [] for u in urls}
+        self.down: set[str] = set()
+        self.asked = 0
+
+    def requests(self, model: str, per_agent: int) -> None:
+        for entries in self.logged.values():
+            entries.extend([(model, PROMPT, OUTPUT)] * per_agent)
+
+    def __call__(self, url: str, cursor: str) -> tuple[str, Mapping[str, ModelSums]]:
+        self.asked += 1
+        if url in self.down:
+            raise httpx.ConnectError("refused")
+        entries = self.logged[url]
+        start = len(entries) if cursor == "end" else int(cursor.split(":")[1])
+        sums: dict[str, ModelSums] = {}
+        for model, prompt, output in entries[start:]:
+            sums[model] = sums.get(model, ModelSums()) + ModelSums(1, prompt, 1, output, 1)
+        return f"0:{len(entries)}", sums
+
+    def idle(self, url: str, window_s: float) -> Mapping[str, float]:
+        """The demand rules' idleness check (``GET /fabric/v1/workload?window=``)."""
+        if url in self.down:
+            raise httpx.ConnectError("refused")
+        return {}
+
+
+class Replicas:
+    """The controller's side: it holds what the scaler asks for, replicas starting for
+    ``COLD_START_S`` before they serve."""
+
+    def __init__(self, serving: int) -> None:
+        self.ready_at = [0.0] * serving
+
+    def fleet(self, model: str, now: float) -> Fleet:
+        serving = sum(1 for t in self.ready_at if t <= now)
+        held = Held(serving, len(self.ready_at) - serving)
+        return Fleet({model: held}, {model: COLD_START_S})
+
+    def apply(self, target: int, now: float) -> None:
+        while len(self.ready_at) < target:
+            self.ready_at.append(now + COLD_START_S)
+        self.ready_at = sorted(self.ready_at)[:target]  # the newest (starting) ones go first
+
+
+def scaler_for(net: SimNetwork, logs: Logs) -> ForecastScaler:
+    core = next(iter(net.nodes.values())).core
+    return ForecastScaler(
+        core,
+        rules=DemandScaler(core, ask=logs.idle, check_interval_s=10.0),
+        poller=WorkloadPoller(ask=logs),
+        capacity_of=lambda model, gpu, gpus: CAPACITY,
+    )
+
+
+class Run:
+    def __init__(self, plan: ModelPlan, serving: int, n: int = 3) -> None:
+        self.net = mesh(n)
+        self.urls = [node.core.self_entry.body.addresses.http for node in self.net.nodes.values()]
+        self.logs = Logs(self.urls)
+        self.scaler = scaler_for(self.net, self.logs)
+        self.plan = plan
+        self.replicas = Replicas(serving)
+        self.now = 1000.0
+        self.history: list[tuple[float, int, str]] = []
+
+    def step(self, per_agent: int) -> tuple[int, str]:
+        """One pass: the traffic of the last ``STEP_S`` is logged, then the scaler decides and
+        the controller applies the target (clamped, as the controller does)."""
+        self.now += STEP_S
+        self.logs.requests(self.plan.model, per_agent)
+        fleet = self.replicas.fleet(self.plan.model, self.now)
+        trio.run(self.scaler.observe, [self.plan], self.now, fleet)
+        want, why = self.scaler.target(self.plan, self.now)
+        target = max(self.plan.min_replicas, min(self.plan.max_replicas, want))
+        self.replicas.apply(target, self.now)
+        self.history.append((self.now, target, why))
+        return target, why
+
+    def run(self, seconds: float, per_agent: int) -> list[tuple[float, int, str]]:
+        start = len(self.history)
+        for _ in range(round(seconds / STEP_S)):
+            self.step(per_agent)
+        return self.history[start:]
+
+
+# 3 agents x 1 request of 1000 prompt / 20 output tokens per 2 s: 1,500 prompt and 30 output
+# tokens/s, 0.9 of a replica's work: 2 replicas at 70%. Two per agent: 3 replicas; none: 1.
+
+
+def test_rising_demand_scales_out_on_the_forecast() -> None:
+    run = Run(HOT, serving=1)
+    quiet = run.run(60, per_agent=0)
+    assert {target for _, target, _ in quiet} == {1}
+    assert quiet[-1][2] == "min replicas"
+    ramp = run.run(120, per_agent=1) + run.run(120, per_agent=2)
+    outs = [(at, t, why) for (at, t, why), (_, before, _) in zip(ramp[1:], ramp, strict=False)
+            if t > before]  # fmt: skip
+    assert outs, "the demand tripled and nothing scaled out"
+    assert all(why.startswith("forecast: ") for _, _, why in outs)
+    assert ramp[-1][1] >= 3  # (the trend and the headroom may ask for one more)
+    assert "in 30 s" in outs[0][2]  # the horizon is the controller's cold start
+
+
+def test_falling_demand_scales_in_only_after_the_hold() -> None:
+    run = Run(HOT, serving=3)
+    busy = run.run(240, per_agent=2)
+    assert busy[-1][1] == 3
+    drop = run.now
+    hold = run.scaler.config.scale_in_hold_s
+    quiet = run.run(hold + 60, per_agent=0)
+    first_in = next((at, t, why) for at, t, why in quiet if t < 3)
+    assert first_in[0] >= drop + hold  # no scale-in within the hold of the last busy bin
+    assert first_in[2].startswith("low-demand: ")
+    assert quiet[-1][1] == 1
+
+
+def test_an_agent_that_does_not_answer_changes_nothing() -> None:
+    run = Run(HOT, serving=2)
+    steady = run.run(240, per_agent=1)
+    assert {t for _, t, _ in steady[-30:]} == {2}
+    run.logs.down.add(run.urls[1])
+    missing = run.run(30, per_agent=1)  # its share is not seen for three polls...
+    run.logs.down.clear()
+    back = run.run(60, per_agent=1)  # ...then counted at once, none lost or twice
+    assert {t for _, t, _ in missing + back} == {2}
+    demand = run.scaler.models["hot"].policy.forecaster.forecast(run.now, 0.0).now
+    assert demand.prefill_tokens_per_s == pytest.approx(1500, rel=0.05)  # what was logged
+
+
+def test_an_idle_model_allowed_zero_still_goes_to_zero() -> None:
+    cold = ModelPlan("cold", 0, 3, 1, idle_to_zero_s=60.0)
+    assert follows_demand(cold) and not follows_demand(ModelPlan("one", 0, 1, 1))
+    run = Run(cold, serving=0)
+    node = list(run.net.nodes.values())[2]
+    node.core.update_self(run.net.wall, labels=((WANTED_LABEL, "cold"),))
+    run.net.poke(node)
+    run.net.run_for(3)
+    assert run.step(0) == (1, "scale from zero: requests waiting")
+    node.core.update_self(run.net.wall, labels=())
+    run.net.poke(node)
+    run.net.run_for(3)
+    after = run.run(120, per_agent=0)
+    assert after[0][1:] == (1, "active recently")
+    assert after[-1][1:] == (0, "idle for 60 s")
+    gone = next(at for at, t, _ in after if t == 0)
+    assert gone - after[0][0] < 70  # at its idle time, not held up by the policy's hold
+
+
+def test_a_model_without_room_above_its_floor_polls_nothing() -> None:
+    plan = ModelPlan("fixed", 2, 2, 1)
+    run = Run(plan, serving=2)
+    assert run.run(30, per_agent=3)[-1][1:] == (2, "min replicas")
+    assert run.logs.asked == 0 and run.scaler.models == {}
+
+
+def test_load_and_ttft_reach_the_policy() -> None:
+    """The gossiped load of the model's serving replicas and the logs' p95 TTFT are what
+    the policy confirms a scale-out with (``load``, ``objective``)."""
+    run = Run(HOT, serving=1)
+    run.run(40, per_agent=0)
+    core = run.scaler.core
+    for node in run.net.nodes.values():  # each agent serves the model, its KV cache full
+        sid = node.core.self_id
+        labels = (("fabric.service", "hot"), ("slurm.job_id", sid[:6]))
+        node.core.update_self(run.net.wall, state=State.SERVING, labels=labels)
+        run.net.poke(node)
+        core.loads[sid] = Load(sid, 1, 3, 8, 0.97, 11, run.now + STEP_S)
+    run.net.run_for(3)
+    target, why = run.step(0)
+    assert (target, why.split(":")[0]) == (2, "load")
+    assert "97% used" in why
+    window = TtftWindow(60.0, min_samples=3)
+    window.add(0.0, {100: 2})
+    assert window.p95(1.0) is None  # too few first tokens
+    window.add(10.0, {10: 1})
+    p95 = window.p95(11.0)
+    assert p95 is not None and p95 > 2.0
+    assert window.p95(65.0) is None  # the slow ones left the window
+
+
+def test_malformed_workload_answers_are_refused() -> None:
+    ok = {"requests": 2, "prompt_tokens": 10, "prompt_known": 1, "ttft": {"3": 2}}
+    assert ModelSums.from_json(ok) == ModelSums(2, 10, 1, 0, 0, {3: 2})
+    bad: list[object] = [
+        [],
+        {"requests": -1},
+        {"requests": True},
+        {"requests": 1.5},
+        {"ttft": {"x": 1}},
+        {"ttft": {"999": 1}},
+        {"ttft": {"1": -2}},
+    ]
+    for row in bad:
+        with pytest.raises(ValueError):
+            ModelSums.from_json(row)
+    sums = ModelSums(4, 300, 3, 0, 0)
+    assert sums.prompt_tokens_estimate == 400  # the unknown prompt counted at the known mean
+
+
+PLANS = {
+    "follow": ServicePlans(
+        (ModelPlan("m", 1, 3, 1, ("gpu",), "2:00", 120, gpu_types=("A100-80G",)),),
+        digest="follow",
+    )
+}
+
+
+def parse(text: str) -> ServicePlans:
+    return PLANS[text]
+
+
+def test_the_controller_logs_and_counts_the_policys_reason() -> None:
+    run = Run(HOT, serving=1)
+    node = next(iter(run.net.nodes.values()))
+    slurm = FakeSlurm()
+    clock = [run.net.wall]
+    ctl = Controller(
+        node.core,
+        SlurmControl(MESH, Path("/x.sbatch"), "me", slurm, False),
+        parse,
+        lambda labels: None,
+        scaler=run.scaler,
+        wall_clock=lambda: clock[0],
+    )
+    announce(run.net, ctl, node, 1.0)
+    apply(run.net, node, "follow")
+    clock[0] = run.net.wall
+
+    async def passes(n: int, per_agent: int) -> None:
+        for _ in range(n):
+            clock[0] += STEP_S
+            run.logs.requests("m", per_agent)
+            await ctl.tick()
+
+    trio.run(passes, 60, 2)
+    reasons = [d.reason for d in ctl.recent if d.action == "submit"]
+    assert reasons[0].startswith("min replicas")
+    assert any(r.startswith("forecast: ") for r in reasons), reasons
+    assert ctl.decisions[("submit", "forecast")] >= 1
+    (status,) = ctl.status.models
+    assert status.target > 1 and status.reason.startswith("forecast: ")
+    assert status.to_json()["reason"] == status.reason
