@@ -32,7 +32,7 @@ import logging
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import trio
@@ -52,7 +52,7 @@ from fabricnode.elastic.reconcile import (
     holdings,
     reconcile,
 )
-from fabricnode.elastic.slurmctl import SlurmControl, SlurmRefused, Submission
+from fabricnode.elastic.slurmctl import Job, SlurmControl, SlurmRefused, Submission
 from fabricnode.engine.service import ERROR_LABEL
 from fabricnode.errors import FabricError
 from fabricnode.mesh.core import MeshCore
@@ -182,6 +182,7 @@ class Controller:
     status: ControllerStatus = field(default_factory=ControllerStatus)
     recent: deque[Decision] = field(default_factory=lambda: deque(maxlen=MAX_DECISIONS))
     decisions: Counter[tuple[str, str]] = field(default_factory=Counter)
+    _preempted: dict[str, bool] = field(default_factory=dict)  # ended served job -> preempted
     _digest: str = ""
 
     async def run(self) -> None:
@@ -259,6 +260,7 @@ class Controller:
                 self.memory.reset_model(p.model)
             self.status.service_digest = plans.digest
         jobs = await trio.to_thread.run_sync(self.slurm.list_jobs)
+        jobs = await trio.to_thread.run_sync(self._preemptions, jobs)
         ran = len(self.slurm.commands)
         fleet = Fleet(
             holdings(jobs, self.replicas(), self.memory),
@@ -307,6 +309,31 @@ class Controller:
         self.status.error = ""
         self.status.last_pass_at = now
         self.status.commands = tuple(self.slurm.commands[ran:]) if self.slurm.dry_run else ()
+
+    def _preemptions(self, jobs: list[Job]) -> list[Job]:
+        """A served job that ended on its own, not by our cancel, may have been preempted
+        though squeue says COMPLETED (it left within the grace time): ask Slurm once per job,
+        so that its replacement says why."""
+        listed = {j.job_id for j in jobs}
+        for job_id in [k for k in self._preempted if k not in listed]:
+            del self._preempted[job_id]
+        out = []
+        for j in jobs:
+            if (
+                j.state in ("COMPLETED", "COMPLETING", "CANCELLED")
+                and j.job_id in self.memory.served
+                and j.job_id not in self.memory.draining
+            ):
+                if j.job_id not in self._preempted:
+                    try:
+                        self._preempted[j.job_id] = self.slurm.preempted(j.job_id)
+                    except SlurmRefused as exc:
+                        log.info("cannot tell whether job %s was preempted: %s", j.job_id, exc)
+                        self._preempted[j.job_id] = False
+                if self._preempted[j.job_id]:
+                    j = replace(j, state="PREEMPTED")
+            out.append(j)
+        return out
 
     def _decide(self, decision: Decision) -> None:
         self.recent.append(decision)

@@ -248,6 +248,15 @@ class SlurmControl:
             raise SlurmRefused(_first_line(err or out) or f"sbatch exit status {rc}")
         return job_id
 
+    def preempted(self, job_id: str) -> bool:
+        """Whether Slurm preempted the job: a preempted job that leaves within its grace time
+        ends COMPLETED, but its record keeps ``PreemptTime`` (while squeue still lists it)."""
+        argv = ["squeue", "--noheader", "--states=all", "-j", job_id, "-O", "PreemptTime"]
+        rc, out, err = self.runner(argv)
+        if rc != 0:
+            raise SlurmRefused(f"squeue failed: {(err or out).strip() or f'exit status {rc}'}")
+        return parse_slurm_time(out.strip()) is not None
+
     def cancel(self, job_id: str, hard: bool = False) -> None:
         """SIGTERM to the job's step, the agent (it leaves and drains its requests, then exits,
         and the job ends with it); ``hard``: cancel the job outright (a drain that hangs)."""

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from fabricnode.host.slurm import parse_slurm_time
 from tests.support import REPO
 from tests.support.slurmcluster import (
     SlurmCluster,
@@ -126,6 +127,12 @@ def test_high_partition_job_preempts_a_low_one_whose_step_gets_sigterm_at_once(
     assert term < 5
     # Its step drained within the grace time, so the job completed instead of being killed.
     assert slurm.wait_state(low, ["PREEMPTED", "COMPLETED", "CANCELLED"], 10) == "COMPLETED"
+    # ...but its record keeps the preemption: what the elastic controller reads to say so
+    shown = slurm.run("squeue", "-h", "--states=all", "-j", str(low), "-O", "PreemptTime").stdout
+    print(f"slurm: squeue -O PreemptTime of the preempted job: {shown.strip()!r}")
+    assert parse_slurm_time(shown.strip()) is not None
+    shown = slurm.run("squeue", "-h", "--states=all", "-j", str(high), "-O", "PreemptTime").stdout
+    assert parse_slurm_time(shown.strip()) is None, shown
     assert slurm.wait_state(high, ["COMPLETED", "FAILED"], 15) == "COMPLETED"
 
 

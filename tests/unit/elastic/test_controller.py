@@ -36,6 +36,7 @@ class FakeSlurm:
         self.refuse = refuse
         self.submitted: list[str] = []
         self.sbatch_calls = 0
+        self.preempted: set[str] = set()  # jobs whose record has a PreemptTime
 
     def __call__(self, argv: Sequence[str]) -> tuple[int, str, str]:
         if argv[0] == "sbatch":
@@ -50,6 +51,9 @@ class FakeSlurm:
         if argv[0] == "scancel":
             self.jobs.pop(argv[-1], None)
             return 0, "", ""
+        if "PreemptTime" in argv:
+            job = argv[argv.index("-j") + 1]
+            return 0, ("2026-11-25T10:00:00" if job in self.preempted else "None") + "\n", ""
         lines = [
             f"{i}|{state}|gpu|N/A|N/A|N/A|2:00|None|{comment}"
             for i, (state, comment) in self.jobs.items()
@@ -146,6 +150,16 @@ def test_replicas_are_matched_to_jobs_through_the_registry() -> None:
     trio.run(ctl.tick)
     (status,) = ctl.status.models
     assert (status.serving, status.pending, status.state) == (1, 1, "ok")
+    # preempted, it left within its grace time: squeue says COMPLETED, its record PreemptTime
+    slurm.jobs[job] = ("COMPLETED", slurm.jobs[job][1])
+    slurm.preempted.add(job)
+    nodes[2].core.update_self(net.wall, state=State.LEFT)
+    net.poke(nodes[2])
+    net.run_for(5)
+    trio.run(ctl.tick)
+    reasons = [d.reason for d in ctl.recent if d.action == "submit"]
+    assert reasons[-1] == f"replaces job {job} (preempted)"
+    assert ctl.decisions[("submit", "preempted")] == 1
 
 
 def test_refusals_invalid_files_and_dry_run_change_nothing_and_say_why() -> None:
