@@ -78,6 +78,7 @@ class ModelPlan:
     engine: str = "sim"  # "sim" or an engine command template (fabricnode.engine.template)
     model_path: str | None = None
     idle_to_zero_s: float | None = None  # min_replicas 0: scale to zero after this idle time
+    sleep_after_s: float | None = None  # the jobs' engines sleep after this idle time
 
 
 @dataclass(frozen=True)
@@ -308,11 +309,17 @@ def _submission(plan: ModelPlan, action: Submit) -> Submission:
         account=plan.account,
         qos=plan.qos,
         sbatch_args=(*extra, *plan.sbatch_args),
-        agent_args=JOB_AGENT_ARGS,
+        agent_args=_agent_args(plan),
         engine=plan.engine,
         model_path=plan.model_path,
         replaces=action.replaces,
     )
+
+
+def _agent_args(plan: ModelPlan) -> tuple[str, ...]:
+    if plan.sleep_after_s is None:
+        return JOB_AGENT_ARGS
+    return (*JOB_AGENT_ARGS, "--sleep-after", f"{plan.sleep_after_s:g}")
 
 
 def _refused(status: ModelStatus, why: str) -> ModelStatus:

@@ -69,4 +69,5 @@ def _plan(m: ModelService) -> ModelPlan:
         engine=m.engine,
         model_path=m.model_path,
         idle_to_zero_s=m.idle_to_zero_s,
+        sleep_after_s=m.sleep_after_s,
     )
