@@ -22,6 +22,7 @@ from cli.common import (
     print_json,
     usage_error,
 )
+from fabricnode.mesh.registry import SLEEPING_LABEL
 
 commands = command_group()
 
@@ -65,7 +66,7 @@ def nodes(
         table.add_row(
             n["session_id"][:12],
             n["provider"],
-            n["state"],
+            _state(n),
             n["liveness"],
             n["hardware"]["host"] or "-",
             _gpus(n["hardware"]),
@@ -93,6 +94,10 @@ def node(
         print_json(entry)
         return
     rows = _flatten(entry)
+    asleep = _asleep(entry)
+    if asleep is not None:  # in words, after the state
+        at = next(i for i, (key, _) in enumerate(rows) if key == "state") + 1
+        rows.insert(at, ("sleep", asleep))
     now = time.time()
     width = max(len(key) for key, _ in rows)
     for key, value in rows:
@@ -113,7 +118,8 @@ def models(as_json: JsonOption = False) -> None:
         print("no models announced in the mesh yet")
         return
     table = Table(box=None, header_style="bold", pad_edge=False)
-    for column in ("MODEL", "NODES", "SERVING", "GPU TYPES", "GPUS", "WAITING", "RUNNING", "KV"):
+    columns = ("MODEL", "NODES", "SERVING", "ASLEEP", "GPU TYPES", "GPUS", "WAITING", "RUNNING")
+    for column in (*columns, "KV"):
         table.add_column(column)
     for m in found:
         load = m["load"]
@@ -122,6 +128,7 @@ def models(as_json: JsonOption = False) -> None:
             m["id"],
             str(m["nodes"]),
             str(m["serving"]),
+            str(m.get("asleep", 0)),
             ", ".join(m["gpu_types"]) or "-",
             str(m["gpus"]),
             str(load["waiting"]),
@@ -129,6 +136,21 @@ def models(as_json: JsonOption = False) -> None:
             "-" if kv is None else f"{kv:.0%}",
         )
     console().print(table)
+
+
+def _state(n: dict[str, Any]) -> str:
+    return f"{n['state']}, asleep" if _asleep(n) is not None else n["state"]
+
+
+def _asleep(n: dict[str, Any]) -> str | None:
+    """What a sleeping engine means, in words (None: not asleep)."""
+    level = (n.get("labels") or {}).get(SLEEPING_LABEL)
+    if level is None or n.get("state") != "serving":
+        return None
+    return (
+        f"asleep (sleep level {level}): not routed while its models have an awake replica; "
+        "the next request that needs it wakes it"
+    )
 
 
 def _gpus(hw: dict[str, Any]) -> str:

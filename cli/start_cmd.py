@@ -138,6 +138,14 @@ def start(
             help="In a Slurm job, start leaving this long before its time limit (120; 0 = off).",
         ),
     ] = None,
+    sleep_after: Annotated[
+        float | None,
+        typer.Option(
+            metavar="SECONDS",
+            help="Put the engine to sleep after this long without requests (vLLM's sleep "
+            "mode: add --enable-sleep-mode to vLLM); the next request wakes it (off).",
+        ),
+    ] = None,
     engine_template: Annotated[
         str | None,
         typer.Option(
@@ -214,6 +222,7 @@ def start(
             ),
             drain_timeout_s=drain_timeout,
             leave_before_end_s=leave_before_end,
+            sleep_after_s=sleep_after,
             engine_template=engine_template,
             model_paths=model_path or (),
             trust_operators=trust_operator or (),

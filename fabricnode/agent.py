@@ -55,7 +55,7 @@ import trio
 from fabricnode import native
 from fabricnode.addr import join_hostport
 from fabricnode.asgi import bind_http_socket, serve_http
-from fabricnode.config import AgentConfig
+from fabricnode.config import AgentConfig, engine_env
 from fabricnode.control.app import AdminApp
 from fabricnode.control.memberlog import log_member_changes
 from fabricnode.dataplane.accounting import RequestLog
@@ -317,8 +317,12 @@ class Agent:
             declared=declared.hold_s,
             declared_models=declared.models,
             on_waiting=on_waiting,
+            wake_local=self._wake_engine,
         )
         self.ingress = ingress
+
+        def on_sleep_change(asleep: bool) -> None:
+            ingress.local_asleep = asleep
 
         def engine_service(command: EngineCommand) -> EngineService:
             return EngineService(
@@ -329,6 +333,10 @@ class Agent:
                 max_restarts=cfg.max_restarts,
                 new_session=new_session,
                 inflight=lambda: ingress.local_inflight,
+                served=lambda: ingress.local_served,
+                sleep_after_s=cfg.sleep_after_s,
+                on_sleep_change=on_sleep_change,
+                env=engine_env(cfg, command),
             )
 
         # Without an engine command the node stays JOIN-only until an operator's assignment
@@ -428,6 +436,11 @@ class Agent:
                 await trio.to_thread.run_sync(request_log.flush)
             nursery.cancel_scope.cancel()
         log.info("left the mesh")
+
+    async def _wake_engine(self) -> bool:
+        """The data plane's way to wake our sleeping engine (``EngineService.wake``)."""
+        engine = self.engine
+        return engine is not None and await engine.wake()
 
     async def _serve_ingress(
         self, ingress: Ingress, sock: socket.socket, shutdown: trio.Event, grace_s: float

@@ -35,7 +35,12 @@ from fabricnode.addr import WILDCARD_HOSTS, join_hostport, split_hostport
 from fabricnode.dataplane.ingress_config import IngressConfig
 from fabricnode.dataplane.routing import POLICY_NAMES
 from fabricnode.elastic.slurmctl import mesh_tag
-from fabricnode.engine.command import EngineCommand, inspect_engine_cmd, sim_engine_command
+from fabricnode.engine.command import (
+    VLLM,
+    EngineCommand,
+    inspect_engine_cmd,
+    sim_engine_command,
+)
 from fabricnode.engine.template import EngineTemplate, parse_template
 from fabricnode.errors import ConfigError
 from fabricnode.host.hardware import parse_sim_gpu
@@ -96,6 +101,8 @@ class AgentConfig:
     keyring_poll_s: float = 1.0  # notice edits of the cluster keyring file this fast
     # On leave, requests our engine accepted get this long to finish before it is stopped.
     drain_timeout_s: float = 30.0
+    # Put the engine to sleep after this long without requests (vLLM's sleep mode); None: never.
+    sleep_after_s: float | None = None
     # Inside a Slurm job with a known end time, start leaving this long before it (at most
     # half the time the job has left when the agent starts); 0 = only on SIGTERM.
     leave_before_end_s: float = DEFAULT_LEAVE_BEFORE_END_S
@@ -181,6 +188,7 @@ def load_config(
     limits: ConnectionLimits | None = None,
     drain_timeout_s: float | None = None,
     leave_before_end_s: float | None = None,
+    sleep_after_s: float | None = None,
     controller: bool = False,
     controller_dry_run: bool = False,
     serve: str | None = None,
@@ -241,6 +249,7 @@ def load_config(
         api_keys_path=keys_path,
         request_log_path=log_path,
         drain_timeout_s=_drain(drain_timeout_s),
+        sleep_after_s=_sleep_after(sleep_after_s),
         leave_before_end_s=_leave_before_end(leave_before_end_s, env),
         ingress=_ingress(policy, max_body_mb, limits or ConnectionLimits()),
         cluster_key_path=key_path,
@@ -325,6 +334,28 @@ def _drain(value: float | None) -> float:
     if not 0 <= value <= 3600:
         raise ConfigError(f"--drain-timeout {value:g}: expected 0..3600 seconds")
     return value
+
+
+MAX_SLEEP_AFTER_S = 7 * 86400.0
+
+
+def _sleep_after(value: float | None) -> float | None:
+    if value is None:
+        return None
+    if not 0 < value <= MAX_SLEEP_AFTER_S:  # also rejects NaN
+        raise ConfigError(f"--sleep-after {value:g}: expected more than 0, at most 604800 seconds")
+    return value
+
+
+def engine_env(config: AgentConfig, command: EngineCommand) -> dict[str, str] | None:
+    """The environment of the engine child (None: the agent's own). vLLM serves its sleep
+    endpoints only with ``VLLM_SERVER_DEV_MODE=1``: set for it when the node sleeps when idle
+    (the engine listens on loopback, behind the agent, which forwards only ``/v1``)."""
+    if config.sleep_after_s is None or command.kind != VLLM:
+        return None
+    if "VLLM_SERVER_DEV_MODE" in config.host_env:
+        return None  # the researcher's own choice
+    return {**config.host_env, "VLLM_SERVER_DEV_MODE": "1"}
 
 
 def _leave_before_end(value: float | None, env: Mapping[str, str]) -> float:

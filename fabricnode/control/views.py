@@ -21,7 +21,7 @@ from typing import Any
 
 from fabricnode.mesh.core import MeshCore
 from fabricnode.mesh.membership import Liveness
-from fabricnode.mesh.registry import SignedEntry, State
+from fabricnode.mesh.registry import SLEEPING_LABEL, SignedEntry, State
 
 Json = dict[str, Any]
 
@@ -113,8 +113,9 @@ def models_view(core: MeshCore, now: float) -> list[Json]:
 
     ``nodes`` counts the SERVING entries this agent does not know dead or left, as
     ``/v1/models`` does (``routetable.RouteTable.listing``); ``serving`` only those it sees
-    alive (not suspect: the ones a request goes to first). ``gpu_types``, ``gpus`` and the load
-    (the latest reports summed; ``kv_usage`` their mean) are of the ``nodes`` nodes, so a
+    alive (not suspect: the ones a request goes to first); ``asleep`` those of the ``nodes``
+    whose engine sleeps (``fabric.sleeping``: woken by a request). ``gpu_types``, ``gpus`` and
+    the load (the latest reports summed; ``kv_usage`` their mean) are of the ``nodes`` nodes, so a
     crashed node's hardware and last report drop out. ``max_model_len``, ``quantizations`` and
     ``providers`` are of every announcing entry.
     """
@@ -125,6 +126,7 @@ def models_view(core: MeshCore, now: float) -> list[Json]:
             continue
         live = liveness_of(core, entry)
         counted = body.state == State.SERVING and live not in (Liveness.DEAD, Liveness.LEFT)
+        asleep = any(key == SLEEPING_LABEL for key, _ in body.labels)
         load = core.loads.get(entry.session_id)
         for m in body.models:
             row = acc.setdefault(
@@ -133,6 +135,7 @@ def models_view(core: MeshCore, now: float) -> list[Json]:
                     "id": m.id,
                     "nodes": 0,
                     "serving": 0,
+                    "asleep": 0,
                     "gpu_types": set(),
                     "gpus": 0,
                     "max_model_len": None,
@@ -151,6 +154,8 @@ def models_view(core: MeshCore, now: float) -> list[Json]:
             row["nodes"] += 1
             if live == Liveness.ALIVE:
                 row["serving"] += 1
+            if asleep:
+                row["asleep"] += 1
             if body.hardware.gpu_type:
                 row["gpu_types"].add(body.hardware.gpu_type)
             row["gpus"] += body.hardware.gpu_count

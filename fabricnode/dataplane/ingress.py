@@ -39,6 +39,11 @@ Request outcomes (OpenAI error shape ``{"error": {"message", "type", "code"}}``)
 * Served locally (this agent's own engine, chosen by the policy or asked by a verified
   forward): counted in ``local_inflight``, which the engine service publishes as the node's
   ``inflight`` load. While leaving, forwards are refused with 503 so the ingress fails over.
+* Sleeping engines (``fabric.sleeping``, ``engine.sleep``): a model whose replicas all sleep
+  is routed to them, unranked (ours first, then by session id, so ingresses agree on one),
+  and the serving agent wakes its engine before relaying (``wake_local``); a node that does not
+  wake answers 503 and the ingress fails over. Requests for models with an awake replica never
+  see sleeping ones.
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ import logging
 import math
 import random
 import socket
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -178,6 +183,7 @@ class Ingress:
         declared: Callable[[str], float | None] | None = None,
         declared_models: Callable[[], list[str]] | None = None,
         on_waiting: Callable[[Mapping[str, int]], None] | None = None,
+        wake_local: Callable[[], Awaitable[bool]] | None = None,
     ) -> None:
         self.core = core
         # Scale from zero (the elastic controller): how long a request for a model declared in
@@ -197,6 +203,11 @@ class Ingress:
         # holds it for the next one), so a request sent as the engine died waits in the
         # socket's queue rather than failing, and would wait ``first_byte_timeout_s``.
         self.local_engine_up = local_engine_up
+        # Engine sleep (``engine.sleep``): the agent sets ``local_asleep`` while our engine
+        # sleeps or falls asleep, and a request for it first awaits ``wake_local`` (True once
+        # awake). Only then: a sleeping node is routed to only when its model has no awake one.
+        self.local_asleep = False
+        self.wake_local = wake_local
         self.control_app = control_app
         self.api_keys = api_keys
         self.rate_limiter = RateLimiter()
@@ -225,6 +236,7 @@ class Ingress:
         self._forwards_served = LabelCache(self.metrics.forwards_served)
         self.remote_inflight: dict[str, int] = {}  # session id -> our requests in flight to it
         self.local_inflight = 0  # requests in flight to our own engine
+        self.local_served = 0  # requests sent to our own engine, ever (its idle clock)
         self.leaving = False  # refuse forwards (503) so ingresses fail over
         self.connections = 0
         self.requests = 0
@@ -598,6 +610,11 @@ class Ingress:
         routes = self.table.routes(model)
         self._forget_removed()
         hold_s = None
+        waking = False
+        if not routes:
+            # Only sleeping replicas (if any): one is woken by the request (the cold path).
+            routes = self.table.sleeping(model)
+            waking = routes is not None
         if not routes:
             hold_s = self.declared(model) if self.declared is not None else None
             if not hold_s:
@@ -609,6 +626,8 @@ class Ingress:
         job = Job(kind, model, decoded.stream, body, path, req.headers, decoded.key, started, doc)
         if req.http_version == "1.0":
             job.http10 = True
+        if waking:
+            job.waking = True
         if not routes:
             assert hold_s is not None
             rreq = routing.RouteRequest(model, (), decoded.session, len(body) // 4)
@@ -665,6 +684,9 @@ class Ingress:
             retry_failed_at = job.started + RETRY_FAILED_AFTER_S
             while True:
                 routes = self.table.routes(model)
+                if not routes:
+                    routes = self.table.sleeping(model)
+                    job.waking = routes is not None
                 now = self.clock.now()
                 if tried and now >= retry_failed_at:
                     tried.clear()  # nodes that failed may answer now (the breaker still ejects)
@@ -764,7 +786,7 @@ class Ingress:
                     break
                 # One candidate: nothing to choose and no use holding (the request would wait
                 # for the same node either way); the policy is skipped, as prompt hashing was.
-                if len(candidates) == 1:
+                if len(candidates) == 1 or job.waking:
                     ranked: list[routing.Candidate] | None = candidates
                 else:
                     ranked = policy.rank(rreq, candidates, wall)
@@ -794,7 +816,8 @@ class Ingress:
                     # The stream broke mid-answer and a continuation is ready: it gets attempts
                     # and time of its own, on the nodes not tried yet.
                     last_error = "no node left to try"
-                    routes = self.table.routes(job.model) or routes  # nodes that joined since
+                    if not job.waking:
+                        routes = self.table.routes(job.model) or routes  # joined since
                     limit = len(tried) + cfg.max_attempts
                     deadline = self.clock.now() + cfg.retry_budget_s
                     self.metrics.stream_resumes.labels("resumed").inc()
@@ -934,6 +957,8 @@ class Ingress:
             if origin is None:
                 return "local engine URL has no HOST:PORT"
             request = self._upstream_request(job, origin, forward=None)
+            if self.local_asleep:
+                return self._wake_then_relay(conn, job, origin, request, sid, now)
             return self._relay(
                 conn, job, origin, request, sid, self.local_engine_up, now, local=True
             )
@@ -950,6 +975,24 @@ class Ingress:
         return self._relay(
             conn, job, route.origin, request, sid, self._node_ok(sid), now, local=False
         )
+
+    async def _wake_then_relay(
+        self, conn: ClientConn, job: Job, origin: Origin, request: bytes, sid: str, now: float
+    ) -> str | None:
+        """Our engine sleeps: wake it (the request waits), then send the request to it."""
+        if not await self._wake_local():
+            return "local engine did not wake up"
+        return await self._relay(
+            conn, job, origin, request, sid, self.local_engine_up, now, local=True
+        )
+
+    async def _wake_local(self) -> bool:
+        wake = self.wake_local
+        if wake is None:
+            return False
+        woke = await wake()
+        self.metrics.wake_ups.labels("woken" if woke else "failed").inc()
+        return woke
 
     def _local_origin(self, url: str) -> Origin | None:
         cached = self._local_origin_cache
@@ -1016,6 +1059,7 @@ class Ingress:
         inflight = self.remote_inflight
         if local:
             self.local_inflight += 1
+            self.local_served += 1
         else:
             inflight[sid] = inflight.get(sid, 0) + 1
         try:
@@ -1253,6 +1297,16 @@ class Ingress:
                 conn,
                 503,
                 why,
+                "node_unavailable",
+                extra=[(b"retry-after", b"%d" % self.config.retry_after_s)],
+            )
+            return True
+        if self.local_asleep and not await self._wake_local():
+            self._forwards_served("unavailable").inc()
+            await self._send_error(
+                conn,
+                503,
+                "the engine of this node is asleep and did not wake up",
                 "node_unavailable",
                 extra=[(b"retry-after", b"%d" % self.config.retry_after_s)],
             )

@@ -41,6 +41,7 @@ class Job:
         "stream",
         "transcript",
         "ttft_s",
+        "waking",
     )
 
     def __init__(
@@ -86,3 +87,6 @@ class Job:
         # A stream held while a replica started: its 200 SSE head is out already, so the first
         # node's events follow it as they come (no head of theirs), and a failure is an event.
         self.held_head = False
+        # Routed to sleeping replicas (the model had no awake one): tried in the route
+        # table's order, not ranked, so ingresses wake the same one.
+        self.waking = False

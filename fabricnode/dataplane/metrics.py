@@ -204,6 +204,13 @@ class IngressMetrics:
             ["phase"],
             registry=r,
         )
+        self.wake_ups = Counter(
+            "fabric_engine_wake_ups",
+            "Requests that found this node's engine asleep and waited for it to wake, by outcome"
+            " (woken, failed)",
+            ["outcome"],
+            registry=r,
+        )
         self.forwards_served = Counter(
             "fabric_forward_requests",
             "Forwarded requests served for other ingresses",

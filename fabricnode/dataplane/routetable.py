@@ -6,6 +6,9 @@ path does a dict lookup instead of walking and verifying entries. Per request it
 changes by the millisecond: local liveness (the SWIM view), the circuit breaker, the last
 gossiped load report and this ingress's own in-flight count (``eligible``).
 
+Nodes whose engine sleeps (``fabric.sleeping``) are kept apart (``sleeping``): the ingress
+goes to them only for a model that has no awake node, and the request wakes one.
+
 Filter order (issue: filters before the policy): model served → SERVING, lease not expired,
 locally alive (DEAD/LEFT never; SUSPECT only when no ALIVE node is left) → provider allowlist
 against the *verified* provider → ``X-Fabric-Require`` constraints → not ejected by the circuit
@@ -30,7 +33,7 @@ from fabricnode.dataplane.routing import (
 from fabricnode.errors import ConfigError
 from fabricnode.mesh.core import MeshCore
 from fabricnode.mesh.membership import Liveness
-from fabricnode.mesh.registry import SignedEntry, State
+from fabricnode.mesh.registry import SLEEPING_LABEL, SignedEntry, State
 from fabricnode.mesh.wire import Load
 
 Origin = tuple[str, int]
@@ -91,6 +94,7 @@ class RouteTable:
         self._generation = -1
         self._self_id = ""
         self._by_model: dict[str, list[Route]] = {}
+        self._sleeping: dict[str, list[Route]] = {}  # nodes whose engine sleeps, by model
         self._listing: list[ModelListing] = []
         self._snapshots: dict[str, tuple[Load, LoadSnapshot]] = {}
         self.rebuilds = 0
@@ -105,6 +109,7 @@ class RouteTable:
         now = self.wall_clock()
         before = {r.info.session_id for routes in self._by_model.values() for r in routes}
         by_model: dict[str, list[Route]] = {}
+        sleeping: dict[str, list[Route]] = {}
         for entry in core.registry:
             body = entry.body
             if body.state != State.SERVING or not body.addresses.http:
@@ -113,6 +118,7 @@ class RouteTable:
             if origin is None:
                 continue
             verified = entry.verified_provider(now, core.verifier)
+            table = sleeping if _asleep(body.labels) else by_model
             for model in body.models:
                 info = NodeInfo(
                     session_id=body.session_id,
@@ -126,9 +132,12 @@ class RouteTable:
                     quantization=model.quantization,
                 )
                 route = Route(info, origin, body.expires_at, body.session_id == core.self_id)
-                by_model.setdefault(model.id, []).append(route)
+                table.setdefault(model.id, []).append(route)
+        for routes in sleeping.values():  # the one to wake first: our own, else by id
+            routes.sort(key=lambda r: (not r.is_self, r.info.session_id))
         self._by_model = by_model
-        self._listing = _listing(core, by_model)
+        self._sleeping = sleeping
+        self._listing = _listing(core, _merged(by_model, sleeping))
         after = {r.info.session_id for routes in by_model.values() for r in routes}
         self.removed.extend(before - after)
         self.rebuilds += 1
@@ -138,14 +147,22 @@ class RouteTable:
         self._refresh()
         return self._by_model.get(model)
 
+    def sleeping(self, model: str) -> list[Route] | None:
+        """The SERVING entries announcing ``model`` whose engine sleeps (labelled
+        ``fabric.sleeping``), ours first, then by session id; ``routes`` leaves them out."""
+        self._refresh()
+        return self._sleeping.get(model)
+
     def listing(self) -> list[ModelListing]:
         """Models with at least one SERVING node that is not known dead (``/v1/models``), each
-        with the number of such nodes (liveness is not part of the cached table: count now)."""
+        with the number of such nodes, sleeping ones included (a request wakes one; liveness
+        is not part of the cached table: count now)."""
         self._refresh()
         core = self.core
         out = []
         for m in self._listing:
             usable = sum(_usable(core, r) for r in self._by_model.get(m.id, ()))
+            usable += sum(_usable(core, r) for r in self._sleeping.get(m.id, ()))
             if usable:
                 out.append(m if usable == m.nodes else replace(m, nodes=usable))
         return out
@@ -207,6 +224,17 @@ class RouteTable:
             else:
                 alive.append(cand)
         return alive or suspect or ejected
+
+
+def _asleep(labels: tuple[tuple[str, str], ...]) -> bool:
+    return any(key == SLEEPING_LABEL for key, _ in labels)
+
+
+def _merged(a: Mapping[str, list[Route]], b: Mapping[str, list[Route]]) -> dict[str, list[Route]]:
+    out = {model: list(routes) for model, routes in a.items()}
+    for model, routes in b.items():
+        out.setdefault(model, []).extend(routes)
+    return out
 
 
 def _usable(core: MeshCore, r: Route) -> bool:

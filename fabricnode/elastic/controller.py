@@ -88,6 +88,7 @@ class ModelPlan:
     gpu_options: tuple[tuple[str, int], ...] = ()
     ttft_p95_s: float | None = None  # the latency objective, if the service has one
     gpu_types: tuple[str, ...] = ()  # allowed GPU types (catalog names), in order of preference
+    sleep_after_s: float | None = None  # the jobs' engines sleep after this idle time
 
 
 @dataclass(frozen=True)
@@ -376,12 +377,18 @@ def _submission(plan: ModelPlan, action: Submit) -> Submission:
         account=plan.account,
         qos=plan.qos,
         sbatch_args=(*extra, *plan.sbatch_args),
-        agent_args=JOB_AGENT_ARGS,
+        agent_args=_agent_args(plan),
         engine=plan.engine,
         model_path=plan.model_path,
         replaces=action.replaces,
         gres_type=action.gres_type,
     )
+
+
+def _agent_args(plan: ModelPlan) -> tuple[str, ...]:
+    if plan.sleep_after_s is None:
+        return JOB_AGENT_ARGS
+    return (*JOB_AGENT_ARGS, "--sleep-after", f"{plan.sleep_after_s:g}")
 
 
 def _refused(status: ModelStatus, why: str) -> ModelStatus:

@@ -92,4 +92,5 @@ def _plan(m: ModelService) -> ModelPlan:
         idle_to_zero_s=m.idle_to_zero_s,
         ttft_p95_s=m.ttft_p95_s,
         gpu_types=m.gpu_types,
+        sleep_after_s=m.sleep_after_s,
     )

@@ -81,6 +81,7 @@ MAX_CANONICAL_BYTES = 1 << 20
 MAX_TTFT_MS = 600_000  # 10 min: a larger objective is a unit mistake ("2000" meant ms)
 MAX_IDLE_MS = 7 * 86_400_000
 MAX_HOLD_MS = 3_600_000
+MAX_SLEEP_AFTER_MS = 7 * 86_400_000
 
 DEFAULT_MIN_REPLICAS = 1
 DEFAULT_IDLE_TO_ZERO_MS = 600_000  # 10m
@@ -134,6 +135,7 @@ MODEL_KEYS = (
     "qos",
     "time_limit",
     "sbatch_args",
+    "sleep_after",  # last: the canonical row has it only when set (digests of older files)
 )
 DEFAULT_KEYS = tuple(key for key in MODEL_KEYS if key not in ("name", "model_path"))
 
@@ -189,6 +191,7 @@ class ModelService:
     qos: str | None = None
     time_limit_s: int | None = None
     sbatch_args: tuple[str, ...] = ()
+    sleep_after_s: float | None = None  # the jobs' engines sleep after this idle time
 
     @property
     def simulated(self) -> bool:
@@ -206,7 +209,7 @@ class ModelService:
         return EngineTemplate(words, paths)
 
     def _row(self) -> list[object]:
-        return [
+        row: list[object] = [
             self.name,
             self.engine,
             self.model_path,
@@ -224,6 +227,9 @@ class ModelService:
             self.time_limit_s,
             list(self.sbatch_args),
         ]
+        if self.sleep_after_s is not None:  # a file without it signs as it always did
+            row.append(_ms(self.sleep_after_s))
+        return row
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -244,6 +250,7 @@ class ModelService:
             "time_limit_s": self.time_limit_s,
             "time_limit": self.time_limit,
             "sbatch_args": list(self.sbatch_args),
+            "sleep_after_s": self.sleep_after_s,
         }
 
     def _toml_lines(self) -> list[str]:
@@ -265,6 +272,7 @@ class ModelService:
             ("qos", self.qos),
             ("time_limit", self.time_limit),
             ("sbatch_args", list(self.sbatch_args) or None),
+            ("sleep_after", _duration_or_none(self.sleep_after_s)),
         ]
         return [f"{key} = {_toml_value(value)}" for key, value in values if value is not None]
 
@@ -376,6 +384,9 @@ def from_canonical(data: bytes, catalog: Catalog | None = None) -> ServiceSpec:
     return spec
 
 
+_DURATION_KEYS = ("ttft_p95", "idle_to_zero", "hold_requests", "sleep_after")
+
+
 def _doc_of(fields: object) -> dict[str, Any]:
     """The TOML document canonical ``fields`` stand for (checked by ``_Checker`` afterwards)."""
     if not (isinstance(fields, list) and len(fields) == 4 and fields[0] == DOMAIN):
@@ -385,11 +396,11 @@ def _doc_of(fields: object) -> dict[str, Any]:
         raise DecodeError("service spec: malformed limits or models")
     models = []
     for row in rows:
-        if not (isinstance(row, list) and len(row) == len(MODEL_KEYS)):
+        if not (isinstance(row, list) and len(MODEL_KEYS) - 1 <= len(row) <= len(MODEL_KEYS)):
             raise DecodeError("service spec: malformed model")
-        values = dict(zip(MODEL_KEYS, row, strict=True))
-        for key in ("gpus_per_replica", "ttft_p95", "idle_to_zero", "hold_requests"):
-            if values[key] is not None and (type(values[key]) is not int or values[key] < 0):
+        values = dict(zip(MODEL_KEYS, row, strict=False))
+        for key in ("gpus_per_replica", *_DURATION_KEYS):
+            if values.get(key) is not None and (type(values[key]) is not int or values[key] < 0):
                 raise DecodeError(f"service spec: {key}: not a count")
         if values["time_limit"] is not None and type(values["time_limit"]) is not int:
             raise DecodeError("service spec: time_limit: not seconds")
@@ -397,7 +408,7 @@ def _doc_of(fields: object) -> dict[str, Any]:
         for key, value in values.items():
             if value is None or value == []:
                 continue
-            if key in ("ttft_p95", "idle_to_zero", "hold_requests"):
+            if key in _DURATION_KEYS:
                 value = f"{value}ms"
             elif key == "gpus_per_replica" and value == 0:
                 value = AUTO
@@ -738,6 +749,7 @@ class _Checker:
             "qos": _word("a QOS"),
             "time_limit": _time_limit,
             "sbatch_args": _sbatch_args,
+            "sleep_after": _duration_ms(False, MAX_SLEEP_AFTER_MS),
         }
         self.defaults: dict[str, Any] = {}
         self.bad_defaults: set[str] = set()
@@ -1034,6 +1046,7 @@ def _model_of(values: Mapping[str, Any]) -> ModelService:
         qos=values.get("qos"),
         time_limit_s=values.get("time_limit"),
         sbatch_args=values.get("sbatch_args", ()),
+        sleep_after_s=seconds(values.get("sleep_after")),
     )
 
 

@@ -19,6 +19,9 @@ Modules, in reading order:
                 (``--engine-template``).
 * ``process``   the child: its own process group, parent-death signal, pidfd, output pump,
                 ``wait_ready``.
+* ``sleep``     idle sleep: ``IdleSleep`` (pure) says when, ``EngineSleep`` puts the engine to
+                sleep (vLLM's ``/sleep``) and wakes it for the next request, marking the entry
+                ``fabric.sleeping``.
 * ``service``   ``EngineService``: spawn, SERVING, load scraping, DOWN on exit or hang,
                 restarts; start reading here. Every change to the node's entry goes through
                 the gossip service, which sends it at once.

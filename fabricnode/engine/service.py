@@ -9,6 +9,9 @@ A child exit is noticed through its pidfd the moment it happens, so DOWN reaches
 well under a second. A hang (no /health answer ``unhealthy_after`` times in a row) is DOWN too,
 and the hung child is stopped. On shutdown the agent signs LEFT first, then calls ``stop``.
 
+With ``sleep_after_s`` the serving engine is put to sleep after that long without requests and
+woken by the next one (``sleep``: ``EngineSleep``; the agent hands ``wake`` to the data plane).
+
 Restart policy (``restart``: ``no``, ``on-failure`` — a non-zero exit or a hang — or
 ``always``; at most ``max_restarts`` times, waiting ``restart_backoff_s`` times the attempt
 number): a restarted engine is a new session. ``new_session`` (from the agent) retires the
@@ -29,7 +32,14 @@ import trio
 from fabricnode.engine.command import EngineCommand, option_values
 from fabricnode.engine.metrics import engine_load, parse_samples
 from fabricnode.engine.process import EngineError, EngineProcess, wait_ready
-from fabricnode.mesh.registry import MAX_LABEL_VALUE, EngineInfo, ModelInfo, State
+from fabricnode.engine.sleep import EngineSleep
+from fabricnode.mesh.registry import (
+    MAX_LABEL_VALUE,
+    SLEEPING_LABEL,
+    EngineInfo,
+    ModelInfo,
+    State,
+)
 from fabricnode.mesh.service import GossipService
 
 ERROR_LABEL = "fabric.engine_error"
@@ -64,6 +74,10 @@ class EngineService:
         restart_backoff_s: float = 1.0,
         new_session: Callable[[], None] | None = None,
         inflight: Callable[[], int] = lambda: 0,
+        served: Callable[[], int] = lambda: 0,
+        sleep_after_s: float | None = None,
+        on_sleep_change: Callable[[bool], None] = lambda asleep: None,
+        env: dict[str, str] | None = None,
     ) -> None:
         if restart not in RESTART_POLICIES:
             raise ValueError(f"restart policy {restart!r} not in {RESTART_POLICIES}")
@@ -78,7 +92,12 @@ class EngineService:
         self.max_restarts = max_restarts
         self.restart_backoff_s = restart_backoff_s
         self.new_session = new_session
+        self.env = env  # the child's environment (None: the agent's)
         self.inflight = inflight  # requests the agent has in flight to the engine
+        self.served = served  # requests the agent has sent to the engine, ever
+        self.sleep_after_s = sleep_after_s  # idle sleep (``sleep``); None: never
+        self.on_sleep_change = on_sleep_change
+        self.sleeper: EngineSleep | None = None  # the serving engine's, with sleep_after_s
         self.restarts = 0
         self.process = self._new_process()
         self.state = "loading"
@@ -96,6 +115,7 @@ class EngineService:
         return EngineProcess(
             self.command.argv,
             log_path=self.log_path,
+            env=self.env,
             kill_after_s=self.kill_after_s,
             pass_fds=(listener.fileno(),) if listener is not None else (),
         )
@@ -160,12 +180,27 @@ class EngineService:
         log.info("engine ready at %s: serving %s", url, ", ".join(m.id for m in models))
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._scrape_metrics, client)
+            if self.sleep_after_s is not None:
+                self.sleeper = EngineSleep(
+                    url,
+                    self.gossip,
+                    sleep_after_s=self.sleep_after_s,
+                    inflight=self.inflight,
+                    served=self.served,
+                    on_change=self.on_sleep_change,
+                )
+                nursery.start_soon(self.sleeper.run, client)
             await self._watch_health(client)
             nursery.cancel_scope.cancel()
         # Hung: DOWN first (routing stops at once), then stop the child; the exit watcher
         # will see it exit and leave DOWN as it is.
         self._mark_down(f"engine stopped answering {url}/health")
         await self.process.stop()
+
+    async def wake(self) -> bool:
+        """Wake the engine if it sleeps (``sleep.EngineSleep.wake``); True once awake."""
+        sleeper = self.sleeper
+        return True if sleeper is None else await sleeper.wake()
 
     async def _engine_version(self, client: httpx.AsyncClient) -> str:
         """``/version`` as vLLM (and the simulated engine) answer it; "" when not offered."""
@@ -211,6 +246,10 @@ class EngineService:
         said = self.process.last_error()
         error = f"{why}: {said}" if said else why
         # the engine's own words on the entry: the controller reports them for a failed start
-        labels = [(k, v) for k, v in self.gossip.core.self_entry.body.labels if k != ERROR_LABEL]
+        labels = [
+            (k, v)
+            for k, v in self.gossip.core.self_entry.body.labels
+            if k not in (ERROR_LABEL, SLEEPING_LABEL)
+        ]
         labels.append((ERROR_LABEL, error[:MAX_LABEL_VALUE]))  # what every peer decodes
         self.gossip.update_self(state=State.DOWN, labels=tuple(sorted(labels)))

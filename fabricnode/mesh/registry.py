@@ -61,6 +61,9 @@ MAX_MODELS = 64
 MAX_LABELS = 64
 MAX_LABEL_KEY = 64
 MAX_LABEL_VALUE = 256  # characters; what every peer decodes (a longer one drops the entry)
+# A SERVING node whose engine sleeps (value: the sleep level): not routed to while there is an
+# awake replica of its models; a request for a model with none goes to it and wakes it.
+SLEEPING_LABEL = "fabric.sleeping"
 
 
 class State(enum.IntEnum):

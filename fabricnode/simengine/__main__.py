@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import signal
 import socket
 import sys
@@ -21,7 +22,7 @@ from fabricnode.addr import join_hostport
 from fabricnode.asgi import bind_http_socket
 from fabricnode.errors import ConfigError
 from fabricnode.simengine.model import ADMISSION_MODES, GPU_PROFILES, EngineConfig, gpu_profile
-from fabricnode.simengine.server import FaultConfig, SimConfig, serve
+from fabricnode.simengine.server import DEFAULT_WAKE_UP_S, FaultConfig, SimConfig, serve
 
 log = logging.getLogger("fabricnode.simengine")
 
@@ -63,6 +64,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slowdown", type=float, default=1.0, metavar="X", help="step time factor")
     p.add_argument("--error-rate", type=float, default=0.0, metavar="P", help="500 probability")
     p.add_argument("--shutdown-grace-s", type=float, default=5.0)
+    p.add_argument(
+        "--wake-up-s",
+        type=float,
+        default=DEFAULT_WAKE_UP_S,
+        metavar="T",
+        help="sleep mode: how long POST /wake_up takes (default %(default)g)",
+    )
     p.add_argument("--log-level", default="WARNING")
     return p
 
@@ -93,6 +101,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
     for flag, value in (
         ("--crash-after-s", args.crash_after_s),
         ("--hang-after-s", args.hang_after_s),
+        ("--wake-up-s", args.wake_up_s),
     ):
         if value is not None and value < 0:
             raise ConfigError(f"{flag}: must not be negative")
@@ -116,7 +125,11 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         slowdown=args.slowdown,
         error_rate=args.error_rate,
     )
-    return SimConfig(engine, faults, shutdown_grace_s=args.shutdown_grace_s)
+    if not math.isfinite(args.wake_up_s) or args.wake_up_s > 3600:
+        raise ConfigError(f"--wake-up-s: expected 0..3600 seconds, got {args.wake_up_s}")
+    return SimConfig(
+        engine, faults, shutdown_grace_s=args.shutdown_grace_s, wake_up_s=args.wake_up_s
+    )
 
 
 def listen_socket(host: str, port: int, fd: int | None) -> socket.socket:

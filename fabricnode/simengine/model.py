@@ -272,6 +272,10 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._blocks)
 
+    def clear(self) -> None:
+        """Forget every block (the KV cache was freed); the counters go on."""
+        self._blocks.clear()
+
     def lookup(self, tokens: Sequence[int], hashes: Sequence[bytes] | None = None) -> int:
         """Tokens of ``tokens`` already cached (a whole-block prefix); counts the query.
         ``hashes`` is ``block_hashes(tokens)`` when the caller already has it."""

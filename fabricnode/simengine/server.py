@@ -11,13 +11,22 @@ Endpoints:
   ``data: [DONE]`` (``stream_options.include_usage`` adds a usage chunk).
 * ``POST /v1/embeddings`` — deterministic unit vectors.
 * ``GET /metrics`` — Prometheus text with vLLM's names (``vllm:num_requests_waiting``, which
-  counts preempted requests waiting to resume, ``vllm:num_preemptions_total`` ...), each labelled
-  ``model_name``.
+  counts preempted requests waiting to resume, ``vllm:num_preemptions_total``,
+  ``vllm:engine_sleep_state`` ...), each labelled ``model_name``.
+* Sleep mode, vLLM's development endpoints: ``POST /sleep?level=0|1|2`` (default 1) cuts the
+  requests in flight short (vLLM's default ``abort`` mode), frees the KV cache (the prefix
+  cache is forgotten) and answers ``{"status": "sleeping", "level": N}``; ``POST /wake_up``
+  takes ``wake_up_s`` (the weights coming back) and answers ``{"status": "awake", ...}``;
+  ``GET /is_sleeping`` answers ``{"is_sleeping": bool}``. While asleep (and waking) the
+  inference endpoints answer 503 ``model_sleeping`` and the metrics show an idle engine;
+  ``/health``, ``/v1/models`` and ``/metrics`` answer as usual. (vLLM 0.32 queues such requests
+  until the wake-up instead; older vLLM answered 503, which is what an ingress can act on.)
 
 Errors have the OpenAI shape: 400 bad JSON or fields, 404 unknown path or model, 405 wrong method,
-500 injected errors. Fault injection (``FaultConfig``): exit after N inference requests or T
-seconds (``os._exit``, no cleanup, like a crashed engine), hang after T seconds (nothing answers
-any more, ``/health`` included; in-flight requests stall), a slow-down factor, an error rate.
+500 injected errors, 503 asleep. Fault injection (``FaultConfig``): exit after N inference
+requests or T seconds (``os._exit``, no cleanup, like a crashed engine), hang after T seconds
+(nothing answers any more, ``/health`` included; in-flight requests stall), a slow-down factor,
+an error rate.
 """
 
 from __future__ import annotations
@@ -30,13 +39,14 @@ import random
 import socket
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, cast
+from urllib.parse import parse_qs
 
 import trio
 from prometheus_client import generate_latest
-from prometheus_client.core import Metric
+from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from fabricnode.asgi import Receive, Send, lifespan, serve_http
@@ -62,6 +72,11 @@ Json = dict[str, Any]
 VERSION = "fabricnode-sim/0.1.0"
 DEFAULT_MAX_TOKENS = 256
 CRASH_EXIT_CODE = 3
+# Wake-up from sleep level 1: the weights come back from host memory, seconds for a large
+# model (a cold start loads them from disk and compiles: minutes).
+DEFAULT_WAKE_UP_S = 3.0
+SLEEP_LEVELS = (0, 1, 2)
+SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")  # vllm:engine_sleep_state
 
 
 @dataclass(frozen=True)
@@ -80,6 +95,7 @@ class SimConfig:
     embedding_dims: int = 64
     max_body_bytes: int = 16 * 1024 * 1024
     shutdown_grace_s: float = 5.0
+    wake_up_s: float = DEFAULT_WAKE_UP_S
 
 
 @dataclass(frozen=True)
@@ -87,6 +103,9 @@ class EngineStatistics:
     requests_total: int
     errors_injected: int
     hung: bool
+    sleep_level: int | None  # None: awake
+    sleeps: int
+    wake_ups: int
 
 
 class HttpError(Exception):
@@ -105,7 +124,7 @@ class ClientGone(Exception):
 def error_doc(status: int, message: str, code: str, param: str | None = None) -> Json:
     kind = {404: "NotFoundError", 405: "MethodNotAllowed"}.get(status, "BadRequestError")
     if status >= 500:
-        kind = "InternalServerError"
+        kind = "ServiceUnavailableError" if status == 503 else "InternalServerError"
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
@@ -141,6 +160,14 @@ class EngineDriver:
         channel = self._channels.pop(rid, None)
         if channel is not None:
             channel.close()
+
+    def free_kv(self) -> None:
+        """Sleep: cut every request short and forget the KV cache (the prefix cache too)."""
+        for rid in list(self._channels):
+            self.abort(rid)
+        for rid in list(self.scheduler.requests):
+            self.scheduler.abort(rid)
+        self.scheduler.cache.clear()
 
     async def run(self) -> None:
         while True:
@@ -218,6 +245,17 @@ class EngineMetrics(Collector):
             s.num_preemptions,
             labels,
         )
+        level = self.app.sleep_level
+        current = SLEEP_STATES[0] if not level else SLEEP_STATES[level]
+        family = GaugeMetricFamily(
+            "vllm:engine_sleep_state",
+            "Engine sleep state (awake 1: awake; weights_offloaded 1: level 1; discard_all 1: "
+            "level 2)",
+            labels=["model_name", "sleep_state"],
+        )
+        for state in SLEEP_STATES:
+            family.add_metric([self.app.model, state], 1.0 if state == current else 0.0)
+        yield family
 
 
 class SimEngineApp:
@@ -241,10 +279,63 @@ class SimEngineApp:
         self.inference_requests = 0
         self.errors_injected = 0
         self._ids = 0
+        self.sleep_level: int | None = None  # None: awake; else the level it sleeps at
+        self.sleeps = 0
+        self.wake_ups = 0
+        self._sleep_lock = trio.Lock()  # one sleep or wake-up at a time, in arrival order
         self.metrics_registry = registry_of(EngineMetrics(self))
 
     def statistics(self) -> EngineStatistics:
-        return EngineStatistics(self.inference_requests, self.errors_injected, self.driver.hung)
+        return EngineStatistics(
+            self.inference_requests,
+            self.errors_injected,
+            self.driver.hung,
+            self.sleep_level,
+            self.sleeps,
+            self.wake_ups,
+        )
+
+    # -- sleep mode --
+
+    async def sleep(self, level: int) -> Json:
+        async with self._sleep_lock:
+            if self.sleep_level is None:
+                self.sleeps += 1
+                self.driver.free_kv()
+            # asleep already: a deeper level discards more, a lighter one keeps what is gone
+            self.sleep_level = max(level, self.sleep_level or 0)
+            log.info("asleep at level %d", self.sleep_level)
+        return {"status": "sleeping", "level": level}
+
+    async def wake_up(self) -> Json:
+        async with self._sleep_lock:
+            if self.sleep_level is not None:
+                await trio.sleep(self.config.wake_up_s)  # the weights coming back
+                self.sleep_level = None
+                self.wake_ups += 1
+                log.info("awake after %g s", self.config.wake_up_s)
+        return {"status": "awake", "tags": None}
+
+    def _sleep_request(
+        self, method: str, path: str, query: bytes
+    ) -> Callable[[], Awaitable[Json]] | None:
+        """The handler of a sleep-mode endpoint (None: not one); HttpError when misused."""
+        if path == "/is_sleeping":
+            if method not in ("GET", "HEAD"):
+                raise HttpError(405, f"method {method} not allowed; use GET", "method_not_allowed")
+            return lambda: _async_value({"is_sleeping": self.sleep_level is not None})
+        if path not in ("/sleep", "/wake_up"):
+            return None
+        if method != "POST":
+            raise HttpError(405, f"method {method} not allowed; use POST", "method_not_allowed")
+        if path == "/wake_up":
+            return self.wake_up
+        params = parse_qs(query.decode("latin-1"))
+        text = params.get("level", ["1"])[-1]
+        if not text.isdigit() or int(text) not in SLEEP_LEVELS:
+            raise HttpError(400, f"level must be 0, 1 or 2, got {text!r}", "invalid_parameter")
+        level = int(text)
+        return lambda: self.sleep(level)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -257,6 +348,10 @@ class SimEngineApp:
         self.requests += 1
         method, path = scope["method"], scope["path"]
         try:
+            handler = self._sleep_request(method, path, scope.get("query_string", b""))
+            if handler is not None:
+                await _send_json(send, await handler())
+                return
             await self._dispatch(method, path, receive, send)
         except ClientGone:
             return
@@ -293,6 +388,10 @@ class SimEngineApp:
         if method != "POST":
             raise HttpError(405, f"method {method} not allowed; use POST", "method_not_allowed")
         request = await self._read_json(receive)
+        if self.sleep_level is not None:
+            raise HttpError(
+                503, "the model is sleeping: wake it with POST /wake_up", "model_sleeping"
+            )
         self.inference_requests += 1
         if self.rng.random() < self.config.faults.error_rate:
             self.errors_injected += 1
@@ -624,6 +723,10 @@ def _usage(prompt: int, completion: int) -> Json:
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
     }
+
+
+async def _async_value(doc: Json) -> Json:
+    return doc
 
 
 def _dumps(doc: Json) -> bytes:

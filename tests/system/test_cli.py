@@ -358,6 +358,7 @@ MODEL_KEYS = [
     "id",
     "nodes",
     "serving",
+    "asleep",
     "gpu_types",
     "gpus",
     "max_model_len",
@@ -543,7 +544,7 @@ def test_models_show_nodes_gpu_types_and_aggregate_load(
     for m in (llama, qwen):
         assert list(m) == MODEL_KEYS
         assert list(m["load"]) == ["waiting", "running", "inflight", "kv_usage"]
-        assert (m["nodes"], m["serving"], m["providers"]) == (1, 1, ["lab"])
+        assert (m["nodes"], m["serving"], m["asleep"], m["providers"]) == (1, 1, 0, ["lab"])
     assert (llama["gpu_types"], llama["gpus"]) == (["H100"], 2)
     assert (qwen["gpu_types"], qwen["gpus"]) == (["L40S"], 1)
 
@@ -551,11 +552,12 @@ def test_models_show_nodes_gpu_types_and_aggregate_load(
     assert table.exit_code == 0
     lines = table.stdout.strip().splitlines()
     assert lines[0].split() == [
-        "MODEL", "NODES", "SERVING", "GPU", "TYPES", "GPUS", "WAITING", "RUNNING", "KV"
+        "MODEL", "NODES", "SERVING", "ASLEEP", "GPU", "TYPES", "GPUS", "WAITING", "RUNNING",
+        "KV",
     ]  # fmt: skip
     rows = {line.split()[0]: line.split() for line in lines[1:]}
-    assert rows["llama-3-8b"][1:5] == ["1", "1", "H100", "2"]
-    assert rows["qwen2.5-7b"][1:5] == ["1", "1", "L40S", "1"]
+    assert rows["llama-3-8b"][1:6] == ["1", "1", "0", "H100", "2"]
+    assert rows["qwen2.5-7b"][1:6] == ["1", "1", "0", "L40S", "1"]
 
 
 @pytest.mark.slow

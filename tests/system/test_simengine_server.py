@@ -374,3 +374,76 @@ def test_openai_client_works_against_the_engine() -> None:
             model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, stream=True
         )
         assert "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
+
+
+def sleep_state(text: str) -> str:
+    """The ``sleep_state`` whose ``vllm:engine_sleep_state`` sample is 1."""
+    found = re.findall(
+        rf'^vllm:engine_sleep_state\{{model_name="{MODEL}",sleep_state="(\w+)"\}} 1\.0$', text, re.M
+    )
+    assert len(found) == 1, text
+    return found[0]
+
+
+def test_sleep_cuts_requests_frees_the_kv_cache_and_refuses_inference_until_woken() -> None:
+    with engine("--speed", "0.5", "--wake-up-s", "0.5") as e, e.client() as c:
+        prompt = {"model": MODEL, "prompt": "the same long prompt " * 20, "max_tokens": 2}
+        assert c.post("/v1/completions", json=prompt).status_code == 200
+        assert c.post("/v1/completions", json=prompt).status_code == 200
+        hits = metric(c.get("/metrics").text, "vllm:prefix_cache_hits_total")
+        assert hits > 0  # the second one found the first one's blocks
+        assert c.get("/is_sleeping").json() == {"is_sleeping": False}
+        body = {"prompt": "x", "max_tokens": 500, "stream": True}
+        with c.stream("POST", "/v1/completions", json=body) as response:
+            lines = response.iter_lines()
+            next(lines)  # the request is running
+            assert metric(c.get("/metrics").text, "vllm:num_requests_running") == 1
+            asleep = c.post("/sleep", params={"level": 1})
+            assert asleep.status_code == 200
+            assert asleep.json() == {"status": "sleeping", "level": 1}
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]" and len(rest) < 500  # cut short, still well formed
+        assert c.get("/is_sleeping").json() == {"is_sleeping": True}
+        page = c.get("/metrics").text
+        assert sleep_state(page) == "weights_offloaded"
+        assert metric(page, "vllm:num_requests_running") == 0
+        assert metric(page, "vllm:num_requests_waiting") == 0
+        assert metric(page, "vllm:kv_cache_usage_perc") == 0
+        refused = c.post("/v1/chat/completions", json=chat(4))
+        assert refused.status_code == 503
+        assert refused.json()["error"]["code"] == "model_sleeping"
+        assert "POST /wake_up" in refused.json()["error"]["message"]
+        assert c.get("/health").status_code == 200  # up, only asleep
+        assert c.get("/v1/models").status_code == 200
+        t0 = time.monotonic()
+        woke = c.post("/wake_up")
+        assert time.monotonic() - t0 >= 0.5  # the configured wake-up delay
+        assert woke.status_code == 200 and woke.json()["status"] == "awake"
+        assert c.get("/is_sleeping").json() == {"is_sleeping": False}
+        assert sleep_state(c.get("/metrics").text) == "awake"
+        assert c.post("/v1/completions", json=prompt).status_code == 200
+        # the KV cache was freed: the same prompt found nothing cached
+        assert metric(c.get("/metrics").text, "vllm:prefix_cache_hits_total") == hits
+        t0 = time.monotonic()
+        assert c.post("/wake_up").status_code == 200  # awake already: at once
+        assert time.monotonic() - t0 < 0.5
+
+
+def test_sleep_levels_and_methods_are_checked() -> None:
+    with engine("--speed", "100", "--wake-up-s", "0") as e, e.client() as c:
+        assert c.post("/sleep", params={"level": 3}).status_code == 400
+        assert c.post("/sleep", params={"level": "x"}).status_code == 400
+        assert c.get("/sleep").status_code == 405
+        assert c.post("/is_sleeping").status_code == 405
+        assert c.post("/sleep").json() == {"status": "sleeping", "level": 1}  # vLLM's default
+        assert c.post("/sleep", params={"level": 2}).status_code == 200
+        assert sleep_state(c.get("/metrics").text) == "discard_all"
+        assert c.post("/wake_up").status_code == 200
+        assert c.post("/v1/chat/completions", json=chat(2)).status_code == 200
+
+
+def test_wake_up_delay_flag_is_checked(capsys: pytest.CaptureFixture[str]) -> None:
+    parser = build_parser()
+    assert config_from_args(parser.parse_args(["--model", "m"])).wake_up_s == 3.0
+    assert main(["--model", "m", "--wake-up-s", "-1"]) == 2
+    assert "--wake-up-s" in capsys.readouterr().err

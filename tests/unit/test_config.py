@@ -104,3 +104,28 @@ def test_bounds_that_cannot_work_are_one_config_error(
 ) -> None:
     with pytest.raises(ConfigError, match=names):
         load_config(env=env_in(tmp_path), max_body_mb=16, limits=limits)
+
+
+def test_sleep_after_is_off_by_default_checked_and_opens_vllms_sleep_endpoints(
+    tmp_path: Path,
+) -> None:
+    from fabricnode.config import engine_env
+
+    assert load_config(env=env_in(tmp_path)).sleep_after_s is None
+    for bad in (0.0, -1.0, float("nan"), 8 * 86400.0):
+        with pytest.raises(ConfigError, match="--sleep-after"):
+            load_config(env=env_in(tmp_path), sleep_after_s=bad)
+    vllm = ["vllm", "serve", "m", "--enable-sleep-mode", "--port", "8001"]
+    config = load_config(env=env_in(tmp_path), sleep_after_s=30.0, engine_cmd=vllm)
+    assert config.sleep_after_s == 30.0 and config.engine is not None
+    assert config.engine.argv == tuple(vllm)  # passed through exactly
+    env = engine_env(config, config.engine)
+    assert env is not None and env["VLLM_SERVER_DEV_MODE"] == "1" and env["USER"] == "alice"
+    own = load_config(
+        env=env_in(tmp_path, VLLM_SERVER_DEV_MODE="0"), sleep_after_s=30.0, engine_cmd=vllm
+    )
+    assert own.engine is not None and engine_env(own, own.engine) is None  # theirs stands
+    sim = load_config(env=env_in(tmp_path), sleep_after_s=30.0, sim="m")
+    assert sim.engine is not None and engine_env(sim, sim.engine) is None
+    off = load_config(env=env_in(tmp_path), engine_cmd=vllm)
+    assert off.engine is not None and engine_env(off, off.engine) is None

@@ -12,6 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fabricnode.elastic.controller import _submission
+from fabricnode.elastic.plans import plans_of
+from fabricnode.elastic.reconcile import Submit
 from fabricnode.elastic.servicefile import (
     DOMAIN,
     ENGINE_SHORTHANDS,
@@ -26,6 +29,7 @@ from fabricnode.elastic.servicefile import (
     load,
     parse,
 )
+from fabricnode.elastic.slurmctl import SlurmControl
 from fabricnode.errors import ConfigError, DecodeError, ServiceFileError
 from fabricnode.host.slurm import parse_time_limit
 from scheduler.catalog import builtin_catalog
@@ -945,6 +949,7 @@ def model_services(draw: st.DrawFn, name: str) -> ModelService:
         qos=draw(st.none() | WORD),
         time_limit_s=draw(st.none() | st.integers(120, 365 * 86400)),
         sbatch_args=draw(SBATCH),
+        sleep_after_s=draw(st.none() | ms.map(lambda n: n / 1000)),
     )
 
 
@@ -1037,6 +1042,7 @@ LIKELY: dict[str, list[object]] = {
     "ttft_p95": ["2s", 0.5, "0ms", 700, "1m30s"],
     "idle_to_zero": ["10m", 30, 0],
     "hold_requests": ["3m", 0, -1],
+    "sleep_after": ["5m", 30, 0, "8d"],
     "partitions": [["gpu"], ["a", "b"], [], "gpu", ["a,b"], ["a", "a"]],
     "account": ["proj", "a b", ""],
     "qos": ["normal", 3],
@@ -1087,3 +1093,33 @@ def test_whatever_is_written_parse_accepts_it_in_normal_form_or_lists_its_proble
         return
     assert parse(spec.to_toml()) == spec
     assert from_canonical(spec.canonical()) == spec
+
+
+def test_sleep_after_is_a_duration_passed_to_the_jobs_and_absent_it_signs_as_before() -> None:
+    without = parse(FULL)
+    with_it = parse(FULL.replace('qos = "normal"\n', 'qos = "normal"\nsleep_after = "5m"\n', 1))
+    assert {m.sleep_after_s for m in without.models} == {None}
+    assert {m.sleep_after_s for m in with_it.models} == {300.0}
+    rows = msgpack.unpackb(without.canonical(), raw=False)[3]
+    assert {len(row) for row in rows} == {15}  # as before the key existed: same digests
+    rows = msgpack.unpackb(with_it.canonical(), raw=False)[3]
+    assert {row[-1] for row in rows} == {300_000}
+    assert from_canonical(with_it.canonical()) == with_it
+    assert from_canonical(without.canonical()) == without
+    assert parse(with_it.to_toml()) == with_it
+    assert with_it.models[0].to_json()["sleep_after_s"] == 300.0
+    with pytest.raises(ServiceFileError, match="sleep_after"):
+        parse(FULL.replace('qos = "normal"\n', 'qos = "normal"\nsleep_after = 0\n', 1))
+
+    plan = plans_of(with_it).models[0]
+    assert plan.sleep_after_s == 300.0
+    argv = SlurmControl("mesh", Path("/x.sbatch"), "me", dry_run=True).sbatch_argv(
+        _submission(plan, Submit(plan.model, 1, None, None, "min replicas"))
+    )
+    agent = argv[argv.index("/x.sbatch") + 1 :]
+    assert agent[agent.index("--sleep-after") + 1] == "300"
+    plain = plans_of(without).models[0]
+    argv = SlurmControl("mesh", Path("/x.sbatch"), "me", dry_run=True).sbatch_argv(
+        _submission(plain, Submit(plain.model, 1, None, None, "min replicas"))
+    )
+    assert "--sleep-after" not in argv
