@@ -118,12 +118,12 @@ _SHORT_SBATCH |= {"N": "nodes", "a": "array", "J": "job-name"}
 
 TOP_KEYS = ("version", "defaults", "limits", "model")
 LIMIT_KEYS = ("max_jobs", "max_gpus")
-MODEL_KEYS = (
+# The canonical row of a model: these keys in this order...
+ROW_KEYS = (
     "name",
     "engine",
     "model_path",
     "gpu_types",
-    "gres_types",
     "gpus_per_replica",
     "min_replicas",
     "max_replicas",
@@ -135,8 +135,11 @@ MODEL_KEYS = (
     "qos",
     "time_limit",
     "sbatch_args",
-    "sleep_after",  # last: the canonical row has it only when set (digests of older files)
 )
+# ...then the keys added since, each only up to the last one set: a file that sets none of them
+# has the row (and the digest) it always had, and agents that predate them still read it.
+ROW_EXTENSIONS = ("sleep_after", "gres_types")
+MODEL_KEYS = (*ROW_KEYS[:4], "gres_types", *ROW_KEYS[4:], "sleep_after")
 DEFAULT_KEYS = tuple(key for key in MODEL_KEYS if key not in ("name", "model_path"))
 
 _HINTS: Mapping[str, str] = {
@@ -214,7 +217,6 @@ class ModelService:
             self.engine,
             self.model_path,
             list(self.gpu_types),
-            list(self.gres_types),
             self.gpus_per_replica or 0,
             self.min_replicas,
             self.max_replicas,
@@ -227,9 +229,13 @@ class ModelService:
             self.time_limit_s,
             list(self.sbatch_args),
         ]
-        if self.sleep_after_s is not None:  # a file without it signs as it always did
-            row.append(_ms(self.sleep_after_s))
-        return row
+        extensions: list[object] = [
+            None if self.sleep_after_s is None else _ms(self.sleep_after_s),
+            list(self.gres_types),
+        ]
+        while extensions and extensions[-1] in (None, []):
+            extensions.pop()  # ROW_EXTENSIONS: only up to the last one set
+        return row + extensions
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -396,9 +402,10 @@ def _doc_of(fields: object) -> dict[str, Any]:
         raise DecodeError("service spec: malformed limits or models")
     models = []
     for row in rows:
-        if not (isinstance(row, list) and len(MODEL_KEYS) - 1 <= len(row) <= len(MODEL_KEYS)):
+        keys = (*ROW_KEYS, *ROW_EXTENSIONS)
+        if not (isinstance(row, list) and len(ROW_KEYS) <= len(row) <= len(keys)):
             raise DecodeError("service spec: malformed model")
-        values = dict(zip(MODEL_KEYS, row, strict=False))
+        values = dict(zip(keys, row, strict=False))
         for key in ("gpus_per_replica", *_DURATION_KEYS):
             if values.get(key) is not None and (type(values[key]) is not int or values[key] < 0):
                 raise DecodeError(f"service spec: {key}: not a count")

@@ -870,8 +870,10 @@ def test_canonical_bytes_are_a_domain_tagged_fixed_order_array() -> None:
     domain, version, limits, models = msgpack.unpackb(spec.canonical(), raw=False)
     assert (domain, version, limits) == (DOMAIN, 1, [32, 64])
     assert [row[0] for row in models] == ["llama-3.1-8b", "qwen2.5-72b", "tiny-sim"]
-    assert models[0][8:11] == [2000, 600000, 180000]  # durations in whole milliseconds
-    assert models[1][9] is None  # no idle_to_zero: it does not scale to zero
+    assert models[0][7:10] == [2000, 600000, 180000]  # durations in whole milliseconds
+    assert models[1][8] is None  # no idle_to_zero: it does not scale to zero
+    # keys added later come last, each only up to the last one set (ROW_EXTENSIONS)
+    assert models[0][15:] == [None, ["a100", "h100"]] and len(models[1]) == 15
 
 
 def test_from_canonical_accepts_only_canonical_bytes_that_check() -> None:
@@ -891,9 +893,11 @@ def test_from_canonical_accepts_only_canonical_bytes_that_check() -> None:
         (packed(domain, 2, limits, models), "unsupported format version 2"),
         (packed(domain, version, [32, 0], models), "max_gpus"),
         (packed(domain, version, limits, models[::-1]), "not in canonical form"),
-        (packed(domain, version, limits, [models[0][:-1]]), "malformed model"),
+        (packed(domain, version, limits, [models[0][:14]]), "malformed model"),
+        (packed(domain, version, limits, [[*models[0], None]]), "malformed model"),
+        (packed(domain, version, limits, [[*models[1], None]]), "not in canonical form"),
         (packed(domain, version, limits, [[*models[0][:3], ["B200"], *models[0][4:]]]), "B200"),
-        (packed(domain, version, limits, [[*models[0][:8], "2s", *models[0][9:]]]), "ttft_p95"),
+        (packed(domain, version, limits, [[*models[0][:7], "2s", *models[0][8:]]]), "ttft_p95"),
         (packed(domain, version, limits, [[*models[0][:3], ["A100"], *models[0][4:]]]), "canon"),
     ]:
         with pytest.raises(DecodeError, match=message):
@@ -1101,9 +1105,9 @@ def test_sleep_after_is_a_duration_passed_to_the_jobs_and_absent_it_signs_as_bef
     assert {m.sleep_after_s for m in without.models} == {None}
     assert {m.sleep_after_s for m in with_it.models} == {300.0}
     rows = msgpack.unpackb(without.canonical(), raw=False)[3]
-    assert {len(row) for row in rows} == {15}  # as before the key existed: same digests
+    assert [len(row) for row in rows] == [17, 15, 15]  # the last two as before the key existed
     rows = msgpack.unpackb(with_it.canonical(), raw=False)[3]
-    assert {row[-1] for row in rows} == {300_000}
+    assert {row[15] for row in rows} == {300_000}
     assert from_canonical(with_it.canonical()) == with_it
     assert from_canonical(without.canonical()) == without
     assert parse(with_it.to_toml()) == with_it
