@@ -61,9 +61,14 @@ def anthropic_error_doc(exc: HttpError) -> Json:
     return {"type": "error", "error": {"type": exc.kind, "message": exc.message}}
 
 
+# Past its limit a body is still read, and dropped, up to this much, so that the client (which
+# is still sending) reads the 400 instead of a connection reset.
+DRAIN_LIMIT_BYTES = 256 * 1024 * 1024
+
+
 async def read_body(receive: Receive, limit: int, what: str = "request body") -> bytes:
-    """The whole request body; ``HttpError`` 400 past ``limit`` bytes (read no further),
-    ``ClientGone`` if the client leaves first."""
+    """The whole request body; ``HttpError`` 400 past ``limit`` bytes (the rest is read and
+    dropped, up to ``DRAIN_LIMIT_BYTES``), ``ClientGone`` if the client leaves first."""
     chunks: list[bytes] = []
     size = 0
     while True:
@@ -72,10 +77,14 @@ async def read_body(receive: Receive, limit: int, what: str = "request body") ->
             raise ClientGone
         body = message.get("body", b"")
         size += len(body)
+        more = bool(message.get("more_body", False))
         if size > limit:
-            raise HttpError(400, f"{what} too large (limit {limit} bytes)", "body_too_large")
+            chunks.clear()
+            if not more or size > DRAIN_LIMIT_BYTES:
+                raise HttpError(400, f"{what} too large (limit {limit} bytes)", "body_too_large")
+            continue
         chunks.append(body)
-        if not message.get("more_body", False):
+        if not more:
             return b"".join(chunks)
 
 
