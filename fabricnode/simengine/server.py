@@ -3,13 +3,22 @@ vLLM's OpenAI-compatible surface, served by hypercorn's trio worker.
 
 Endpoints:
 
-* ``GET /health`` — 200 with an empty body (as vLLM), unless hung.
+* ``GET /health`` — 200 with an empty body (as vLLM), unless hung; ``GET``/``POST /ping`` the
+  same.
 * ``GET /version`` — ``{"version": ...}``.
-* ``GET /v1/models`` — one model with ``max_model_len``.
+* ``GET /v1/models`` — the model with ``max_model_len``, then its LoRA adapters (``lora``).
 * ``POST /v1/chat/completions``, ``POST /v1/completions`` — non-stream JSON with ``usage``, or with
   ``"stream": true`` server-sent events, one chunk per token as the scheduler produces it, ending
   ``data: [DONE]`` (``stream_options.include_usage`` adds a usage chunk).
 * ``POST /v1/embeddings`` — deterministic unit vectors.
+* Routed here, served by their modules: ``/v1/responses`` (``responses``), ``/v1/messages``
+  (``messages``; errors there in Anthropic's shape), ``/rerank``, ``/score``, ``/pooling``,
+  ``/classify``, ``/tokenize``, ``/detokenize`` (``pooling``), ``/v1/audio/transcriptions`` and
+  ``translations`` (``audio``, multipart), ``/v1/load_lora_adapter`` and
+  ``/v1/unload_lora_adapter`` with ``--enable-lora`` (``lora``). The ones that run the model
+  (all but count_tokens, tokenize, detokenize and the adapter endpoints) are inference
+  requests like chat: refused while asleep, counted, subject to the error rate, aborted when
+  their client leaves.
 * ``GET /metrics`` — Prometheus text with vLLM's names (``vllm:num_requests_waiting``, which
   counts preempted requests waiting to resume, ``vllm:num_preemptions_total``,
   ``vllm:engine_sleep_state`` ...), each labelled ``model_name``.
