@@ -12,8 +12,16 @@ the data plane or the agent: to them it is just an engine behind a URL.
 
 Modules, in reading order:
 
-* ``model``     the pure scheduler: admission, preemption, prefix cache, roofline step times;
-                ``GPU_PROFILES``.
-* ``server``    the trio driver of the scheduler and the raw ASGI app with vLLM's endpoints.
-* ``__main__``  the command line: flags, the ready line, graceful exit on SIGTERM.
+* ``model``       the pure scheduler: admission, preemption, prefix cache, roofline step times;
+                  ``GPU_PROFILES``.
+* ``httpio``      the HTTP plumbing: the error type and its OpenAI and Anthropic shapes, bounded
+                  bodies, JSON and server-sent events.
+* ``lora``        the served names: the base model and the LoRA adapters.
+* ``generation``  running a prompt on the engine for an endpoint (the chat prompt, max_tokens).
+* ``responses``   ``/v1/responses`` and its bounded store.
+* ``messages``    Anthropic's ``/v1/messages`` and ``count_tokens``.
+* ``pooling``     rerank, score, pooling, classify, tokenize, detokenize.
+* ``audio``       ``/v1/audio/transcriptions`` and ``translations`` (multipart WAV uploads).
+* ``server``      the trio driver of the scheduler and the raw ASGI app routing vLLM's endpoints.
+* ``__main__``    the command line: flags, the ready line, graceful exit on SIGTERM.
 """

@@ -21,7 +21,9 @@ import trio
 from fabricnode.addr import join_hostport
 from fabricnode.asgi import bind_http_socket
 from fabricnode.errors import ConfigError
+from fabricnode.simengine.lora import parse_lora_module
 from fabricnode.simengine.model import ADMISSION_MODES, GPU_PROFILES, EngineConfig, gpu_profile
+from fabricnode.simengine.responses import DEFAULT_STORE_MAX_RESPONSES
 from fabricnode.simengine.server import DEFAULT_WAKE_UP_S, FaultConfig, SimConfig, serve
 
 log = logging.getLogger("fabricnode.simengine")
@@ -70,6 +72,27 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_WAKE_UP_S,
         metavar="T",
         help="sleep mode: how long POST /wake_up takes (default %(default)g)",
+    )
+    p.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="serve LoRA adapters (as vLLM's flag): /v1/load_lora_adapter, "
+        "/v1/unload_lora_adapter, adapters in /v1/models",
+    )
+    p.add_argument(
+        "--lora-modules",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="NAME=PATH",
+        help="LoRA adapters loaded at start (needs --enable-lora); NAME=PATH or vLLM's JSON form",
+    )
+    p.add_argument(
+        "--responses-store-max",
+        type=int,
+        default=DEFAULT_STORE_MAX_RESPONSES,
+        metavar="N",
+        help="stored /v1/responses kept, the oldest evicted first (default %(default)s)",
     )
     p.add_argument("--log-level", default="WARNING")
     return p
@@ -127,8 +150,24 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
     )
     if not math.isfinite(args.wake_up_s) or args.wake_up_s > 3600:
         raise ConfigError(f"--wake-up-s: expected 0..3600 seconds, got {args.wake_up_s}")
+    if args.lora_modules and not args.enable_lora:
+        raise ConfigError("--lora-modules: LoRA adapters need --enable-lora")
+    modules = tuple(parse_lora_module(text) for text in args.lora_modules)
+    for name, _ in modules:
+        if name == args.model:
+            raise ConfigError(f"--lora-modules: {name!r} is the base model's name")
+    if args.responses_store_max < 1:
+        raise ConfigError(
+            f"--responses-store-max: must be at least 1, got {args.responses_store_max}"
+        )
     return SimConfig(
-        engine, faults, shutdown_grace_s=args.shutdown_grace_s, wake_up_s=args.wake_up_s
+        engine,
+        faults,
+        shutdown_grace_s=args.shutdown_grace_s,
+        wake_up_s=args.wake_up_s,
+        enable_lora=args.enable_lora,
+        lora_modules=modules,
+        responses_store_max=args.responses_store_max,
     )
 
 

@@ -208,6 +208,11 @@ def _digest(*parts: bytes) -> int:
     return int.from_bytes(h.digest(), "big")
 
 
+def words(text: str) -> list[str]:
+    """The pieces ``tokenize`` cuts ``text`` into, one per token: words and punctuation."""
+    return _WORD.findall(text)
+
+
 def tokenize(text: str) -> list[int]:
     """A stable toy tokenizer: words and punctuation, each hashed into the vocabulary."""
     return [_digest(w.encode()) % VOCAB_SIZE for w in _WORD.findall(text)]
@@ -238,18 +243,30 @@ def embedding(seed: int, text: str, dims: int) -> list[float]:
     return [x / norm for x in raw]
 
 
-def _prompt_key(tokens: Sequence[int]) -> bytes:
-    return hashlib.blake2b(b"".join(t.to_bytes(4, "big") for t in tokens), digest_size=16).digest()
+def _prompt_key(tokens: Sequence[int], salt: bytes = b"") -> bytes:
+    """What a request's output is a function of: its prompt, keyed by its ``salt`` (a LoRA
+    adapter's; empty for the base model)."""
+    data = b"".join(t.to_bytes(4, "big") for t in tokens)
+    return hashlib.blake2b(data, digest_size=16, key=salt).digest()
+
+
+def adapter_salt(name: str) -> bytes:
+    """The salt of a LoRA adapter: its output and its KV blocks differ from the base model's
+    and from every other adapter's (vLLM keys cached blocks by the adapter too)."""
+    return hashlib.blake2b(name.encode(), digest_size=16, person=b"fabric-lora").digest()
 
 
 # -- prefix cache -----------------------------------------------------------------------------
 
 
-def block_hashes(tokens: Sequence[int], known: Sequence[bytes] = ()) -> list[bytes]:
+def block_hashes(
+    tokens: Sequence[int], known: Sequence[bytes] = (), root: bytes = b""
+) -> list[bytes]:
     """Hash chain over the full blocks of ``tokens``: block i's hash covers blocks 0..i.
-    ``known`` is the chain of a prefix of ``tokens`` already hashed; it is extended, not redone."""
+    ``known`` is the chain of a prefix of ``tokens`` already hashed; it is extended, not redone.
+    ``root`` starts the chain (a LoRA adapter's salt: its blocks are not the base model's)."""
     hashes = list(known)
-    parent = hashes[-1] if hashes else b""
+    parent = hashes[-1] if hashes else root
     for start in range(
         BLOCK_TOKENS * len(hashes), len(tokens) - len(tokens) % BLOCK_TOKENS, BLOCK_TOKENS
     ):
@@ -327,6 +344,7 @@ class Request:
     # Chain over the full blocks of prompt + output when it was last preempted: the blocks it
     # looks up in the prefix cache when it resumes.
     context_hashes: list[bytes] = field(default_factory=list)
+    salt: bytes = b""  # its LoRA adapter's (adapter_salt); empty for the base model
 
     @property
     def private_reservation(self) -> int:
@@ -441,12 +459,21 @@ class Scheduler:
                 f"{self.num_blocks} ({self.kv_capacity} tokens)"
             )
 
-    def submit(self, prompt: Sequence[int], max_tokens: int, now: float) -> int:
+    def submit(self, prompt: Sequence[int], max_tokens: int, now: float, salt: bytes = b"") -> int:
+        """Queue a request; ``salt`` (a LoRA adapter's) keys its output and its KV blocks."""
         self.check(len(prompt), max_tokens)
         rid = self._next_id
         self._next_id += 1
         tokens = list(prompt)
-        req = Request(rid, tokens, max_tokens, now, _prompt_key(tokens), block_hashes(tokens))
+        req = Request(
+            rid,
+            tokens,
+            max_tokens,
+            now,
+            _prompt_key(tokens, salt),
+            block_hashes(tokens, root=salt),
+            salt=salt,
+        )
         self.waiting.append(req)
         self.requests[rid] = req
         return rid
@@ -619,7 +646,7 @@ class Scheduler:
         vLLM) and put it back at the head of the waiting queue, keeping its output."""
         self._release(req)
         known = req.context_hashes or req.block_hashes
-        req.context_hashes = block_hashes(req.prompt + req.output, known)
+        req.context_hashes = block_hashes(req.prompt + req.output, known, req.salt)
         self.cache.insert_hashes(req.context_hashes)
         req.preemptions += 1
         self.preemptions += 1

@@ -3,13 +3,22 @@ vLLM's OpenAI-compatible surface, served by hypercorn's trio worker.
 
 Endpoints:
 
-* ``GET /health`` — 200 with an empty body (as vLLM), unless hung.
+* ``GET /health`` — 200 with an empty body (as vLLM), unless hung; ``GET``/``POST /ping`` the
+  same.
 * ``GET /version`` — ``{"version": ...}``.
-* ``GET /v1/models`` — one model with ``max_model_len``.
+* ``GET /v1/models`` — the model with ``max_model_len``, then its LoRA adapters (``lora``).
 * ``POST /v1/chat/completions``, ``POST /v1/completions`` — non-stream JSON with ``usage``, or with
   ``"stream": true`` server-sent events, one chunk per token as the scheduler produces it, ending
   ``data: [DONE]`` (``stream_options.include_usage`` adds a usage chunk).
 * ``POST /v1/embeddings`` — deterministic unit vectors.
+* Routed here, served by their modules: ``/v1/responses`` (``responses``), ``/v1/messages``
+  (``messages``; errors there in Anthropic's shape), ``/rerank``, ``/score``, ``/pooling``,
+  ``/classify``, ``/tokenize``, ``/detokenize`` (``pooling``), ``/v1/audio/transcriptions`` and
+  ``translations`` (``audio``, multipart), ``/v1/load_lora_adapter`` and
+  ``/v1/unload_lora_adapter`` with ``--enable-lora`` (``lora``). The ones that run the model
+  (all but count_tokens, tokenize, detokenize and the adapter endpoints) are inference
+  requests like chat: refused while asleep, counted, subject to the error rate, aborted when
+  their client leaves.
 * ``GET /metrics`` — Prometheus text with vLLM's names (``vllm:num_requests_waiting``, which
   counts preempted requests waiting to resume, ``vllm:num_preemptions_total``,
   ``vllm:engine_sleep_state`` ...), each labelled ``model_name``.
@@ -31,7 +40,6 @@ an error rate.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -39,9 +47,9 @@ import random
 import socket
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 from urllib.parse import parse_qs
 
 import trio
@@ -52,6 +60,29 @@ from prometheus_client.registry import Collector
 from fabricnode.asgi import Receive, Send, lifespan, serve_http
 from fabricnode.metricfamilies import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from fabricnode.metricfamilies import counter, gauge, registry_of
+from fabricnode.simengine.audio import DEFAULT_MAX_UPLOAD_BYTES, AudioAPI
+from fabricnode.simengine.generation import (
+    DEFAULT_MAX_TOKENS,
+    GENERATION_PROMPT,
+    Generator,
+    render_chat,
+)
+from fabricnode.simengine.httpio import (
+    ClientGone,
+    HttpError,
+    Json,
+    Scope,
+    anthropic_error_doc,
+    error_doc,
+    header,
+    parse_json,
+    read_body,
+)
+from fabricnode.simengine.httpio import dumps as _dumps
+from fabricnode.simengine.httpio import send_body as _send_body
+from fabricnode.simengine.httpio import send_json as _send_json
+from fabricnode.simengine.lora import Models, Served
+from fabricnode.simengine.messages import MessagesAPI
 from fabricnode.simengine.model import (
     EngineConfig,
     Scheduler,
@@ -60,17 +91,28 @@ from fabricnode.simengine.model import (
     embedding,
     tokenize,
 )
+from fabricnode.simengine.pooling import PoolingAPI
+from fabricnode.simengine.responses import (
+    DEFAULT_STORE_MAX_BYTES,
+    DEFAULT_STORE_MAX_RESPONSES,
+    ResponsesAPI,
+    ResponseStore,
+)
 
-if TYPE_CHECKING:
-    pass
+__all__ = [
+    "ClientGone",
+    "EngineDriver",
+    "FaultConfig",
+    "HttpError",
+    "SimConfig",
+    "SimEngineApp",
+    "error_doc",
+    "serve",
+]
 
 log = logging.getLogger("fabricnode.simengine")
 
-Scope = Mapping[str, Any]
-Json = dict[str, Any]
-
 VERSION = "fabricnode-sim/0.1.0"
-DEFAULT_MAX_TOKENS = 256
 CRASH_EXIT_CODE = 3
 # Wake-up from sleep level 1: the weights come back from host memory, seconds for a large
 # model (a cold start loads them from disk and compiles: minutes).
@@ -96,6 +138,11 @@ class SimConfig:
     max_body_bytes: int = 16 * 1024 * 1024
     shutdown_grace_s: float = 5.0
     wake_up_s: float = DEFAULT_WAKE_UP_S
+    enable_lora: bool = False  # vLLM's --enable-lora: adapters, load/unload endpoints
+    lora_modules: tuple[tuple[str, str], ...] = ()  # (name, path) loaded at start
+    responses_store_max: int = DEFAULT_STORE_MAX_RESPONSES
+    responses_store_max_bytes: int = DEFAULT_STORE_MAX_BYTES
+    max_audio_bytes: int = DEFAULT_MAX_UPLOAD_BYTES
 
 
 @dataclass(frozen=True)
@@ -106,26 +153,6 @@ class EngineStatistics:
     sleep_level: int | None  # None: awake
     sleeps: int
     wake_ups: int
-
-
-class HttpError(Exception):
-    def __init__(self, status: int, message: str, code: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.code = code
-        self.param = param
-
-
-class ClientGone(Exception):
-    """The client disconnected before its request was read; nothing to answer."""
-
-
-def error_doc(status: int, message: str, code: str, param: str | None = None) -> Json:
-    kind = {404: "NotFoundError", 405: "MethodNotAllowed"}.get(status, "BadRequestError")
-    if status >= 500:
-        kind = "ServiceUnavailableError" if status == 503 else "InternalServerError"
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 # -- the driver -------------------------------------------------------------------------------
@@ -145,11 +172,11 @@ class EngineDriver:
         self.hung = False
 
     def submit(
-        self, prompt: list[int], max_tokens: int
+        self, prompt: list[int], max_tokens: int, salt: bytes = b""
     ) -> tuple[int, trio.MemoryReceiveChannel[TokenEvent]]:
         """Queue a request (``ValueError`` if it can never be served); its tokens arrive on the
-        returned channel, which closes after the last one."""
-        rid = self.scheduler.submit(prompt, max_tokens, trio.current_time())
+        returned channel, which closes after the last one. ``salt``: its LoRA adapter's."""
+        rid = self.scheduler.submit(prompt, max_tokens, trio.current_time(), salt)
         send, recv = trio.open_memory_channel[TokenEvent](math.inf)
         self._channels[rid] = send
         self._wake.set()
@@ -284,6 +311,43 @@ class SimEngineApp:
         self.wake_ups = 0
         self._sleep_lock = trio.Lock()  # one sleep or wake-up at a time, in arrival order
         self.metrics_registry = registry_of(EngineMetrics(self))
+        cfg = config.engine
+        self.models = Models(
+            self.model,
+            cfg.max_model_len,
+            enable_lora=config.enable_lora,
+            lora_modules=config.lora_modules,
+        )
+        self.generator = Generator(driver, cfg.max_model_len, DEFAULT_MAX_TOKENS)
+        self.responses = ResponsesAPI(
+            self.models,
+            self.generator,
+            ResponseStore(config.responses_store_max, config.responses_store_max_bytes),
+            wall_clock,
+        )
+        self.messages = MessagesAPI(self.models, self.generator)
+        self.pooling = PoolingAPI(
+            self.models,
+            self.generator,
+            seed=cfg.seed,
+            embedding_dims=config.embedding_dims,
+            wall_clock=wall_clock,
+        )
+        self.audio = AudioAPI(
+            self.models,
+            self.generator,
+            wall_clock=wall_clock,
+            max_upload_bytes=config.max_audio_bytes,
+        )
+
+    async def run_background(
+        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Host the work that outlives a request (background responses) until cancelled."""
+        async with trio.open_nursery() as nursery:
+            self.responses.nursery = nursery
+            task_status.started()
+            await trio.sleep_forever()
 
     def statistics(self) -> EngineStatistics:
         return EngineStatistics(
@@ -352,42 +416,129 @@ class SimEngineApp:
             if handler is not None:
                 await _send_json(send, await handler())
                 return
-            await self._dispatch(method, path, receive, send)
+            await self._dispatch(method, path, scope, receive, send)
         except ClientGone:
             return
         except HttpError as exc:
-            await _send_json(
-                send, error_doc(exc.status, exc.message, exc.code, exc.param), exc.status
-            )
+            if path.startswith("/v1/messages"):
+                doc = anthropic_error_doc(exc)  # what vLLM answers on the Anthropic paths
+            else:
+                doc = error_doc(exc.status, exc.message, exc.code, exc.param, exc.kind)
+            await _send_json(send, doc, exc.status)
         limit = self.config.faults.crash_after_requests
         if limit is not None and self.inference_requests >= limit:
             with trio.CancelScope(shield=True):
                 await trio.sleep(0.05)  # let the last answer leave
             self.crash(f"crashing after {self.inference_requests} requests (fault injection)")
 
-    async def _dispatch(self, method: str, path: str, receive: Receive, send: Send) -> None:
+    def _json_posts(self) -> dict[str, tuple[Callable[[Json, Send], Awaitable[None]], bool]]:
+        """POST endpoints with a JSON body: path -> (handler, runs on the engine)."""
+        pooling = self.pooling
+        posts: dict[str, tuple[Callable[[Json, Send], Awaitable[None]], bool]] = {
+            "/v1/chat/completions": (self.chat, True),
+            "/v1/completions": (self.completions, True),
+            "/v1/embeddings": (self.embeddings, True),
+            "/v1/responses": (self.responses.create, True),
+            "/v1/messages": (self.messages.create, True),
+            "/v1/messages/count_tokens": (self.messages.count_tokens, False),
+            "/rerank": (pooling.rerank, True),
+            "/v1/rerank": (pooling.rerank, True),
+            "/v2/rerank": (pooling.rerank, True),
+            "/score": (pooling.score, True),
+            "/v1/score": (pooling.score, True),
+            "/pooling": (pooling.pooling, True),
+            "/classify": (pooling.classify, True),
+            "/tokenize": (pooling.tokenize, False),
+            "/detokenize": (pooling.detokenize, False),
+        }
+        if self.models.enable_lora:
+            posts["/v1/load_lora_adapter"] = (self._load_lora, False)
+            posts["/v1/unload_lora_adapter"] = (self._unload_lora, False)
+        return posts
+
+    async def _load_lora(self, request: Json, send: Send) -> None:
+        await _send_body(send, 200, self.models.load(request).encode(), "text/plain")
+
+    async def _unload_lora(self, request: Json, send: Send) -> None:
+        await _send_body(send, 200, self.models.unload(request).encode(), "text/plain")
+
+    async def _dispatch(
+        self, method: str, path: str, scope: Scope, receive: Receive, send: Send
+    ) -> None:
         gets: dict[str, Callable[[], tuple[int, bytes, str]]] = {
             "/health": lambda: (200, b"", "text/plain"),
+            "/ping": lambda: (200, b"", "text/plain"),
             "/version": lambda: (200, _dumps({"version": VERSION}), "application/json"),
             "/v1/models": lambda: (200, _dumps(self.models_doc()), "application/json"),
             "/metrics": lambda: (200, generate_latest(self.metrics_registry), METRICS_CONTENT_TYPE),
         }
-        posts = {
-            "/v1/chat/completions": self.chat,
-            "/v1/completions": self.completions,
-            "/v1/embeddings": self.embeddings,
-        }
+        if path == "/ping" and method == "POST":  # vLLM (SageMaker's) answers both
+            await _send_body(send, 200, b"", "text/plain")
+            return
         if path in gets:
             if method not in ("GET", "HEAD"):
                 raise HttpError(405, f"method {method} not allowed; use GET", "method_not_allowed")
             status, body, ctype = gets[path]()
             await _send_body(send, status, b"" if method == "HEAD" else body, ctype)
             return
-        if path not in posts:
+        if path.startswith("/v1/responses/"):
+            await self._stored_response(method, path[len("/v1/responses/") :], send)
+            return
+        forms = {
+            "/v1/audio/transcriptions": self.audio.transcriptions,
+            "/v1/audio/translations": self.audio.translations,
+        }
+        posts = self._json_posts()
+        if path not in posts and path not in forms:
             raise HttpError(404, f"no such endpoint: {path}", "not_found")
         if method != "POST":
             raise HttpError(405, f"method {method} not allowed; use POST", "method_not_allowed")
-        request = await self._read_json(receive)
+        if path in forms:
+            try:
+                body = await read_body(receive, self.audio.body_limit, "upload")
+            except HttpError as exc:
+                if exc.code != "body_too_large":
+                    raise
+                raise HttpError(
+                    400, "Maximum file size exceeded", 400, "audio_filesize_mb"
+                ) from None
+            content_type = header(scope, b"content-type")
+            form_handler = forms[path]
+
+            async def run(guarded: Send) -> None:
+                await form_handler(body, content_type, guarded)
+
+            await self._inference(run, receive, send)
+            return
+        request = parse_json(await read_body(receive, self.config.max_body_bytes))
+        handler, on_engine = posts[path]
+
+        async def run_json(guarded: Send) -> None:
+            await handler(request, guarded)
+
+        if not on_engine:
+            await handler(request, send)
+            return
+        await self._inference(run_json, receive, send)
+
+    async def _stored_response(self, method: str, rest: str, send: Send) -> None:
+        """``GET /v1/responses/{id}`` and ``POST /v1/responses/{id}/cancel``."""
+        response_id, _, action = rest.partition("/")
+        if not response_id or action not in ("", "cancel"):
+            raise HttpError(404, f"no such endpoint: /v1/responses/{rest}", "not_found")
+        want = "POST" if action == "cancel" else "GET"
+        if method != want and not (want == "GET" and method == "HEAD"):
+            raise HttpError(405, f"method {method} not allowed; use {want}", "method_not_allowed")
+        if action == "cancel":
+            await self.responses.cancel(response_id, send)
+        else:
+            await self.responses.retrieve(response_id, send)
+
+    async def _inference(
+        self, run: Callable[[Send], Awaitable[None]], receive: Receive, send: Send
+    ) -> None:
+        """Run an endpoint that uses the engine: refused while asleep, counted (for the crash
+        fault), maybe failed (error rate), and aborted when its client goes away."""
         if self.sleep_level is not None:
             raise HttpError(
                 503, "the model is sleeping: wake it with POST /wake_up", "model_sleeping"
@@ -419,49 +570,17 @@ class SimEngineApp:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(cancel_on_disconnect, nursery.cancel_scope)
             try:
-                await posts[path](request, guarded_send)
+                await run(guarded_send)
             except HttpError as exc:
                 error = exc  # raised outside the nursery, so not wrapped in an ExceptionGroup
             nursery.cancel_scope.cancel()
         if error is not None:
             raise error
 
-    async def _read_json(self, receive: Receive) -> Json:
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                raise ClientGone
-            body = message.get("body", b"")
-            size += len(body)
-            if size > self.config.max_body_bytes:
-                raise HttpError(400, "request body too large", "body_too_large")
-            chunks.append(body)
-            if not message.get("more_body", False):
-                break
-        try:
-            doc = json.loads(b"".join(chunks))
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise HttpError(400, f"invalid JSON body: {exc}", "invalid_json") from None
-        if not isinstance(doc, dict):
-            raise HttpError(400, "the request body must be a JSON object", "invalid_json")
-        return doc
-
     # -- documents --
 
     def models_doc(self) -> Json:
-        cfg = self.config.engine
-        card = {
-            "id": self.model,
-            "object": "model",
-            "created": int(self.wall_clock()),
-            "owned_by": "fabricnode-sim",
-            "root": self.model,
-            "parent": None,
-            "max_model_len": cfg.max_model_len,
-        }
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": self.models.cards(int(self.wall_clock()))}
 
     # -- inference --
 
@@ -469,25 +588,14 @@ class SimEngineApp:
         self._ids += 1
         return f"{prefix}-sim{self._ids:08d}"
 
-    def _check_model(self, request: Json) -> None:
-        model = request.get("model")
-        if model is None:
-            return  # vLLM serves its one model when none is named
-        if not isinstance(model, str):
-            raise HttpError(400, "'model' must be a string", "invalid_parameter", "model")
-        if model != self.model:
-            raise HttpError(404, f"The model `{model}` does not exist.", "model_not_found", "model")
+    def _check_model(self, request: Json) -> Served:
+        """The model (or LoRA adapter) a request names; vLLM serves its one model when none is
+        named."""
+        return self.models.resolve(request.get("model"))
 
     def _max_tokens(self, request: Json, prompt_len: int) -> int:
         value = request.get("max_completion_tokens", request.get("max_tokens"))
-        if value is None:
-            room = self.config.engine.max_model_len - prompt_len
-            return max(1, min(DEFAULT_MAX_TOKENS, room))
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise HttpError(
-                400, "max_tokens must be a positive integer", "invalid_parameter", "max_tokens"
-            )
-        return value
+        return self.generator.max_tokens(value, prompt_len)
 
     def _stream_flags(self, request: Json) -> tuple[bool, bool]:
         stream = request.get("stream", False)
@@ -501,16 +609,8 @@ class SimEngineApp:
             raise HttpError(400, "only n=1 is supported", "invalid_parameter", "n")
         return stream, bool(options.get("include_usage", False))
 
-    def _submit(
-        self, prompt: list[int], max_tokens: int
-    ) -> tuple[int, trio.MemoryReceiveChannel[TokenEvent]]:
-        try:
-            return self.driver.submit(prompt, max_tokens)
-        except ValueError as exc:
-            raise HttpError(400, str(exc), "invalid_request") from None
-
     async def chat(self, request: Json, send: Send) -> None:
-        self._check_model(request)
+        served = self._check_model(request)
         messages = request.get("messages")
         if not isinstance(messages, list) or not messages:
             raise HttpError(
@@ -536,13 +636,13 @@ class SimEngineApp:
                     "invalid_parameter",
                     "messages",
                 )
-            prompt = tokenize(_render_chat(messages))
+            prompt = tokenize(render_chat(messages))
         else:
-            prompt = tokenize(_render_chat(messages) + "\nassistant:")
-        await self._generate(request, send, prompt, chat=True, continuing=continuing)
+            prompt = tokenize(render_chat(messages) + GENERATION_PROMPT)
+        await self._generate(request, send, prompt, served, chat=True, continuing=continuing)
 
     async def completions(self, request: Json, send: Send) -> None:
-        self._check_model(request)
+        served = self._check_model(request)
         raw = request.get("prompt")
         if isinstance(raw, list) and len(raw) == 1 and isinstance(raw[0], str):
             raw = raw[0]
@@ -562,16 +662,23 @@ class SimEngineApp:
                 "prompt",
             )
         # A prompt that is the start of an answer (a resumed stream) continues it mid-text.
-        await self._generate(request, send, prompt, chat=False, continuing=True)
+        await self._generate(request, send, prompt, served, chat=False, continuing=True)
 
     async def _generate(
-        self, request: Json, send: Send, prompt: list[int], *, chat: bool, continuing: bool
+        self,
+        request: Json,
+        send: Send,
+        prompt: list[int],
+        served: Served,
+        *,
+        chat: bool,
+        continuing: bool,
     ) -> None:
         """Generate for ``prompt``; ``continuing``: the answer goes on mid-text (no leading
         whitespace is stripped from its first piece)."""
         stream, include_usage = self._stream_flags(request)
         max_tokens = self._max_tokens(request, len(prompt))
-        rid, tokens = self._submit(prompt, max_tokens)
+        rid, tokens = self.generator.submit(prompt, max_tokens, served)
         ident = self._next_id("chatcmpl" if chat else "cmpl")
         created = int(self.wall_clock())
         obj = "chat.completion" if chat else "text_completion"
@@ -594,7 +701,7 @@ class SimEngineApp:
                     "id": ident,
                     "object": obj,
                     "created": created,
-                    "model": self.model,
+                    "model": served.name,
                     "choices": [choice],
                     "usage": _usage(len(prompt), len(pieces)),
                 }
@@ -617,7 +724,7 @@ class SimEngineApp:
                     "id": ident,
                     "object": chunk_obj,
                     "created": created,
-                    "model": self.model,
+                    "model": served.name,
                     "choices": choices,
                 }
                 if usage is not None:
@@ -646,7 +753,7 @@ class SimEngineApp:
                 self.driver.abort(rid)
 
     async def embeddings(self, request: Json, send: Send) -> None:
-        self._check_model(request)
+        served = self._check_model(request)
         raw = request.get("input")
         inputs = [raw] if isinstance(raw, str) else raw
         if (
@@ -671,41 +778,10 @@ class SimEngineApp:
         doc = {
             "object": "list",
             "data": data,
-            "model": self.model,
+            "model": served.name,
             "usage": {"prompt_tokens": used, "total_tokens": used},
         }
         await _send_json(send, doc)
-
-
-def _render_chat(messages: list[Any]) -> str:
-    lines: list[str] = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise HttpError(
-                400,
-                f"messages[{i}] must be an object with a 'role'",
-                "invalid_parameter",
-                "messages",
-            )
-        content = message.get("content")
-        if isinstance(content, list):
-            parts = [
-                p.get("text", "")
-                for p in content
-                if isinstance(p, dict) and p.get("type") == "text"
-            ]
-            content = "".join(str(p) for p in parts)
-        if content is None:
-            content = ""
-        if not isinstance(content, str):
-            raise HttpError(
-                400,
-                f"messages[{i}].content must be a string or a list of parts",
-                "invalid_parameter",
-                "messages",
-            )
-        lines.append(f"{message['role']}: {content}")
-    return "\n".join(lines)
 
 
 def _chunk_choice(chat: bool, text: str, reason: str | None, *, role: bool = False) -> Json:
@@ -727,23 +803,6 @@ def _usage(prompt: int, completion: int) -> Json:
 
 async def _async_value(doc: Json) -> Json:
     return doc
-
-
-def _dumps(doc: Json) -> bytes:
-    return json.dumps(doc, separators=(",", ":")).encode()
-
-
-async def _send_body(send: Send, status: int, body: bytes, content_type: str) -> None:
-    headers = [
-        (b"content-type", content_type.encode()),
-        (b"content-length", str(len(body)).encode()),
-    ]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body, "more_body": False})
-
-
-async def _send_json(send: Send, doc: Json, status: int = 200) -> None:
-    await _send_body(send, status, _dumps(doc), "application/json")
 
 
 def _crash(reason: str) -> None:
@@ -772,6 +831,7 @@ async def serve(
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(driver.run)
+        await nursery.start(app.run_background)
         if faults.crash_after_s is not None:
             nursery.start_soon(_crash_after, faults.crash_after_s)
         if faults.hang_after_s is not None:
