@@ -26,7 +26,9 @@ Rules, per model (its ``Goal``: the replicas wanted now, between the service's m
    each type every partition in order), so a model stays on its preferred GPUs while any of its
    partitions can give them.
 4. **Too many** units: cancel the newest PENDING jobs first, then STARTING, then SERVING ones
-   (a cancel is SIGTERM: the agent leaves and drains its requests). Never below the goal. The
+   (a SERVING job's cancel is SIGTERM to its step: the agent leaves and drains its requests;
+   a PENDING or STARTING one is cancelled outright, having nothing to drain: SIGTERM would not
+   reach a job whose step has not begun, and a pending job ignores it). Never below the goal. The
    cancel's reason carries the goal's (``scale down to 2: low-demand: ...``).
 5. **Pending too long, or refused.** A job pending longer than ``patience_s`` at a placement
    when another is allowed is cancelled and resubmitted at the next placement; the one it left
@@ -152,7 +154,10 @@ class Cancel:
     job_id: str
     model: str
     reason: str
-    hard: bool = False  # scancel outright (a drain that did not end), not SIGTERM
+    # scancel outright, not SIGTERM to the job's step: a job with nothing to drain (pending, or
+    # its agent not serving yet: the signal would find no step, or one that serves nobody), or
+    # a drain that did not end
+    hard: bool = False
 
 
 Action = Submit | Cancel
@@ -335,7 +340,9 @@ def reconcile(
                 and waited > t.patience_s
             ):
                 memory.penalised[(goal.model, *place.key())] = now + t.penalty_s
-                actions.append(Cancel(j.job_id, goal.model, f"pending {waited:.0f} s on {place}"))
+                actions.append(
+                    Cancel(j.job_id, goal.model, f"pending {waited:.0f} s on {place}", hard=True)
+                )
                 memory.draining[j.job_id] = now
                 units.remove(j)
         # rule 2: successors ahead of time limits, for serving jobs only (a job still starting
@@ -384,7 +391,8 @@ def reconcile(
             )[:surplus]
             for j in victims:
                 why = f"scale down to {goal.target}: {goal.reason}"
-                actions.append(Cancel(j.job_id, goal.model, why))
+                gentle = phase[j.job_id] == SERVING  # only a serving replica has requests
+                actions.append(Cancel(j.job_id, goal.model, why, hard=not gentle))
                 memory.draining[j.job_id] = now
             state = "scaling"
         counts = {p: sum(1 for j in live if phase[j.job_id] == p) for p in (PENDING, STARTING)}
@@ -411,7 +419,8 @@ def reconcile(
     declared = {g.model for g in goals}
     for j in jobs:
         if j.model not in declared and not j.ending and j.job_id not in memory.draining:
-            actions.append(Cancel(j.job_id, j.model, "no longer in the service file"))
+            hard = _phase(j, by_job) != SERVING
+            actions.append(Cancel(j.job_id, j.model, "no longer in the service file", hard))
             memory.draining[j.job_id] = now
     return Pass(tuple(actions), tuple(status))
 

@@ -168,6 +168,10 @@ def test_scale_down_cancels_pending_then_starting_then_serving_and_never_below_t
     memory = Memory()
     p = reconcile(NOW, [goal(1)], jobs, [serving("1"), serving("2")], memory)
     assert [c.job_id for c in cancels(p.actions)] == ["4", "3", "2"]
+    # only the serving one has requests to drain (SIGTERM to its step); the pending and the
+    # starting one are cancelled outright (a pending job ignores a signal, a starting job's step
+    # may not exist yet)
+    assert [c.hard for c in cancels(p.actions)] == [True, True, False]
     # cancelled jobs drain: they no longer count, and are not cancelled twice
     p = reconcile(NOW + 1, [goal(1)], jobs, [serving("1"), serving("2")], memory)
     assert p.actions == () and p.status[0].draining == 3
@@ -245,9 +249,11 @@ def test_mesh_limits_are_never_exceeded() -> None:
 
 
 def test_jobs_of_a_model_no_longer_declared_are_drained() -> None:
-    p = reconcile(NOW, [goal(1)], [job("1"), job("5", model="old")], [serving("1")], Memory())
-    assert [(c.job_id, c.reason) for c in cancels(p.actions)] == [
-        ("5", "no longer in the service file")
+    jobs = [job("1"), job("5", model="old"), job("6", "PENDING", model="old")]
+    p = reconcile(NOW, [goal(1)], jobs, [serving("1"), serving("5", "old")], Memory())
+    assert [(c.job_id, c.reason, c.hard) for c in cancels(p.actions)] == [
+        ("5", "no longer in the service file", False),
+        ("6", "no longer in the service file", True),
     ]
 
 
