@@ -8,7 +8,11 @@ from pathlib import Path
 import pytest
 
 from cli.localmesh import LocalMesh
-from tests.support.slurmcluster import slurm, slurm_cluster  # noqa: F401 (fixtures for the real-Slurm tests)
+from tests.support.slurmcluster import (  # noqa: F401 (fixtures for the real-Slurm tests)
+    slurm,
+    slurm_accounting_cluster,
+    slurm_cluster,
+)
 
 
 @pytest.fixture

@@ -462,7 +462,7 @@ def _learn(now: float, jobs: Sequence[Job], by_job: Mapping[str, Replica], memor
             memory.served.add(j.job_id)
             if j.submitted_at is not None:
                 memory.observe(j.model, j.partition, max(0.0, now - j.submitted_at))
-            memory.reset_model(j.model)
+            memory.failures.pop(j.model, None)  # rule 6; Slurm's refusals still hold (rule 5)
     for job_id, (model, _partition) in list(memory.known.items()):
         job = listed.get(job_id)
         gone = job is None or job.ending

@@ -10,9 +10,9 @@ Rules
   ours, so decisions always start from Slurm's own view, never from the controller's memory.
 * ``submit`` runs ``sbatch --parsable`` around the ``fabric-serve.sbatch`` wrapper with the
   service's partition, account, QoS, time limit, GPUs and extra options, and returns the job id
-  or a ``SlurmRefused`` carrying sbatch's own message (unknown partition, QoS limit, ...). The
-  job's agent is labelled ``fabric.service=<model>``; it runs the simulated engine
-  (``FABRIC_ENGINE=sim``) or renders the service's engine template itself
+  or a ``SlurmRefused`` carrying sbatch's own words, all its error lines (unknown partition,
+  QoS limit, ...). The job's agent is labelled ``fabric.service=<model>``; it runs the
+  simulated engine (``FABRIC_ENGINE=sim``) or renders the service's engine template itself
   (``FABRIC_ENGINE=template``, ``fabric start --engine-template T --serve MODEL``).
 * ``dry_run`` records every command it would run (``commands``) and runs nothing but the
   read-only ``squeue``.
@@ -245,7 +245,7 @@ class SlurmControl:
         rc, out, err = self.runner(argv)
         job_id = parse_sbatch_job_id(out) if rc == 0 else None
         if job_id is None:
-            raise SlurmRefused(_first_line(err or out) or f"sbatch exit status {rc}")
+            raise SlurmRefused(_slurm_words(err or out) or f"sbatch exit status {rc}")
         return job_id
 
     def preempted(self, job_id: str) -> bool:
@@ -266,7 +266,7 @@ class SlurmControl:
             return
         rc, out, err = self.runner(argv)
         if rc != 0:
-            raise SlurmRefused(_first_line(err or out) or f"scancel exit status {rc}")
+            raise SlurmRefused(_slurm_words(err or out) or f"scancel exit status {rc}")
 
 
 def _slug(model: str) -> str:
@@ -274,8 +274,14 @@ def _slug(model: str) -> str:
     return "".join(c if c.isalnum() or c in "._-" else "_" for c in base)[:40]
 
 
-def _first_line(text: str) -> str:
-    for line in text.splitlines():
-        if line.strip():
-            return line.strip().removeprefix("sbatch: error: ").removeprefix("scancel: error: ")
-    return ""
+def _slurm_words(text: str) -> str:
+    """What a refusing sbatch or scancel said, on one line: its error lines joined with "; "
+    (sbatch says why and then what, e.g. ``QOSMaxSubmitJobPerUserLimit; Batch job submission
+    failed: Job violates accounting/QOS policy (...)``), else its first line."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    errors = [
+        line.split(": error: ", 1)[1]
+        for line in lines
+        if line.startswith(("sbatch: error: ", "scancel: error: "))
+    ]
+    return "; ".join(errors) if errors else (lines[0] if lines else "")

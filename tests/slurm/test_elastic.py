@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import threading
 import time
 from collections import Counter
@@ -26,16 +24,20 @@ import httpx
 import openai
 import pytest
 
-from cli.localmesh import AgentProcess, LocalMesh
+from cli.localmesh import AgentProcess
 from fabricnode.control.client import AdminClient
-from fabricnode.elastic.slurmctl import Tag, parse_comment
 from fabricnode.errors import AgentApiError
-from fabricnode.mesh.identity import OperatorKey
 from tests.support import REPO
+from tests.support.elasticmesh import (
+    Elastic,
+    controller_jobs,
+    elastic_mesh,
+    fabric,
+    serving_count,
+)
 from tests.support.slurmcluster import SlurmCluster
 
 WRAPPER = REPO / "slurm" / "fabric-serve.sbatch"
-FABRIC = Path(sys.executable).parent / "fabric"
 MODEL = "sim-elastic"
 MINUTES = float(os.environ.get("FABRIC_ELASTIC_MINUTES", "2.5"))
 
@@ -78,36 +80,6 @@ class Watch:
     stop: threading.Event = field(default_factory=threading.Event)
 
 
-def fabric(mesh: LocalMesh, agent: AgentProcess, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "cli.main", "--agent", agent.http_url, *args],
-        env=mesh.env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-
-
-def tagged_jobs(cluster: SlurmCluster) -> list[str]:
-    """Every controller job of any model still in the queue (completing ones included)."""
-    done = cluster.run("squeue", "-h", "-o", "%i|%k", check=False)
-    return [line.split("|")[0] for line in done.stdout.splitlines() if "fabric-elastic" in line]
-
-
-def controller_jobs(cluster: SlurmCluster) -> list[tuple[str, str, Tag]]:
-    """(job id, state, tag) of the jobs an elastic controller submitted, any mesh."""
-    done = cluster.run("squeue", "-h", "-o", "%i|%T|%k", check=False)
-    out = []
-    for line in done.stdout.splitlines():
-        job_id, state, comment = [*line.split("|", 2), "", ""][:3]
-        words = comment.split()
-        mesh = next((w[5:] for w in words if w.startswith("mesh=")), "")
-        tagged = parse_comment(comment, mesh) if mesh else None
-        if tagged is not None:
-            out.append((job_id, state, tagged))
-    return out
-
-
 def our_jobs(cluster: SlurmCluster) -> list[tuple[str, str, str]]:
     """(job id, state, replaces) of the jobs tagged for MODEL, any mesh."""
     return [
@@ -115,22 +87,9 @@ def our_jobs(cluster: SlurmCluster) -> list[tuple[str, str, str]]:
     ]
 
 
-def serving_count(url: str, model: str = MODEL) -> int | None:
-    try:
-        with AdminClient(url, timeout_s=2.0) as client:
-            nodes = client.nodes(state="serving")
-    except AgentApiError:
-        return None
-    return sum(
-        1
-        for n in nodes
-        if (n.get("labels") or {}).get("fabric.service") == model and n.get("liveness") == "alive"
-    )
-
-
 def watch(cluster: SlurmCluster, ingress: AgentProcess, w: Watch) -> None:
     while not w.stop.is_set():
-        count = serving_count(ingress.http_url)
+        count = serving_count(ingress.http_url, MODEL)
         if count is not None:
             w.serving.append((time.monotonic(), count))
         jobs = our_jobs(cluster)
@@ -164,46 +123,13 @@ def controller_role(agent: AgentProcess) -> str | None:
         return None
 
 
-@dataclass
-class Elastic:
-    mesh: LocalMesh
-    ingress: AgentProcess
-    controllers: list[AgentProcess]
-
-
 @pytest.fixture(scope="module")
 def elastic(
     slurm_cluster: SlurmCluster, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Elastic]:
     """An ingress and two controller agents (one acts) trusting the mesh's operator key."""
-    if not FABRIC.exists():
-        pytest.skip(f"no fabric console script next to {sys.executable}")
-    local = LocalMesh(tmp_path_factory.mktemp("elastic") / "mesh")
-    key = OperatorKey.generate()
-    key.save(local.workdir / "operator.key")
-    trust = ("--trust-operator", key.fingerprint)
-    env = {**slurm_cluster.env, "FABRIC_BIN": str(FABRIC), "FABRIC_SIM_GPU": "H100",
-           "FABRIC_LEAVE_BEFORE_END": "", "FABRIC_JOIN": ""}  # fmt: skip
-    try:
-        ingress = local.start("ingress", args=trust)
-        controllers = [
-            local.start(name, args=[*trust, "--controller"], env=env) for name in ("ctl-a", "ctl-b")
-        ]
-        yield Elastic(local, ingress, controllers)
-    finally:
-        local.close()  # the controllers first, so that nothing replaces the jobs cancelled next
-        ours = tagged_jobs(slurm_cluster)
-        if ours:
-            slurm_cluster.run("scancel", *ours, check=False)
-        # The next module's tests time Slurm's signals: leave them a quiet cluster, not jobs
-        # still ending (their agents draining, slurmd running their epilogs).
-        deadline = time.monotonic() + 60
-        while tagged_jobs(slurm_cluster) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        for agent in local.agents:
-            print(f"--- {agent.name} (exit {agent.proc.returncode}) ---\n{agent.stderr_tail(25)}")
-        for out in sorted((local.workdir / "logs").glob("slurm-*.out"))[-6:]:
-            print(f"--- {out.name} ---\n" + "\n".join(out.read_text().splitlines()[-8:]))
+    with elastic_mesh(slurm_cluster, tmp_path_factory.mktemp("elastic")) as elastic:
+        yield elastic
 
 
 def test_the_controller_keeps_replicas_across_time_limits_kills_and_its_own_failover(
@@ -294,7 +220,7 @@ def test_a_file_slurm_refuses_is_reported_and_the_mesh_keeps_serving(
     assert [(t.gres_type, t.gpus) for t in typed] == [("fake", 1)]
     refusals = [d["reason"] for d in doc["decisions"] if d["action"] == "refused"]
     assert any("GPU type a100" in r for r in refusals), refusals
-    assert (serving_count(ingress.http_url) or 0) >= 2  # what serves keeps serving
+    assert (serving_count(ingress.http_url, MODEL) or 0) >= 2  # what serves keeps serving
     # a file that does not parse is refused here, with its line, and nothing is sent
     broken = tmp_path / "broken.toml"
     broken.write_text(SERVICE.replace("min_replicas = 2", "min_replicas = -1"))
@@ -382,7 +308,9 @@ def test_a_preempted_replica_is_replaced_and_no_request_fails(
         done = slurm_cluster.run("squeue", "-h", "-o", "%i|%T|%P|%k", check=False).stdout
         ours = [line.split("|") for line in done.splitlines() if "fabric-elastic" in line]
         low = [p for p in ours if p[1] == "RUNNING" and p[2] == "low" and f"model={MODEL}" in p[3]]
-        return len(low) == 2 and len(ours) == 2 and (serving_count(ingress.http_url) or 0) >= 2
+        if len(low) != 2 or len(ours) != 2:
+            return False
+        return (serving_count(ingress.http_url, MODEL) or 0) >= 2
 
     while not settled():
         assert time.monotonic() - t0 < 120, slurm_cluster.squeue()
@@ -401,7 +329,7 @@ def test_a_preempted_replica_is_replaced_and_no_request_fails(
         print(f"a replica preempted {time.monotonic() - t0:.1f} s after the high job came")
         slurm_cluster.wait_state(big, ("COMPLETED",), timeout_s=90)
         t0 = time.monotonic()
-        while (serving_count(ingress.http_url) or 0) < 2:
+        while (serving_count(ingress.http_url, MODEL) or 0) < 2:
             assert time.monotonic() - t0 < 60, "the preempted replica was not replaced"
             time.sleep(0.5)
         print(f"replaced: 2 SERVING {time.monotonic() - t0:.1f} s after the high job ended")

@@ -2,7 +2,9 @@
 
 * ``meshview``     read a running agent's registry, metrics and ports (free_port, ENTRY_KEYS).
 * ``meshload``     drive load through a local mesh; find the processes an agent started.
-* ``slurmcluster`` a throw-away single-node Slurm (slurmctld, slurmd, munge) for tests/slurm.
+* ``slurmcluster`` a throw-away single-node Slurm (slurmctld, slurmd, munge) for tests/slurm;
+                   its accounting mode adds slurmdbd and MariaDB (QoS and account limits).
+* ``elasticmesh``  an ingress and two elastic controllers on such a cluster (tests/slurm).
 * ``stub_engine``  a tiny OpenAI-ish server run as a child engine (script).
 * ``make_tiny_model`` builds a random-weight model for the real-vLLM test (script).
 """

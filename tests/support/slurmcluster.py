@@ -3,12 +3,15 @@
 ``SlurmCluster`` runs munged, slurmctld and slurmd (as root, from Debian's packages, installed
 with apt when missing) with everything under one directory and no systemd::
 
-    ROOT/etc/      slurm.conf, gres.conf, an empty plugstack.conf (cgroup.conf from 23.02)
+    ROOT/etc/      slurm.conf, gres.conf, an empty plugstack.conf (cgroup.conf from 23.02),
+                   slurmdbd.conf (mode 600; the accounting mode)
     ROOT/munge/    munge.key, munge.socket.2 (dir mode 711), pid and seed files
     ROOT/state/    slurmctld's StateSaveLocation
     ROOT/spool/    slurmd's SlurmdSpoolDir
     ROOT/dev/      the fake GPUs: character devices 1:3 like /dev/null (or links to it)
-    ROOT/logs/     munged.log, slurmctld.log, slurmd.log and the jobs' slurm-<id>.out
+    ROOT/mariadb/  the accounting mode's database: data/, mariadbd.sock, mariadbd.pid
+    ROOT/logs/     munged.log, slurmctld.log, slurmd.log (slurmdbd.log, mariadbd.log) and the
+                   jobs' slurm-<id>.out
     ROOT/jobs/     batch scripts submitted as text
     ROOT/owner     pid and start time of the process that owns the cluster
 
@@ -32,12 +35,39 @@ The cluster (slurm.conf written by ``SlurmCluster.slurm_conf``):
 * quick: ``KillWait=kill_wait_s`` (5 s from SIGTERM to SIGKILL), scheduling at once on every
   event (``batch_sched_delay=0``) and a backfill pass every 2 s (``bf_interval=2``);
   ``MinJobAge=60`` keeps a finished job's record (and final state) a minute;
-* no accounting, no cgroups: ``proctrack/linuxproc``, ``task/none``, ``jobacct_gather/none``
-  (``AccountingStorageTRES=gres/gpu`` without slurmdbd kills slurmctld: not set); no MPI.
+* no accounting (but see below), no cgroups: ``proctrack/linuxproc``, ``task/none``,
+  ``jobacct_gather/none`` (``AccountingStorageTRES=gres/gpu`` without slurmdbd kills slurmctld:
+  not set); no MPI.
 
 slurmctld checks time limits (sending ``--signal`` warnings, ending grace times) every 30 s,
 and the smallest time limit is one minute: ``--time=1 --signal=TERM@N`` signals the steps
 60-N to 90-N s after the job starts, and the job is killed 60 to 90 s after it starts.
+
+The accounting mode (``SlurmClusterConfig(accounting=True)``, fixture
+``slurm_accounting_cluster``) adds what QoS and account limits need; ``install_slurm`` then
+installs ``slurmdbd`` and ``mariadb-server`` too (about 13 s on a fresh bookworm machine; the
+package scripts start no server). ``start`` takes about 5 s instead of 1:
+
+* MariaDB: ``mariadb-install-db`` into ROOT/mariadb/data (0.5 s), then ``mariadbd
+  --no-defaults`` on 127.0.0.1 and a free port, its own socket and pid file, as root only with
+  ``--user=root`` when run as root, ``--skip-grant-tables`` (any user, no password: a throw-away
+  database), InnoDB sized just enough that slurmdbd does not complain ("Database settings not
+  recommended values");
+* slurmdbd (``StorageType=accounting_storage/mysql``) on another free port, and slurmctld with
+  ``AccountingStorageType=accounting_storage/slurmdbd``, ``AccountingStorageEnforce=limits,qos``
+  (limits implies associations: a job needs an account its user belongs to) and
+  ``AccountingStoragePass`` naming the cluster's munge socket (the connections to slurmdbd do
+  not use ``AuthInfo``);
+* with ``sacctmgr -i``, before slurmctld starts (it loads them): cluster ``fabrictest``, account
+  ``fabric`` (the user's default), the user with QoS ``normal`` (its default, no limit) and
+  ``single`` (``MaxSubmitJobsPerUser=1``: sbatch refuses a second job at submission, "Job
+  violates accounting/QOS policy (job submit limit, user's size and/or time limits)");
+  ``ACCOUNTING_QOS`` lists them;
+* ``start`` returns once ``sacctmgr show cluster`` lists slurmctld's port (it registered);
+  ``close`` stops slurmdbd and mariadbd with the rest and removes ROOT/mariadb (~80 MB).
+
+Each cluster has its own ROOT and ports and every process carries its ROOT: the session's
+``slurm_cluster`` and a module's ``slurm_accounting_cluster`` may be up at once.
 """
 
 from __future__ import annotations
@@ -45,6 +75,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import pwd
 import re
 import shutil
 import signal
@@ -71,8 +102,16 @@ SLURM_COMMANDS = (
     "sinfo",
     "squeue",
 )
+# The accounting mode's extras: slurmdbd and a MariaDB server for it (SlurmClusterConfig).
+ACCOUNTING_PACKAGES = ("slurmdbd", "mariadb-server")
+ACCOUNTING_COMMANDS = ("slurmdbd", "sacctmgr", "mariadbd", "mariadb-install-db")
 MARKER = "fabric-slurmcluster"
 NODE = "localhost"
+CLUSTER_NAME = "fabrictest"
+ACCOUNT = "fabric"
+# The accounting mode's QoS and their limits (sacctmgr words); the user may use both, the first
+# is its default. "single" lets a user have one job submitted at a time: sbatch refuses the next.
+ACCOUNTING_QOS = {"normal": "", "single": "MaxSubmitJobsPerUser=1"}
 INSTALL_LOCK = Path(tempfile.gettempdir()) / "fabricnode-slurm-install.lock"
 SEARCH_PATH = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin", "/usr/bin"])
 NO_NETWORK = re.compile(
@@ -101,14 +140,22 @@ class SlurmClusterConfig:
     min_job_age_s: int = 60
     message_timeout_s: int = 10
     debug: str = "info"
+    # slurmdbd + MariaDB, limits enforced, the QoS of ``ACCOUNTING_QOS`` (the module docstring)
+    accounting: bool = False
 
 
 # ---------------------------------------------------------------------------------------------
 # Installing
 
 
-def missing_commands() -> list[str]:
-    return [c for c in SLURM_COMMANDS if shutil.which(c, path=SEARCH_PATH) is None]
+def missing_commands(*, accounting: bool = False) -> list[str]:
+    wanted = SLURM_COMMANDS + (ACCOUNTING_COMMANDS if accounting else ())
+    return [c for c in wanted if shutil.which(c, path=SEARCH_PATH) is None]
+
+
+def packages(*, accounting: bool = False) -> tuple[str, ...]:
+    """The Debian packages ``install_slurm`` installs (with the accounting mode's or not)."""
+    return SLURM_PACKAGES + (ACCOUNTING_PACKAGES if accounting else ())
 
 
 def slurm_version() -> tuple[int, int, str]:
@@ -122,41 +169,45 @@ def slurm_version() -> tuple[int, int, str]:
     return int(found[1]), int(found[2]), out
 
 
-def install_slurm(*, attempts: int = 3, lock_timeout_s: float = 1200) -> float:
+def install_slurm(
+    *, accounting: bool = False, attempts: int = 3, lock_timeout_s: float = 1200
+) -> float:
     """Install Slurm and munge with apt if a command is missing; the seconds it took (0 if none).
 
-    Raises SlurmUnavailable when it cannot be done here (not root, no apt-get, the Debian
-    mirrors unreachable) and SlurmError when apt itself fails. One install at a time across
-    processes (a file lock); ``apt-get update`` once per attempt, retried with a pause.
+    ``accounting`` adds slurmdbd and MariaDB (``ACCOUNTING_PACKAGES``). Raises SlurmUnavailable
+    when it cannot be done here (not root, no apt-get, the Debian mirrors unreachable) and
+    SlurmError when apt itself fails. One install at a time across processes (a file lock);
+    ``apt-get update`` once per attempt, retried with a pause.
     """
-    if not missing_commands():
+    wanted = packages(accounting=accounting)
+    if not missing_commands(accounting=accounting):
         return 0.0
     if os.geteuid() != 0:
         raise SlurmUnavailable(
-            f"Slurm is not installed ({', '.join(missing_commands())} missing)"
-            " and installing it needs root"
+            f"Slurm is not installed ({', '.join(missing_commands(accounting=accounting))}"
+            " missing) and installing it needs root"
         )
     if shutil.which("apt-get") is None:
         raise SlurmUnavailable("Slurm is not installed and there is no apt-get to install it")
     t0 = time.monotonic()
     with _file_lock(INSTALL_LOCK, lock_timeout_s):
-        if not missing_commands():  # another session installed it while we waited
+        if not missing_commands(accounting=accounting):  # another session installed it meanwhile
             return time.monotonic() - t0
         failures: list[str] = []
         for attempt in range(attempts):
             if attempt:
                 time.sleep(5 * attempt)
             update = _apt("update")
-            install = _apt("install", "-y", "--no-install-recommends", *SLURM_PACKAGES)
-            if install.returncode == 0 and not missing_commands():
+            install = _apt("install", "-y", "--no-install-recommends", *wanted)
+            if install.returncode == 0 and not missing_commands(accounting=accounting):
                 return time.monotonic() - t0
             failures.append(_tail(update.stdout + install.stdout, 6))
-        if not _apt_knows("slurmctld") or NO_NETWORK.search(update.stdout + install.stdout):
+        if not _apt_knows(wanted[-1]) or NO_NETWORK.search(update.stdout + install.stdout):
             raise SlurmUnavailable(
-                "apt cannot fetch the Slurm packages (no network to a Debian mirror?): "
+                f"apt cannot fetch {' '.join(wanted)} (no network to a Debian mirror?): "
                 + failures[-1]
             )
-        raise SlurmError(f"apt-get install {' '.join(SLURM_PACKAGES)} failed: {failures[-1]}")
+        raise SlurmError(f"apt-get install {' '.join(wanted)} failed: {failures[-1]}")
 
 
 def _apt(*args: str) -> subprocess.CompletedProcess[str]:
@@ -309,6 +360,12 @@ def _kill_and_reap(pids: Iterable[int], timeout_s: float = 10) -> None:
         time.sleep(0.05)
 
 
+def _accepts(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(1)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
@@ -339,10 +396,14 @@ class SlurmCluster:
         self.dev_dir = self.root / "dev"
         self.logs_dir = self.root / "logs"
         self.jobs_dir = self.root / "jobs"
+        self.db_dir = self.root / "mariadb"
         self.conf_path = self.etc_dir / "slurm.conf"
+        self.dbd_conf_path = self.etc_dir / "slurmdbd.conf"  # read from SLURM_CONF's directory
         self.munge_socket = self.munge_dir / "munge.socket.2"
         self.ctld_port = 0
         self.slurmd_port = 0
+        self.dbd_port = 0
+        self.db_port = 0
         self.version: tuple[int, int, str] = (0, 0, "")
         env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
         self.env: dict[str, str] = {**env, "SLURM_CONF": str(self.conf_path)}
@@ -360,7 +421,11 @@ class SlurmCluster:
         self.close()
 
     def start(self, timeout_s: float = 30) -> None:
-        """Write the configs, start the three daemons, return once the node is idle."""
+        """Write the configs, start the three daemons, return once the node is idle.
+
+        In the accounting mode MariaDB and slurmdbd come first, the cluster, account, user and
+        QoS are added with sacctmgr, and it returns once slurmctld has registered too.
+        """
         t0 = time.monotonic()
         kill_stale_clusters()
         self.version = slurm_version()
@@ -375,6 +440,8 @@ class SlurmCluster:
         key.chmod(0o400)
         gpu_files = self._make_gpu_devices()
         self.ctld_port, self.slurmd_port = _free_port(), _free_port()
+        if self.config.accounting:
+            self.dbd_port, self.db_port = _free_port(), _free_port()
         self.conf_path.write_text(self.slurm_conf())
         (self.etc_dir / "gres.conf").write_text(self.gres_conf(gpu_files))
         (self.etc_dir / "plugstack.conf").write_text("")
@@ -392,9 +459,13 @@ class SlurmCluster:
                 f"--log-file={self.logs_dir / 'munged.log'}",
             )
             self._wait(lambda: self.munge_socket.exists(), timeout_s, "munged's socket")
+            if self.config.accounting:
+                self._start_accounting(timeout_s)
             self._spawn("slurmctld", "-D", "-f", str(self.conf_path))
             self._spawn("slurmd", "-D", "-N", NODE, "-f", str(self.conf_path))
             self._wait(self._node_idle, timeout_s, f"node {NODE} idle")
+            if self.config.accounting:
+                self._wait(self._ctld_registered, timeout_s, "slurmctld registered in slurmdbd")
         except BaseException:
             self.close()
             raise
@@ -405,7 +476,7 @@ class SlurmCluster:
         if self._alive("slurmctld"):
             with contextlib.suppress(SlurmError, subprocess.TimeoutExpired):
                 self.cancel_all()
-        for name in ("slurmd", "slurmctld", "munged"):
+        for name in ("slurmd", "slurmctld", "slurmdbd", "mariadbd", "munged"):
             proc = self._procs.get(name)
             if proc is None:
                 continue
@@ -419,6 +490,7 @@ class SlurmCluster:
         self._procs.clear()
         left = processes_under(self.root)
         _kill_and_reap(left)
+        shutil.rmtree(self.db_dir, ignore_errors=True)  # ~80 MB of InnoDB files
         return left
 
     # -- configuration ----------------------------------------------------------------------
@@ -426,7 +498,7 @@ class SlurmCluster:
     def slurm_conf(self) -> str:
         c = self.config
         conf = {
-            "ClusterName": "fabrictest",
+            "ClusterName": CLUSTER_NAME,
             "SlurmctldHost": f"{NODE}(127.0.0.1)",
             "SlurmctldPort": self.ctld_port,
             "SlurmdPort": self.slurmd_port,
@@ -447,7 +519,7 @@ class SlurmCluster:
             "ProctrackType": "proctrack/linuxproc",
             "TaskPlugin": "task/none",
             "JobAcctGatherType": "jobacct_gather/none",
-            "AccountingStorageType": "accounting_storage/none",
+            **self._accounting_conf(),
             "JobCompType": "jobcomp/none",
             "MpiDefault": "none",
             "ReturnToService": 2,
@@ -477,6 +549,39 @@ class SlurmCluster:
             " PriorityTier=10 PreemptMode=OFF",
         ]
         return "\n".join(lines) + "\n"
+
+    def _accounting_conf(self) -> dict[str, object]:
+        if not self.config.accounting:
+            return {"AccountingStorageType": "accounting_storage/none"}
+        return {
+            "AccountingStorageType": "accounting_storage/slurmdbd",
+            "AccountingStorageHost": "127.0.0.1",
+            "AccountingStoragePort": self.dbd_port,
+            # the munge socket for slurmdbd connections (AuthInfo is not used for them)
+            "AccountingStoragePass": self.munge_socket,
+            # "limits" implies "associations": a job needs an account the user belongs to
+            "AccountingStorageEnforce": "limits,qos",
+        }
+
+    def slurmdbd_conf(self) -> str:
+        conf = {
+            "AuthType": "auth/munge",
+            "AuthInfo": f"socket={self.munge_socket}",
+            "DbdHost": NODE,
+            "DbdAddr": "127.0.0.1",
+            "DbdPort": self.dbd_port,
+            "SlurmUser": "root",
+            "PidFile": self.root / "slurmdbd.pid",
+            "LogFile": self.logs_dir / "slurmdbd.log",
+            "DebugLevel": self.config.debug,
+            "StorageType": "accounting_storage/mysql",
+            "StorageHost": "127.0.0.1",
+            "StoragePort": self.db_port,
+            "StorageUser": "slurm",  # any name: the server skips its grant tables
+            "StoragePass": "unused",
+            "StorageLoc": "slurm_acct_db",
+        }
+        return "".join(f"{k}={v}\n" for k, v in conf.items())
 
     def gres_conf(self, gpu_files: Sequence[Path]) -> str:
         lines = ["AutoDetect=off"]
@@ -656,6 +761,86 @@ class SlurmCluster:
         proc = self._procs.get(name)
         return proc is not None and proc.poll() is None
 
+    def sacctmgr(self, *args: str) -> str:
+        """``sacctmgr -i ARGS`` (no questions asked); its output. SlurmError if it fails."""
+        return self.run("sacctmgr", "-i", *args).stdout
+
+    def _start_accounting(self, timeout_s: float) -> None:
+        """MariaDB with its own datadir, socket and port under ``root``, then slurmdbd, then
+        the cluster, account, user and QoS that slurmctld loads when it starts."""
+        data = self.db_dir / "data"
+        shutil.rmtree(self.db_dir, ignore_errors=True)
+        data.mkdir(parents=True)
+        server = [
+            "--no-defaults",  # first: nothing from /etc/mysql
+            f"--datadir={data}",
+            # the least slurmdbd does not warn about ("Database settings not recommended")
+            "--innodb-log-file-size=64M",
+            "--innodb-buffer-pool-size=512M",
+            "--innodb-lock-wait-timeout=900",
+        ]
+        if os.geteuid() == 0:
+            server.append("--user=root")  # mariadbd refuses to run as root unless told so
+        done = subprocess.run(
+            [_which("mariadb-install-db"), *server, "--skip-test-db", "--skip-name-resolve"],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+            stdin=subprocess.DEVNULL,
+        )
+        if done.returncode != 0:
+            raise SlurmError(f"mariadb-install-db: {_tail(done.stdout + done.stderr, 10)}")
+        self._spawn(
+            "mariadbd",
+            *server,
+            f"--socket={self.db_dir / 'mariadbd.sock'}",
+            f"--pid-file={self.db_dir / 'mariadbd.pid'}",
+            f"--log-error={self.logs_dir / 'mariadbd.log'}",
+            f"--port={self.db_port}",
+            "--bind-address=127.0.0.1",
+            "--skip-name-resolve",
+            "--skip-grant-tables",  # any user, no password: a throw-away database on 127.0.0.1
+            "--skip-log-bin",
+            "--innodb-flush-log-at-trx-commit=0",
+            "--innodb-doublewrite=0",
+        )
+        self._wait(lambda: _accepts(self.db_port), timeout_s, "MariaDB accepting connections")
+        self.dbd_conf_path.write_text(self.slurmdbd_conf())
+        self.dbd_conf_path.chmod(0o600)  # slurmdbd insists, and that SlurmUser owns it
+        self._spawn("slurmdbd", "-D")
+        self._wait(self._dbd_answers, timeout_s, "slurmdbd answering")
+        self.sacctmgr("add", "cluster", CLUSTER_NAME)
+        for name, limits in ACCOUNTING_QOS.items():
+            if name == "normal":  # slurmdbd creates it
+                if limits:
+                    self.sacctmgr("modify", "qos", name, "set", *limits.split())
+            else:
+                self.sacctmgr("add", "qos", name, *limits.split())
+        qos = ",".join(ACCOUNTING_QOS)
+        default_qos = next(iter(ACCOUNTING_QOS))
+        self.sacctmgr("add", "account", ACCOUNT, f"Cluster={CLUSTER_NAME}")
+        user = pwd.getpwuid(os.geteuid()).pw_name
+        self.sacctmgr(
+            "add", "user", user, f"Account={ACCOUNT}", f"Cluster={CLUSTER_NAME}",
+            f"QOS={qos}", f"DefaultQOS={default_qos}",
+        )  # fmt: skip
+        # "add cluster" made the user a member of account root too, its default until now
+        self.sacctmgr("modify", "user", user, "set", f"DefaultAccount={ACCOUNT}")
+
+    def _dbd_answers(self) -> bool:
+        done = self.run("sacctmgr", "-n", "-P", "show", "cluster", check=False, timeout_s=15)
+        return done.returncode == 0
+
+    def _ctld_registered(self) -> bool:
+        """slurmdbd knows slurmctld's address: ``sacctmgr show cluster`` lists its port."""
+        done = self.run(
+            "sacctmgr", "-n", "-P", "show", "cluster", "format=cluster,controlport",
+            check=False, timeout_s=15,
+        )  # fmt: skip
+        return f"{CLUSTER_NAME}|{self.ctld_port}" in done.stdout.split()
+
     def _node_idle(self) -> bool:
         done = self.run("sinfo", "-h", "-n", NODE, "-o", "%T", check=False, timeout_s=15)
         return done.stdout.strip() == "idle"
@@ -707,6 +892,27 @@ def cluster_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+def _install_or_skip(*, accounting: bool = False) -> None:
+    """install_slurm, or skip the test (fail on CI) when Slurm cannot be installed here."""
+    if os.environ.get("FABRIC_SKIP_SLURM") == "1":
+        pytest.skip("real Slurm tests disabled: FABRIC_SKIP_SLURM=1")
+    try:
+        took_s = install_slurm(accounting=accounting)
+    except SlurmUnavailable as e:
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail(f"CI must run the real Slurm tests, but: {e}")
+        pytest.skip(f"no Slurm here: {e}")
+    if took_s:
+        print(f"\nslurm: installed {', '.join(packages(accounting=accounting))} in {took_s:.1f} s")
+
+
+def _print_errors(cluster: SlurmCluster, daemons: Iterable[str]) -> None:
+    for daemon in daemons:
+        errors = cluster.log_errors(daemon)
+        if errors:
+            print(f"--- {cluster.logs_dir / daemon}.log (errors) ---\n{errors}")
+
+
 @pytest.fixture(scope="session")
 def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
     """One throw-away Slurm cluster for the whole session, installed with apt if needed.
@@ -714,16 +920,7 @@ def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmClu
     Skips when Slurm cannot be installed here (not root, no apt, no Debian mirror) or with
     ``FABRIC_SKIP_SLURM=1``; on CI (``CI=true``) the first two fail instead of skipping.
     """
-    if os.environ.get("FABRIC_SKIP_SLURM") == "1":
-        pytest.skip("real Slurm tests disabled: FABRIC_SKIP_SLURM=1")
-    try:
-        took_s = install_slurm()
-    except SlurmUnavailable as e:
-        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-            pytest.fail(f"CI must run the real Slurm tests, but: {e}")
-        pytest.skip(f"no Slurm here: {e}")
-    if took_s:
-        print(f"\nslurm: installed {', '.join(SLURM_PACKAGES)} in {took_s:.1f} s")
+    _install_or_skip()
     cluster = SlurmCluster(cluster_root(tmp_path_factory))
     cluster.start()
     print(f"\nslurm: {cluster.version[2]} up in {cluster.started_in_s:.2f} s at {cluster.root}")
@@ -733,6 +930,33 @@ def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmClu
         left = cluster.close()
         if left:
             print(f"\nslurm: SIGKILLed {len(left)} processes left at teardown: {left}")
+
+
+@pytest.fixture(scope="module")
+def slurm_accounting_cluster(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[SlurmCluster]:
+    """A cluster in the accounting mode (slurmdbd, MariaDB, the QoS of ``ACCOUNTING_QOS``) for
+    one test module, installed with apt if needed; skips and fails as ``slurm_cluster`` does.
+
+    Its own directory and ports: it may run while the session's ``slurm_cluster`` is up.
+    """
+    _install_or_skip(accounting=True)
+    cluster = SlurmCluster(cluster_root(tmp_path_factory), SlurmClusterConfig(accounting=True))
+    cluster.start()
+    print(
+        f"\nslurm: {cluster.version[2]} with slurmdbd and MariaDB up in"
+        f" {cluster.started_in_s:.2f} s at {cluster.root}"
+    )
+    try:
+        yield cluster
+    finally:
+        try:
+            left = cluster.close()
+            if left:
+                print(f"\nslurm: SIGKILLed {len(left)} processes left at teardown: {left}")
+        finally:
+            _print_errors(cluster, ("slurmctld", "slurmd", "slurmdbd", "mariadbd"))
 
 
 @pytest.fixture
@@ -745,7 +969,4 @@ def slurm(slurm_cluster: SlurmCluster) -> Iterator[SlurmCluster]:
         try:
             slurm_cluster.cancel_all()
         finally:
-            for daemon in ("slurmctld", "slurmd"):
-                errors = slurm_cluster.log_errors(daemon)
-                if errors:
-                    print(f"--- {slurm_cluster.logs_dir / daemon}.log (errors) ---\n{errors}")
+            _print_errors(slurm_cluster, ("slurmctld", "slurmd"))

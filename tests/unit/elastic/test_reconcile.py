@@ -238,6 +238,23 @@ def test_a_placement_slurm_refused_is_skipped_and_with_none_left_the_model_waits
     assert len(submits(reconcile(NOW + 62, [two], [], [], memory).actions)) == 1
 
 
+def test_a_replica_that_starts_serving_resets_start_failures_but_not_slurms_refusal() -> None:
+    """Over a QoS's submit limit Slurm admits one job and refuses the next: the admitted one
+    serving says nothing about the limit, so no sbatch until the refusal expires."""
+    memory = Memory(Tuning(refusal_retry_s=60))
+    memory.failure(M).count = 2
+    reconcile(NOW, [goal(2)], [job("1", submitted=NOW)], [], memory)
+    memory.refused(M, Placement("gpu", "", 1), "QOSMaxSubmitJobPerUserLimit", NOW)
+    p = reconcile(NOW + 5, [goal(2)], [job("1", submitted=NOW)], [serving("1")], memory)
+    assert memory.failure(M).count == 0
+    assert p.actions == ()
+    assert p.status[0].state == "refused" and p.status[0].serving == 1
+    assert (
+        len(submits(reconcile(NOW + 61, [goal(2)], [job("1")], [serving("1")], memory).actions))
+        == 1
+    )
+
+
 def test_mesh_limits_are_never_exceeded() -> None:
     goals = [goal(3), goal(3, model="other")]
     p = reconcile(NOW, goals, [job("1")], [serving("1")], Memory(), Limits(max_jobs=4))

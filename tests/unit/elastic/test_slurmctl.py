@@ -108,6 +108,20 @@ def test_slurms_refusal_is_one_error_with_its_own_words() -> None:
         ctl.submit(Submission("m", 1, "nope", None))
     with pytest.raises(SlurmRefused, match="Invalid job id"):
         ctl.cancel("99")
+    # slurm-wlm 22.05 over a QoS's MaxSubmitJobsPerUser (tests/slurm/test_elastic_qos.py)
+    runner.answers["sbatch"] = (
+        1,
+        "",
+        "sbatch: error: QOSMaxSubmitJobPerUserLimit\n"
+        "sbatch: error: Batch job submission failed: Job violates accounting/QOS policy"
+        " (job submit limit, user's size and/or time limits)\n",
+    )
+    with pytest.raises(SlurmRefused) as refused:
+        ctl.submit(Submission("m", 1, "high", None))
+    assert str(refused.value) == (
+        "QOSMaxSubmitJobPerUserLimit; Batch job submission failed: Job violates accounting/QOS"
+        " policy (job submit limit, user's size and/or time limits)"
+    )
     runner.answers["squeue"] = (1, "", "slurm_load_jobs error: Unable to contact slurm controller")
     with pytest.raises(SlurmRefused, match="squeue failed: slurm_load_jobs error"):
         ctl.list_jobs()

@@ -1,0 +1,115 @@
+"""An elastic-controller mesh on a throw-away Slurm (``slurmcluster``), for tests/slurm.
+
+``elastic_mesh(cluster, workdir)`` starts an ingress and two ``--controller`` agents (one acts)
+trusting a fresh operator key, with simulated engines; on exit it stops them first (so nothing
+replaces the jobs cancelled next), cancels every job a controller submitted, waits for them to
+leave the queue and prints the agents' and the last jobs' log tails. ``fabric`` runs the CLI
+against an agent; the rest reads Slurm's and the mesh's view of the controller's jobs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from cli.localmesh import AgentProcess, LocalMesh
+from fabricnode.control.client import AdminClient
+from fabricnode.elastic.slurmctl import Tag, parse_comment
+from fabricnode.errors import AgentApiError
+from fabricnode.mesh.identity import OperatorKey
+from tests.support.slurmcluster import SlurmCluster
+
+FABRIC = Path(sys.executable).parent / "fabric"
+
+
+@dataclass
+class Elastic:
+    mesh: LocalMesh
+    ingress: AgentProcess
+    controllers: list[AgentProcess]
+
+
+@contextlib.contextmanager
+def elastic_mesh(cluster: SlurmCluster, workdir: Path) -> Iterator[Elastic]:
+    """An ingress and two controller agents (one acts) trusting the mesh's operator key; the
+    test is skipped when there is no ``fabric`` console script to run in the jobs."""
+    if not FABRIC.exists():
+        pytest.skip(f"no fabric console script next to {sys.executable}")
+    local = LocalMesh(workdir / "mesh")
+    key = OperatorKey.generate()
+    key.save(local.workdir / "operator.key")
+    trust = ("--trust-operator", key.fingerprint)
+    env = {**cluster.env, "FABRIC_BIN": str(FABRIC), "FABRIC_SIM_GPU": "H100",
+           "FABRIC_LEAVE_BEFORE_END": "", "FABRIC_JOIN": ""}  # fmt: skip
+    try:
+        ingress = local.start("ingress", args=trust)
+        controllers = [
+            local.start(name, args=[*trust, "--controller"], env=env) for name in ("ctl-a", "ctl-b")
+        ]
+        yield Elastic(local, ingress, controllers)
+    finally:
+        local.close()  # the controllers first, so that nothing replaces the jobs cancelled next
+        ours = tagged_jobs(cluster)
+        if ours:
+            cluster.run("scancel", *ours, check=False)
+        # The next module's tests time Slurm's signals: leave them a quiet cluster, not jobs
+        # still ending (their agents draining, slurmd running their epilogs).
+        deadline = time.monotonic() + 60
+        while tagged_jobs(cluster) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        for agent in local.agents:
+            print(f"--- {agent.name} (exit {agent.proc.returncode}) ---\n{agent.stderr_tail(25)}")
+        for out in sorted((local.workdir / "logs").glob("slurm-*.out"))[-6:]:
+            print(f"--- {out.name} ---\n" + "\n".join(out.read_text().splitlines()[-8:]))
+
+
+def fabric(mesh: LocalMesh, agent: AgentProcess, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "cli.main", "--agent", agent.http_url, *args],
+        env=mesh.env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def tagged_jobs(cluster: SlurmCluster) -> list[str]:
+    """Every controller job of any model still in the queue (completing ones included)."""
+    done = cluster.run("squeue", "-h", "-o", "%i|%k", check=False)
+    return [line.split("|")[0] for line in done.stdout.splitlines() if "fabric-elastic" in line]
+
+
+def controller_jobs(cluster: SlurmCluster) -> list[tuple[str, str, Tag]]:
+    """(job id, state, tag) of the jobs an elastic controller submitted, any mesh."""
+    done = cluster.run("squeue", "-h", "-o", "%i|%T|%k", check=False)
+    out = []
+    for line in done.stdout.splitlines():
+        job_id, state, comment = [*line.split("|", 2), "", ""][:3]
+        words = comment.split()
+        mesh = next((w[5:] for w in words if w.startswith("mesh=")), "")
+        tagged = parse_comment(comment, mesh) if mesh else None
+        if tagged is not None:
+            out.append((job_id, state, tagged))
+    return out
+
+
+def serving_count(url: str, model: str) -> int | None:
+    """Alive SERVING replicas of ``model`` in the registry of the agent at ``url`` (None when
+    it does not answer)."""
+    try:
+        with AdminClient(url, timeout_s=2.0) as client:
+            nodes = client.nodes(state="serving")
+    except AgentApiError:
+        return None
+    return sum(
+        1
+        for n in nodes
+        if (n.get("labels") or {}).get("fabric.service") == model and n.get("liveness") == "alive"
+    )
