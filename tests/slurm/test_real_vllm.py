@@ -219,7 +219,9 @@ def test_real_vllm_serves_reports_load_answers_and_leaves(
     print(f"SERVING after {time.monotonic() - t0:.1f} s")
     e = entry(watcher, sid)
     assert e is not None
-    assert e["models"] == [{"id": MODEL_NAME, "max_model_len": 512, "quantization": None}]
+    assert e["models"] == [
+        {"id": MODEL_NAME, "max_model_len": 512, "quantization": None, "parent": None}
+    ]
     assert e["engine"]["kind"] == "vllm" and e["engine"]["url"] == url
 
     def load_seen() -> bool:

@@ -62,7 +62,9 @@ def test_engine_node_serves_reports_load_and_leaves_without_orphans(mesh: LocalM
     e = entry(watcher, sid)
     assert e is not None
     assert (e["hardware"]["gpu_type"], e["hardware"]["gpu_count"]) == ("H100", 2)
-    assert e["models"] == [{"id": "tiny-llama", "max_model_len": 512, "quantization": None}]
+    assert e["models"] == [
+        {"id": "tiny-llama", "max_model_len": 512, "quantization": None, "parent": None}
+    ]
     assert e["engine"]["kind"] == "openai" and e["engine"]["url"].startswith("http://127.0.0.1:")
     assert httpx.get(f"{node.http_url}/ready", timeout=2).status_code == 200
 
