@@ -69,7 +69,7 @@ from fabricnode.elastic.plans import plans_from_text
 from fabricnode.elastic.slurmctl import SlurmControl
 from fabricnode.engine.command import EngineCommand
 from fabricnode.engine.follower import AssignmentFollower
-from fabricnode.engine.service import EngineService
+from fabricnode.engine.service import EngineService, EngineStatistics
 from fabricnode.errors import FabricError
 from fabricnode.host import rendezvous
 from fabricnode.host.hardware import default_host
@@ -359,6 +359,10 @@ class Agent:
 
         controller = self._controller(core, gossip)
 
+        def engine_statistics() -> EngineStatistics | None:
+            engine = self.engine
+            return None if engine is None else engine.statistics()
+
         def app(agent_endpoints: bool) -> AdminApp:
             return AdminApp(
                 core,
@@ -371,6 +375,7 @@ class Agent:
                 request_log_path=cfg.request_log_path,
                 wake_gossip=gossip.poke,
                 controller=controller,
+                engine=engine_statistics,
             )
 
         # The public port is the data plane; paths outside /v1 go to the control app inline.

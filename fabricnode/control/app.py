@@ -68,6 +68,8 @@ from fabricnode.dataplane.accounting import (
 )
 from fabricnode.dataplane.request import error_body
 from fabricnode.elastic.controller import Controller, summarise
+from fabricnode.engine.models import DROP_REASONS
+from fabricnode.engine.service import EngineStatistics
 from fabricnode.errors import DecodeError, FabricError
 from fabricnode.mesh.assignment import Offer, SignedAssignment
 from fabricnode.mesh.core import MeshCore
@@ -153,8 +155,10 @@ class AdminApp:
         request_log_path: Path | None = None,
         wake_gossip: Callable[[], None] = lambda: None,
         controller: Controller | None = None,
+        engine: Callable[[], EngineStatistics | None] = lambda: None,
     ) -> None:
         self.core = core
+        self.engine = engine  # the supervised engine's statistics (None: no engine)
         self.controller = controller  # --controller: its status and decisions
         self.wake_gossip = wake_gossip  # sends an accepted assignment now, not at the next tick
         self.is_ready = is_ready
@@ -573,6 +577,25 @@ class AdminMetrics(Collector):
             )
         yield gauge("fabric_cluster_keys", "Keys in the cluster keyring", len(core.keyring.keys))
         yield counter("fabric_admin_requests_total", "Requests to the admin API", app.requests)
+        engine = app.engine()
+        if engine is not None:
+            yield counter(
+                "fabric_engine_model_reads_total",
+                "Engine model lists read while serving (every models_interval_s)",
+                engine.model_reads,
+            )
+            yield counter(
+                "fabric_engine_model_read_errors_total",
+                "Engine model lists that could not be read (the last good list stayed)",
+                engine.model_read_errors,
+            )
+            yield from gauges_by(
+                "fabric_engine_models_dropped",
+                "Models of the engine's latest list that the entry leaves out, by reason"
+                " (registry limits: too_many, entry_full, name_too_long, ...)",
+                "reason",
+                {reason: engine.models_dropped.get(reason, 0) for reason in DROP_REASONS},
+            )
 
 
 def _provider(app: AdminApp) -> str:

@@ -8,10 +8,11 @@ stable and always present (``null`` when unknown), so scripts can rely on the sh
 
 Entry view keys, in order: ``session_id, provider, verified_provider, state, version,
 liveness, addresses{http,gossip}, hardware{gpu_type,gpu_count,gpu_memory_gb,host},
-engine{kind,version,url}, models[{id,max_model_len,quantization}], labels{}, load{waiting,
-running,kv_usage,inflight,updated_at}|null, started_at, updated_at, expires_at`` (times are Unix
-seconds). ``verified_provider`` is the fingerprint of a provider key that certified the session,
-or ``null``: the free-text ``provider`` is only a claim.
+engine{kind,version,url}, models[{id,max_model_len,quantization,parent}], labels{},
+load{waiting,running,kv_usage,inflight,updated_at}|null, started_at, updated_at, expires_at``
+(times are Unix seconds; ``parent`` is an adapter's base model, else ``null``).
+``verified_provider`` is the fingerprint of a provider key that certified the session, or
+``null``: the free-text ``provider`` is only a claim.
 """
 
 from __future__ import annotations
@@ -21,7 +22,13 @@ from typing import Any
 
 from fabricnode.mesh.core import MeshCore
 from fabricnode.mesh.membership import Liveness
-from fabricnode.mesh.registry import SLEEPING_LABEL, SignedEntry, State
+from fabricnode.mesh.registry import (
+    SLEEPING_LABEL,
+    EntryBody,
+    SignedEntry,
+    State,
+    model_parents,
+)
 
 Json = dict[str, Any]
 
@@ -60,10 +67,7 @@ def entry_view(core: MeshCore, entry: SignedEntry, now: float) -> Json:
             "version": body.engine.version,
             "url": body.engine.url,
         },
-        "models": [
-            {"id": m.id, "max_model_len": m.max_model_len, "quantization": m.quantization}
-            for m in body.models
-        ],
+        "models": _models(body),
         "labels": dict(body.labels),
         "load": None
         if load is None
@@ -78,6 +82,20 @@ def entry_view(core: MeshCore, entry: SignedEntry, now: float) -> Json:
         "updated_at": body.updated_at,
         "expires_at": body.expires_at,
     }
+
+
+def _models(body: EntryBody) -> list[Json]:
+    """The entry's models; ``parent`` names an adapter's (LoRA) base model (``fabric.parents``)."""
+    parents = model_parents(body)
+    return [
+        {
+            "id": m.id,
+            "max_model_len": m.max_model_len,
+            "quantization": m.quantization,
+            "parent": parents.get(m.id),
+        }
+        for m in body.models
+    ]
 
 
 def node_views(
@@ -117,7 +135,8 @@ def models_view(core: MeshCore, now: float) -> list[Json]:
     whose engine sleeps (``fabric.sleeping``: woken by a request). ``gpu_types``, ``gpus`` and
     the load (the latest reports summed; ``kv_usage`` their mean) are of the ``nodes`` nodes, so a
     crashed node's hardware and last report drop out. ``max_model_len``, ``quantizations`` and
-    ``providers`` are of every announcing entry.
+    ``providers`` are of every announcing entry; ``parent`` (an adapter's base model, else
+    ``null``) is the first such entry's, by session id.
     """
     acc: dict[str, Json] = {}
     for entry in sorted(core.registry, key=lambda e: e.session_id):
@@ -128,6 +147,7 @@ def models_view(core: MeshCore, now: float) -> list[Json]:
         counted = body.state == State.SERVING and live not in (Liveness.DEAD, Liveness.LEFT)
         asleep = any(key == SLEEPING_LABEL for key, _ in body.labels)
         load = core.loads.get(entry.session_id)
+        parents = model_parents(body)
         for m in body.models:
             row = acc.setdefault(
                 m.id,
@@ -139,6 +159,7 @@ def models_view(core: MeshCore, now: float) -> list[Json]:
                     "gpu_types": set(),
                     "gpus": 0,
                     "max_model_len": None,
+                    "parent": None,
                     "quantizations": set(),
                     "providers": set(),
                     "load": {"waiting": 0, "running": 0, "inflight": 0, "kv_usage": []},
@@ -148,6 +169,8 @@ def models_view(core: MeshCore, now: float) -> list[Json]:
                 row["max_model_len"] = max(row["max_model_len"] or 0, m.max_model_len)
             if m.quantization:
                 row["quantizations"].add(m.quantization)
+            if row["parent"] is None:
+                row["parent"] = parents.get(m.id)  # an adapter's base model (LoRA)
             row["providers"].add(body.provider)
             if not counted:
                 continue

@@ -581,6 +581,7 @@ class Ingress:
                 "created": m.created,
                 "owned_by": "fabric",
                 "max_model_len": m.max_model_len,
+                "parent": m.parent,  # an adapter's (LoRA) base model, as vLLM lists it
                 "fabric_nodes": m.nodes,
             }
             for m in self.table.listing()

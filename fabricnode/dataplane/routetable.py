@@ -33,7 +33,7 @@ from fabricnode.dataplane.routing import (
 from fabricnode.errors import ConfigError
 from fabricnode.mesh.core import MeshCore
 from fabricnode.mesh.membership import Liveness
-from fabricnode.mesh.registry import SLEEPING_LABEL, SignedEntry, State
+from fabricnode.mesh.registry import SLEEPING_LABEL, SignedEntry, State, model_parents
 from fabricnode.mesh.wire import Load
 
 Origin = tuple[str, int]
@@ -55,6 +55,7 @@ class ModelListing:
     max_model_len: int | None
     nodes: int
     created: int
+    parent: str | None = None  # the base model of an adapter (the entries' fabric.parents)
 
 
 class CircuitBreaker:
@@ -110,6 +111,7 @@ class RouteTable:
         before = {r.info.session_id for routes in self._by_model.values() for r in routes}
         by_model: dict[str, list[Route]] = {}
         sleeping: dict[str, list[Route]] = {}
+        parents: dict[str, dict[str, int]] = {}  # adapter -> parent -> entries that say so
         for entry in core.registry:
             body = entry.body
             if body.state != State.SERVING or not body.addresses.http:
@@ -119,6 +121,9 @@ class RouteTable:
                 continue
             verified = entry.verified_provider(now, core.verifier)
             table = sleeping if _asleep(body.labels) else by_model
+            for model_id, parent in model_parents(body).items():
+                said = parents.setdefault(model_id, {})
+                said[parent] = said.get(parent, 0) + 1
             for model in body.models:
                 info = NodeInfo(
                     session_id=body.session_id,
@@ -137,7 +142,7 @@ class RouteTable:
             routes.sort(key=lambda r: (not r.is_self, r.info.session_id))
         self._by_model = by_model
         self._sleeping = sleeping
-        self._listing = _listing(core, _merged(by_model, sleeping))
+        self._listing = _listing(core, _merged(by_model, sleeping), parents)
         after = {r.info.session_id for routes in by_model.values() for r in routes}
         self.removed.extend(before - after)
         self.rebuilds += 1
@@ -254,13 +259,22 @@ def _probed_status(core: MeshCore, sid: str) -> Liveness | None:
     return member.status
 
 
-def _listing(core: MeshCore, by_model: Mapping[str, list[Route]]) -> list[ModelListing]:
+def _listing(
+    core: MeshCore,
+    by_model: Mapping[str, list[Route]],
+    parents: Mapping[str, Mapping[str, int]],
+) -> list[ModelListing]:
     out = []
     for model_id in sorted(by_model):
         routes = by_model[model_id]
         lens = [r.info.max_model_len for r in routes if r.info.max_model_len]
         created = min(int(_started(core, r)) for r in routes)
-        out.append(ModelListing(model_id, max(lens) if lens else None, len(routes), created))
+        said = parents.get(model_id)
+        # the parent most entries name (then the first by name): one answer for every ingress
+        parent = min(said, key=lambda p: (-said[p], p)) if said else None
+        out.append(
+            ModelListing(model_id, max(lens) if lens else None, len(routes), created, parent)
+        )
     return out
 
 

@@ -2,9 +2,10 @@
 simulated engine), as the mesh sees it.
 
 Owns the engine's lifecycle: reading the engine command, running the child without orphans,
-probing readiness, scraping its load, and moving the node's signed entry JOIN -> SERVING ->
-DOWN. On a JOIN-only node it also follows the operator's plan: an assignment for this node is
-rendered through the engine template and launched like an engine given after ``--``.
+probing readiness, scraping its load, re-reading its model list (adapters come and go), and
+moving the node's signed entry JOIN -> SERVING -> DOWN. On a JOIN-only node it also follows
+the operator's plan: an assignment for this node is rendered through the engine template and
+launched like an engine given after ``--``.
 
 May import: ``fabricnode.mesh`` (the node's entry and its load reports), ``fabricnode.errors``,
 ``fabricnode.addr`` and ``fabricnode.simengine.model`` (the GPU types the ``sim`` template can
@@ -15,6 +16,8 @@ Modules, in reading order:
 
 * ``command``   what an engine argv says: kind, model, URL (pure).
 * ``metrics``   engine load from its Prometheus ``/metrics`` page, vLLM and SGLang (pure).
+* ``models``    the engine's ``/v1/models`` (LoRA adapters with their ``parent``) read into
+                what the entry may carry, with a reason for every model left out (pure).
 * ``template``  the engine command a JOIN-only node renders for an assignment
                 (``--engine-template``).
 * ``process``   the child: its own process group, parent-death signal, pidfd, output pump,

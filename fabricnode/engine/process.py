@@ -33,13 +33,13 @@ import subprocess
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 import httpx
 import trio
 
+from fabricnode.engine.models import ServedModel, parse_models
 from fabricnode.errors import FabricError
 
 log = logging.getLogger("fabricnode.engine.service")
@@ -61,12 +61,6 @@ _LIBC = ctypes.CDLL(None, use_errno=True)
 
 def _set_parent_death_signal() -> None:  # pragma: no cover - runs in the child
     _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-
-
-@dataclass(frozen=True)
-class ServedModel:
-    id: str
-    max_model_len: int | None
 
 
 class EngineProcess:
@@ -300,18 +294,3 @@ async def wait_ready(
         else:
             await trio.sleep(delay)
         delay = min(delay * 2, max_delay_s)
-
-
-def parse_models(doc: Any) -> list[ServedModel]:
-    """Models from an OpenAI ``/v1/models`` answer (vLLM adds ``max_model_len``)."""
-    out: list[ServedModel] = []
-    data = doc.get("data") if isinstance(doc, dict) else None
-    if not isinstance(data, list):
-        return out
-    for item in data:
-        if not isinstance(item, dict) or not isinstance(item.get("id"), str) or not item["id"]:
-            continue
-        mlen = item.get("max_model_len")
-        ok_len = isinstance(mlen, int) and not isinstance(mlen, bool) and mlen > 0
-        out.append(ServedModel(item["id"][:256], mlen if ok_len else None))
-    return out

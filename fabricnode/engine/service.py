@@ -2,8 +2,18 @@
 
     spawn ── loading ──► /health + /v1/models answer ──► SERVING (models, engine kind, url)
                 │                                         │ scrape /metrics every
-                │                                         │ ``metrics_interval_s`` → load channel
+                │                                         │ ``metrics_interval_s`` → load channel;
+                │                                         │ re-read /v1/models every
+                │                                         │ ``models_interval_s`` → entry's models
                 └── exits, or stops answering /health ────┴─► DOWN signed and pushed at once
+
+The model list is read again while the engine serves, so models that come and go at runtime
+(LoRA adapters loaded and unloaded through vLLM's API) are in the entry within
+``models_interval_s`` plus a gossip round; the entry is re-signed only when the list changed.
+What the engine lists is bounded to what the entry can carry (``models.publishable``: extras
+dropped with a reason, logged when the set of drops changes, counted in ``statistics``), and a
+list that cannot be read (no answer, an error, not JSON, over ``MAX_LISTING_BYTES``, no model)
+leaves the last good one in place.
 
 A child exit is noticed through its pidfd the moment it happens, so DOWN reaches the mesh in
 well under a second. A hang (no /health answer ``unhealthy_after`` times in a row) is DOWN too,
@@ -27,17 +37,25 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import orjson
 import trio
 
 from fabricnode.engine.command import EngineCommand, option_values
 from fabricnode.engine.metrics import engine_load, parse_samples
+from fabricnode.engine.models import (
+    MAX_LISTING_BYTES,
+    Listing,
+    publishable,
+    read_listing,
+    room_for_models,
+)
 from fabricnode.engine.process import EngineError, EngineProcess, wait_ready
 from fabricnode.engine.sleep import EngineSleep
 from fabricnode.mesh.registry import (
     MAX_LABEL_VALUE,
+    PARENTS_LABEL,
     SLEEPING_LABEL,
     EngineInfo,
-    ModelInfo,
     State,
 )
 from fabricnode.mesh.service import GossipService
@@ -56,6 +74,9 @@ class EngineStatistics:
     returncode: int | None
     scrapes: int
     scrape_errors: int
+    model_reads: int  # model lists read while serving
+    model_read_errors: int  # ... that could not be read (the last good list stayed)
+    models_dropped: dict[str, int]  # reason -> models of the latest list the entry left out
 
 
 class EngineService:
@@ -66,6 +87,7 @@ class EngineService:
         *,
         log_path: Path | None = None,
         metrics_interval_s: float = 0.5,
+        models_interval_s: float = 2.0,
         health_interval_s: float = 1.0,
         unhealthy_after: int = 3,
         kill_after_s: float = 10.0,
@@ -84,6 +106,7 @@ class EngineService:
         self.command = command
         self.gossip = gossip
         self.metrics_interval_s = metrics_interval_s
+        self.models_interval_s = models_interval_s
         self.health_interval_s = health_interval_s
         self.unhealthy_after = unhealthy_after
         self.log_path = log_path
@@ -104,10 +127,21 @@ class EngineService:
         self.stopping = False
         self.scrapes = 0
         self.scrape_errors = 0
+        self.model_reads = 0
+        self.model_read_errors = 0
+        self.models_dropped: dict[str, int] = {}
+        self._models_failing = False
 
     def statistics(self) -> EngineStatistics:
         return EngineStatistics(
-            self.state, self.process.pid, self.process.returncode, self.scrapes, self.scrape_errors
+            self.state,
+            self.process.pid,
+            self.process.returncode,
+            self.scrapes,
+            self.scrape_errors,
+            self.model_reads,
+            self.model_read_errors,
+            dict(self.models_dropped),
         )
 
     def _new_process(self) -> EngineProcess:
@@ -169,17 +203,16 @@ class EngineService:
         if self.stopping:
             return
         version = await self._engine_version(client)
-        quant = option_values(self.command.argv, "--quantization", "-q")
-        quantization = quant[-1][:64] if quant else None
+        changes = self._models_changes(Listing(tuple(models), 0))
         self.gossip.update_self(
-            state=State.SERVING,
-            models=tuple(ModelInfo(m.id, m.max_model_len, quantization) for m in models),
-            engine=EngineInfo(self.command.kind, version, url),
+            state=State.SERVING, engine=EngineInfo(self.command.kind, version, url), **changes
         )
         self.state = "serving"
-        log.info("engine ready at %s: serving %s", url, ", ".join(m.id for m in models))
+        served = self.gossip.core.self_entry.body.models
+        log.info("engine ready at %s: serving %s", url, ", ".join(m.id for m in served))
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._scrape_metrics, client)
+            nursery.start_soon(self._refresh_models, client)
             if self.sleep_after_s is not None:
                 self.sleeper = EngineSleep(
                     url,
@@ -220,6 +253,90 @@ class EngineService:
                 failures = 0 if r.status_code == 200 else failures + 1
             except httpx.HTTPError:
                 failures += 1
+
+    def _quantization(self) -> str | None:
+        quant = option_values(self.command.argv, "--quantization", "-q")
+        return quant[-1][:64] if quant else None
+
+    def _models_changes(self, listing: Listing) -> dict[str, object]:
+        """The entry's ``models`` and labels for ``listing``; empty when they would not change
+        or the listing has no model the entry can carry (the last good list stays)."""
+        body = self.gossip.core.self_entry.body
+        pub = publishable(
+            listing, quantization=self._quantization(), room_bytes=room_for_models(body)
+        )
+        if pub.dropped != self.models_dropped:
+            if pub.dropped:
+                log.warning(
+                    "the entry leaves out models the engine lists: %s (registry limits)",
+                    ", ".join(f"{n} {reason}" for reason, n in sorted(pub.dropped.items())),
+                )
+            self.models_dropped = pub.dropped
+        if not pub.models:
+            return {}
+        parents = tuple(kv for kv in body.labels if kv[0] == PARENTS_LABEL)
+        if pub.models == body.models and pub.labels == parents:
+            return {}
+        others = [kv for kv in body.labels if kv[0] != PARENTS_LABEL]
+        return {"models": pub.models, "labels": tuple(sorted([*others, *pub.labels]))}
+
+    async def _refresh_models(self, client: httpx.AsyncClient) -> None:
+        """Re-read the engine's model list every ``models_interval_s``; re-sign on a change."""
+        while True:
+            await trio.sleep(self.models_interval_s)
+            listing = await self._read_models(client)
+            if listing is None or self.state != "serving" or self.gossip.core.left:
+                continue
+            self.model_reads += 1
+            before = {m.id for m in self.gossip.core.self_entry.body.models}
+            changes = self._models_changes(listing)
+            if not changes:
+                continue
+            try:
+                self.gossip.update_self(**changes)
+            except ValueError as exc:  # an entry over its size: kept as it was
+                self.model_read_errors += 1
+                log.warning("model list not published: %s", exc)
+                continue
+            after = {m.id for m in self.gossip.core.self_entry.body.models}
+            log.info(
+                "engine models changed: +[%s] -[%s]",
+                ", ".join(sorted(after - before)),
+                ", ".join(sorted(before - after)),
+            )
+
+    async def _read_models(self, client: httpx.AsyncClient) -> Listing | None:
+        """The engine's ``/v1/models``, or None when it cannot be read or lists no model."""
+        try:
+            listing = read_listing(orjson.loads(await self._get_listing(client)))
+            why = "" if listing.models else "no model listed"
+        except EngineError as exc:
+            why = str(exc)
+        except (httpx.HTTPError, ValueError) as exc:  # orjson's errors are ValueErrors
+            why = type(exc).__name__
+        if why:
+            self.model_read_errors += 1
+            if not self._models_failing:
+                log.warning("engine model list unreadable (%s): keeping the last one", why)
+            self._models_failing = True
+            return None
+        if self._models_failing:
+            log.info("engine model list readable again")
+        self._models_failing = False
+        return listing
+
+    async def _get_listing(self, client: httpx.AsyncClient) -> bytes:
+        """The body of ``GET /v1/models``; EngineError past ``MAX_LISTING_BYTES`` or not 200."""
+        timeout = min(5.0, max(1.0, self.models_interval_s))
+        async with client.stream("GET", f"{self.command.url}/v1/models", timeout=timeout) as r:
+            if r.status_code != 200:
+                raise EngineError(f"answered {r.status_code}")
+            data = bytearray()
+            async for chunk in r.aiter_bytes():
+                data += chunk
+                if len(data) > MAX_LISTING_BYTES:
+                    raise EngineError(f"larger than {MAX_LISTING_BYTES} bytes")
+            return bytes(data)
 
     async def _scrape_metrics(self, client: httpx.AsyncClient) -> None:
         while True:

@@ -569,7 +569,9 @@ def test_wrapper_job_joins_the_mesh_and_serves_through_another_agent(
     labels = dict(entry["labels"])
     assert labels["slurm.job_id"] == str(job.job_id) and labels["slurm.partition"] == "low"
     assert entry["hardware"]["gpu_count"] == 2 and entry["hardware"]["gpu_type"] == "H100"
-    assert entry["models"] == [{"id": MODEL, "max_model_len": 4096, "quantization": None}]
+    assert entry["models"] == [
+        {"id": MODEL, "max_model_len": 4096, "quantization": None, "parent": None}
+    ]
 
     from openai import OpenAI
 

@@ -362,6 +362,7 @@ MODEL_KEYS = [
     "gpu_types",
     "gpus",
     "max_model_len",
+    "parent",
     "quantizations",
     "providers",
     "load",
@@ -464,7 +465,7 @@ def test_nodes_json_has_the_documented_keys(runner: CliRunner, sim_mesh: SimMesh
         assert list(entry["engine"]) == ["kind", "version", "url"]
     llama = by_sid[sim_mesh.llama.session_id]
     assert llama["hardware"]["gpu_type"] == "H100" and llama["hardware"]["gpu_count"] == 2
-    assert [list(m) for m in llama["models"]] == [["id", "max_model_len", "quantization"]]
+    assert [list(m) for m in llama["models"]] == [["id", "max_model_len", "quantization", "parent"]]
     assert list(llama["load"]) == ["waiting", "running", "kv_usage", "inflight", "updated_at"]
     assert llama["labels"] == {"fabric.name": "llama", "team": "a"}
     assert by_sid[sim_mesh.bare.session_id]["load"] is None

@@ -17,7 +17,7 @@ from fabricnode.control.client import AdminClient
 from fabricnode.errors import AgentApiError
 from tests.support import SUPPORT
 from tests.support.meshload import engine_process
-from tests.support.meshview import entry, free_port, state_is
+from tests.support.meshview import entry, free_port, metrics, state_is
 
 pytestmark = pytest.mark.slow
 
@@ -62,7 +62,9 @@ def test_engine_node_serves_reports_load_and_leaves_without_orphans(mesh: LocalM
     e = entry(watcher, sid)
     assert e is not None
     assert (e["hardware"]["gpu_type"], e["hardware"]["gpu_count"]) == ("H100", 2)
-    assert e["models"] == [{"id": "tiny-llama", "max_model_len": 512, "quantization": None}]
+    assert e["models"] == [
+        {"id": "tiny-llama", "max_model_len": 512, "quantization": None, "parent": None}
+    ]
     assert e["engine"]["kind"] == "openai" and e["engine"]["url"].startswith("http://127.0.0.1:")
     assert httpx.get(f"{node.http_url}/ready", timeout=2).status_code == 200
 
@@ -79,6 +81,72 @@ def test_engine_node_serves_reports_load_and_leaves_without_orphans(mesh: LocalM
     assert node.proc.wait(15) == 0
     assert state_is(watcher, sid, "left")
     assert wait_until(lambda: gone(engine) and gone(worker), 5), "engine outlived its agent"
+
+
+def listed(ingress: AgentProcess) -> dict[str, Any]:
+    """``/v1/models`` of an ingress: id -> its row."""
+    r = httpx.get(f"{ingress.http_url}/v1/models", timeout=2)
+    assert r.status_code == 200, r.text
+    return {m["id"]: m for m in r.json()["data"]}
+
+
+def test_lora_adapter_loaded_at_runtime_is_listed_and_routed_everywhere_then_gone(
+    mesh: LocalMesh,
+) -> None:
+    # The engine's model list is re-read every 2 s: an adapter loaded through the engine's API
+    # (vLLM's /v1/load_lora_adapter, here the stub's) is a model on every ingress within
+    # seconds, named with its parent, and requests naming it are routed to the node; unloaded,
+    # it goes. A list the engine cannot give meanwhile leaves the last good one in place.
+    watcher = mesh.start("watcher")
+    port = free_port()
+    engine_url = f"http://127.0.0.1:{port}"
+    node = mesh.start("engine", args=engine_args(port))
+    sid = node.session_id
+    assert wait_until(lambda: state_is(watcher, sid, "serving"), 20), entry(watcher, sid)
+    assert wait_until(lambda: "tiny-llama" in listed(watcher), 10)
+    assert listed(watcher)["tiny-llama"]["parent"] is None
+
+    lora = {"lora_name": "tiny-lora", "lora_path": "/adapters/tiny-lora"}
+    r = httpx.post(f"{engine_url}/v1/load_lora_adapter", json=lora, timeout=2)
+    assert r.status_code == 200, r.text
+    t0 = time.monotonic()
+    assert wait_until(lambda: "tiny-lora" in listed(watcher), 10, interval_s=0.1)
+    appeared_s = time.monotonic() - t0
+    print(f"adapter listed by another agent {appeared_s:.1f} s after it was loaded")
+    assert appeared_s < 5.0
+    row = listed(watcher)["tiny-lora"]
+    assert row["parent"] == "tiny-llama" and row["fabric_nodes"] == 1
+    e = entry(watcher, sid)
+    assert e is not None and e["models"] == [
+        {"id": "tiny-llama", "max_model_len": 512, "quantization": None, "parent": None},
+        {"id": "tiny-lora", "max_model_len": None, "quantization": None, "parent": "tiny-llama"},
+    ]
+
+    chat = {"model": "tiny-lora", "messages": [{"role": "user", "content": "hi"}]}
+    r = httpx.post(f"{watcher.http_url}/v1/chat/completions", json=chat, timeout=10)
+    assert r.status_code == 200, r.text
+    assert r.json()["model"] == "tiny-lora" and r.headers["x-fabric-node"] == sid
+
+    # The engine stops giving its list (500): the entry keeps the last good one.
+    version = e["version"]
+    httpx.post(f"{engine_url}/stub/models-broken", json={"broken": True}, timeout=2)
+    time.sleep(4.5)  # two refreshes
+    e = entry(watcher, sid)
+    assert e is not None and e["version"] == version and len(e["models"]) == 2, e
+    httpx.post(f"{engine_url}/stub/models-broken", json={"broken": False}, timeout=2)
+    counted = metrics(node.http_url)
+    assert counted["fabric_engine_model_read_errors_total"] >= 2, counted
+    assert counted['fabric_engine_models_dropped{reason="too_many"}'] == 0
+
+    r = httpx.post(f"{engine_url}/v1/unload_lora_adapter", json=lora, timeout=2)
+    assert r.status_code == 200, r.text
+    t0 = time.monotonic()
+    assert wait_until(lambda: "tiny-lora" not in listed(watcher), 10, interval_s=0.1)
+    print(f"adapter gone from another agent {time.monotonic() - t0:.1f} s after its unload")
+    assert time.monotonic() - t0 < 5.0
+    r = httpx.post(f"{watcher.http_url}/v1/chat/completions", json=chat, timeout=10)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
+    assert "tiny-llama" in listed(watcher)
 
 
 def test_engine_crash_is_down_everywhere_within_a_second(mesh: LocalMesh) -> None:

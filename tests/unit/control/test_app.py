@@ -190,8 +190,8 @@ async def test_nodes_lists_every_entry_with_the_spec_keys(app: AdminApp, mesh: M
         "host": "gpu-b",
     }
     assert h100["models"] == [
-        {"id": "llama-3-8b", "max_model_len": 8192, "quantization": None},
-        {"id": "qwen-7b", "max_model_len": 32768, "quantization": "fp8"},
+        {"id": "llama-3-8b", "max_model_len": 8192, "quantization": None, "parent": None},
+        {"id": "qwen-7b", "max_model_len": 32768, "quantization": "fp8", "parent": None},
     ]
     assert h100["labels"] == {"team": "vision"}
     assert h100["addresses"]["gossip"] == "10.0.0.3:7946"

@@ -7,7 +7,7 @@ from dataclasses import replace
 from fabricnode.dataplane.routetable import CircuitBreaker, RouteTable
 from fabricnode.mesh.identity import Identity
 from fabricnode.mesh.membership import Liveness
-from fabricnode.mesh.registry import Addresses, ModelInfo, State
+from fabricnode.mesh.registry import Addresses, ModelInfo, State, parents_labels
 from fabricnode.mesh.wire import EntryMsg
 from fabricnode.testing.simnet import SimNetwork, make_body
 
@@ -80,3 +80,26 @@ def test_phantom_entries_nobody_can_probe_are_never_routed_to() -> None:
         requirements=None,
     )
     assert [c.node.session_id for c in eligible] == [real.core.self_id]
+
+
+def test_an_adapter_is_listed_with_its_parent_and_routed_like_any_model() -> None:
+    net = SimNetwork(seed=5)
+    ingress = net.add_node(0)
+    server = net.add_node(1, seeds=[ingress.addr])
+    models = (ModelInfo("base", 512), ModelInfo("lora", None))
+    server.core.update_self(
+        net.wall,
+        state=State.SERVING,
+        models=models,
+        labels=parents_labels(models, {"lora": "base"}),
+        addresses=Addresses(http="http://10.0.0.2:8080", gossip=server.addr),
+    )
+    net.poke(server)
+    net.run_for(5)
+    table = RouteTable(ingress.core, lambda: net.wall)
+    assert [(m.id, m.parent, m.nodes) for m in table.listing()] == [
+        ("base", None, 1),
+        ("lora", "base", 1),
+    ]
+    routes = table.routes("lora")
+    assert routes is not None and [r.info.session_id for r in routes] == [server.core.self_id]

@@ -23,6 +23,7 @@ from hypothesis.stateful import (
 from fabricnode.mesh.identity import Identity, Verifier
 from fabricnode.mesh.registry import (
     MAX_LABEL_VALUE,
+    PARENTS_LABEL,
     Hardware,
     MergeOutcome,
     ModelInfo,
@@ -31,6 +32,8 @@ from fabricnode.mesh.registry import (
     SignedEntry,
     State,
     join,
+    model_parents,
+    parents_labels,
 )
 from fabricnode.testing.simnet import make_body
 
@@ -778,3 +781,30 @@ def test_a_label_value_peers_would_refuse_is_never_signed() -> None:
     too_long = replace(body, labels=(("k", "v" * (MAX_LABEL_VALUE + 1)),))
     with pytest.raises(ValueError, match="too long"):
         too_long.sign(ident)
+
+
+def test_which_models_are_adapters_rides_in_a_label_every_peer_decodes() -> None:
+    # The model row keeps its three fields (what every peer decodes, so older agents carry
+    # the entry); an adapter's parent is the fabric.parents label: parent indices by model.
+    owner = OWNERS[0]
+    models = (ModelInfo("base", 512), ModelInfo("lora-a"), ModelInfo("other", 8), ModelInfo("b"))
+    labels = parents_labels(models, {"lora-a": "base", "b": "other", "other": "missing"})
+    assert labels == ((PARENTS_LABEL, ",0,,2"),)
+    body = replace(make_body(owner, "10.0.0.1:7946", T0), models=models, labels=labels)
+    entry = SignedEntry.from_wire(body.sign(owner).to_wire())
+    assert entry.verify(VERIFIER)
+    rows = entry.body.fields()[8]
+    assert isinstance(rows, list) and all(len(row) == 3 for row in rows)
+    assert model_parents(entry.body) == {"lora-a": "base", "b": "other"}
+    assert parents_labels(models, {}) == ()
+    assert parents_labels(models, {"base": "base"}) == ()  # not its own parent
+
+
+@pytest.mark.parametrize(
+    "value", ["", "0", ",0,", ",4", ",-1", ",x", ",0,0,0", ",²", ",00 ", ",1", ",000"]
+)
+def test_a_parents_label_that_does_not_match_the_models_says_nothing_wrong(value: str) -> None:
+    models = (ModelInfo("base"), ModelInfo("lora"))
+    body = replace(make_body(OWNERS[0], "10.0.0.1:7946", T0), models=models)
+    body = replace(body, labels=((PARENTS_LABEL, value),))
+    assert model_parents(body) == {}
