@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import IO
 
 import httpx
+import orjson
 import trio
 
 from fabricnode.engine.models import ServedModel, parse_models
@@ -269,7 +270,8 @@ async def wait_ready(
             if health.status_code == 200:
                 models = await client.get(f"{base_url}/v1/models", timeout=10.0)
                 if models.status_code == 200:
-                    served = parse_models(models.json())
+                    # orjson: a deeply nested answer is a ValueError, not a RecursionError
+                    served = parse_models(orjson.loads(models.content))
                     if served:
                         return served
                     last_error = "/v1/models lists no model yet"

@@ -205,3 +205,17 @@ async def test_a_restarted_simulated_engine_serves_again_on_the_port_the_agent_h
             with socket.socket() as other, pytest.raises(OSError):
                 other.bind(("127.0.0.1", int(command.url.rsplit(":", 1)[1])))
     command.listener.close()
+
+
+async def test_wait_ready_outlasts_a_models_answer_nested_too_deep_to_parse() -> None:
+    answers = iter([b"[" * 100_000 + b"]" * 100_000, b'{"data": [{"id": "m"}]}'])
+
+    def engine(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/health":
+            return httpx.Response(200)
+        return httpx.Response(200, content=next(answers))
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(engine)) as client:
+        with trio.fail_after(10):
+            models = await wait_ready("http://engine", client=client, initial_delay_s=0.01)
+    assert models == [ServedModel("m", None)]
