@@ -680,9 +680,8 @@ class Ingress:
             routes = self.table.sleeping(model)
             waking = routes is not None
         doc = decoded.doc
-        if kind in PREPARED_KINDS:
-            # Responses: pinned to the node of ``previous_response_id``; forms: their type.
-            pinned = self._prepare(kind, req, doc, routes)
+        if kind in PREPARED_KINDS and kind == RESPONSES:
+            pinned = self._pinned(model, doc, routes)
             if isinstance(pinned, Rejection):
                 return self._reject(conn, pinned, path)
             routes = pinned
@@ -702,7 +701,7 @@ class Ingress:
         if kind in PREPARED_KINDS:
             if kind == RESPONSES:
                 job.retag = True  # each attempt names its node in the response id
-            else:
+            else:  # a form goes on with its boundary
                 job.content_type = req.headers.get(b"content-type", job.content_type)
         if not routes:
             assert hold_s is not None
@@ -718,14 +717,12 @@ class Ingress:
         )
         return self._dispatch(conn, job, rreq, routes, decoded.providers, decoded.requirements)
 
-    def _prepare(
-        self, kind: str, req: Request, doc: dict[str, Any], routes: list[Route] | None
+    def _pinned(
+        self, model: str, doc: dict[str, Any], routes: list[Route] | None
     ) -> list[Route] | Rejection | None:
-        """The routes of a Responses request that continues a stored response: only the node
-        that stored it (named in its id: ``endpoints.node_of_response``), 404 once that node is
-        gone. Any other request keeps ``routes``."""
-        if kind != RESPONSES:
-            return routes
+        """The routes of a ``POST /v1/responses``: if it continues a stored response
+        (``previous_response_id``), only the node that stored it (named in its id:
+        ``endpoints.node_of_response``), 404 once that node is gone; else ``routes``."""
         previous = doc.get("previous_response_id")
         sid = node_of_response(previous) if isinstance(previous, str) else None
         if sid is None:
@@ -733,21 +730,25 @@ class Ingress:
         pinned = [r for r in routes if r.info.session_id == sid] if routes else []
         if pinned:
             return pinned
-        return Rejection(404, self._gone_message(str(previous), sid), "response_node_gone")
+        return Rejection(404, self._gone_message(str(previous), sid, model), "response_node_gone")
 
-    def _gone_message(self, rid: str, sid: str) -> str:
-        """Why a response stored by ``sid`` cannot be reached any more."""
+    def _gone_message(self, rid: str, sid: str, model: str | None) -> str:
+        """Why the node that stored response ``rid`` cannot take its follow-up."""
         entry = self.core.registry.get(sid)
-        if entry is None or entry.body.state in (State.LEFT, State.DOWN):
-            why = "has left the mesh"
-        elif entry.body.state != State.SERVING:
-            why = "is not serving"
+        state = entry.body.state if entry is not None else State.LEFT
+        if state == State.LEFT:
+            why = "has left the mesh: its stored responses went with it"
+        elif state == State.DOWN:
+            why = "is down (its engine stopped): its stored responses went with it"
+        elif state != State.SERVING:
+            why = "does not serve"
+        elif self.core.members.status(sid) is Liveness.DEAD:
+            why = "is dead (it stopped answering the mesh)"
+        elif model is not None and self.table.node(sid) is not None:
+            why = f"does not serve {model!r}"
         else:
-            why = "does not serve this model any more"
-        return (
-            f"response {rid!r} was stored by node {sid[:8]}, which {why}: its stored responses "
-            "went with it"
-        )
+            why = "cannot take requests from you (your key or X-Fabric-* headers exclude it)"
+        return f"response {rid!r} was stored by node {sid[:8]}, which {why}"
 
     def _route_follow_up(
         self, conn: ClientConn, req: Request, kind: str, rid: str
@@ -785,7 +786,7 @@ class Ingress:
             [route], providers, requirements, set(), started, self.wall_clock()
         ):
             return self._reject(
-                conn, Rejection(404, self._gone_message(rid, sid), "response_node_gone"), path
+                conn, Rejection(404, self._gone_message(rid, sid, None), "response_node_gone"), path
             )
         stream = kind != RESPONSE_CANCEL and b"stream=true" in req.target.partition(b"?")[2]
         # The query (``stream``, ``starting_after``) goes with it: the target is what is sent.

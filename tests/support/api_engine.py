@@ -13,7 +13,8 @@ the data plane's endpoints in each one's own format:
   ``sequence_number``, the usage in ``response.completed``), Anthropic Messages events (usage
   in ``message_start`` and ``message_delta``). A body with ``"stub_break_after": N`` gets its
   first N events and then a closed connection (no terminating chunk): a node failing
-  mid-stream.
+  mid-stream; one with ``"stub_fail_first": TOKEN`` is answered 503 by the first engine (of
+  all in the process) that sees that token: a node failing before the first byte.
 * Responses as vLLM 0.32 stores them: the response's id is the request's ``request_id`` (else
   a random ``resp_`` id); ``GET /v1/responses/{id}`` and ``POST .../cancel`` answer the stored
   one or vLLM's 404; a ``previous_response_id`` it does not hold is a 404.
@@ -33,6 +34,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 ENGINE_VERSION = "0.32.0-stub"
+_FAILED: set[str] = set()  # the ``stub_fail_first`` tokens some engine failed already
+_FAILED_LOCK = threading.Lock()
 TOKENS = ["Hello", " from", " the", " stub"]
 
 
@@ -145,6 +148,13 @@ class ApiEngine:
         model = doc.get("model", "")
         stream = doc.get("stream") is True
         cut = doc.get("stub_break_after")
+        token = doc.get("stub_fail_first")
+        if isinstance(token, str):
+            with _FAILED_LOCK:  # the first engine, of all in this process, to see it fails
+                first = token not in _FAILED
+                _FAILED.add(token)
+            if first:
+                return _send_json(conn, seen, 503, _vllm_error(503, "stub failure"))
         if path == "/v1/responses":
             return self._create_response(conn, seen, doc, stream, cut)
         if path == "/v1/messages":

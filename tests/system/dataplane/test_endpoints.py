@@ -556,3 +556,21 @@ def test_once_the_storing_node_left_its_responses_are_a_clear_404(fab: Mesh) -> 
         assert r.status_code == 404 and r.json()["error"]["code"] == "response_node_gone"
     finally:
         solo.close()
+
+
+def test_a_response_that_fails_over_is_named_after_the_node_that_answered(fab: Mesh) -> None:
+    """Each attempt names its own node: the id the client gets names the node that stored it,
+    not the one tried first. (Last in the module: the failed node is ejected a while.)"""
+    body = {"model": "m1", "input": "x", "stub_fail_first": "failover-1"}
+    r = fab.post("/v1/responses", body)
+    assert r.status_code == 200, r.text
+    served = r.headers["x-fabric-node"]
+    assert node_of_response(r.json()["id"]) == served
+    (failed,) = [
+        sid
+        for sid, engine in fab.engines.items()
+        for seen in engine.requests("/v1/responses")
+        if b"failover-1" in seen.body and sid != served
+    ]
+    (attempt,) = fab.engines[failed].requests("/v1/responses")[-1:]
+    assert node_of_response(json.loads(attempt.body)["request_id"]) == failed != served
