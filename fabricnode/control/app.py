@@ -5,6 +5,11 @@ Endpoints (all GET; HEAD is answered like GET without a body):
 * ``/health`` — 200 ``{"status": "ok"}`` while the process runs.
 * ``/ready`` — 200 ``{"status": "ready"}`` once the agent has joined (see ``agent.JoinTracker``),
   else 503 ``{"status": "joining"}``; 503 ``{"status": "left"}`` once it is leaving.
+* ``/ping`` (GET or POST, as vLLM's) — the same answer as ``/ready``: whether this agent takes
+  requests.
+* ``/version`` — ``{"version": <fabricnode's>, "engines": [{"kind", "version", "nodes"}]}``: the
+  agent's version and the engines SERVING nodes of the mesh run (an engine's own ``/version``
+  answers for one engine; the mesh may run several kinds and versions).
 * ``/fabric/v1/self`` — this agent's own entry (the entry view of ``views``).
 * ``/fabric/v1/nodes`` — ``{"nodes": [...]}``; query filters ``state``, ``model``, ``gpu``,
   ``label=K=V`` (repeatable, all must match).
@@ -55,6 +60,7 @@ from prometheus_client import generate_latest
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
+from fabricnode import __version__
 from fabricnode.asgi import Receive, Send, lifespan
 from fabricnode.control.views import Json, entry_view, match_sessions, models_view, node_views
 from fabricnode.dataplane.accounting import (
@@ -185,6 +191,8 @@ class AdminApp:
         path = scope["path"]
         posting = self.agent_endpoints and path in (ASSIGNMENTS_PATH, SERVICES_PATH)
         try:
+            if method == "POST" and path == "/ping":
+                method = "GET"  # vLLM (and SageMaker) answer /ping to both
             if posting and method == "POST" and path == SERVICES_PATH:
                 limit = 2 * MAX_SERVICES_BYTES  # base64 and the JSON around it
                 response = self.post_services(await _read_body(receive, limit))
@@ -221,8 +229,10 @@ class AdminApp:
     def route(self, path: str) -> Callable[[list[tuple[str, str]]], Response]:
         if path == "/health":
             return self.health
-        if path == "/ready":
+        if path == "/ready" or path == "/ping":
             return self.ready
+        if path == "/version":
+            return self.version
         if self.agent_endpoints:
             if path == "/fabric/v1/self":
                 return self.self_entry
@@ -256,6 +266,22 @@ class AdminApp:
         if self.is_ready():
             return json_response({"status": "ready"})
         return json_response({"status": "joining"}, 503)
+
+    def version(self, query: list[tuple[str, str]]) -> Response:
+        engines: Counter[tuple[str, str]] = Counter()
+        for entry in self.core.registry:
+            body = entry.body
+            if body.state == State.SERVING and body.engine.kind:
+                engines[(body.engine.kind, body.engine.version)] += 1
+        return json_response(
+            {
+                "version": __version__,
+                "engines": [
+                    {"kind": kind, "version": version, "nodes": n}
+                    for (kind, version), n in sorted(engines.items())
+                ],
+            }
+        )
 
     def self_entry(self, query: list[tuple[str, str]]) -> Response:
         return json_response(entry_view(self.core, self.core.self_entry, self.wall_clock()))

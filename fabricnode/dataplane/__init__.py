@@ -13,9 +13,12 @@ May import: ``fabricnode.mesh`` (the registry, liveness and keyring it routes by
 
 Modules, in reading order (pure first, then the shell that uses them):
 
+* ``endpoints``       the endpoint table (path -> kind), each kind's dialect and stream error
+                      events, the response ids that name the node storing them.
+* ``multipart``       the text fields of a ``multipart/form-data`` body, without copying files.
 * ``request``         the pure request decoder: a request and the caller's key in, a routed
-                      request or an OpenAI error out; the ``X-Fabric-Require`` and
-                      ``X-Fabric-Providers`` header grammars.
+                      request or an error (OpenAI's, or Anthropic's on its paths) out; the
+                      ``X-Fabric-Require`` and ``X-Fabric-Providers`` header grammars.
 * ``routing``         the pure routing core: load scores, prompt prefix hashing, the policies
                       (``make_policy``: round robin, least load, p2c, prefix, prefix-pending).
 * ``routetable``      the registry reduced to the candidates of each model, and the filters.
@@ -31,8 +34,8 @@ Modules, in reading order (pure first, then the shell that uses them):
 * ``clientconn``      a client connection and how response pieces are sent on it.
 * ``settle``          the bookkeeping of answered requests, deferred off the client's path.
 * ``asgi_call``       paths outside ``/v1/`` through the agent's ASGI control app, inline.
-* ``ingress``         ``Ingress``: one task per client connection, the endpoint table
-                      ``ENDPOINTS``, routing, failover and relay; start reading here for the flow.
+* ``ingress``         ``Ingress``: one task per client connection, dispatch by the endpoint
+                      table, routing, failover and relay; start reading here for the flow.
 
 docs/architecture.md ("The data plane") describes the design; docs/user-guide.md what clients
 see; docs/benchmarks.md the measured costs.

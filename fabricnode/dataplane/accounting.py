@@ -4,11 +4,20 @@ Theory of operation
 -------------------
 Everything here is sync and cheap enough for the request hot path of the trio data plane.
 
-* ``usage_from_json`` reads ``usage`` from a non-streamed OpenAI response body.
+* ``usage_from_json`` reads ``usage`` from a non-streamed response body, in each endpoint's
+  own fields: ``prompt_tokens``/``completion_tokens`` (OpenAI chat, completions, embeddings,
+  score, pooling, classify; rerank's ``prompt_tokens``), ``input_tokens``/``output_tokens``
+  (Responses, Anthropic Messages). ``audio_seconds_from_json`` reads the audio duration vLLM
+  reports as the usage of a transcription or translation (``{"type": "duration", "seconds"}``).
 * ``StreamUsage`` is fed the raw bytes of a streamed (SSE) response as they are relayed, split
   anywhere. It frames lines and events itself and never parses JSON just to look: an event is
   parsed only if its bytes contain ``"usage": {`` (a literal quote cannot occur unescaped inside
-  a JSON string, so this is exact up to the cost of one parse). Engines report usage in a last
+  a JSON string, so this is exact up to the cost of one parse). The usage object may be the
+  event's own (chat, completions, Anthropic's ``message_delta``), its ``response``'s (the
+  Responses API's final ``response.completed``) or its ``message``'s (Anthropic's
+  ``message_start``); each of the two counts is taken from the last event that reports it
+  (engines report cumulative counts: Anthropic's input tokens come with ``message_start``, the
+  output tokens with the last ``message_delta``). Engines report usage in a last
   chunk when asked (``stream_options.include_usage``), and some in every chunk (cumulative; the
   last one wins). Without any usage, completion tokens are estimated as the number of events
   carrying non-empty ``content``/``text``/``reasoning_content``/``arguments`` -- one event per
@@ -27,10 +36,13 @@ Request log format (one JSON object per line, the LLMFabric trace schema plus in
 
     {"v": 1, "T": 1732270000.123, "M": "llama-3.3-70b", "I": 512, "O": 128,
      "latency_s": 2.41, "ttft_s": 0.18, "status": 200, "node": "<session id>",
-     "key": "alice", "stream": true, "max_tokens": 256, "temperature": 0.7}
+     "key": "alice", "stream": true, "max_tokens": 256, "temperature": 0.7,
+     "endpoint": "chat"}
 
 ``T`` is the arrival time (Unix seconds), ``M`` the requested model, ``I``/``O`` input/output
-tokens (null when unknown). There is deliberately no field that could hold prompt or output
+tokens (null when unknown), ``endpoint`` the kind of endpoint (``dataplane.endpoints``:
+``chat``, ``responses``, ``messages``, ``rerank``, ``transcriptions``, ...; absent from lines
+written before it existed). There is deliberately no field that could hold prompt or output
 text: the trace is shareable the way the paper's is.
 """
 
@@ -67,34 +79,82 @@ MAX_MODEL_CHARS = 128
 TRACE_VERSION = 1
 
 
-def _usage_pair(usage: Any) -> tuple[int, int] | None:
+def _count(value: Any) -> int | None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        return None
+    return value
+
+
+def usage_fields(usage: Any) -> tuple[int | None, int | None]:
+    """(prompt, completion) tokens a usage object reports, each None when it reports none:
+    ``prompt_tokens``/``completion_tokens`` (OpenAI) or ``input_tokens``/``output_tokens``
+    (Responses, Anthropic)."""
     if not isinstance(usage, dict):
-        return None
+        return None, None
     prompt = usage.get("prompt_tokens")
-    completion = usage.get("completion_tokens", 0)  # embeddings report no completion
+    if prompt is None:
+        prompt = usage.get("input_tokens")
+    completion = usage.get("completion_tokens")
     if completion is None:
-        completion = 0
-    if (
-        isinstance(prompt, bool)
-        or not isinstance(prompt, int)
-        or isinstance(completion, bool)
-        or not isinstance(completion, int)
-        or prompt < 0
-        or completion < 0
-    ):
+        completion = usage.get("output_tokens")
+    return _count(prompt), _count(completion)
+
+
+def _usage_object(doc: Any) -> Any:
+    """The usage object of a response or event: its own, its ``response``'s (Responses
+    events) or its ``message``'s (Anthropic's ``message_start``)."""
+    if not isinstance(doc, dict):
         return None
+    usage = doc.get("usage")
+    if isinstance(usage, dict):
+        return usage
+    for name in ("response", "message"):
+        inner = doc.get(name)
+        if isinstance(inner, dict) and isinstance(inner.get("usage"), dict):
+            return inner["usage"]
+    return None
+
+
+def _usage_pair(usage: Any) -> tuple[int, int] | None:
+    """(prompt, completion) of a whole answer's usage; None unless it reports prompt tokens
+    (embeddings, rerank and the like report no completion: 0)."""
+    prompt, completion = usage_fields(usage)
+    if prompt is None:
+        return None
+    if completion is None:
+        if isinstance(usage, dict) and usage.get("completion_tokens", usage.get("output_tokens")):
+            return None  # reported, but not a count
+        completion = 0
     return prompt, completion
 
 
 def usage_from_json(body: bytes) -> tuple[int, int] | None:
-    """(prompt_tokens, completion_tokens) of a non-streamed OpenAI response, else None."""
+    """(prompt tokens, completion tokens) of a non-streamed response, else None."""
     if b'"usage"' not in body:
         return None
     try:
         doc = _loads(body)
     except _JSON_ERRORS:
         return None
-    return _usage_pair(doc.get("usage")) if isinstance(doc, dict) else None
+    return _usage_pair(_usage_object(doc))
+
+
+def audio_seconds_from_json(body: bytes) -> float | None:
+    """The audio duration a transcription or translation reports as its usage
+    (``{"usage": {"type": "duration", "seconds": N}}``, vLLM and OpenAI), else None."""
+    if b'"duration"' not in body:
+        return None
+    try:
+        doc = _loads(body)
+    except _JSON_ERRORS:
+        return None
+    usage = doc.get("usage") if isinstance(doc, dict) else None
+    if not isinstance(usage, dict) or usage.get("type") != "duration":
+        return None
+    seconds = usage.get("seconds")
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float):
+        return None
+    return float(seconds) if 0 <= seconds < 1e9 else None
 
 
 # -- streamed responses -----------------------------------------------------------------------
@@ -114,6 +174,7 @@ class StreamUsage:
     """Token usage of one streamed response, from its SSE bytes (fed in any split)."""
 
     __slots__ = (
+        "_completion",
         "_content_events",
         "_data",
         "_done",
@@ -121,18 +182,21 @@ class StreamUsage:
         "_events",
         "_overlong",
         "_partial",
-        "_usage",
+        "_prompt",
+        "last_event",
     )
 
     def __init__(self) -> None:
         self._partial = bytearray()  # an incomplete line
         self._overlong = False  # the incomplete line passed MAX_LINE_BYTES: drop it
         self._data: list[bytes] = []  # data lines of the event being read
-        self._usage: tuple[int, int] | None = None
+        self._prompt: int | None = None  # the last reported count of each kind
+        self._completion: int | None = None
         self._content_events = 0
         self._events = 0
         self._done = False
         self._error = False
+        self.last_event: bytes | None = None  # the data of the last whole event
 
     def feed(self, chunk: bytes) -> None:
         nl = chunk.find(b"\n")
@@ -179,9 +243,12 @@ class StreamUsage:
             self._done = True
             return
         self._events += 1
-        usage, content, error = _examine(data)
-        if usage is not None:
-            self._usage = usage
+        self.last_event = data
+        prompt, completion, content, error = _examine(data)
+        if prompt is not None:
+            self._prompt = prompt
+        if completion is not None:
+            self._completion = completion
         if content:
             self._content_events += 1
         if error:
@@ -202,20 +269,23 @@ class StreamUsage:
 
     def result(self) -> tuple[int | None, int]:
         """(prompt_tokens or None if unreported, completion_tokens) for what was fed so far."""
-        usage, content_events = self._usage, self._content_events
+        prompt, completion, content_events = self._prompt, self._completion, self._content_events
         pending = self._pending()
         if pending is not None:
-            more_usage, content, _ = _examine(pending)
-            usage = more_usage or usage
+            more_prompt, more_completion, content, _ = _examine(pending)
+            if more_prompt is not None:
+                prompt = more_prompt
+            if more_completion is not None:
+                completion = more_completion
             content_events += content
-        if usage is not None:
-            return usage
-        return None, content_events
+        if prompt is None and completion is None:
+            return None, content_events
+        return prompt, completion or 0
 
     @property
     def reported(self) -> bool:
         """Did the engine report usage (rather than completion tokens being counted)?"""
-        return self._usage is not None
+        return self._prompt is not None or self._completion is not None
 
     @property
     def done(self) -> bool:
@@ -234,17 +304,18 @@ def may_report_usage(data: bytes) -> bool:
     return b'"usage"' in data and _USAGE_OBJECT.search(data) is not None
 
 
-def _examine(data: bytes) -> tuple[tuple[int, int] | None, bool, bool]:
-    """(usage if reported, carries content, is an error) of one event's data."""
-    usage = None
+def _examine(data: bytes) -> tuple[int | None, int | None, bool, bool]:
+    """(prompt tokens, completion tokens -- each if reported --, carries content, is an error)
+    of one event's data."""
+    prompt: int | None = None
+    completion: int | None = None
     if may_report_usage(data):
         try:
             doc = _loads(data)
         except _JSON_ERRORS:
             doc = None
-        if isinstance(doc, dict):
-            usage = _usage_pair(doc.get("usage"))
-    return usage, _CONTENT.search(data) is not None, _ERROR.match(data) is not None
+        prompt, completion = usage_fields(_usage_object(doc))
+    return prompt, completion, _CONTENT.search(data) is not None, _ERROR.match(data) is not None
 
 
 # -- totals -----------------------------------------------------------------------------------
@@ -321,6 +392,7 @@ class TraceRecord:
     stream: bool = False
     max_tokens: int | None = None
     temperature: float | None = None
+    endpoint: str | None = None  # the endpoint's kind (None: a line from before it was logged)
 
     def as_dict(self) -> dict[str, Any]:
         """The JSON object of one log line (see the module docstring).
@@ -342,6 +414,7 @@ class TraceRecord:
             "stream": self.stream is True,
             "max_tokens": opt_int(self.max_tokens),
             "temperature": _opt_float(self.temperature),
+            "endpoint": None if self.endpoint is None else str(self.endpoint)[:MAX_MODEL_CHARS],
         }
 
     @classmethod
@@ -365,6 +438,7 @@ class TraceRecord:
             stream=doc.get("stream") is True,
             max_tokens=opt_int(doc.get("max_tokens")),
             temperature=float(doc["temperature"]) if _is_number(doc.get("temperature")) else None,
+            endpoint=doc["endpoint"] if isinstance(doc.get("endpoint"), str) else None,
         )
 
 
@@ -408,6 +482,7 @@ RawTrace = tuple[
     bool,  # stream
     int | None,  # max_tokens (already checked: see ``opt_int``)
     float | None,  # temperature (already a float)
+    str,  # endpoint: the endpoint's kind
 ]
 
 
@@ -528,7 +603,8 @@ class RequestLog:
 def _raw_line(raw: RawTrace) -> bytes:
     """The log line of a ``RawTrace``: ``TraceRecord.as_dict`` for fields whose types the
     ingress guarantees (so only the rounding and the length caps are left to do)."""
-    t, model, inp, out, latency, ttft, status, node, key, stream, max_tokens, temperature = raw
+    (t, model, inp, out, latency, ttft, status, node, key, stream, max_tokens, temperature,
+     endpoint) = raw  # fmt: skip
     return _dumps_line(
         {
             "v": TRACE_VERSION,
@@ -544,6 +620,7 @@ def _raw_line(raw: RawTrace) -> bytes:
             "stream": stream,
             "max_tokens": max_tokens,
             "temperature": None if temperature is None else round(temperature, 6),
+            "endpoint": endpoint,
         }
     )
 

@@ -9,11 +9,18 @@
 One task per client connection, none per request; requests on a connection are handled in
 order (pipelined ones queue in the parser). Bodies are forwarded as received, never
 re-encoded: the body is parsed once (orjson) only to read ``model``, ``stream`` and the prompt
-for cache-aware routing. Responses are relayed piece by piece as they arrive.
+for cache-aware routing (the audio endpoints' forms: their ``model`` field). The one exception
+is ``POST /v1/responses``, whose ``request_id`` each attempt sets so that the response's id
+names the node that stores it (``endpoints``). Responses are relayed piece by piece as they
+arrive.
 
-Paths outside ``/v1/`` go to the agent's ASGI control app (``control.app.AdminApp``, handed in
-by the agent) through a small inline adapter (``asgi_call``), so one public port serves both.
-With ``--admin`` that app is also served on its own port by hypercorn.
+Dispatch (``_handle``): the path is looked up in ``endpoints.ENDPOINTS`` first, every endpoint
+routed by a model (chat's, the other OpenAI-style ones, Anthropic's Messages, and the ones vLLM
+serves outside ``/v1`` such as ``/rerank`` and ``/tokenize``); then the rest of ``/v1``
+(``/v1/models``, the stateful Responses paths routed by the response id, else 404); any other
+path goes to the agent's ASGI control app (``control.app.AdminApp``, handed in by the agent)
+through a small inline adapter (``asgi_call``), so one public port serves both. With
+``--admin`` that app is also served on its own port by hypercorn.
 
 What is not here: the checks before routing and the header grammars (``request``), the client
 connection, its sends and its lingering close (``clientconn``), a request's record (``job``),
@@ -23,19 +30,23 @@ hot path: the accept and connection loops, dispatch, hold, failover and resume, 
 attempt and forwarded requests. Splitting those further would pass that state between modules
 on every request, and every level of ``await`` between them costs twice per wait.
 
-Request outcomes (OpenAI error shape ``{"error": {"message", "type", "code"}}``):
+Request outcomes (OpenAI error shape ``{"error": {"message", "type", "code"}}``; on the
+Anthropic paths, ``/v1/messages*``, Anthropic's ``{"type": "error", "error": {"type",
+"message"}}``: ``request.error_body_for``):
 
-* 400 malformed HTTP, JSON, ``model`` or a bad ``X-Fabric-*`` header; 401 missing/unknown API
-  key (only when a keys file exists); 403 forward header that does not verify; 404 unknown
-  path or a model no SERVING node announces; 405 wrong method; 413 body over
-  ``max_body_bytes``; 429 rate limited (``Retry-After``); 431 header block too large; 503 no
-  eligible node, or every attempt failed before the first byte (``Retry-After``).
+* 400 malformed HTTP, JSON, form, ``model`` or a bad ``X-Fabric-*`` header; 401 missing/unknown
+  API key (only when a keys file exists; ``Authorization: Bearer`` or ``x-api-key``); 403
+  forward header that does not verify; 404 unknown path, a model no SERVING node announces, or
+  a stored response whose node is gone; 405 wrong method; 413 body over ``max_body_bytes``; 429
+  rate limited (``Retry-After``); 431 header block too large; 503 no eligible node, or every
+  attempt failed before the first byte (``Retry-After``).
 * Failover: a connection error, a timeout before the response head, or a 502/503/504 answer is
   retried on the next candidate, at most ``max_attempts`` nodes within ``retry_budget_s``; the
-  failed node is ejected by the circuit breaker. A stream that breaks after its first byte is
-  resumed on another node (``resume``) where that can be faithful; otherwise it ends with a
-  well-formed ``data: {"error": ...}`` event and the terminating chunk, and any other broken
-  body closes the connection. A client that goes away aborts its upstream request.
+  failed node is ejected by the circuit breaker. A chat or completion stream that breaks after
+  its first byte is resumed on another node (``resume``) where that can be faithful; otherwise
+  a stream ends with well-formed error event(s) in its endpoint's format
+  (``endpoints.stream_error_events``) and the terminating chunk, and any other broken body
+  closes the connection. A client that goes away aborts its upstream request.
 * Served locally (this agent's own engine, chosen by the policy or asked by a verified
   forward): counted in ``local_inflight``, which the engine service publishes as the node's
   ``inflight`` load. While leaving, forwards are refused with 503 so the ingress fails over.
@@ -50,6 +61,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import random
 import socket
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
@@ -75,6 +87,19 @@ from fabricnode.dataplane.clientconn import (
     send_now,
     send_rest,
 )
+from fabricnode.dataplane.endpoints import (
+    ENDPOINT_DOCS,
+    ENDPOINTS,
+    FORM_KINDS,
+    RESPONSE_CANCEL,
+    RESPONSES,
+    RESUMABLE_KINDS,
+    last_sequence_number,
+    node_of_response,
+    response_follow_up,
+    response_id,
+    stream_error_events,
+)
 from fabricnode.dataplane.forward_auth import HEADER as FORWARD_HEADER
 from fabricnode.dataplane.forward_auth import ForwardRejected, ForwardVerifier, sign_forward
 from fabricnode.dataplane.http1 import (
@@ -96,11 +121,15 @@ from fabricnode.dataplane.request import (
     KEY_REJECTION,
     Rejection,
     Requirements,
+    allowed_providers,
+    authorize,
     decode,
     error_body,
+    error_body_for,
     key_of,
     malformed_code,
     prompt_text,
+    requirements_of,
 )
 from fabricnode.dataplane.resume import (
     RESUME_HEADER,
@@ -134,16 +163,13 @@ from fabricnode.mesh.registry import State
 
 log = logging.getLogger("fabricnode.dataplane.ingress")
 
-ENDPOINTS = {
-    b"/v1/chat/completions": "chat",
-    b"/v1/completions": "completions",
-    b"/v1/embeddings": "embeddings",
-}
 RETRYABLE_STATUS = (502, 503, 504)
 # A request waiting for a replica after every node failed tries those nodes again after this.
 RETRY_FAILED_AFTER_S = 5.0
 # An attempt's outcome when its stream broke and a continuation is ready (``_prepare_resume``).
 RESUME = "resume"
+# Kinds whose requests need more than the table lookup (``Ingress._prepare``).
+PREPARED_KINDS = frozenset((RESPONSES, *FORM_KINDS))
 # Request headers passed on to the upstream (anything else stays at the ingress).
 FORWARDED_REQUEST_HEADERS = (b"accept", b"x-request-id", b"openai-organization")
 JSON = b"application/json"
@@ -397,7 +423,9 @@ class Ingress:
                     status, message = parser.error
                     self.metrics.malformed.labels(str(status)).inc()
                     code = malformed_code(status)
-                    await self._send_error(conn, status, message, code, close=True)
+                    pending = parser.pending
+                    path = pending.path if pending is not None else b""
+                    await self._send_error(conn, status, message, code, close=True, path=path)
                     await linger(conn, cfg.linger_s, cfg.linger_max_bytes)
                     break
                 if parser.head_complete and not sent_continue:
@@ -411,6 +439,7 @@ class Ingress:
                             KEY_REJECTION.message,
                             KEY_REJECTION.code,
                             close=True,
+                            path=pending.path,
                         )
                         await linger(conn, cfg.linger_s, cfg.linger_max_bytes)
                         break
@@ -458,10 +487,14 @@ class Ingress:
             reactor.close(sock)
 
     def _refused_by_head(self, req: Request) -> bool:
-        """A ``/v1`` request whose head already shows it will get 401: API keys are on and it
-        names no valid key (a forward is authenticated by its own header instead)."""
+        """A ``/v1`` (or other model-routed) request whose head already shows it will get 401:
+        API keys are on and it names no valid key (a forward is authenticated by its own header
+        instead)."""
         keys = self.api_keys
-        if keys is None or not keys.enabled or not req.target.startswith(b"/v1/"):
+        if keys is None or not keys.enabled:
+            return False
+        path = req.path
+        if not path.startswith(b"/v1/") and path not in ENDPOINTS:
             return False
         if FORWARD_HEADER in req.headers:
             return False
@@ -477,22 +510,26 @@ class Ingress:
         close: bool = False,
         extra: list[tuple[bytes, bytes]] | None = None,
         head_only: bool = False,
+        path: bytes = b"",
     ) -> None:
+        """An error answer, in the dialect of the request's ``path`` (``error_body_for``)."""
         await self.reactor.send_all(
             conn.sock,
             full_response(
                 status,
-                error_body(status, message, code),
+                error_body_for(path, status, message, code),
                 extra=extra,
                 keep_alive=not close,
                 head_only=head_only,
             ),
         )
 
-    async def _reject(self, conn: ClientConn, why: Rejection) -> bool:
+    async def _reject(self, conn: ClientConn, why: Rejection, path: bytes) -> bool:
         """An error answer to a request that was refused before routing (counted as such)."""
         self.metrics.done("-", why.status, 0.0)
-        await self._send_error(conn, why.status, why.message, why.code, extra=why.headers)
+        await self._send_error(
+            conn, why.status, why.message, why.code, extra=why.headers, path=path
+        )
         return True
 
     # == dispatch ============================================================================
@@ -502,9 +539,22 @@ class Ingress:
     # (suspend and resume), and the hot path waits twice per request.
 
     def _handle(self, conn: ClientConn, req: Request) -> Coroutine[Any, Any, bool]:
-        """Answer one request (await the result); False closes the connection."""
+        """Answer one request (await the result); False closes the connection.
+
+        Dispatch: a path of ``ENDPOINTS`` (every model-routed endpoint, chat's included, and
+        the few vLLM serves outside ``/v1``) is one dict lookup away from routing; then the
+        rest of ``/v1`` (``_handle_v1``); anything else is the agent's control app.
+        """
         self.requests += 1
         path = req.path
+        kind = ENDPOINTS.get(path)
+        if kind is not None:
+            if req.method == b"POST":
+                forward = req.headers.get(FORWARD_HEADER)
+                if forward is not None:
+                    return self._serve_forward(conn, req, forward)
+                return self._route(conn, req, path, kind)
+            return self._method_not_allowed(conn, b"POST", path)
         if path.startswith(b"/v1/"):
             return self._handle_v1(conn, req, path)
         return self._handle_control(conn, req)
@@ -541,35 +591,49 @@ class Ingress:
         return True
 
     def _handle_v1(self, conn: ClientConn, req: Request, path: bytes) -> Coroutine[Any, Any, bool]:
-        kind = ENDPOINTS.get(path)
-        if kind is not None and req.method == b"POST":
-            forward = req.headers.get(FORWARD_HEADER)
-            if forward is not None:
-                return self._serve_forward(conn, req, path, forward)
-            return self._route(conn, req, path, kind)
+        """``/v1`` paths that are not in ``ENDPOINTS``: the model list, the stateful Responses
+        follow-ups (routed by the response id), and 404 for anything else."""
         if path == b"/v1/models":
             if req.method not in (b"GET", b"HEAD"):
-                return self._method_not_allowed(conn, b"GET, HEAD")
+                return self._method_not_allowed(conn, b"GET, HEAD", path)
             return self._answer(conn, self.models_body(), head_only=req.method == b"HEAD")
-        if kind is None:
-            return self._answer_error(conn, 404, f"no such endpoint: {text_of(path)}", "not_found")
-        return self._method_not_allowed(conn, b"POST")
+        follow_up = response_follow_up(path)
+        if follow_up is not None:
+            kind, rid = follow_up
+            allow = b"POST" if kind == RESPONSE_CANCEL else b"GET"
+            if req.method != allow:
+                return self._method_not_allowed(conn, allow, path)
+            forward = req.headers.get(FORWARD_HEADER)
+            if forward is not None:
+                return self._serve_forward(conn, req, forward)
+            return self._route_follow_up(conn, req, kind, rid)
+        return self._answer_error(
+            conn,
+            404,
+            f"no such endpoint: {text_of(path)} (the endpoints this mesh serves are listed in "
+            f"{ENDPOINT_DOCS})",
+            "not_found",
+            path,
+        )
 
     async def _answer(self, conn: ClientConn, body: bytes, *, head_only: bool) -> bool:
         await self.reactor.send_all(conn.sock, full_response(200, body, head_only=head_only))
         return True
 
-    async def _answer_error(self, conn: ClientConn, status: int, message: str, code: str) -> bool:
-        await self._send_error(conn, status, message, code)
+    async def _answer_error(
+        self, conn: ClientConn, status: int, message: str, code: str, path: bytes = b""
+    ) -> bool:
+        await self._send_error(conn, status, message, code, path=path)
         return True
 
-    async def _method_not_allowed(self, conn: ClientConn, allow: bytes) -> bool:
+    async def _method_not_allowed(self, conn: ClientConn, allow: bytes, path: bytes) -> bool:
         await self._send_error(
             conn,
             405,
             f"method not allowed; use {allow.decode()}",
             "method_not_allowed",
             extra=[(b"allow", allow)],
+            path=path,
         )
         return True
 
@@ -606,7 +670,7 @@ class Ingress:
         body = req.body
         decoded = decode(kind, req.headers, body, self.api_keys, self.rate_limiter, started)
         if isinstance(decoded, Rejection):
-            return self._reject(conn, decoded)
+            return self._reject(conn, decoded, path)
         model = decoded.model
         routes = self.table.routes(model)
         self._forget_removed()
@@ -616,19 +680,30 @@ class Ingress:
             # Only sleeping replicas (if any): one is woken by the request (the cold path).
             routes = self.table.sleeping(model)
             waking = routes is not None
+        doc = decoded.doc
+        if kind in PREPARED_KINDS and kind == RESPONSES:
+            pinned = self._pinned(model, doc, routes)
+            if isinstance(pinned, Rejection):
+                return self._reject(conn, pinned, path)
+            routes = pinned
         if not routes:
             hold_s = self.declared(model) if self.declared is not None else None
             if not hold_s:
                 return self._reject(
                     conn,
                     Rejection(404, f"model {model!r} is not served by any node", "model_not_found"),
+                    path,
                 )
-        doc = decoded.doc
         job = Job(kind, model, decoded.stream, body, path, req.headers, decoded.key, started, doc)
         if req.http_version == "1.0":
             job.http10 = True
         if waking:
             job.waking = True
+        if kind in PREPARED_KINDS:
+            if kind == RESPONSES:
+                job.retag = True  # each attempt names its node in the response id
+            else:  # a form goes on with its boundary
+                job.content_type = req.headers.get(b"content-type", job.content_type)
         if not routes:
             assert hold_s is not None
             rreq = routing.RouteRequest(model, (), decoded.session, len(body) // 4)
@@ -642,6 +717,86 @@ class Ingress:
             len(body) // 4,
         )
         return self._dispatch(conn, job, rreq, routes, decoded.providers, decoded.requirements)
+
+    def _pinned(
+        self, model: str, doc: dict[str, Any], routes: list[Route] | None
+    ) -> list[Route] | Rejection | None:
+        """The routes of a ``POST /v1/responses``: if it continues a stored response
+        (``previous_response_id``), only the node that stored it (named in its id:
+        ``endpoints.node_of_response``), 404 once that node is gone; else ``routes``."""
+        previous = doc.get("previous_response_id")
+        sid = node_of_response(previous) if isinstance(previous, str) else None
+        if sid is None:
+            return routes
+        pinned = [r for r in routes if r.info.session_id == sid] if routes else []
+        if pinned:
+            return pinned
+        return Rejection(404, self._gone_message(str(previous), sid, model), "response_node_gone")
+
+    def _gone_message(self, rid: str, sid: str, model: str | None) -> str:
+        """Why the node that stored response ``rid`` cannot take its follow-up."""
+        entry = self.core.registry.get(sid)
+        state = entry.body.state if entry is not None else State.LEFT
+        if state == State.LEFT:
+            why = "has left the mesh: its stored responses went with it"
+        elif state == State.DOWN:
+            why = "is down (its engine stopped): its stored responses went with it"
+        elif state != State.SERVING:
+            why = "does not serve"
+        elif self.core.members.status(sid) is Liveness.DEAD:
+            why = "is dead (it stopped answering the mesh)"
+        elif model is not None and self.table.node(sid) is not None:
+            why = f"does not serve {model!r}"
+        else:
+            why = "cannot take requests from you (your key or X-Fabric-* headers exclude it)"
+        return f"response {rid!r} was stored by node {sid[:8]}, which {why}"
+
+    def _route_follow_up(
+        self, conn: ClientConn, req: Request, kind: str, rid: str
+    ) -> Coroutine[Any, Any, bool]:
+        """``GET /v1/responses/{id}`` or ``POST /v1/responses/{id}/cancel``: to the node whose
+        engine stored the response, which its id names (``endpoints.response_id``). The same
+        checks as a routed request (key, rate, provider and requirement headers), no policy and
+        no failover to another node (no other node holds the response)."""
+        started = self.clock.now()
+        path = req.path
+        headers = req.headers
+        checked = authorize(headers, self.api_keys, self.rate_limiter, started)
+        if isinstance(checked, Rejection):
+            return self._reject(conn, checked, path)
+        try:
+            providers = allowed_providers(headers, checked)
+            requirements = requirements_of(headers)
+        except ValueError as exc:
+            return self._reject(conn, Rejection(400, str(exc), "invalid_header"), path)
+        sid = node_of_response(rid)
+        if sid is None:
+            return self._reject(
+                conn,
+                Rejection(
+                    404,
+                    f"response {rid!r} was not created through this mesh: its id names no node "
+                    "(ids the mesh hands out are resp_<node session id><16 hex digits>)",
+                    "response_not_found",
+                ),
+                path,
+            )
+        route = self.table.node(sid)
+        self._forget_removed()
+        if route is None or not self._candidates(
+            [route], providers, requirements, set(), started, self.wall_clock()
+        ):
+            return self._reject(
+                conn, Rejection(404, self._gone_message(rid, sid, None), "response_node_gone"), path
+            )
+        stream = kind != RESPONSE_CANCEL and b"stream=true" in req.target.partition(b"?")[2]
+        # The query (``stream``, ``starting_after``) goes with it: the target is what is sent.
+        job = Job(kind, "-", stream, b"", req.target, headers, checked, started, None)
+        job.method = req.method
+        if req.http_version == "1.0":
+            job.http10 = True
+        rreq = routing.RouteRequest("-", (), None, 0)
+        return self._dispatch(conn, job, rreq, [route], providers, requirements)
 
     async def _wait_for_replica(
         self,
@@ -665,6 +820,7 @@ class Ingress:
             await self._send_error(
                 conn, 503, f"too many requests are waiting for replicas to start; {model!r} "
                 "has none now", "replica_starting", extra=[(b"retry-after", b"%d" % 30)],
+                path=job.path,
             )  # fmt: skip
             return True
         self._waiting(model, +1)
@@ -717,11 +873,16 @@ class Ingress:
             )
             if job.held_head:
                 job.status = 503
-                await self._end_stream(conn, message, "replica_starting")
+                await self._end_stream(conn, job, message, "replica_starting")
             else:
                 job.status = 503
                 await self._send_error(
-                    conn, 503, message, "replica_starting", extra=[(b"retry-after", b"%d" % 30)]
+                    conn,
+                    503,
+                    message,
+                    "replica_starting",
+                    extra=[(b"retry-after", b"%d" % 30)],
+                    path=job.path,
                 )
             self._account(job, 0)
             return not conn.closing
@@ -840,7 +1001,9 @@ class Ingress:
                 # which ends well-formed with the error event.
                 self.metrics.stream_resumes.labels("failed").inc()
                 job.status = 502
-                await self._end_stream(conn, f"the serving node failed mid-stream: {last_error}")
+                await self._end_stream(
+                    conn, job, f"the serving node failed mid-stream: {last_error}"
+                )
                 keep = not job.close
             elif (wait_s := self._may_wait(job)) is not None:
                 # Every node failed before answering (leaving, preempted, crashed) and the model
@@ -849,16 +1012,18 @@ class Ingress:
                 keep = True
             elif job.held_head:
                 job.status = 502
-                await self._end_stream(conn, f"no node could take the request: {last_error}")
+                await self._end_stream(conn, job, f"no node could take the request: {last_error}")
                 keep = not job.close
             else:
                 job.status = 503
+                what = repr(job.model) if job.model != "-" else "the stored response"
                 await self._send_error(
                     conn,
                     503,
-                    f"no node could take the request for {job.model!r}: {last_error}",
+                    f"no node could take the request for {what}: {last_error}",
                     "no_eligible_node",
                     extra=[(b"retry-after", b"%d" % cfg.retry_after_s)],
+                    path=job.path,
                 )
                 keep = True
         except ClientGone:
@@ -950,6 +1115,8 @@ class Ingress:
         """Try one node: await the result, None when the client got an answer (any status),
         else why not; a str right away when the node cannot be tried."""
         sid = route.info.session_id
+        if job.retag:
+            self._tag_response(job, sid)
         if route.is_self:
             url = self.serving_engine_url()
             if url is None:
@@ -967,7 +1134,7 @@ class Ingress:
             self.core.keyring,
             sender=self.core.self_id,
             target=sid,
-            method=b"POST",
+            method=job.method,
             path=job.path,
             body=job.body,
             now=self.wall_clock(),
@@ -976,6 +1143,18 @@ class Ingress:
         return self._relay(
             conn, job, route.origin, request, sid, self._node_ok(sid), now, local=False
         )
+
+    def _tag_response(self, job: Job, sid: str) -> None:
+        """A ``POST /v1/responses`` about to go to node ``sid``: its body's ``request_id``
+        (which vLLM makes the response's id, and its store's key) names that node."""
+        doc = job.doc
+        if doc is None:
+            return
+        rid = response_id(sid, os.urandom(8))
+        tagged = dict(doc)
+        tagged["request_id"] = rid
+        job.body = orjson.dumps(tagged)
+        job.response_id = rid
 
     async def _wake_then_relay(
         self, conn: ClientConn, job: Job, origin: Origin, request: bytes, sid: str, now: float
@@ -1025,9 +1204,8 @@ class Ingress:
 
     def _upstream_request(self, job: Job, origin: Origin, *, forward: bytes | None) -> bytes:
         lines = [
-            b"POST %s HTTP/1.1\r\nhost: %s:%d\r\n"
-            b"content-type: application/json\r\ncontent-length: %d\r\n"
-            % (job.path, origin[0].encode(), origin[1], len(job.body))
+            b"%s %s HTTP/1.1\r\nhost: %s:%d\r\ncontent-type: %s\r\ncontent-length: %d\r\n"
+            % (job.method, job.path, origin[0].encode(), origin[1], job.content_type, len(job.body))
         ]
         headers = job.headers
         for name in FORWARDED_REQUEST_HEADERS:
@@ -1173,7 +1351,15 @@ class Ingress:
         collected: list[bytes] | None = None if sse else []
         # What the client receives of a stream, kept (bounded) to resume it on another node.
         transcript = job.transcript
-        if transcript is None and sse and chunked and job.stream and cfg.max_resumes > 0:
+        # Only chat and completions resume: the other kinds end with their error event.
+        if (
+            transcript is None
+            and sse
+            and chunked
+            and job.stream
+            and cfg.max_resumes > 0
+            and job.kind in RESUMABLE_KINDS
+        ):
             job.transcript = transcript = Transcript(self.transcripts)
         splice = job.splice  # set when this is a continuation: its events are rewritten
         first = True
@@ -1223,11 +1409,15 @@ class Ingress:
                 if sse and chunked:
                     if transcript is not None and self._prepare_resume(job, transcript, sid):
                         return RESUME
+                    if transcript is None and job.stream and job.kind not in RESUMABLE_KINDS:
+                        self.metrics.stream_resumes.labels("not_resumable").inc()
+                    if usage is not None:
+                        job.last_event = usage.last_event  # a Responses event's sequence
                     job.status = 502 if job.status < 400 else job.status
                     # The client gets a complete, well-framed response (error event, last
                     # chunk): the connection stays usable, and the client may already have
                     # sent its next request on it.
-                    await self._end_stream(conn, f"the serving node failed mid-stream: {exc}")
+                    await self._end_stream(conn, job, f"the serving node failed mid-stream: {exc}")
                     return None
                 job.status = 502 if job.status < 400 else job.status
                 # A body with a length (or no framing) cannot be ended early: close.
@@ -1245,13 +1435,25 @@ class Ingress:
         return None
 
     async def _end_stream(
-        self, conn: ClientConn, message: str, code: str = "upstream_broken"
+        self, conn: ClientConn, job: Job, message: str, code: str = "upstream_broken"
     ) -> None:
-        """End a stream the client holds with the error event and the last chunk."""
+        """End a stream the client holds with the error event(s) of its endpoint's format
+        (``endpoints.stream_error_events``) and the last chunk."""
         status = 503 if code == "replica_starting" else 502
-        event = b"data: " + error_body(status, message, code) + b"\n\n"
+        after = last_sequence_number(job.last_event)
+        events = stream_error_events(
+            job.kind,
+            status,
+            message,
+            code,
+            error_body(status, message, code),
+            response_id=job.response_id,
+            model=job.model,
+            sequence_number=0 if after is None else after + 1,
+            created_at=int(self.wall_clock()),
+        )
         await client_send(
-            conn, frame([event], True) + b"0\r\n\r\n", self.config.stream_idle_timeout_s
+            conn, frame([events], True) + b"0\r\n\r\n", self.config.stream_idle_timeout_s
         )
 
     def _prepare_resume(self, job: Job, transcript: Transcript, sid: str) -> bool:
@@ -1273,21 +1475,26 @@ class Ingress:
 
     # == forwarded requests (we are the serving node) ========================================
 
-    async def _serve_forward(
-        self, conn: ClientConn, req: Request, path: bytes, forward: bytes
-    ) -> bool:
+    async def _serve_forward(self, conn: ClientConn, req: Request, forward: bytes) -> bool:
+        """A request another ingress routed to us, for our own engine: checked (its forward
+        header signs the method, the target with its query, and the body), then relayed as
+        it came."""
+        path = req.path
+        target = req.target  # the path, and the query where the ingress kept one
         try:
             self.forwards.verify(
                 forward,
                 own_session=self.core.self_id,
                 method=req.method,
-                path=path,
+                path=target,
                 body=req.body,
                 now=self.wall_clock(),
             )
         except ForwardRejected as exc:
             self._forwards_served("refused").inc()
-            await self._send_error(conn, 403, f"forward refused: {exc}", "forward_refused")
+            await self._send_error(
+                conn, 403, f"forward refused: {exc}", "forward_refused", path=path
+            )
             return True
         url = self.serving_engine_url()
         origin = self._local_origin(url) if url is not None else None
@@ -1300,6 +1507,7 @@ class Ingress:
                 why,
                 "node_unavailable",
                 extra=[(b"retry-after", b"%d" % self.config.retry_after_s)],
+                path=path,
             )
             return True
         if self.local_asleep and not await self._wake_local():
@@ -1310,10 +1518,15 @@ class Ingress:
                 "the engine of this node is asleep and did not wake up",
                 "node_unavailable",
                 extra=[(b"retry-after", b"%d" % self.config.retry_after_s)],
+                path=path,
             )
             return True
         started = self.clock.now()
-        job = Job("forward", "", False, req.body, path, req.headers, None, started)
+        job = Job("forward", "", False, req.body, target, req.headers, None, started)
+        job.method = req.method
+        content_type = req.headers.get(b"content-type")
+        if content_type is not None and content_type.startswith(b"multipart/"):
+            job.content_type = content_type  # a form: its boundary
         request = self._upstream_request(job, origin, forward=None)
         outcome = await self._relay(
             conn,
@@ -1328,7 +1541,9 @@ class Ingress:
         if outcome is not None:
             # Our own engine failed before answering: tell the ingress to fail over.
             self._forwards_served("failed").inc()
-            await self._send_error(conn, 502, f"engine failed: {outcome}", "engine_unavailable")
+            await self._send_error(
+                conn, 502, f"engine failed: {outcome}", "engine_unavailable", path=path
+            )
             return True
         self._forwards_served("served").inc()
         return not job.close
@@ -1351,7 +1566,7 @@ class Ingress:
 
 # == helpers =================================================================================
 
-OPEN_CONTROL_PATHS = (b"/health", b"/ready")
+OPEN_CONTROL_PATHS = (b"/health", b"/ready", b"/ping", b"/version")
 ASSIGNMENTS_PATH = b"/fabric/v1/assignments"
 
 

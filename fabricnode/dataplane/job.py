@@ -17,10 +17,12 @@ class Job:
     """
 
     __slots__ = (
+        "audio_s",
         "body",
         "candidates",
         "close",
         "completion_tokens",
+        "content_type",
         "doc",
         "ended",
         "headers",
@@ -28,12 +30,16 @@ class Job:
         "http10",
         "key",
         "kind",
+        "last_event",
+        "method",
         "model",
         "path",
         "prompt_tokens",
         "response",
+        "response_id",
         "response_sse",
         "resumes",
+        "retag",
         "served_by",
         "splice",
         "started",
@@ -56,11 +62,14 @@ class Job:
         started: float,
         doc: dict[str, Any] | None = None,
     ) -> None:
-        self.kind = kind
+        self.kind = kind  # the endpoint's kind (``endpoints.ENDPOINTS``), or "forward"
         self.model = model
         self.stream = stream
         self.body = body
-        self.path = path
+        self.path = path  # the target sent upstream (a path; with its query only where kept)
+        # The upstream request's method and content type (a form keeps its client's boundary).
+        self.method = b"POST"
+        self.content_type = b"application/json"
         self.headers = headers
         self.key = key
         self.started = started
@@ -73,6 +82,7 @@ class Job:
         self.ttft_s: float | None = None
         self.prompt_tokens = 0
         self.completion_tokens = 0
+        self.audio_s = 0.0  # seconds of audio a transcription or translation reported
         # Set when the answer is out; the rest of the bookkeeping waits for ``Settler.settle``.
         self.ended = 0.0
         self.candidates = -1  # eligible nodes for the first attempt (-1: not routed)
@@ -90,3 +100,9 @@ class Job:
         # Routed to sleeping replicas (the model had no awake one): tried in the route
         # table's order, not ranked, so ingresses wake the same one.
         self.waking = False
+        # A ``POST /v1/responses``: each attempt sets the body's ``request_id`` to a response
+        # id naming the node tried (``endpoints.response_id``), kept in ``response_id``.
+        self.retag = False
+        self.response_id: str | None = None
+        # The data of the last event relayed of a stream that broke (its error event follows).
+        self.last_event: bytes | None = None

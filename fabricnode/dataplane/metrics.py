@@ -155,6 +155,22 @@ class IngressMetrics:
             "Tokens from the responses' usage (or counted chunks)",
             ("model", "kind"),
         )
+        self.endpoint_requests = FastCounter(
+            "fabric_ingress_endpoint_requests",
+            "Requests answered by this ingress, by endpoint kind (chat, responses, messages,"
+            " rerank, transcriptions, ...) and status",
+            ("endpoint", "status"),
+        )
+        self.endpoint_tokens = FastCounter(
+            "fabric_ingress_endpoint_tokens",
+            "Tokens from the responses' usage (or counted chunks), by endpoint kind",
+            ("endpoint", "kind"),
+        )
+        self.audio_seconds = FastCounter(
+            "fabric_ingress_audio_seconds",
+            "Seconds of audio transcribed or translated, as the engines report them",
+            ("model",),
+        )
         self.decisions = FastCounter(
             "fabric_ingress_policy_decisions",
             "Routing decisions by policy and outcome",
@@ -173,6 +189,9 @@ class IngressMetrics:
                     self.latency,
                     self.ttft,
                     self.tokens,
+                    self.endpoint_requests,
+                    self.endpoint_tokens,
+                    self.audio_seconds,
                     self.decisions,
                     self.candidates,
                 ]
@@ -263,6 +282,13 @@ class IngressMetrics:
             self.tokens.inc((model, "prompt"), prompt)
         if completion:
             self.tokens.inc((model, "completion"), completion)
+
+    def count_endpoint(self, endpoint: str, status: int, prompt: int, completion: int) -> None:
+        self.endpoint_requests.inc((endpoint, status))
+        if prompt:
+            self.endpoint_tokens.inc((endpoint, "prompt"), prompt)
+        if completion:
+            self.endpoint_tokens.inc((endpoint, "completion"), completion)
 
     def decision(self, policy: str, outcome: str) -> None:
         self.decisions.inc((policy, outcome))

@@ -2,9 +2,12 @@
 OpenAI error out.
 
 ``decode`` runs every check the ingress makes before it routes, in this order, each with its own
-status and code: the API key (401 ``invalid_api_key``, only when a keys file exists), its rate
-limit (429 ``rate_limit_exceeded`` with ``Retry-After``), the body (400 ``invalid_json`` when it
-is not JSON or not an object), ``model`` (400 ``invalid_model``) and the ``X-Fabric-Providers``
+status and code: the API key (401 ``invalid_api_key``, only when a keys file exists; named by
+``Authorization: Bearer KEY`` or Anthropic's ``x-api-key: KEY``), its rate limit (429
+``rate_limit_exceeded`` with ``Retry-After``) -- both in ``authorize``, which the stateful
+Responses paths use alone --, the body (400 ``invalid_json`` when it is not JSON or not an
+object; for the audio endpoints 400 ``invalid_form`` when it is not a readable
+``multipart/form-data`` body), ``model`` (400 ``invalid_model``) and the ``X-Fabric-Providers``
 and ``X-Fabric-Require`` headers (400 ``invalid_header``). The header grammars live here too.
 No sockets, no trio, no clock reads: the rate limiter and ``now`` are passed in.
 
@@ -14,7 +17,8 @@ plain classes with ``__slots__``: this module is compiled with mypyc with the re
 and a plain class's ``__init__`` runs natively there.
 
 ``error_body`` is the one OpenAI error body of the agent's public port: the data plane and the
-control app (``fabricnode.control.app``) both answer with it.
+control app (``fabricnode.control.app``) both answer with it. ``error_body_for`` picks the
+dialect of a path: Anthropic's shape on ``/v1/messages*`` (``endpoints``), OpenAI's elsewhere.
 """
 
 from __future__ import annotations
@@ -28,6 +32,18 @@ from typing import Any
 import orjson
 
 from fabricnode.dataplane.apikeys import ApiKey, ApiKeyStore, RateLimiter, bearer_token
+from fabricnode.dataplane.endpoints import (
+    CHAT,
+    COMPLETIONS,
+    COUNT_TOKENS,
+    FORM_KINDS,
+    MESSAGES,
+    RESPONSES,
+    STREAMING_KINDS,
+    anthropic_error_body,
+    anthropic_path,
+)
+from fabricnode.dataplane.multipart import form_fields
 
 # The OpenAI error ``type`` of each status (what the official clients map to exception classes).
 ERROR_TYPES = {
@@ -45,6 +61,14 @@ def error_type(status: int) -> str:
 def error_body(status: int, message: str, code: str) -> bytes:
     """``{"error": {"message", "type", "code"}}``, the shape OpenAI's API and clients use."""
     return orjson.dumps({"error": {"message": message, "type": error_type(status), "code": code}})
+
+
+def error_body_for(path: bytes, status: int, message: str, code: str) -> bytes:
+    """The error body in the dialect of ``path``: Anthropic's on ``/v1/messages*``, else
+    OpenAI's (``code`` has no place in Anthropic's shape)."""
+    if anthropic_path(path):
+        return anthropic_error_body(status, message)
+    return error_body(status, message, code)
 
 
 def malformed_code(status: int) -> str:
@@ -97,7 +121,7 @@ class Decoded:
         requirements: Requirements | None,
         session: str | None,
     ) -> None:
-        self.kind = kind  # "chat", "completions" or "embeddings"
+        self.kind = kind  # the endpoint's kind (``endpoints.ENDPOINTS``)
         self.model = model
         self.stream = stream  # an SSE answer was asked for (never for embeddings)
         self.doc = doc  # the parsed body, read again for the request log
@@ -108,15 +132,50 @@ class Decoded:
 
 
 KEY_REJECTION = Rejection(
-    401, "missing or invalid API key (Authorization: Bearer KEY)", "invalid_api_key"
+    401,
+    "missing or invalid API key (Authorization: Bearer KEY, or x-api-key: KEY)",
+    "invalid_api_key",
 )
 
 
 def key_of(headers: Mapping[bytes, bytes], keys: ApiKeyStore) -> ApiKey | None:
-    """The key the request's ``Authorization: Bearer`` names, None if none or unknown."""
+    """The key the request names, None if none or unknown: ``Authorization: Bearer KEY``, else
+    (or when that one is unknown) Anthropic's ``x-api-key: KEY``."""
     raw = headers.get(b"authorization")
     token = bearer_token(raw.decode("latin-1")) if raw else None
-    return keys.lookup(token) if token is not None else None
+    key = keys.lookup(token) if token is not None else None
+    if key is None:
+        other = headers.get(b"x-api-key")
+        if other:
+            token = other.decode("latin-1").strip()
+            key = keys.lookup(token) if token else None
+    return key
+
+
+def authorize(
+    headers: Mapping[bytes, bytes], keys: ApiKeyStore | None, limiter: RateLimiter, now: float
+) -> ApiKey | Rejection | None:
+    """The caller's key (None when the ingress runs open), or the 401/429 it gets instead.
+
+    A request within its rate takes a token even if a later check refuses it, as a request that
+    reaches a server does.
+    """
+    if keys is None or not keys.enabled:
+        return None
+    key = key_of(headers, keys)
+    if key is None:
+        return KEY_REJECTION
+    rate = key.rate
+    if rate is not None:
+        wait_s = limiter.check(key.key_id, rate.rate_per_s, rate.burst, now)
+        if wait_s > 0:
+            return Rejection(
+                429,
+                f"rate limit of {rate.rate_per_s:g} requests/s exceeded",
+                "rate_limit_exceeded",
+                [(b"retry-after", b"%d" % max(1, math.ceil(wait_s)))],
+            )
+    return key
 
 
 def decode(
@@ -127,29 +186,21 @@ def decode(
     limiter: RateLimiter,
     now: float,
 ) -> Decoded | Rejection:
-    """Check one ``/v1`` request of endpoint ``kind`` (see the module docstring for the order).
+    """Check one request of endpoint ``kind`` (see the module docstring for the order).
 
-    ``now`` is the monotonic clock the rate limiter counts in. A request within its rate takes
-    a token even if a later check refuses it, as a request that reaches a server does.
+    ``now`` is the monotonic clock the rate limiter counts in.
     """
     key: ApiKey | None = None
     if keys is not None and keys.enabled:
-        key = key_of(headers, keys)
-        if key is None:
-            return KEY_REJECTION
-        rate = key.rate
-        if rate is not None:
-            wait_s = limiter.check(key.key_id, rate.rate_per_s, rate.burst, now)
-            if wait_s > 0:
-                return Rejection(
-                    429,
-                    f"rate limit of {rate.rate_per_s:g} requests/s exceeded",
-                    "rate_limit_exceeded",
-                    [(b"retry-after", b"%d" % max(1, math.ceil(wait_s)))],
-                )
+        checked = authorize(headers, keys, limiter, now)
+        if isinstance(checked, Rejection):
+            return checked
+        key = checked
     try:
         doc = orjson.loads(body)
     except orjson.JSONDecodeError:
+        if kind in FORM_KINDS:  # a form is never JSON: the JSON kinds pay nothing for forms
+            return decode_form(kind, headers, body, key)
         return Rejection(400, "request body is not valid JSON", "invalid_json")
     if not isinstance(doc, dict):
         return Rejection(400, "request body must be a JSON object", "invalid_json")
@@ -161,7 +212,33 @@ def decode(
         requirements = requirements_of(headers)
     except ValueError as exc:
         return Rejection(400, str(exc), "invalid_header")
-    stream = doc.get("stream") is True and kind != "embeddings"
+    stream = doc.get("stream") is True and kind in STREAMING_KINDS
+    return Decoded(
+        kind, model, stream, doc, key, providers, requirements, session_key(headers, doc)
+    )
+
+
+FORM_FIELDS = ("model", "stream")
+
+
+def decode_form(
+    kind: str, headers: Mapping[bytes, bytes], body: bytes, key: ApiKey | None
+) -> Decoded | Rejection:
+    """The checks after the key for a ``multipart/form-data`` body (the audio endpoints): its
+    ``model`` and ``stream`` fields are read (``multipart.form_fields``) and become ``doc``."""
+    fields = form_fields(body, headers.get(b"content-type", b""), FORM_FIELDS)
+    if isinstance(fields, str):
+        return Rejection(400, fields, "invalid_form")
+    model = fields.get("model", "").strip()
+    if not model:
+        return Rejection(400, "the form field 'model' is required", "invalid_model")
+    try:
+        providers = allowed_providers(headers, key)
+        requirements = requirements_of(headers)
+    except ValueError as exc:
+        return Rejection(400, str(exc), "invalid_header")
+    stream = fields.get("stream", "").strip().lower() == "true"
+    doc: dict[str, Any] = {"model": model, "stream": stream}
     return Decoded(
         kind, model, stream, doc, key, providers, requirements, session_key(headers, doc)
     )
@@ -197,32 +274,56 @@ def session_key(headers: Mapping[bytes, bytes], doc: dict[str, Any]) -> str | No
 
 
 def prompt_text(doc: dict[str, Any], kind: str) -> str:
-    """The text prefix routing hashes: chat roles and contents joined by U+001E, the
-    completion ``prompt`` or the embedding ``input`` (the first one of a list)."""
-    if kind == "chat":
-        messages = doc.get("messages")
-        if not isinstance(messages, list):
-            return ""
-        parts: list[str] = []
-        for m in messages:
-            if not isinstance(m, dict):
-                continue
-            content = m.get("content")
-            role = m.get("role")
-            parts.append(role if isinstance(role, str) else "")
-            if isinstance(content, str):
-                parts.append(content)
-            elif isinstance(content, list):
-                for c in content:
-                    if isinstance(c, dict) and isinstance(c.get("text"), str):
-                        parts.append(c["text"])
-        return "\x1e".join(parts)
-    prompt = doc.get("prompt") if kind == "completions" else doc.get("input")
+    """The text prefix routing hashes: chat (and Anthropic Messages, their ``system`` first)
+    roles and contents joined by U+001E; a Responses ``input`` (text, or items like chat
+    messages); the completion ``prompt``; else the ``input`` (the first one of a list)."""
+    if kind == CHAT:
+        return _messages_text(doc.get("messages"), [])
+    if kind in (MESSAGES, COUNT_TOKENS):
+        system = doc.get("system")
+        parts = ["system", system] if isinstance(system, str) else []
+        if isinstance(system, list):
+            parts.append("system")
+            _content_text(system, parts)
+        return _messages_text(doc.get("messages"), parts)
+    if kind == RESPONSES:
+        given = doc.get("input")
+        if isinstance(given, list):
+            instructions = doc.get("instructions")
+            start = ["system", instructions] if isinstance(instructions, str) else []
+            return _messages_text(given, start)
+        prompt: Any = given
+    elif kind == COMPLETIONS:
+        prompt = doc.get("prompt")
+    else:
+        prompt = doc.get("input")
     if isinstance(prompt, str):
         return prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
         return str(prompt[0])
     return ""
+
+
+def _messages_text(messages: Any, parts: list[str]) -> str:
+    if not isinstance(messages, list):
+        return "\x1e".join(parts)
+    for m in messages:
+        if not isinstance(m, dict):
+            continue
+        content = m.get("content")
+        role = m.get("role")
+        parts.append(role if isinstance(role, str) else "")
+        if isinstance(content, str):
+            parts.append(content)
+        elif isinstance(content, list):
+            _content_text(content, parts)
+    return "\x1e".join(parts)
+
+
+def _content_text(content: list[Any], parts: list[str]) -> None:
+    for c in content:
+        if isinstance(c, dict) and isinstance(c.get("text"), str):
+            parts.append(c["text"])
 
 
 # -- header grammars ----------------------------------------------------------------------------

@@ -96,6 +96,7 @@ class RouteTable:
         self._self_id = ""
         self._by_model: dict[str, list[Route]] = {}
         self._sleeping: dict[str, list[Route]] = {}  # nodes whose engine sleeps, by model
+        self._by_session: dict[str, Route] = {}  # one route of each SERVING node, asleep or not
         self._listing: list[ModelListing] = []
         self._snapshots: dict[str, tuple[Load, LoadSnapshot]] = {}
         self.rebuilds = 0
@@ -112,6 +113,7 @@ class RouteTable:
         by_model: dict[str, list[Route]] = {}
         sleeping: dict[str, list[Route]] = {}
         parents: dict[str, dict[str, int]] = {}  # adapter -> parent -> entries that say so
+        by_session: dict[str, Route] = {}
         for entry in core.registry:
             body = entry.body
             if body.state != State.SERVING or not body.addresses.http:
@@ -138,10 +140,12 @@ class RouteTable:
                 )
                 route = Route(info, origin, body.expires_at, body.session_id == core.self_id)
                 table.setdefault(model.id, []).append(route)
+                by_session.setdefault(body.session_id, route)
         for routes in sleeping.values():  # the one to wake first: our own, else by id
             routes.sort(key=lambda r: (not r.is_self, r.info.session_id))
         self._by_model = by_model
         self._sleeping = sleeping
+        self._by_session = by_session
         self._listing = _listing(core, _merged(by_model, sleeping), parents)
         after = {r.info.session_id for routes in by_model.values() for r in routes}
         self.removed.extend(before - after)
@@ -157,6 +161,13 @@ class RouteTable:
         ``fabric.sleeping``), ours first, then by session id; ``routes`` leaves them out."""
         self._refresh()
         return self._sleeping.get(model)
+
+    def node(self, sid: str) -> Route | None:
+        """A route to the SERVING node ``sid`` (whatever model it serves; asleep or not), None
+        if no SERVING entry of it announces a model. The stateful Responses follow-ups are
+        routed by node, not by model."""
+        self._refresh()
+        return self._by_session.get(sid)
 
     def listing(self) -> list[ModelListing]:
         """Models with at least one SERVING node that is not known dead (``/v1/models``), each

@@ -17,9 +17,11 @@ from fabricnode.dataplane.accounting import (
     RequestLog,
     StreamUsage,
     UsageLedger,
+    audio_seconds_from_json,
     opt_int,
     usage_from_json,
 )
+from fabricnode.dataplane.endpoints import FORM_KINDS, NO_USAGE_KINDS
 from fabricnode.dataplane.job import Job
 from fabricnode.dataplane.metrics import IngressMetrics
 from fabricnode.dataplane.sockio import LoopClock
@@ -82,7 +84,8 @@ class Settler:
 
     def _settle_one(self, job: Job, wall_offset: float) -> None:
         if job.response is not None:
-            count_tokens(job, job.response, job.response_sse)
+            if job.kind not in NO_USAGE_KINDS:
+                count_tokens(job, job.response, job.response_sse)
             job.response = None
         if job.candidates >= 0:
             self.metrics.candidates.observe((), job.candidates)
@@ -92,6 +95,9 @@ class Settler:
         if job.ttft_s is not None:
             self.metrics.first_token(job.model, job.ttft_s)
         self.metrics.count_tokens(job.model, job.prompt_tokens, job.completion_tokens)
+        self.metrics.count_endpoint(job.kind, status, job.prompt_tokens, job.completion_tokens)
+        if job.audio_s:
+            self.metrics.audio_seconds.inc((job.model,), job.audio_s)
         name = job.key.name if job.key is not None else "anonymous"
         self.ledger.record(
             name, job.model, job.prompt_tokens, job.completion_tokens, error=status >= 400
@@ -101,7 +107,11 @@ class Settler:
             temperature: float | None = None
             doc = job.doc
             if doc is not None:
-                max_tokens = opt_int(doc.get("max_tokens") or doc.get("max_completion_tokens"))
+                max_tokens = opt_int(
+                    doc.get("max_tokens")
+                    or doc.get("max_completion_tokens")
+                    or doc.get("max_output_tokens")  # the Responses API's name
+                )
                 value = doc.get("temperature")
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
                     temperature = float(value)
@@ -120,6 +130,7 @@ class Settler:
                     job.stream,
                     max_tokens,
                     temperature,
+                    job.kind,
                 )
             )
 
@@ -133,6 +144,9 @@ def count_tokens(job: Job, body: list[bytes], sse: bool) -> None:
         prompt, completion = usage.result()
         job.prompt_tokens, job.completion_tokens = prompt or 0, completion
     elif job.status == 200:
-        found = usage_from_json(b"".join(body))
+        whole = b"".join(body)
+        found = usage_from_json(whole)
         if found is not None:
             job.prompt_tokens, job.completion_tokens = found
+        elif job.kind in FORM_KINDS:
+            job.audio_s = audio_seconds_from_json(whole) or 0.0

@@ -42,11 +42,6 @@ MARKER = VENV / ".fabric-vllm-ok"
 MODEL_NAME = "tiny-llama"
 LORA_NAME = "tiny-lora"
 LORA_RANK = 8
-# The paths vLLM serves beside the OpenAI trio, checked on the tiny model. The data plane does
-# not route them on this branch yet: they are called on the engine's port. Once the ingress
-# routes them (tokenize, detokenize, responses, messages), set this to True and the same
-# checks go through another agent's ingress (the watcher's, forwarding to the vLLM node).
-ENDPOINTS_THROUGH_INGRESS = False
 ENGINE_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -208,11 +203,8 @@ def check_a_resumed_stream_is_one_answer(url: str) -> None:
 
 
 def check_vllm_endpoints(url: str) -> None:
-    """vLLM's /tokenize, /detokenize, /v1/responses and /v1/messages answer on the tiny model.
-
-    ``url``: the engine's for now (``ENDPOINTS_THROUGH_INGRESS``); once the ingress routes
-    these paths by ``model``, an agent's ``http_url`` (the same checks must pass there).
-    """
+    """vLLM's /tokenize, /detokenize, /v1/responses and /v1/messages answer on the tiny model,
+    through ``url``: another agent's ingress, which routes them by ``model`` to the vLLM node."""
     failed = {}
 
     def post(path: str, doc: dict[str, Any]) -> dict[str, Any] | None:
@@ -381,7 +373,7 @@ def test_real_vllm_serves_reports_load_answers_and_leaves(
     chunks = [c for c in stream if c.choices]
     assert chunks and chunks[-1].choices[0].finish_reason in ("length", "stop")
     check_a_resumed_stream_is_one_answer(url)
-    check_vllm_endpoints(watcher.http_url if ENDPOINTS_THROUGH_INGRESS else url)
+    check_vllm_endpoints(watcher.http_url)
     check_lora_adapter_through_the_mesh(url, watcher.http_url, sid, tiny_lora)
 
     engine_tree = descendants(node.pid)

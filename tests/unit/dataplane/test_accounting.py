@@ -88,6 +88,59 @@ def test_bodies_without_valid_usage_give_none(body: bytes) -> None:
     assert usage_from_json(body) is None
 
 
+def test_usage_from_the_other_endpoints_bodies() -> None:
+    responses = {"id": "resp_1", "usage": {"input_tokens": 7, "output_tokens": 4}}
+    assert usage_from_json(json.dumps(responses).encode()) == (7, 4)
+    messages = {"type": "message", "usage": {"input_tokens": 9, "output_tokens": 2}}
+    assert usage_from_json(json.dumps(messages).encode()) == (9, 2)
+    rerank = {"results": [], "usage": {"prompt_tokens": 11, "total_tokens": 11}}
+    assert usage_from_json(json.dumps(rerank).encode()) == (11, 0)
+    score = {"data": [], "usage": {"prompt_tokens": 5, "completion_tokens": None}}
+    assert usage_from_json(json.dumps(score).encode()) == (5, 0)
+    audio = {"text": "hi", "usage": {"type": "duration", "seconds": 3}}
+    assert usage_from_json(json.dumps(audio).encode()) is None
+    assert accounting.audio_seconds_from_json(json.dumps(audio).encode()) == 3.0
+    assert accounting.audio_seconds_from_json(json.dumps(responses).encode()) is None
+
+
+def named_events(events: list[tuple[str, dict[str, Any]]]) -> bytes:
+    return "".join(f"event: {name}\ndata: {json.dumps(doc)}\n\n" for name, doc in events).encode()
+
+
+def test_a_responses_stream_reports_usage_in_its_completed_event() -> None:
+    pending = {"id": "resp_1", "status": "in_progress", "usage": None}
+    done = {**pending, "status": "completed", "usage": {"input_tokens": 7, "output_tokens": 4}}
+    data = named_events(
+        [
+            ("response.created", {"type": "response.created", "response": pending}),
+            ("response.output_text.delta", {"type": "x", "delta": "hi", "sequence_number": 2}),
+            ("response.completed", {"type": "response.completed", "response": done}),
+        ]
+    )
+    for cuts in ([], [5, 60, 200]):
+        usage = StreamUsage()
+        for piece in split_at(data, cuts):
+            usage.feed(piece)
+        assert usage.result() == (7, 4) and usage.reported
+    assert usage.last_event is not None and b"response.completed" in usage.last_event
+
+
+def test_a_messages_stream_takes_input_from_its_start_and_output_from_its_last_delta() -> None:
+    start = {"type": "message", "usage": {"input_tokens": 9, "output_tokens": 1}}
+    data = named_events(
+        [
+            ("message_start", {"type": "message_start", "message": start}),
+            ("content_block_delta", {"type": "content_block_delta", "delta": {"text": "a"}}),
+            ("message_delta", {"type": "message_delta", "usage": {"output_tokens": 3}}),
+            ("message_delta", {"type": "message_delta", "usage": {"output_tokens": 5}}),
+            ("message_stop", {"type": "message_stop"}),
+        ]
+    )
+    assert feed_in([data]) == (9, 5)
+    # A stream cut before its last delta: what was reported so far.
+    assert feed_in([data.split(b"event: message_delta")[0]]) == (9, 1)
+
+
 # -- streamed ---------------------------------------------------------------------------------
 
 
@@ -249,6 +302,7 @@ def test_request_log_holds_counts_never_prompt_or_output_text(tmp_path: Path) ->
         "stream",
         "max_tokens",
         "temperature",
+        "endpoint",
     }
     assert (line["T"], line["M"], line["I"], line["O"]) == (1000.0, "m", 12, 3)
     assert not any(isinstance(v, str) and len(v) > 40 for v in line.values())
@@ -358,6 +412,7 @@ def test_appends_during_flushes_from_another_thread_are_not_lost(tmp_path: Path)
     stream=st.booleans(),
     max_tokens=st.none() | st.integers(1, 2**31),
     temperature=st.none() | st.floats(0, 2),
+    endpoint=st.sampled_from(["chat", "responses", "messages", "rerank", "transcriptions"]),
 )
 @settings(max_examples=60, deadline=None)
 def test_a_raw_trace_tuple_logs_the_same_line_as_its_trace_record(
@@ -372,9 +427,12 @@ def test_a_raw_trace_tuple_logs_the_same_line_as_its_trace_record(
     stream: bool,
     max_tokens: int | None,
     temperature: float | None,
+    endpoint: str,
 ) -> None:
     """The ingress hands the log tuples (cheap on the event loop): same lines as records."""
-    fields = (t, model, *tokens, latency, ttft, status, *names, stream, max_tokens, temperature)
+    fields = (
+        t, model, *tokens, latency, ttft, status, *names, stream, max_tokens, temperature, endpoint
+    )  # fmt: skip
     path = tmp_path_factory.mktemp("raw") / "log.jsonl"
     log = RequestLog(path)
     log.append(fields)  # type: ignore[arg-type]

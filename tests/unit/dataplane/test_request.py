@@ -13,9 +13,11 @@ from hypothesis import strategies as st
 from fabricnode.control.app import error_response
 from fabricnode.dataplane.apikeys import ApiKeyStore, RateLimiter
 from fabricnode.dataplane.request import (
+    KEY_REJECTION,
     Decoded,
     Rejection,
     Requirements,
+    authorize,
     decode,
     error_body,
     malformed_code,
@@ -102,7 +104,9 @@ def test_a_missing_or_unknown_key_is_401(store: ApiKeyStore, header: bytes | Non
     why = rejected(
         decode("chat", headers, b"not json", store, RateLimiter(), NOW), 401, "invalid_api_key"
     )
-    assert why.message == "missing or invalid API key (Authorization: Bearer KEY)"
+    assert why.message == (
+        "missing or invalid API key (Authorization: Bearer KEY, or x-api-key: KEY)"
+    )
 
 
 def test_rate_limit_is_429_with_retry_after_and_comes_before_the_body(store: ApiKeyStore) -> None:
@@ -179,7 +183,9 @@ def test_a_bad_fabric_header_is_400_naming_it(headers: dict[str, str]) -> None:
     require=st.binary(max_size=80),
     providers=st.binary(max_size=80),
     session=st.binary(max_size=300),
-    kind=st.sampled_from(["chat", "completions", "embeddings"]),
+    kind=st.sampled_from(
+        ["chat", "completions", "embeddings", "responses", "messages", "rerank", "transcriptions"]
+    ),
 )
 def test_arbitrary_input_decodes_or_is_refused_with_a_4xx(
     body: bytes, require: bytes, providers: bytes, session: bytes, kind: str
@@ -215,6 +221,78 @@ def test_prompt_text_per_endpoint() -> None:
     assert prompt_text({"prompt": [1, 2, 3]}, "completions") == ""
     assert prompt_text({"input": "embed me"}, "embeddings") == "embed me"
     assert prompt_text({"prompt": "not for embeddings"}, "embeddings") == ""
+
+
+def test_prompt_text_of_responses_and_messages_reads_them_like_chat() -> None:
+    assert prompt_text({"input": "tell me"}, "responses") == "tell me"
+    items = {"instructions": "be brief", "input": [{"role": "user", "content": "hi"}]}
+    assert prompt_text(items, "responses") == "system\x1ebe brief\x1euser\x1ehi"
+    anthropic = {
+        "system": [{"type": "text", "text": "be brief"}],
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+    }
+    assert prompt_text(anthropic, "messages") == "system\x1ebe brief\x1euser\x1ehi"
+    assert prompt_text({**anthropic, "system": "short"}, "messages") == (
+        "system\x1eshort\x1euser\x1ehi"
+    )
+    assert prompt_text({"query": "q"}, "rerank") == ""
+
+
+# -- other endpoints ----------------------------------------------------------------------------
+
+
+def test_responses_and_messages_may_stream_rerank_never() -> None:
+    body = b'{"model": "m", "stream": true}'
+    assert decoded(open_decode(body, "responses")).stream
+    assert decoded(open_decode(body, "messages")).stream
+    assert not decoded(open_decode(body, "rerank")).stream
+
+
+FORM = (
+    b'--B\r\nContent-Disposition: form-data; name="file"; filename="a.wav"\r\n\r\nRIFF\r\n'
+    b'--B\r\nContent-Disposition: form-data; name="model"\r\n\r\nwhisper\r\n'
+    b'--B\r\nContent-Disposition: form-data; name="stream"\r\n\r\ntrue\r\n--B--\r\n'
+)
+
+
+def test_an_audio_form_is_routed_by_its_model_field() -> None:
+    d = decoded(open_decode(FORM, "transcriptions", content_type="multipart/form-data; boundary=B"))
+    assert (d.kind, d.model, d.stream) == ("transcriptions", "whisper", True)
+
+
+def test_an_audio_request_that_is_not_a_readable_form_is_400() -> None:
+    rejected(open_decode(FORM, "transcriptions"), 400, "invalid_form")
+    no_model = FORM.replace(b'name="model"', b'name="language"')
+    ct = "multipart/form-data; boundary=B"
+    rejected(open_decode(no_model, "translations", content_type=ct), 400, "invalid_model")
+    # A JSON body for a JSON endpoint is never read as a form.
+    rejected(open_decode(FORM, "chat", content_type=ct), 400, "invalid_json")
+
+
+def test_anthropics_key_header_names_the_key_too(store: ApiKeyStore) -> None:
+    token, key = store.new_key("alice", now=1.0)
+    for headers in (
+        {b"x-api-key": token.encode()},
+        {b"x-api-key": b" " + token.encode() + b" "},
+        {b"authorization": b"Bearer fab-nope", b"x-api-key": token.encode()},
+    ):
+        assert decoded(decode("messages", headers, BODY, store, RateLimiter(), NOW)).key == key
+    rejected(
+        decode("messages", {b"x-api-key": b"fab-nope"}, BODY, store, RateLimiter(), NOW),
+        401,
+        "invalid_api_key",
+    )
+
+
+def test_authorize_alone_checks_the_key_and_its_rate(store: ApiKeyStore) -> None:
+    token, key = store.new_key("bob", rate_per_s=0.5, burst=1, now=1.0)
+    limiter = RateLimiter()
+    headers = {b"authorization": b"Bearer " + token.encode()}
+    assert authorize(headers, store, limiter, NOW) == key
+    limited = authorize(headers, store, limiter, NOW)
+    assert isinstance(limited, Rejection) and limited.status == 429
+    assert authorize({}, None, limiter, NOW) is None
+    assert authorize({}, store, limiter, NOW) is KEY_REJECTION
 
 
 # -- error bodies -----------------------------------------------------------------------------

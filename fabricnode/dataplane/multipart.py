@@ -1,0 +1,91 @@
+"""Reading a few text fields of a ``multipart/form-data`` body, without copying its files.
+
+Pure. The audio endpoints (``/v1/audio/transcriptions``, ``/v1/audio/translations``) take a
+form with the audio file and text fields, ``model`` among them; the ingress routes by that
+field and forwards the body as it came. ``form_fields`` walks the parts by their delimiters
+(``bytes.find``: no part is copied or decoded but the wanted text fields, each at most
+``MAX_FIELD_BYTES``), in any order (a ``model`` part after the file is found too), and stops as
+soon as it has every wanted field. The body itself is held by the HTTP layer, within the body
+limit and the agent's body budget like any request body (a larger one is refused with 413 while
+it arrives).
+
+Grammar (RFC 7578 / RFC 2046), as far as it is read here: the boundary comes from the
+``Content-Type`` parameter (quoted or not, 1-70 characters); the body is an optional preamble,
+then parts each opened by ``--boundary`` and its line end, with header lines, an empty line and
+the content, the next delimiter being ``CRLF--boundary``; ``--boundary--`` closes the body. A
+part's name comes from its ``Content-Disposition: form-data; name="..."`` header.
+"""
+
+from __future__ import annotations
+
+import re
+
+MAX_FIELD_BYTES = 4096  # a wanted text field longer than this is refused
+MAX_PART_HEAD_BYTES = 8192  # one part's header block
+MAX_BOUNDARY_CHARS = 70
+
+_BOUNDARY = re.compile(rb'(?i)(?:^|;)\s*boundary\s*=\s*(?:"([^"]{1,70})"|([^\s;"]{1,70}))')
+_NAME = re.compile(rb'(?im)^content-disposition\s*:[^\r\n]*;\s*name\s*=\s*(?:"([^"]*)"|([^\s;]+))')
+
+
+def boundary_of(content_type: bytes) -> bytes | None:
+    """The boundary of a ``multipart/form-data`` content type, None if it is not one."""
+    media, _, params = content_type.partition(b";")
+    if media.strip().lower() != b"multipart/form-data":
+        return None
+    m = _BOUNDARY.search(params)
+    if m is None:
+        return None
+    value = m.group(1) if m.group(1) is not None else m.group(2)
+    return value if value else None
+
+
+def form_fields(body: bytes, content_type: bytes, wanted: tuple[str, ...]) -> dict[str, str] | str:
+    """The values of the ``wanted`` text fields present in a form body (the first of each
+    name), or why the body cannot be read (one line, for a 400)."""
+    boundary = boundary_of(content_type)
+    if boundary is None:
+        return "Content-Type must be multipart/form-data with a boundary"
+    delim = b"--" + boundary
+    sep = b"\r\n" + delim
+    if body.startswith(delim):
+        pos = 0
+    else:
+        pos = body.find(sep)
+        if pos < 0:
+            return "the form has no part"
+        pos += 2  # past the preamble's CRLF
+    found: dict[str, str] = {}
+    want = frozenset(wanted)
+    while True:
+        pos += len(delim)
+        if body.startswith(b"--", pos):
+            return found  # the closing delimiter
+        eol = body.find(b"\r\n", pos)
+        if eol < 0 or eol - pos > 64:  # only transport padding may follow a delimiter
+            return "malformed form: a part delimiter without a line end"
+        head_start = eol + 2
+        if body.startswith(b"\r\n", head_start):
+            head_end = head_start  # a part without headers
+        else:
+            head_end = body.find(b"\r\n\r\n", head_start, head_start + MAX_PART_HEAD_BYTES + 4)
+            if head_end < 0:
+                return "malformed form: a part's headers do not end"
+        content = head_end + 4 if head_end > head_start else head_start + 2
+        nxt = body.find(sep, content)
+        if nxt < 0:
+            return "malformed form: the body ends inside a part"
+        m = _NAME.search(body, head_start, head_end)
+        if m is not None:
+            raw_name = m.group(1) if m.group(1) is not None else m.group(2)
+            name = raw_name.decode("utf-8", "replace")
+            if name in want and name not in found:
+                if nxt - content > MAX_FIELD_BYTES:
+                    return f"form field {name!r} longer than {MAX_FIELD_BYTES} bytes"
+                try:
+                    found[name] = body[content:nxt].decode("utf-8")
+                except UnicodeDecodeError:
+                    return f"form field {name!r} is not UTF-8 text"
+                if len(found) == len(want):
+                    return found
+        pos = nxt + 2
