@@ -5,7 +5,9 @@ simulated engines (``FLEET``: two models) sits behind it, every agent with
 ``--restart on-failure``. Closed-loop clients keep it busy: half send non-streamed requests
 (httpx), half streamed ones, parsed either by hand from the raw SSE (httpx: the exact wire
 format) or by the official ``openai`` client (what users run; ``max_retries=0`` so that no
-error is hidden by a client retry).
+error is hidden by a client retry); two more send Responses and Messages requests in turn,
+every other one streamed. Those streams are not resumed (the answer's state is on its node):
+one whose node dies must end with an error event in its own format (``api_stream_broken...``).
 
 Each of ``ROUNDS`` chaos rounds waits until the whole fleet serves again (as the ingress sees
 it), starts two replacement agents, then, ``ACTION_GAP_S`` apart: kill -9 one serving agent
@@ -60,7 +62,7 @@ SLOWDOWN = "10"  # about 30 ms per token: a 48-token stream lasts about 1.5 s
 PLAIN_TOKENS = 16
 STREAM_TOKENS = 48
 MAX_RESTARTS = 3  # the agent's default --max-restarts
-CLIENTS = {"plain": 4, "sse": 2, "openai": 2}  # half non-streamed, half streamed
+CLIENTS = {"plain": 4, "sse": 2, "openai": 2, "api": 2}  # half non-streamed, half streamed
 CLIENT_TIMEOUT_S = 30.0
 CONVERGE_TIMEOUT_S = 60.0
 
@@ -70,6 +72,9 @@ BROKEN = "broken_stream"
 BAD_BREAK = "broken_without_error_event"
 CUT_BODY = "non_stream_body_cut"
 BAD_RESUME = "stream_with_lost_or_repeated_tokens"
+# a Responses or Messages stream whose node died: not resumable (the answer's state is on that
+# node); it must end with an error event in its own endpoint's format
+API_BROKEN = "api_stream_broken_with_its_error_event"
 
 
 @dataclass(frozen=True)
@@ -185,6 +190,47 @@ def openai_request(client: openai.OpenAI, model: str, i: int) -> tuple[str, str]
     if not any(d["choices"] and d["choices"][0]["finish_reason"] for d in docs):
         return BAD_BREAK, f"stream ended after {chunks} chunks without finish_reason"
     return whole_answer(docs)
+
+
+# The endpoints beyond chat, in turn: (path, body, the event that ends a whole stream, the
+# one that ends a broken one)
+API_CALLS = (
+    ("/v1/responses", lambda m, i, stream: {
+        "model": m, "input": messages(i)[0]["content"], "max_output_tokens": PLAIN_TOKENS,
+        "stream": stream,
+    }, "response.completed", "response.failed"),
+    ("/v1/messages", lambda m, i, stream: {
+        "model": m, "messages": messages(i), "max_tokens": PLAIN_TOKENS, "stream": stream,
+    }, "message_stop", "error"),
+)  # fmt: skip
+
+
+def api_request(http: httpx.Client, url: str, model: str, i: int) -> tuple[str, str]:
+    """A Responses or Messages request, streamed every other time, classified as chat's are."""
+    path, body, done, failed = API_CALLS[i % 2]
+    stream = (i // 2) % 2 == 1
+    events: list[str] = []
+    try:
+        with http.stream("POST", url + path, json=body(model, i, stream)) as r:
+            if r.status_code != 200:
+                return EARLY, f"{path}: status {r.status_code}: {r.read()[:300]!r}"
+            try:
+                if not stream:
+                    doc = json.loads(r.read())
+                    whole = doc.get("output") if path == "/v1/responses" else doc.get("content")
+                    return (OK, "") if whole else (CUT_BODY, f"{path}: {str(doc)[:300]}")
+                for line in r.iter_lines():
+                    if line.startswith("event: "):
+                        events.append(line[7:])
+            except (httpx.HTTPError, ValueError) as exc:
+                return BAD_BREAK, f"{path}: {type(exc).__name__} after {len(events)} events"
+    except httpx.HTTPError as exc:
+        return EARLY, f"{path}: {type(exc).__name__}: {exc}"
+    if events and events[-1] == done:
+        return OK, ""
+    if events and events[-1] == failed:
+        return API_BROKEN, f"{path}: after {len(events)} events"
+    return BAD_BREAK, f"{path}: ended after {len(events)} events: {events[-3:]}"
 
 
 # -- the fleet and the chaos ------------------------------------------------------------------
@@ -408,12 +454,15 @@ def test_churn_under_load_gives_no_error_before_the_first_byte(mesh: LocalMesh) 
 
     by_kind = Counter(o.kind for o in outcomes)
     plain = sum(o.client.startswith("plain") for o in outcomes)
+    api = sum(o.client.startswith("api") for o in outcomes)
     print(
-        f"\nchurn: {len(outcomes)} requests ({plain} non-streamed, {len(outcomes) - plain} "
-        f"streamed) in {load_s:.1f} s: ok {by_kind[OK]}, errors before first byte "
+        f"\nchurn: {len(outcomes)} requests ({plain} chat non-streamed, "
+        f"{len(outcomes) - plain - api} chat streamed, {api} Responses and Messages, half of "
+        f"them streamed) in {load_s:.1f} s: ok {by_kind[OK]}, errors before first byte "
         f"{by_kind[EARLY]}, broken streams {by_kind[BROKEN]} (each ended with upstream_broken), "
         f"broken without the error event {by_kind[BAD_BREAK]}, resumed with lost or repeated "
-        f"tokens {by_kind[BAD_RESUME]}, cut non-streamed bodies {by_kind[CUT_BODY]}; "
+        f"tokens {by_kind[BAD_RESUME]}, cut non-streamed bodies {by_kind[CUT_BODY]}, Responses "
+        f"and Messages streams broken with their own error event {by_kind[API_BROKEN]}; "
         f"streams resumed {resumed:g}; {ROUNDS} rounds: {fleet.counts['agents killed']} agents and "
         f"{fleet.counts['engines killed']} engines killed, {fleet.counts['agents left']} agents "
         f"left, {fleet.counts['started']} serving agents started; ingress retries {retries:g}, "
@@ -468,9 +517,11 @@ def _worker(kind: str, n: int, url: str, t0: float, clients: ExitStack) -> Calla
             result, detail = plain_request(http, endpoint, model, seq)
         elif kind == "sse":
             result, detail = sse_request(http, endpoint, model, seq)
+        elif kind == "api":
+            result, detail = api_request(http, url, model, seq)
         else:
             result, detail = openai_request(oai, model, seq)
-        if result not in (OK, BROKEN):
+        if result not in (OK, BROKEN, API_BROKEN):
             before = f"{previous[-1].kind} at {previous[-1].at_s:.2f}s" if previous else "none"
             detail += f" (sent at {started:.2f}s; previous request on this client: {before})"
         outcome = Outcome(result, f"{kind}{n}", model, time.monotonic() - t0, detail)
