@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -49,6 +50,7 @@ ENGINE_ENV = {
     "TRANSFORMERS_OFFLINE": "1",
     "VLLM_NO_USAGE_STATS": "1",
     "DO_NOT_TRACK": "1",
+    "VLLM_ENABLE_RESPONSES_API_STORE": "1",  # stored responses: follow-ups and retrieve
 }
 
 
@@ -202,9 +204,12 @@ def check_a_resumed_stream_is_one_answer(url: str) -> None:
     assert finals == ["length"]
 
 
-def check_vllm_endpoints(url: str) -> None:
-    """vLLM's /tokenize, /detokenize, /v1/responses and /v1/messages answer on the tiny model,
-    through ``url``: another agent's ingress, which routes them by ``model`` to the vLLM node."""
+def check_vllm_endpoints(url: str, other_url: str) -> None:
+    """vLLM's /tokenize, /detokenize, Responses and Messages on the tiny model, through ``url``
+    (another agent's ingress, which routes them by ``model`` to the vLLM node) with the official
+    clients; a Responses follow-up and a retrieve go through ``other_url``, a second ingress,
+    and reach the node that stored the first answer (the engine runs with its response store on,
+    ``VLLM_ENABLE_RESPONSES_API_STORE``)."""
     failed = {}
 
     def post(path: str, doc: dict[str, Any]) -> dict[str, Any] | None:
@@ -222,19 +227,38 @@ def check_vllm_endpoints(url: str) -> None:
         detok = post("/detokenize", {"model": MODEL_NAME, "tokens": tokens["tokens"]})
         if detok is not None:
             assert detok["prompt"] == text, detok
-    doc = {"model": MODEL_NAME, "input": "Hello", "max_output_tokens": 8, "temperature": 0}
-    response = post("/v1/responses", doc)
-    if response is not None:
-        assert response["object"] == "response" and response["model"] == MODEL_NAME, response
-        assert response["output"][0]["content"][0]["type"] == "output_text", response
-        assert response["usage"]["output_tokens"] >= 1, response
-    doc = {"model": MODEL_NAME, "max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}]}
-    message = post("/v1/messages", doc)
-    if message is not None:
-        assert message["type"] == "message" and message["role"] == "assistant", message
-        assert message["content"][0]["type"] == "text", message
-        assert message["stop_reason"] in ("max_tokens", "end_turn"), message
     assert not failed, f"vLLM endpoints that failed at {url}: {failed}"
+
+    front = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=60, max_retries=0)
+    back = openai.OpenAI(base_url=f"{other_url}/v1", api_key="unused", timeout=60, max_retries=0)
+    first = front.responses.create(
+        model=MODEL_NAME, input="Hello", max_output_tokens=8, temperature=0
+    )
+    assert first.object == "response" and first.model == MODEL_NAME, first
+    assert first.output[0].type == "message" and first.usage is not None
+    assert first.usage.output_tokens >= 1
+    follow = back.responses.create(
+        model=MODEL_NAME, input="And then?", previous_response_id=first.id, max_output_tokens=8
+    )
+    assert follow.usage is not None and follow.usage.input_tokens > first.usage.input_tokens
+    assert back.responses.retrieve(first.id).id == first.id
+    kinds = [e.type for e in front.responses.create(
+        model=MODEL_NAME, input="Stream it", max_output_tokens=8, stream=True
+    )]  # fmt: skip
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed", kinds
+
+    claude = anthropic.Anthropic(base_url=url, api_key="unused", timeout=60, max_retries=0)
+    hi = [{"role": "user", "content": "Hi"}]
+    message = claude.messages.create(model=MODEL_NAME, max_tokens=8, messages=hi)
+    assert message.type == "message" and message.role == "assistant", message
+    assert message.content[0].type == "text" and message.usage.output_tokens >= 1
+    assert message.stop_reason in ("max_tokens", "end_turn"), message
+    with claude.messages.stream(model=MODEL_NAME, max_tokens=8, messages=hi) as stream:
+        streamed = stream.get_final_message()
+    assert streamed.usage.output_tokens >= 1, streamed
+    assert claude.messages.count_tokens(model=MODEL_NAME, messages=hi).input_tokens > 0
+    with pytest.raises(anthropic.NotFoundError):
+        claude.messages.create(model="not-served", max_tokens=8, messages=hi)
 
 
 def listed(ingress_url: str) -> dict[str, dict[str, Any]]:
@@ -373,7 +397,7 @@ def test_real_vllm_serves_reports_load_answers_and_leaves(
     chunks = [c for c in stream if c.choices]
     assert chunks and chunks[-1].choices[0].finish_reason in ("length", "stop")
     check_a_resumed_stream_is_one_answer(url)
-    check_vllm_endpoints(watcher.http_url)
+    check_vllm_endpoints(watcher.http_url, node.http_url)
     check_lora_adapter_through_the_mesh(url, watcher.http_url, sid, tiny_lora)
 
     engine_tree = descendants(node.pid)
