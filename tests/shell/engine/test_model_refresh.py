@@ -21,19 +21,9 @@ from fabricnode.mesh.keyring import Keyring
 from fabricnode.mesh.registry import MAX_MODELS, PARENTS_LABEL, SLEEPING_LABEL, State
 from fabricnode.mesh.service import GossipService
 from fabricnode.testing.simnet import make_body
+from tests.support.notransport import NoTransport
 
 BASE = {"id": "base", "object": "model", "max_model_len": 512, "parent": None}
-
-
-class NoTransport:
-    local_addr = "10.0.0.9:7946"
-
-    async def send(self, addr: str, data: bytes, reliable: bool) -> None:
-        pass
-
-    async def receive(self) -> tuple[bytes, str | None, bool]:
-        await trio.sleep_forever()
-        raise AssertionError
 
 
 class FakeEngine:

@@ -18,19 +18,9 @@ from fabricnode.mesh.keyring import Keyring
 from fabricnode.mesh.registry import SLEEPING_LABEL
 from fabricnode.mesh.service import GossipService
 from fabricnode.testing.simnet import make_body
+from tests.support.notransport import NoTransport
 
 URL = "http://engine.test"
-
-
-class NoTransport:
-    local_addr = "10.0.0.9:7946"
-
-    async def send(self, addr: str, data: bytes, reliable: bool) -> None:
-        pass
-
-    async def receive(self) -> tuple[bytes, str | None, bool]:
-        await trio.sleep_forever()
-        raise AssertionError
 
 
 def gossip() -> GossipService:
