@@ -251,15 +251,7 @@ class PoolingAPI:
                 else:
                     pooled = [class_probs(self.seed, p) for p in pieces]
             data.append({"index": i, "object": "pooling", "data": pooled})
-        doc = {
-            "id": f"pool-{self.new_id()}",
-            "object": "list",
-            "created": int(self.wall_clock()),
-            "model": served.name,
-            "data": data,
-            "usage": _usage(sum(len(p) for _, p in inputs)),
-        }
-        await send_json(send, doc)
+        await send_json(send, self._list_doc("pool", served.name, data, inputs))
 
     async def classify(self, request: Json, send: Send) -> None:
         served = self.models.resolve(request.get("model"))
@@ -272,15 +264,20 @@ class PoolingAPI:
             data.append(
                 {"index": i, "label": label, "probs": probs, "num_classes": len(CLASS_LABELS)}
             )
-        doc = {
-            "id": f"classify-{self.new_id()}",
+        await send_json(send, self._list_doc("classify", served.name, data, inputs))
+
+    def _list_doc(
+        self, kind: str, model: str, data: list[Json], inputs: list[tuple[str, list[int]]]
+    ) -> Json:
+        """vLLM's list answer of /pooling and /classify, with the prompt tokens as usage."""
+        return {
+            "id": f"{kind}-{self.new_id()}",
             "object": "list",
             "created": int(self.wall_clock()),
-            "model": served.name,
+            "model": model,
             "data": data,
             "usage": _usage(sum(len(p) for _, p in inputs)),
         }
-        await send_json(send, doc)
 
     # -- tokenizer --
 
