@@ -11,7 +11,11 @@ named in ``cpu_groups`` (so CPU and requests cover exactly the same window), the
 
 Spec keys: host, port, path, model, stream, concurrency, warmup_s, seconds, prompt_bytes,
 headers (dict), cpu_groups (name -> [pid]), drain_s, client ("protocol", the default, or
-"aiohttp": closed-loop aiohttp.ClientSession clients, run from the aiohttp-backend venv).
+"aiohttp": closed-loop aiohttp.ClientSession clients, run from the aiohttp-backend venv), and
+optionally api (``API_CHAT``, the default: a chat completion, streamed with ``stream``;
+``API_AUDIO``: a ``multipart/form-data`` transcription upload of a WAV file of about
+``audio_bytes``, the ``model`` field after the file part; ``API_RESPONSES``: a Responses
+request, streamed with ``stream``). A chat spec builds the same bytes as before ``api`` existed.
 Result keys: completed, errors, connections (opened), error_samples, window_s, latencies_us,
 ttft_us, cpu_ticks (name -> ticks), client_ticks, host_busy_ticks and host_total_ticks (all
 CPUs, /proc/stat), clk_tck.
@@ -20,12 +24,15 @@ CPUs, /proc/stat), clk_tck.
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
+import io
 import json
 import os
 import socket
 import sys
 import time
+import wave
 from typing import Any
 
 import httptools
@@ -47,8 +54,56 @@ def prompt_text(size: int) -> str:
     return " ".join(words)[:size]
 
 
-def build_request(spec: dict[str, Any]) -> bytes:
-    payload: dict[str, Any] = {
+API_CHAT = "chat"
+API_AUDIO = "audio"
+API_RESPONSES = "responses"
+FORM_BOUNDARY = "----fabricbench7d1f0c2a9b"
+
+
+@functools.cache
+def wav_file(size: int) -> bytes:
+    """A mono 16 kHz 16-bit WAV of about ``size`` bytes (a quiet sawtooth), made once."""
+    frames = max(1, (size - 44) // 2)
+    samples = b"".join(
+        ((i * 37) % 2048 - 1024).to_bytes(2, "little", signed=True) for i in range(frames)
+    )
+    out = io.BytesIO()
+    with wave.open(out, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(16000)
+        w.writeframes(samples)
+    return out.getvalue()
+
+
+def request_body(spec: dict[str, Any]) -> tuple[str, bytes]:
+    """The content type and body of the cell's request."""
+    api = spec.get("api", API_CHAT)
+    if api == API_AUDIO:
+        b = FORM_BOUNDARY.encode()
+        body = b"".join(
+            (
+                b"--" + b + b"\r\n",
+                b'Content-Disposition: form-data; name="file"; filename="bench.wav"\r\n',
+                b"Content-Type: audio/wav\r\n\r\n",
+                wav_file(int(spec.get("audio_bytes", 65536))),
+                b"\r\n--" + b + b"\r\n",
+                b'Content-Disposition: form-data; name="model"\r\n\r\n',
+                str(spec["model"]).encode(),
+                b"\r\n--" + b + b"--\r\n",
+            )
+        )
+        return f"multipart/form-data; boundary={FORM_BOUNDARY}", body
+    payload: dict[str, Any]
+    if api == API_RESPONSES:
+        payload = {
+            "model": spec["model"],
+            "input": prompt_text(int(spec["prompt_bytes"])),
+            "max_output_tokens": 16,
+            "stream": bool(spec["stream"]),
+        }
+        return "application/json", orjson.dumps(payload)
+    payload = {
         "model": spec["model"],
         "messages": [{"role": "user", "content": prompt_text(int(spec["prompt_bytes"]))}],
         "max_tokens": 16,
@@ -56,11 +111,22 @@ def build_request(spec: dict[str, Any]) -> bytes:
     }
     if spec["stream"]:
         payload["stream_options"] = {"include_usage": True}
-    body = orjson.dumps(payload)
+    return "application/json", orjson.dumps(payload)
+
+
+def done_marker(spec: dict[str, Any]) -> bytes | None:
+    """What the last bytes of a complete stream hold; None for a JSON response."""
+    if not spec["stream"]:
+        return None
+    return b"response.completed" if spec.get("api") == API_RESPONSES else b"[DONE]"
+
+
+def build_request(spec: dict[str, Any]) -> bytes:
+    content_type, body = request_body(spec)
     lines = [
         f"POST {spec['path']} HTTP/1.1",
         f"Host: {spec['host']}:{spec['port']}",
-        "Content-Type: application/json",
+        f"Content-Type: {content_type}",
         "Accept: */*",
         f"Content-Length: {len(body)}",
         *(f"{k}: {v}" for k, v in spec.get("headers", {}).items()),
@@ -76,7 +142,11 @@ class Run:
         self.host = spec["host"]
         self.port = int(spec["port"])
         self.stream = bool(spec["stream"])
+        self.content_type, _ = request_body(spec)
         self.request = build_request(spec)
+        self.marker = done_marker(spec)
+        # the Responses stream ends with a response.completed event of several hundred bytes
+        self.tail_bytes = 256 if spec.get("api", API_CHAT) == API_CHAT else 4096
         self.running = True
         self.measuring = False
         self.latencies: list[float] = []
@@ -98,8 +168,8 @@ class Run:
         if status != 200:
             self.error(f"HTTP {status}: {client.tail[-200:]!r}")
             return
-        if self.stream and b"[DONE]" not in client.tail:
-            self.error(f"stream without [DONE]: {client.tail[-200:]!r}")
+        if self.marker is not None and self.marker not in client.tail:
+            self.error(f"stream without {self.marker.decode()}: {client.tail[-200:]!r}")
             return
         if self.measuring:
             self.latencies.append(now - client.t_start)
@@ -166,7 +236,8 @@ class Client(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         if not self.t_first:
             self.t_first = time.perf_counter()
-        self.tail = body[-256:] if len(body) >= 256 else (self.tail + body)[-256:]
+        n = self.run.tail_bytes
+        self.tail = body[-n:] if len(body) >= n else (self.tail + body)[-n:]
 
     def on_message_complete(self) -> None:
         now = time.perf_counter()
@@ -195,7 +266,7 @@ async def aiohttp_client(run: Run) -> None:
     spec = run.spec
     url = f"http://{run.host}:{run.port}{spec['path']}"
     body = run.request.split(b"\r\n\r\n", 1)[1]
-    headers = {"content-type": "application/json", **spec.get("headers", {})}
+    headers = {"content-type": run.content_type, **spec.get("headers", {})}
     connector = aiohttp.TCPConnector(limit=1)
     async with aiohttp.ClientSession(connector=connector) as session:
         run.connections += 1
@@ -208,7 +279,7 @@ async def aiohttp_client(run: Run) -> None:
                     async for piece in resp.content.iter_any():
                         if not t_first:
                             t_first = time.perf_counter()
-                        tail = (tail + piece)[-256:]
+                        tail = (tail + piece)[-run.tail_bytes :]
                     status = resp.status
             except (aiohttp.ClientError, OSError) as exc:
                 run.error(f"{type(exc).__name__}: {exc}")
@@ -217,8 +288,8 @@ async def aiohttp_client(run: Run) -> None:
             now = time.perf_counter()
             if status != 200:
                 run.error(f"HTTP {status}: {tail[-200:]!r}")
-            elif run.stream and b"[DONE]" not in tail:
-                run.error(f"stream without [DONE]: {tail[-200:]!r}")
+            elif run.marker is not None and run.marker not in tail:
+                run.error(f"stream without {run.marker.decode()}: {tail[-200:]!r}")
             elif run.measuring:
                 run.latencies.append(now - t_start)
                 run.ttfts.append((t_first or now) - t_start)

@@ -14,6 +14,11 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 SSE_EVENTS = 18  # 16 content chunks + usage chunk + [DONE], as bench/fake_backend.py sends
+# created, in_progress, output_item.added, content_part.added, 16 deltas, output_text.done,
+# content_part.done, output_item.done, completed: bench/fake_backend.py's Responses stream
+RESPONSES_EVENTS = 24
+MODES = ("json", "sse", "audio", "responses-sse")
+STREAM_EVENTS = {"sse": SSE_EVENTS, "responses-sse": RESPONSES_EVENTS}
 
 
 class Target(Protocol):
@@ -28,12 +33,19 @@ class Target(Protocol):
 
 @dataclass(frozen=True)
 class Cell:
+    """One concurrency and one mode: ``json`` and ``sse`` (chat completions), ``audio`` (a
+    multipart transcription upload), ``responses-sse`` (a streamed Responses request)."""
+
     concurrency: int
-    stream: bool
+    mode: str
+
+    @property
+    def stream(self) -> bool:
+        return self.mode in STREAM_EVENTS
 
     @property
     def label(self) -> str:
-        return f"c={self.concurrency} {'sse' if self.stream else 'json'}"
+        return f"c={self.concurrency} {self.mode}"
 
 
 def percentile(sorted_values: list[int], q: float) -> float:
@@ -73,8 +85,11 @@ def summarize(
     targets: Sequence[Target],
     cells: list[Cell],
     raw: dict[tuple[str, str], list[dict[str, Any]]],
+    unsupported: dict[tuple[str, str], str] | None = None,
 ) -> dict[str, dict[str, dict[str, Any]]]:
-    """Per target, per cell: the figures of the table (see the module docstring)."""
+    """Per target, per cell: the figures of the table (see the module docstring).
+    ``unsupported`` maps (target, mode) to why that target does not serve the mode."""
+    unsupported = unsupported or {}
 
     def round_means(name: str, label: str) -> dict[int, float]:
         runs = raw.get((name, label), [])
@@ -107,6 +122,7 @@ def summarize(
             added[(target.name, cell.label)] = by_round
             is_router = target.name != "direct"
             per_cell[cell.label] = {
+                "unsupported": unsupported.get((target.name, cell.mode)),
                 "requests": completed,
                 "errors": sum(r.get("errors", 0) for r in runs),
                 "error_samples": [s for r in runs for s in r.get("error_samples", [])][:3],
@@ -133,17 +149,18 @@ def summarize(
         summary[target.name] = per_cell
     for cell in cells:
         vr = summary.get("vllm-router", {}).get(cell.label, {}).get("added_mean_ms", math.nan)
-        json_label = Cell(cell.concurrency, False).label
+        json_label = Cell(cell.concurrency, "json").label
         for name, per_cell in summary.items():
             s = per_cell[cell.label]
             ok = vr > 0 and not math.isnan(s["added_mean_ms"])
             s["ratio_vs_vllm_router"] = s["added_mean_ms"] / vr if ok else math.nan
             if cell.stream and name != "direct" and json_label in per_cell:
                 sse, plain = added[(name, cell.label)], added[(name, json_label)]
-                per_chunk = [(sse[r] - plain[r]) * 1000.0 / SSE_EVENTS for r in sse if r in plain]
+                events = STREAM_EVENTS[cell.mode]
+                per_chunk = [(sse[r] - plain[r]) * 1000.0 / events for r in sse if r in plain]
                 s["added_us_per_chunk"] = median(per_chunk)
                 cpu_sse, cpu_json = s["cpu_ms_per_req"], per_cell[json_label]["cpu_ms_per_req"]
-                s["cpu_us_per_chunk"] = (cpu_sse - cpu_json) * 1000.0 / SSE_EVENTS
+                s["cpu_us_per_chunk"] = (cpu_sse - cpu_json) * 1000.0 / events
     return summary
 
 
@@ -171,7 +188,7 @@ def render(
     header: list[str],
 ) -> str:
     cols = [
-        ("cell", 9),
+        ("cell", max(9, *(len(c.label) for c in cells))),
         ("target", 12),
         ("mean ms", 8),
         ("p50 ms", 8),
@@ -195,6 +212,8 @@ def render(
             if target.unavailable:
                 continue
             s = summary[target.name][cell.label]
+            if s.get("unsupported"):
+                continue  # listed below the table with the reason
             row = [
                 cell.label,
                 target.name,
@@ -224,6 +243,15 @@ def render(
     for target in targets:
         if target.unavailable:
             lines.append(f"{target.name}: unavailable: {target.unavailable}")
+    noted: set[tuple[str, str]] = set()
+    for target in targets:
+        for cell in cells:
+            if target.unavailable or (target.name, cell.mode) in noted:
+                continue
+            why = summary[target.name][cell.label].get("unsupported")
+            if why:
+                noted.add((target.name, cell.mode))
+                lines.append(f"{target.name}: unsupported for {cell.mode}: {why}")
     for target in targets:
         for cell in cells:
             if target.unavailable:

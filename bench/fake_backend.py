@@ -7,6 +7,14 @@ Serves what routers and the fabric agent ask of an engine:
   chunks, one usage chunk and ``data: [DONE]``, each event written to the socket on its own
   (as an aiohttp handler calling ``resp.write`` per chunk does), so a router in front sees
   a real stream rather than one buffer.
+- ``POST /v1/audio/transcriptions`` (``multipart/form-data`` with a ``model`` field, anywhere
+  in the form): ``{"text": ...}`` as vLLM answers with the default ``response_format``.
+- ``POST /v1/responses``: a Responses object; with ``"stream": true`` the Responses SSE event
+  sequence (``response.created``, ``response.in_progress``, ``response.output_item.added``,
+  ``response.content_part.added``, ``CHUNKS`` x ``response.output_text.delta``,
+  ``response.output_text.done``, ``response.content_part.done``, ``response.output_item.done``,
+  ``response.completed`` with usage; no ``[DONE]``), each event written on its own. An
+  ingress's ``request_id`` in the body becomes the response's id, as vLLM does.
 - ``GET /health`` (200), ``GET /v1/models``, ``GET /version``, ``GET /metrics`` (the vLLM gauges
   the agent scrapes for load).
 
@@ -91,6 +99,125 @@ class Backend:
                 "usage": self.usage(prompt_bytes),
             }
         )
+
+    def transcription(self) -> bytes:
+        return orjson.dumps({"text": self.completion_text.strip()})
+
+    def response_object(
+        self, rid: str, model: str, prompt_bytes: int, done: bool
+    ) -> dict[str, object]:
+        output: list[object] = []
+        if done:
+            output = [self.message_item(rid, "completed")]
+        usage = self.usage(prompt_bytes)
+        return {
+            "id": rid,
+            "object": "response",
+            "created_at": int(time.time()),
+            "model": model,
+            "status": "completed" if done else "in_progress",
+            "output": output,
+            "usage": {
+                "input_tokens": usage["prompt_tokens"],
+                "output_tokens": usage["completion_tokens"],
+                "total_tokens": usage["total_tokens"],
+            }
+            if done
+            else None,
+        }
+
+    def message_item(self, rid: str, status: str) -> dict[str, object]:
+        content = [] if status != "completed" else [self.text_part(self.completion_text)]
+        return {
+            "id": f"msg_{rid}",
+            "type": "message",
+            "role": "assistant",
+            "status": status,
+            "content": content,
+        }
+
+    @staticmethod
+    def text_part(text: str) -> dict[str, object]:
+        return {"type": "output_text", "text": text, "annotations": []}
+
+    def response(self, request: dict[str, object], model: str, prompt_bytes: int) -> bytes:
+        rid = request.get("request_id")
+        rid = rid if isinstance(rid, str) else f"resp_bench{self.counter}"
+        self.counter += 1
+        return orjson.dumps(self.response_object(rid, model, prompt_bytes, True))
+
+    def response_events(
+        self, request: dict[str, object], model: str, prompt_bytes: int
+    ) -> list[bytes]:
+        """The Responses SSE sequence of one stream, each event framed as an HTTP/1.1 chunk."""
+        rid = request.get("request_id")
+        rid = rid if isinstance(rid, str) else f"resp_bench{self.counter}"
+        self.counter += 1
+        item_id = f"msg_{rid}"
+        seq = iter(range(1 << 30))
+        text = self.completion_text
+        bodies: list[tuple[str, dict[str, object]]] = [
+            ("response.created", {"response": self.response_object(rid, model, 0, False)}),
+            ("response.in_progress", {"response": self.response_object(rid, model, 0, False)}),
+            (
+                "response.output_item.added",
+                {"output_index": 0, "item": self.message_item(rid, "in_progress")},
+            ),
+            (
+                "response.content_part.added",
+                {
+                    "item_id": item_id,
+                    "output_index": 0,
+                    "content_index": 0,
+                    "part": self.text_part(""),
+                },
+            ),
+            *(
+                (
+                    "response.output_text.delta",
+                    {
+                        "item_id": item_id,
+                        "output_index": 0,
+                        "content_index": 0,
+                        "delta": word,
+                        "logprobs": [],
+                    },
+                )
+                for word in self.words
+            ),
+            (
+                "response.output_text.done",
+                {
+                    "item_id": item_id,
+                    "output_index": 0,
+                    "content_index": 0,
+                    "text": text,
+                    "logprobs": [],
+                },
+            ),
+            (
+                "response.content_part.done",
+                {
+                    "item_id": item_id,
+                    "output_index": 0,
+                    "content_index": 0,
+                    "part": self.text_part(text),
+                },
+            ),
+            (
+                "response.output_item.done",
+                {"output_index": 0, "item": self.message_item(rid, "completed")},
+            ),
+            (
+                "response.completed",
+                {"response": self.response_object(rid, model, prompt_bytes, True)},
+            ),
+        ]
+        events = []
+        for kind, fields in bodies:
+            data = orjson.dumps({"type": kind, "sequence_number": next(seq), **fields})
+            events.append(b"event: " + kind.encode() + b"\ndata: " + data + b"\n\n")
+        return [b"%x\r\n%s\r\n" % (len(e), e) for e in events]
 
     def stream_events(self, chat: bool, model: str, prompt_bytes: int) -> list[bytes]:
         """Every SSE event of one stream, each already framed as an HTTP/1.1 chunk."""
@@ -203,6 +330,10 @@ class Connection(asyncio.Protocol):
         path = self.url.split(b"?", 1)[0]
         if method == b"POST" and path in (b"/v1/chat/completions", b"/v1/completions"):
             self._complete(path == b"/v1/chat/completions", keep_alive)
+        elif method == b"POST" and path == b"/v1/responses":
+            self._respond(keep_alive)
+        elif method == b"POST" and path == b"/v1/audio/transcriptions":
+            self._transcribe(keep_alive)
         elif method == b"GET" and path == b"/health":
             self._write(_response(b"200 OK", JSON, b"{}", keep_alive))
         elif method == b"GET" and path == b"/v1/models":
@@ -236,6 +367,38 @@ class Connection(asyncio.Protocol):
         head = STREAM_HEAD if keep_alive else STREAM_HEAD + b"connection: close\r\n"
         events = self.backend.stream_events(chat, model, len(raw))
         # Each write goes to the socket at once when its buffer is empty: one send per event.
+        self._write(head + b"\r\n" + events[0])
+        for event in events[1:]:
+            self._write(event)
+        self._write(b"0\r\n\r\n")
+
+    def _respond(self, keep_alive: bool) -> None:
+        raw = b"".join(self.body)
+        try:
+            request = orjson.loads(raw)
+            model = request.get("model") or self.backend.model
+            stream = bool(request.get("stream"))
+        except (orjson.JSONDecodeError, AttributeError):
+            self._write(_response(b"400 Bad Request", JSON, b'{"error":"bad json"}', keep_alive))
+            return
+        if not isinstance(model, str):
+            model = self.backend.model
+        if not stream:
+            body = self.backend.response(request, model, len(raw))
+            self._write(_response(b"200 OK", JSON, body, keep_alive))
+            return
+        self._stream(self.backend.response_events(request, model, len(raw)), keep_alive)
+
+    def _transcribe(self, keep_alive: bool) -> None:
+        # no form parsing: the fake checks only that a model field came (the router's concern)
+        if b'name="model"' not in b"".join(self.body):
+            body = b'{"error":"the form has no model field"}'
+            self._write(_response(b"400 Bad Request", JSON, body, keep_alive))
+            return
+        self._write(_response(b"200 OK", JSON, self.backend.transcription(), keep_alive))
+
+    def _stream(self, events: list[bytes], keep_alive: bool) -> None:
+        head = STREAM_HEAD if keep_alive else STREAM_HEAD + b"connection: close\r\n"
         self._write(head + b"\r\n" + events[0])
         for event in events[1:]:
             self._write(event)

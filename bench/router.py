@@ -23,9 +23,27 @@ other target uses that same process; otherwise the bench starts the backend itse
 
 Method (results in docs/benchmarks.md): closed-loop clients on keep-alive connections
 (bench/_loadgen.py, a process of its own: asyncio protocols + httptools, cheap next to any
-router), 2000-byte prompts, cells = concurrency x {json, sse}, ``--seconds`` per cell after a
-short warm-up, ``--rounds`` rounds. Within a round every cell runs every target back to back (the
-order rotates each round), so host noise hits all targets alike. Reported per target and cell
+router), 2000-byte prompts, cells = concurrency x modes, ``--seconds`` per cell after a
+short warm-up, ``--rounds`` rounds. Modes (``--modes``, default ``json,sse``: the chat cells, whose
+requests and answers are the same bytes as before the other modes existed):
+
+  json           POST /v1/chat/completions, one JSON answer with usage
+  sse            the same streamed: 16 content chunks, a usage chunk and [DONE]
+  audio          POST /v1/audio/transcriptions, multipart/form-data: a WAV file of
+                 ``--audio-bytes`` (64 KiB; stdlib ``wave``, made once) and then the ``model``
+                 field, after the file (a router must read past the file to route); the backend
+                 answers ``{"text": ...}`` as vLLM does
+  responses-sse  POST /v1/responses with ``stream: true`` and the prompt as ``input``; the
+                 backend streams the Responses events: created, in_progress, output_item.added,
+                 content_part.added, 16 output_text.delta (as many text chunks as sse),
+                 output_text.done, content_part.done, output_item.done, completed with usage
+
+Before a target is measured in a mode other than the chat ones, one request of that mode goes
+through it; if it fails (a 404 of a router without that path, an error), the target's cells of
+that mode are not measured and the report says "unsupported" with the answer it got.
+
+Within a round every cell runs every target back to back (the order rotates each round), so
+host noise hits all targets alike. Reported per target and cell
 (computed in bench/_router_report.py):
 
   mean / p50 / p99   latency of whole requests (last byte), pooled over rounds, ms
@@ -39,7 +57,9 @@ order rotates each round), so host noise hits all targets alike. Reported per ta
   +us/chunk          (+mean of the sse cell - +mean of the json cell at the same concurrency)
                      / 18 SSE events (16 content chunks, the usage chunk, [DONE]): the latency
                      relaying a stream adds per chunk beyond one JSON response (median of
-                     rounds; at c=32 it also carries the queueing of a saturated router)
+                     rounds; at c=32 it also carries the queueing of a saturated router); for
+                     responses-sse the same against the chat json cell / 24 events (so it also
+                     carries what the Responses request costs beyond a chat one)
   CPU us/chunk       the same difference for router CPU per request: CPU per relayed chunk
   err                failed requests (non-200, broken stream, connection errors) in the windows
 
@@ -51,6 +71,7 @@ targets idle in the background; anything else running on the machine shows here)
     python bench/router.py                                   # all targets, 5 rounds x 2 s cells
     python bench/router.py --targets direct,vllm-router,litellm --rounds 5 --json out.json
     python bench/router.py --quick --targets direct,fabric-1hop   # smoke run, a few seconds
+    python bench/router.py --modes json,sse,audio,responses-sse --targets direct,fabric-1hop
 
 Every process it starts is in a process group of its own with a parent-death signal and is
 killed (the group) on exit, Ctrl-C or failure. Work files (configs, logs) live in a temporary
@@ -85,8 +106,10 @@ if str(BENCH_DIR) not in sys.path:
     sys.path.insert(0, str(BENCH_DIR))
 
 import _venvs  # noqa: E402
+from _loadgen import API_AUDIO, API_CHAT, API_RESPONSES, done_marker, request_body  # noqa: E402
 from _procs import argv_of, cpu_steal, descendants, free_port, rss_mb  # noqa: E402
 from _router_report import (  # noqa: E402
+    MODES,
     Cell,
     bystanders_pct,
     finite,
@@ -102,6 +125,13 @@ from fabricnode import native  # noqa: E402
 
 MODEL = "bench-model"
 CHAT_PATH = "/v1/chat/completions"
+# mode -> (path, load generator api); json and sse are the chat cells
+MODE_REQUESTS = {
+    "json": (CHAT_PATH, API_CHAT),
+    "sse": (CHAT_PATH, API_CHAT),
+    "audio": ("/v1/audio/transcriptions", API_AUDIO),
+    "responses-sse": ("/v1/responses", API_RESPONSES),
+}
 ALL_TARGETS = ("direct", "vllm-router", "litellm", "trio-floor", "fabric-1hop", "fabric-2hop")
 FABRIC_TARGETS = ("fabric-1hop", "fabric-2hop")
 
@@ -255,6 +285,43 @@ def probe_completions(port: int, path: str = CHAT_PATH) -> dict[str, str]:
     return info
 
 
+def mode_spec(mode: str, args: argparse.Namespace) -> dict[str, Any]:
+    """The load generator's request keys for a mode (bench/_loadgen.py)."""
+    path, api = MODE_REQUESTS[mode]
+    return {
+        "path": path,
+        "api": api,
+        "model": MODEL,
+        "stream": mode in ("sse", "responses-sse"),
+        "prompt_bytes": args.prompt_bytes,
+        "audio_bytes": args.audio_bytes,
+    }
+
+
+def probe_mode(port: int, mode: str, args: argparse.Namespace) -> str | None:
+    """One request of ``mode`` through a target, as the load sends it: None if it is served,
+    else the answer (the reason the target is reported unsupported for the mode)."""
+    spec = mode_spec(mode, args)
+    content_type, body = request_body(spec)
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30.0)
+    try:
+        conn.request("POST", spec["path"], body=body, headers={"Content-Type": content_type})
+        resp = conn.getresponse()
+        status, data = resp.status, resp.read()
+    except (OSError, http.client.HTTPException) as exc:
+        return f"POST {spec['path']}: {type(exc).__name__}: {exc}"
+    finally:
+        conn.close()
+    if status != 200:
+        return f"POST {spec['path']}: HTTP {status} {data[:200]!r}"
+    marker = done_marker(spec)
+    if marker is not None and marker not in data:
+        return f"POST {spec['path']}: stream without {marker.decode()}: {data[-200:]!r}"
+    if mode == "audio" and b'"text"' not in data:
+        return f"POST {spec['path']}: no transcription text: {data[:200]!r}"
+    return None
+
+
 def models_listed(port: int) -> str | None:
     status, _, data = http_request(port, "GET", "/v1/models", timeout_s=2.0)
     if status != 200:
@@ -295,6 +362,7 @@ class Bench:
         self.serving_agent: Any = None
         self.targets: dict[str, Target] = {}
         self.fabric_error: str | None = None
+        self.unsupported: dict[tuple[str, str], str] = {}  # (target, mode) -> the answer
 
     # -- backend -----------------------------------------------------------------------------
     def backend_script(self) -> str:
@@ -408,6 +476,13 @@ class Bench:
             else:
                 raise Unavailable("unknown target")
             target.info.update(probe_completions(target.port))
+            for mode in self.args.modes:
+                if mode in ("json", "sse"):
+                    continue
+                why = probe_mode(target.port, mode, self.args)
+                if why is not None:
+                    self.unsupported[(name, mode)] = why
+                    log(f"{name}: unsupported for {mode}: {why}")
         except Unavailable as exc:
             target.unavailable = str(exc)
         except (OSError, http.client.HTTPException) as exc:
@@ -633,16 +708,15 @@ def measure(
         order = targets[shift:] + targets[:shift]
         for cell in cells:
             for target in order:
+                if (target.name, cell.mode) in bench.unsupported:
+                    continue
                 spec = {
                     "host": "127.0.0.1",
                     "port": target.port,
-                    "path": CHAT_PATH,
-                    "model": MODEL,
-                    "stream": cell.stream,
+                    **mode_spec(cell.mode, args),
                     "concurrency": cell.concurrency,
                     "warmup_s": args.warmup,
                     "seconds": args.seconds,
-                    "prompt_bytes": args.prompt_bytes,
                     "client": args.client,
                     "drain_s": 3.0,
                     "cpu_groups": {
@@ -678,8 +752,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=float, default=0.5, help="unrecorded seconds before each")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--concurrency", default="1,32", help="comma-separated client counts")
-    p.add_argument("--modes", default="json,sse", help="json (non-stream), sse (stream)")
+    p.add_argument(
+        "--modes",
+        default="json,sse",
+        help="comma-separated: json, sse (chat completions), audio (multipart transcription "
+        "upload), responses-sse (streamed Responses)",
+    )
     p.add_argument("--prompt-bytes", type=int, default=2000)
+    p.add_argument("--audio-bytes", type=int, default=65536, help="WAV file size, audio mode")
     p.add_argument(
         "--client",
         choices=("protocol", "aiohttp"),
@@ -715,8 +795,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.targets = targets
     args.concurrency = [int(c) for c in args.concurrency.split(",") if c.strip()]
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    if not modes or any(m not in ("json", "sse") for m in modes):
-        p.error("--modes takes json and/or sse")
+    if not modes or any(m not in MODES for m in modes):
+        p.error(f"--modes takes some of {', '.join(MODES)}")
+    if args.backend == "aiohttp" and any(m not in ("json", "sse") for m in modes):
+        p.error("--backend aiohttp serves chat completions only: --modes json,sse")
     args.modes = modes
     return args
 
@@ -741,7 +823,7 @@ def signals_raise() -> Iterator[None]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    cells = [Cell(c, mode == "sse") for c in args.concurrency for mode in args.modes]
+    cells = [Cell(c, mode) for c in args.concurrency for mode in args.modes]
     workdir = Path(tempfile.mkdtemp(prefix="fabric-bench-router-"))
     procs = Processes(workdir)
     started = time.monotonic()
@@ -762,7 +844,7 @@ def main(argv: list[str] | None = None) -> int:
             raw = measure(bench, loadgen, live, cells)
             steal1 = cpu_steal()
             rss = {t.name: round(rss_mb(t.router_pids()), 1) for t in live if t.name != "direct"}
-            summary = summarize(live, cells, raw)
+            summary = summarize(live, cells, raw, bench.unsupported)
             steal_pct = 100.0 * (steal1[0] - steal0[0]) / max(1, steal1[1] - steal0[1])
             others = median([others_pct(r) for runs in raw.values() for r in runs])
             idle = median([bystanders_pct(r) for runs in raw.values() for r in runs])
@@ -794,6 +876,7 @@ def main(argv: list[str] | None = None) -> int:
                 doc = {
                     "args": {k: v for k, v in vars(args).items()},
                     "cells": [c.label for c in cells],
+                    "unsupported": {f"{t} {m}": why for (t, m), why in bench.unsupported.items()},
                     "steal_pct": steal_pct,
                     "others_cpu_pct_median": others,
                     "idle_targets_cpu_pct_median": idle,

@@ -1,7 +1,8 @@
 """Smoke test of bench/router.py: a --quick run prints plausible figures and leaves no process.
 
-One run (direct and fabric-1hop) in a subprocess, shared by the tests below. The fabric target
-is skipped, with the bench's reason, while it reports itself unavailable.
+One run (direct and fabric-1hop, the chat cells and the multipart upload and Responses stream
+cells) in a subprocess, shared by the tests below. The fabric target is skipped, with the
+bench's reason, while it reports itself unavailable.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from tests.support import REPO
 
 BENCH = REPO / "bench" / "router.py"
 TIME_BUDGET_S = 25.0
+MODES = ("json", "sse", "audio", "responses-sse")
+LABELS = {f"c={c} {mode}" for c in (1, 32) for mode in MODES}
 
 pytestmark = pytest.mark.slow
 
@@ -55,6 +58,7 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory) -> QuickRun:
     token = f"bench-router-test-{uuid.uuid4().hex}"
     env = {**os.environ, "FABRIC_BENCH_TEST_TOKEN": token}
     argv = [sys.executable, str(BENCH), "--quick", "--targets", "direct,fabric-1hop"]
+    argv += ["--modes", ",".join(MODES)]
     try:
         done = subprocess.run(
             [*argv, "--no-install", "--json", str(out)],
@@ -77,8 +81,9 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory) -> QuickRun:
 
 
 def assert_plausible(cells: dict[str, dict[str, Any]], *, router: bool) -> None:
-    assert set(cells) == {"c=1 json", "c=1 sse", "c=32 json", "c=32 sse"}
+    assert set(cells) == LABELS
     for label, cell in cells.items():
+        assert cell["unsupported"] is None, (label, cell["unsupported"])
         assert cell["requests"] > 0, label
         assert cell["errors"] == 0, (label, cell["error_samples"])
         assert 0.005 < cell["mean_ms"] < 200.0, (label, cell["mean_ms"])
@@ -100,7 +105,7 @@ def test_quick_run_prints_a_plausible_direct_baseline(quick_run: QuickRun) -> No
     assert quick_run.returncode == 0, quick_run.stderr[-2000:]
     rows = [line.split() for line in quick_run.stdout.splitlines()]
     direct_rows = [r for r in rows if len(r) > 3 and r[2] == "direct"]
-    assert len(direct_rows) == 4, quick_run.stdout
+    assert len(direct_rows) == len(LABELS), quick_run.stdout
     for row in direct_rows:
         mean_ms, p50_ms, p99_ms = (float(x) for x in row[3:6])
         assert 0.005 < mean_ms < 200.0 and 0 < p50_ms <= p99_ms, row
