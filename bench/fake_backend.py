@@ -33,6 +33,7 @@ import logging
 import os
 import signal
 import time
+from typing import Any
 
 import httptools
 import orjson
@@ -140,19 +141,22 @@ class Backend:
     def text_part(text: str) -> dict[str, object]:
         return {"type": "output_text", "text": text, "annotations": []}
 
-    def response(self, request: dict[str, object], model: str, prompt_bytes: int) -> bytes:
+    def response_id(self, request: dict[str, object]) -> str:
+        """The ingress's ``request_id`` when it set one (vLLM makes it the id), else our own."""
         rid = request.get("request_id")
         rid = rid if isinstance(rid, str) else f"resp_bench{self.counter}"
         self.counter += 1
+        return rid
+
+    def response(self, request: dict[str, object], model: str, prompt_bytes: int) -> bytes:
+        rid = self.response_id(request)
         return orjson.dumps(self.response_object(rid, model, prompt_bytes, True))
 
     def response_events(
         self, request: dict[str, object], model: str, prompt_bytes: int
     ) -> list[bytes]:
         """The Responses SSE sequence of one stream, each event framed as an HTTP/1.1 chunk."""
-        rid = request.get("request_id")
-        rid = rid if isinstance(rid, str) else f"resp_bench{self.counter}"
-        self.counter += 1
+        rid = self.response_id(request)
         item_id = f"msg_{rid}"
         seq = iter(range(1 << 30))
         text = self.completion_text
@@ -349,7 +353,9 @@ class Connection(asyncio.Protocol):
             self._close()
 
     # -- helpers -------------------------------------------------------------------------------
-    def _complete(self, chat: bool, keep_alive: bool) -> None:
+    def _json_request(self, keep_alive: bool) -> tuple[dict[str, Any], str, bool, int] | None:
+        """The body's request, its model (the backend's when it names none), whether it asks
+        for a stream and its size; None, with a 400 sent, when it is not a JSON object."""
         raw = b"".join(self.body)
         try:
             request = orjson.loads(raw)
@@ -357,37 +363,32 @@ class Connection(asyncio.Protocol):
             stream = bool(request.get("stream"))
         except (orjson.JSONDecodeError, AttributeError):
             self._write(_response(b"400 Bad Request", JSON, b'{"error":"bad json"}', keep_alive))
-            return
+            return None
         if not isinstance(model, str):
             model = self.backend.model
+        return request, model, stream, len(raw)
+
+    def _complete(self, chat: bool, keep_alive: bool) -> None:
+        parsed = self._json_request(keep_alive)
+        if parsed is None:
+            return
+        _, model, stream, size = parsed
         if not stream:
-            body = self.backend.completion(chat, model, len(raw))
+            body = self.backend.completion(chat, model, size)
             self._write(_response(b"200 OK", JSON, body, keep_alive))
             return
-        head = STREAM_HEAD if keep_alive else STREAM_HEAD + b"connection: close\r\n"
-        events = self.backend.stream_events(chat, model, len(raw))
-        # Each write goes to the socket at once when its buffer is empty: one send per event.
-        self._write(head + b"\r\n" + events[0])
-        for event in events[1:]:
-            self._write(event)
-        self._write(b"0\r\n\r\n")
+        self._stream(self.backend.stream_events(chat, model, size), keep_alive)
 
     def _respond(self, keep_alive: bool) -> None:
-        raw = b"".join(self.body)
-        try:
-            request = orjson.loads(raw)
-            model = request.get("model") or self.backend.model
-            stream = bool(request.get("stream"))
-        except (orjson.JSONDecodeError, AttributeError):
-            self._write(_response(b"400 Bad Request", JSON, b'{"error":"bad json"}', keep_alive))
+        parsed = self._json_request(keep_alive)
+        if parsed is None:
             return
-        if not isinstance(model, str):
-            model = self.backend.model
+        request, model, stream, size = parsed
         if not stream:
-            body = self.backend.response(request, model, len(raw))
+            body = self.backend.response(request, model, size)
             self._write(_response(b"200 OK", JSON, body, keep_alive))
             return
-        self._stream(self.backend.response_events(request, model, len(raw)), keep_alive)
+        self._stream(self.backend.response_events(request, model, size), keep_alive)
 
     def _transcribe(self, keep_alive: bool) -> None:
         # no form parsing: the fake checks only that a model field came (the router's concern)
@@ -399,6 +400,7 @@ class Connection(asyncio.Protocol):
 
     def _stream(self, events: list[bytes], keep_alive: bool) -> None:
         head = STREAM_HEAD if keep_alive else STREAM_HEAD + b"connection: close\r\n"
+        # Each write goes to the socket at once when its buffer is empty: one send per event.
         self._write(head + b"\r\n" + events[0])
         for event in events[1:]:
             self._write(event)
