@@ -32,9 +32,9 @@ from tests.support.elasticmesh import (
     Elastic,
     controller_jobs,
     elastic_mesh,
-    fabric,
     serving_count,
 )
+from tests.support.meshview import fabric
 from tests.support.slurmcluster import SlurmCluster
 
 WRAPPER = REPO / "slurm" / "fabric-serve.sbatch"

@@ -18,7 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support.elasticmesh import Elastic, controller_jobs, elastic_mesh, fabric
+from tests.support.elasticmesh import Elastic, controller_jobs, elastic_mesh
+from tests.support.meshview import fabric
 from tests.support.slurmcluster import ACCOUNT, ACCOUNTING_QOS, SlurmCluster, SlurmError
 
 MODEL = "sim-qos"

@@ -3,14 +3,13 @@
 ``elastic_mesh(cluster, workdir)`` starts an ingress and two ``--controller`` agents (one acts)
 trusting a fresh operator key, with simulated engines; on exit it stops them first (so nothing
 replaces the jobs cancelled next), cancels every job a controller submitted, waits for them to
-leave the queue and prints the agents' and the last jobs' log tails. ``fabric`` runs the CLI
-against an agent; the rest reads Slurm's and the mesh's view of the controller's jobs.
+leave the queue and prints the agents' and the last jobs' log tails. The rest reads Slurm's and
+the mesh's view of the controller's jobs (``meshview.fabric`` runs the CLI against an agent).
 """
 
 from __future__ import annotations
 
 import contextlib
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -68,16 +67,6 @@ def elastic_mesh(cluster: SlurmCluster, workdir: Path) -> Iterator[Elastic]:
             print(f"--- {agent.name} (exit {agent.proc.returncode}) ---\n{agent.stderr_tail(25)}")
         for out in sorted((local.workdir / "logs").glob("slurm-*.out"))[-6:]:
             print(f"--- {out.name} ---\n" + "\n".join(out.read_text().splitlines()[-8:]))
-
-
-def fabric(mesh: LocalMesh, agent: AgentProcess, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "cli.main", "--agent", agent.http_url, *args],
-        env=mesh.env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
 
 
 def tagged_jobs(cluster: SlurmCluster) -> list[str]:

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import re
 import socket
+import subprocess
+import sys
 from typing import Any
 
 import httpx
 
-from cli.localmesh import AgentProcess
+from cli.localmesh import AgentProcess, LocalMesh
 from fabricnode.control.client import AdminClient
 from fabricnode.errors import AgentApiError
 
@@ -63,3 +65,16 @@ def metrics(url: str, api_key: str | None = None) -> dict[str, float]:
     headers = {"authorization": f"Bearer {api_key}"} if api_key else None
     text = httpx.get(f"{url}/metrics", timeout=2.0, headers=headers).text
     return {name: float(value) for name, value in METRIC.findall(text)}
+
+
+def fabric(
+    mesh: LocalMesh, agent: AgentProcess, *args: str, timeout_s: float = 60
+) -> subprocess.CompletedProcess[str]:
+    """``fabric --agent <agent> ARGS`` with the mesh's environment, its output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", "cli.main", "--agent", agent.http_url, *args],
+        env=mesh.env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )

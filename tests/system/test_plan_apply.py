@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from fabricnode.control.client import AdminClient
 from fabricnode.elastic.signals import ask_after
 from fabricnode.mesh.identity import OperatorKey
 from scheduler.node_assign import NodePlan
+from tests.support import meshview
 
 WORKLOAD = """
 [[model]]
@@ -35,13 +35,7 @@ output_mean = 200
 
 
 def fabric(mesh: LocalMesh, agent: AgentProcess, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "cli.main", "--agent", agent.http_url, *args],
-        env=mesh.env(),
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+    return meshview.fabric(mesh, agent, *args, timeout_s=180)  # plans can take a while
 
 
 def operator(mesh: LocalMesh) -> OperatorKey:

@@ -6,7 +6,6 @@ engine without sleep mode (the stub engine: 404 on /is_sleeping) is never put to
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 import httpx
@@ -15,7 +14,7 @@ import pytest
 from cli.localmesh import AgentProcess, LocalMesh, wait_until
 from fabricnode.mesh.registry import SLEEPING_LABEL
 from tests.support import SUPPORT
-from tests.support.meshview import entry, free_port, metrics, state_is
+from tests.support.meshview import entry, fabric, free_port, metrics, state_is
 
 pytestmark = pytest.mark.slow
 
@@ -47,16 +46,10 @@ def test_an_idle_node_sleeps_is_not_routed_to_and_a_request_wakes_it(mesh: Local
     assert wait_until(lambda: asleep(ingress, sid), 20), entry(ingress, sid)
     assert entry(ingress, sid)["labels"][SLEEPING_LABEL] == "1"  # type: ignore[index]
 
-    shown = subprocess.run(
-        [sys.executable, "-m", "cli.main", "--agent", ingress.http_url, "nodes"],
-        env=mesh.env(), capture_output=True, text=True, timeout=30,
-    )  # fmt: skip
+    shown = fabric(mesh, ingress, "nodes", timeout_s=30)
     (row,) = [line for line in shown.stdout.splitlines() if line.startswith(sid[:12])]
     assert "serving, asleep" in row
-    one = subprocess.run(
-        [sys.executable, "-m", "cli.main", "--agent", ingress.http_url, "node", sid[:12]],
-        env=mesh.env(), capture_output=True, text=True, timeout=30,
-    )  # fmt: skip
+    one = fabric(mesh, ingress, "node", sid[:12], timeout_s=30)
     assert "asleep (sleep level 1)" in one.stdout and "the next request" in one.stdout
 
     # an awake replica exists: every request goes there, the sleeping one stays asleep

@@ -8,8 +8,6 @@ answer is 503 with Retry-After (a stream: the error event). An undeclared model 
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -22,6 +20,7 @@ import pytest
 from cli.localmesh import AgentProcess, LocalMesh, wait_until
 from fabricnode.control.client import AdminClient
 from fabricnode.mesh.identity import OperatorKey
+from tests.support.meshview import fabric
 
 pytestmark = pytest.mark.slow
 
@@ -43,11 +42,7 @@ MESSAGES = [{"role": "user", "content": "hello from zero"}]
 def apply(mesh: LocalMesh, agent: AgentProcess, text: str, tmp_path: Path) -> None:
     path = tmp_path / "services.toml"
     path.write_text(text)
-    done = subprocess.run(
-        [sys.executable, "-m", "cli.main", "--agent", agent.http_url, "services", "apply",
-         str(path)],
-        env=mesh.env(), capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+    done = fabric(mesh, agent, "services", "apply", str(path))
     assert done.returncode == 0, done.stdout + done.stderr
 
 
