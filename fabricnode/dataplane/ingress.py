@@ -121,7 +121,6 @@ from fabricnode.dataplane.request import (
     KEY_REJECTION,
     Rejection,
     Requirements,
-    allowed_providers,
     authorize,
     decode,
     error_body,
@@ -129,7 +128,7 @@ from fabricnode.dataplane.request import (
     key_of,
     malformed_code,
     prompt_text,
-    requirements_of,
+    route_headers,
 )
 from fabricnode.dataplane.resume import (
     RESUME_HEADER,
@@ -681,7 +680,7 @@ class Ingress:
             routes = self.table.sleeping(model)
             waking = routes is not None
         doc = decoded.doc
-        if kind in PREPARED_KINDS and kind == RESPONSES:
+        if kind == RESPONSES:
             pinned = self._pinned(model, doc, routes)
             if isinstance(pinned, Rejection):
                 return self._reject(conn, pinned, path)
@@ -764,11 +763,10 @@ class Ingress:
         checked = authorize(headers, self.api_keys, self.rate_limiter, started)
         if isinstance(checked, Rejection):
             return self._reject(conn, checked, path)
-        try:
-            providers = allowed_providers(headers, checked)
-            requirements = requirements_of(headers)
-        except ValueError as exc:
-            return self._reject(conn, Rejection(400, str(exc), "invalid_header"), path)
+        filters = route_headers(headers, checked)
+        if isinstance(filters, Rejection):
+            return self._reject(conn, filters, path)
+        providers, requirements = filters
         sid = node_of_response(rid)
         if sid is None:
             return self._reject(

@@ -207,11 +207,10 @@ def decode(
     model = doc.get("model")
     if not isinstance(model, str) or not model:
         return Rejection(400, "'model' is required and must be a string", "invalid_model")
-    try:
-        providers = allowed_providers(headers, key)
-        requirements = requirements_of(headers)
-    except ValueError as exc:
-        return Rejection(400, str(exc), "invalid_header")
+    filters = route_headers(headers, key)
+    if isinstance(filters, Rejection):
+        return filters
+    providers, requirements = filters
     stream = doc.get("stream") is True and kind in STREAMING_KINDS
     return Decoded(
         kind, model, stream, doc, key, providers, requirements, session_key(headers, doc)
@@ -232,16 +231,26 @@ def decode_form(
     model = fields.get("model", "").strip()
     if not model:
         return Rejection(400, "the form field 'model' is required", "invalid_model")
-    try:
-        providers = allowed_providers(headers, key)
-        requirements = requirements_of(headers)
-    except ValueError as exc:
-        return Rejection(400, str(exc), "invalid_header")
+    filters = route_headers(headers, key)
+    if isinstance(filters, Rejection):
+        return filters
+    providers, requirements = filters
     stream = fields.get("stream", "").strip().lower() == "true"
     doc: dict[str, Any] = {"model": model, "stream": stream}
     return Decoded(
         kind, model, stream, doc, key, providers, requirements, session_key(headers, doc)
     )
+
+
+def route_headers(
+    headers: Mapping[bytes, bytes], key: ApiKey | None
+) -> tuple[frozenset[str], Requirements | None] | Rejection:
+    """The providers (``X-Fabric-Providers`` within the key's allowlist) and requirements
+    (``X-Fabric-Require``) a request is routed under, or the 400 a malformed header gets."""
+    try:
+        return allowed_providers(headers, key), requirements_of(headers)
+    except ValueError as exc:
+        return Rejection(400, str(exc), "invalid_header")
 
 
 def allowed_providers(headers: Mapping[bytes, bytes], key: ApiKey | None) -> frozenset[str]:

@@ -34,7 +34,7 @@ import trio
 
 from fabricnode.elastic.controller import Fleet, ModelPlan
 from fabricnode.elastic.servicefile import ServiceSpec, parse
-from fabricnode.elastic.signals import agent_urls
+from fabricnode.elastic.signals import WORKLOAD_PATH, agent_urls
 from fabricnode.errors import FabricError
 from fabricnode.mesh.core import MeshCore
 from fabricnode.mesh.membership import Liveness
@@ -43,7 +43,6 @@ from fabricnode.mesh.registry import MAX_LABEL_VALUE, State
 log = logging.getLogger("fabricnode.elastic.demand")
 
 WANTED_LABEL = "fabric.wanted"
-WORKLOAD_PATH = "/fabric/v1/workload"
 
 # agent HTTP URL, window (s) -> requests per model over the window; raises on failure
 AskWorkload = Callable[[str, float], Mapping[str, float]]
@@ -116,7 +115,7 @@ class DemandScaler:
             if now - self.checked_at.get(plan.model, -math.inf) < every:
                 continue
             self.checked_at[plan.model] = now
-            urls = self._agent_urls()
+            urls = agent_urls(self.core)
             count = await trio.to_thread.run_sync(self._requests, urls, plan.model, idle_s)
             if count:  # None (an agent did not answer): no news, the last verdict stands
                 self.active_at[plan.model] = now
@@ -132,9 +131,6 @@ class DemandScaler:
         if last is not None and now - last < idle_s:
             return 1, "active recently"
         return 0, f"idle for {idle_s:g} s"
-
-    def _agent_urls(self) -> list[tuple[str, str]]:
-        return agent_urls(self.core)
 
     def _requests(
         self, urls: Sequence[tuple[str, str]], model: str, window_s: float
