@@ -22,7 +22,13 @@ from fabricnode.addr import join_hostport
 from fabricnode.asgi import bind_http_socket
 from fabricnode.errors import ConfigError
 from fabricnode.simengine.lora import parse_lora_module
-from fabricnode.simengine.model import ADMISSION_MODES, GPU_PROFILES, EngineConfig, gpu_profile
+from fabricnode.simengine.model import (
+    ADMISSION_MODES,
+    GPU_PROFILES,
+    SCHEDULING_POLICIES,
+    EngineConfig,
+    gpu_profile,
+)
 from fabricnode.simengine.responses import DEFAULT_STORE_MAX_RESPONSES
 from fabricnode.simengine.server import DEFAULT_WAKE_UP_S, FaultConfig, SimConfig, serve
 
@@ -58,6 +64,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="optimistic: admit when the prompt's KV blocks fit, grow on demand and preempt the "
         "newest request when blocks run out (vLLM); reserve: reserve prompt + max_tokens at "
         "admission, never preempt (default optimistic)",
+    )
+    p.add_argument(
+        "--scheduling-policy",
+        choices=SCHEDULING_POLICIES,
+        default="fcfs",
+        help="fcfs: first come, first served (a request's non-zero priority is refused with 400);"
+        " priority: waiting requests by (priority, arrival), lower first, and the highest "
+        "priority value is preempted first (vLLM's flag; default fcfs)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed for output text and faults")
     p.add_argument("--crash-after-requests", type=int, default=None, metavar="N")
@@ -140,6 +154,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         max_num_seqs=args.max_num_seqs,
         seed=args.seed,
         admission=args.admission,
+        scheduling_policy=args.scheduling_policy,
     )
     faults = FaultConfig(
         crash_after_requests=args.crash_after_requests,

@@ -1,7 +1,8 @@
 """Running a prompt on the simulated engine, for every endpoint that generates: the chat prompt
 every chat-shaped API renders to (so ``/tokenize``, ``usage`` and the KV accounting agree), the
-``max_tokens`` rule, and a request's tokens as an async context that aborts the request when the
-caller leaves early (a client gone, a cancelled response), freeing its batch slot and KV blocks.
+``max_tokens`` rule, vLLM's ``priority`` field, and a request's tokens as an async context that
+aborts the request when the caller leaves early (a client gone, a cancelled response), freeing its
+batch slot and KV blocks.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ class Driver(Protocol):
     """What generating needs of ``server.EngineDriver``."""
 
     def submit(
-        self, prompt: list[int], max_tokens: int, salt: bytes = b""
+        self, prompt: list[int], max_tokens: int, salt: bytes = b"", priority: int = 0
     ) -> tuple[int, trio.MemoryReceiveChannel[TokenEvent]]: ...
 
     def abort(self, rid: int) -> None: ...
@@ -69,6 +70,18 @@ def chat_prompt(messages: list[Any], *, add_generation_prompt: bool = True) -> l
     return tokenize(text + GENERATION_PROMPT if add_generation_prompt else text)
 
 
+def request_priority(request: dict[str, Any]) -> int:
+    """The request's ``priority`` field (vLLM's: an integer, lower is served first; default 0).
+    ``HttpError`` 400 when it is not an integer; whether the engine accepts a non-zero one is
+    the scheduler's to say (``Scheduler.submit``)."""
+    value = request.get("priority", 0)
+    if value is None:
+        return 0
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise HttpError(400, "'priority' must be an integer", "invalid_parameter", "priority")
+    return value
+
+
 def positive_int(value: object, param: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise HttpError(400, f"{param} must be a positive integer", "invalid_parameter", param)
@@ -93,20 +106,21 @@ class Generator:
         return positive_int(value, param)
 
     def submit(
-        self, prompt: list[int], max_tokens: int, served: Served
+        self, prompt: list[int], max_tokens: int, served: Served, priority: int = 0
     ) -> tuple[int, trio.MemoryReceiveChannel[TokenEvent]]:
-        """Queue a request; 400 (the scheduler's one line) if it can never be served."""
+        """Queue a request; 400 (the scheduler's one line) if it can never be served, or has a
+        non-zero ``priority`` while the engine schedules first come, first served."""
         try:
-            return self.driver.submit(prompt, max_tokens, served.salt)
+            return self.driver.submit(prompt, max_tokens, served.salt, priority)
         except ValueError as exc:
             raise HttpError(400, str(exc), "invalid_request") from None
 
     @asynccontextmanager
     async def run(
-        self, prompt: list[int], max_tokens: int, served: Served
+        self, prompt: list[int], max_tokens: int, served: Served, priority: int = 0
     ) -> AsyncIterator[trio.MemoryReceiveChannel[TokenEvent]]:
         """The request's tokens; leaving the block before the last one aborts it."""
-        rid, tokens = self.submit(prompt, max_tokens, served)
+        rid, tokens = self.submit(prompt, max_tokens, served, priority)
         async with self.owned(rid, tokens):
             yield tokens
 

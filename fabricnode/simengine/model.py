@@ -20,8 +20,9 @@ Rules:
     ``kv_watermark_fraction`` of all blocks (default 1%, the ``watermark=0.01`` of vLLM's block
     managers), waived when nothing runs. ``max_tokens`` is not reserved: a running request takes
     one more block each time its context crosses a block boundary. When a step's growth does not
-    fit, the most recently admitted running requests are *preempted* (recompute mode) until it
-    does, and that step admits nobody. A lone running request is never preempted: ``check``
+    fit, the most recently admitted running requests (under the ``priority`` policy, below: the
+    lowest priority first) are *preempted* (recompute mode) until it does, and that step admits
+    nobody. A lone running request is never preempted: ``check``
     guarantees it fits.
   - ``"reserve"``: a request is admitted only if the distinct tokens already reserved, plus its
     private part (partial last prompt block and its whole ``max_tokens``), plus 16 per full
@@ -30,32 +31,48 @@ Rules:
 
 * Either way the distinct blocks held never exceed the capacity, and ``check`` refuses only what
   could never fit alone (``prompt + max_tokens``; in optimistic mode rounded up to whole blocks).
-* A preempted request goes back to the *head* of the waiting queue, keeping its output. Its
-  computed full blocks (prompt and output) are put into the prefix cache, as vLLM's freed blocks
-  stay cached until reused. Re-admitted, it prefills prompt + output (the prefix cache may hit)
-  and continues: its next token has the next index, and no token is produced twice. (The prefix
-  cache is an LRU of ``cache_blocks`` apart from the blocks in use; vLLM's lives in the free
-  blocks, so under KV pressure its hits, a resumed request's included, can be fewer.)
+* ``EngineConfig.scheduling_policy`` orders the waiting queue, as vLLM's
+  ``--scheduling-policy``:
+
+  - ``"fcfs"`` (the default): arrival order. A request's ``priority`` must be 0; any other value
+    is refused (``ValueError``: vLLM answers 400 "Got priority N but Priority scheduling is not
+    enabled.").
+  - ``"priority"``: the waiting queue is ordered by ``(priority, arrival)``, lower first (ties by
+    request id), and the preemption victim is the running request with the *highest* priority
+    value, the most recently admitted among equals, as vLLM's priority scheduler does. A
+    waiting request never preempts a running one: priority decides who is admitted next and
+    who yields when the running set's growth does not fit.
+
+* A preempted request goes back to the waiting queue, keeping its output: at the *head* under
+  ``fcfs``; under ``priority`` at its ``(priority, arrival)`` place, which is ahead of every later
+  arrival of its priority. Its computed full blocks (prompt and output) are put into the prefix
+  cache, as vLLM's freed blocks stay cached until reused. Re-admitted, it prefills prompt + output
+  (the prefix cache may hit) and continues: its next token has the next index, and no token is
+  produced twice. (The prefix cache is an LRU of ``cache_blocks`` apart from the blocks in use;
+  vLLM's lives in the free blocks, so under KV pressure its hits, a resumed request's included, can
+  be fewer.)
 * ``kv_cache_usage`` reports the tokens actually held over the capacity, as vLLM does: the pinned
   blocks once each, plus every running request's prompt tail and generated tokens so far, rounded
   up to whole blocks. ``kv_tokens_reserved`` is the accounting the admission rule uses: in
   optimistic mode the same blocks in tokens, in reserve mode the reservation.
 
 Theory of operation. ``submit`` hashes the prompt's full blocks once and puts the request on the
-FIFO waiting queue. ``step(now)`` plans and executes one engine iteration, as vLLM's v1 scheduler
-does: in optimistic mode it first makes room for the running requests' growth, preempting the
-newest if it must; then (if nothing was preempted) it admits waiting requests in order while
-their blocks (or reservations) fit and the per-step token budget allows, pinning their blocks;
+waiting queue (FIFO under ``fcfs``; under ``priority`` inserted at its place, scanning from the
+tail, where a new arrival of the lowest priority in the queue belongs). ``step(now)`` plans and
+executes one engine iteration, as vLLM's v1 scheduler does: in optimistic mode it first makes room
+for the running requests' growth, preempting the newest (under ``priority``: the lowest priority,
+then the newest) if it must; then (if nothing was preempted) it admits waiting requests in order
+while their blocks (or reservations) fit and the per-step token budget allows, pinning their blocks;
 looks each admitted context up in the prefix cache (full 16-token blocks, hash-chained, so only a
-shared *prefix* hits), prefills the uncached rest, and decodes one token for every running
-request, including the ones just admitted (prefill yields the next token, as in vLLM); requests
-that reach ``max_tokens`` finish and unpin. A step costs O(running requests) plus O(blocks) of
-the requests it admits, preempts or finishes. The step's duration is the roofline time of that
-work: ``overhead + max(compute, memory)`` where compute is ``2 * params * tokens / flops`` and
-memory is ``(weight bytes + KV bytes read) / bandwidth``, divided by ``speed``. KV reads are per
-request: each sequence's attention reads its whole context, shared blocks included, so sharing
-memory does not share bandwidth. The returned ``Step`` lists the tokens it produced and the
-requests it preempted; a driver makes the tokens visible at ``step.ends_at`` and steps again then.
+shared *prefix* hits), prefills the uncached rest, and decodes one token for every running request,
+including the ones just admitted (prefill yields the next token, as in vLLM); requests that reach
+``max_tokens`` finish and unpin. A step costs O(running requests) plus O(blocks) of the requests it
+admits, preempts or finishes. The step's duration is the roofline time of that work:
+``overhead + max(compute, memory)`` where compute is ``2 * params * tokens / flops`` and memory is
+``(weight bytes + KV bytes read) / bandwidth``, divided by ``speed``. KV reads are per request:
+each sequence's attention reads its whole context, shared blocks included, so sharing memory does
+not share bandwidth. The returned ``Step`` lists the tokens it produced and the requests it
+preempted; a driver makes the tokens visible at ``step.ends_at`` and steps again then.
 """
 
 from __future__ import annotations
@@ -129,12 +146,18 @@ def params_from_name(model: str, default_b: float = 1.0) -> float:
 
 Admission = Literal["optimistic", "reserve"]
 ADMISSION_MODES: tuple[Admission, ...] = ("optimistic", "reserve")
+SchedulingPolicy = Literal["fcfs", "priority"]
+SCHEDULING_POLICIES: tuple[SchedulingPolicy, ...] = ("fcfs", "priority")
+# Distinct request priorities counted in ``SchedulerStatistics.requests_by_priority`` (they come
+# from clients: past this many values, a new one is not counted).
+MAX_PRIORITY_SERIES = 64
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     """What the scheduler needs; ``kv_tokens=None`` derives the capacity from GPU memory.
-    ``admission`` and ``kv_watermark_fraction``: see the module docstring."""
+    ``admission``, ``kv_watermark_fraction`` and ``scheduling_policy``: see the module
+    docstring."""
 
     model: str
     gpu: GpuProfile = GPU_PROFILES["H100"]
@@ -148,11 +171,17 @@ class EngineConfig:
     seed: int = 0
     admission: Admission = "optimistic"
     kv_watermark_fraction: float = 0.01
+    scheduling_policy: SchedulingPolicy = "fcfs"
 
     def __post_init__(self) -> None:
         if self.admission not in ADMISSION_MODES:
             raise ValueError(
                 f"unknown admission {self.admission!r} (known: {', '.join(ADMISSION_MODES)})"
+            )
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"unknown scheduling policy {self.scheduling_policy!r} "
+                f"(known: {', '.join(SCHEDULING_POLICIES)})"
             )
         if not 0.0 <= self.kv_watermark_fraction < 1.0:
             raise ValueError(
@@ -345,6 +374,7 @@ class Request:
     # looks up in the prefix cache when it resumes.
     context_hashes: list[bytes] = field(default_factory=list)
     salt: bytes = b""  # its LoRA adapter's (adapter_salt); empty for the base model
+    priority: int = 0  # lower is served first (``priority`` scheduling policy only)
 
     @property
     def private_reservation(self) -> int:
@@ -385,7 +415,9 @@ class Step:
     prefill_tokens: int  # uncached context tokens computed this step (resumed: prompt + output)
     decode_tokens: int
     events: tuple[TokenEvent, ...]
-    preempted: tuple[int, ...] = ()  # newest first; now at the head of the waiting queue
+    # In the order they were preempted (fcfs: newest first, now at the head of the waiting
+    # queue; priority: lowest priority first, each back at its place in the queue).
+    preempted: tuple[int, ...] = ()
 
     @property
     def ends_at(self) -> float:
@@ -410,6 +442,8 @@ class SchedulerStatistics:
     steps: int
     busy_s: float
     num_preemptions: int
+    # Requests submitted per priority value, ascending (at most MAX_PRIORITY_SERIES values).
+    requests_by_priority: tuple[tuple[int, int], ...] = ()
 
 
 class Scheduler:
@@ -420,6 +454,7 @@ class Scheduler:
         self.kv_capacity = config.kv_capacity()
         self.num_blocks = self.kv_capacity // BLOCK_TOKENS
         self.optimistic = config.admission == "optimistic"
+        self.by_priority = config.scheduling_policy == "priority"
         self.watermark_blocks = int(config.kv_watermark_fraction * self.num_blocks)
         self.cache = PrefixCache(config.cache_blocks())
         self.waiting: deque[Request] = deque()
@@ -435,6 +470,7 @@ class Scheduler:
         self.preemptions = 0
         self.steps = 0
         self.busy_s = 0.0
+        self.submitted_by_priority: dict[int, int] = {}
 
     # -- requests --
 
@@ -459,8 +495,18 @@ class Scheduler:
                 f"{self.num_blocks} ({self.kv_capacity} tokens)"
             )
 
-    def submit(self, prompt: Sequence[int], max_tokens: int, now: float, salt: bytes = b"") -> int:
-        """Queue a request; ``salt`` (a LoRA adapter's) keys its output and its KV blocks."""
+    def submit(
+        self,
+        prompt: Sequence[int],
+        max_tokens: int,
+        now: float,
+        salt: bytes = b"",
+        priority: int = 0,
+    ) -> int:
+        """Queue a request; ``salt`` (a LoRA adapter's) keys its output and its KV blocks;
+        ``priority`` (lower first) needs the ``priority`` scheduling policy unless it is 0."""
+        if priority != 0 and not self.by_priority:
+            raise ValueError(f"Got priority {priority} but Priority scheduling is not enabled.")
         self.check(len(prompt), max_tokens)
         rid = self._next_id
         self._next_id += 1
@@ -473,10 +519,30 @@ class Scheduler:
             _prompt_key(tokens, salt),
             block_hashes(tokens, root=salt),
             salt=salt,
+            priority=priority,
         )
-        self.waiting.append(req)
+        if self.by_priority:
+            self._enqueue(req)
+        else:
+            self.waiting.append(req)
         self.requests[rid] = req
+        counts = self.submitted_by_priority
+        if priority in counts or len(counts) < MAX_PRIORITY_SERIES:
+            counts[priority] = counts.get(priority, 0) + 1
         return rid
+
+    def _enqueue(self, req: Request) -> None:
+        """``priority`` policy: put ``req`` at its ``(priority, arrival, id)`` place in the
+        waiting queue, scanning from the tail (where a new arrival usually belongs)."""
+        waiting = self.waiting
+        key = (req.priority, req.arrived_at, req.id)
+        i = len(waiting)
+        while i > 0:
+            other = waiting[i - 1]
+            if (other.priority, other.arrived_at, other.id) <= key:
+                break
+            i -= 1
+        waiting.insert(i, req)
 
     def abort(self, rid: int) -> None:
         """Forget a request (its client went away); frees its blocks or reservation."""
@@ -518,7 +584,11 @@ class Scheduler:
                 if (len(r.prompt) + len(r.output)) % BLOCK_TOKENS == 0
             )
             while self._used_blocks + growth > self.num_blocks and len(self.running) > 1:
-                _, victim = self.running.popitem()  # the most recently admitted
+                if self.by_priority:
+                    victim = self._lowest_priority()
+                    del self.running[victim.id]
+                else:
+                    _, victim = self.running.popitem()  # the most recently admitted
                 if (len(victim.prompt) + len(victim.output)) % BLOCK_TOKENS == 0:
                     growth -= 1
                 self._preempt(victim)
@@ -597,6 +667,17 @@ class Scheduler:
             tuple(r.id for r in preempted),
         )
 
+    def _lowest_priority(self) -> Request:
+        """``priority`` policy: the preemption victim, the running request with the highest
+        priority value, the most recently admitted among equals (``running`` is in admission
+        order)."""
+        victim: Request | None = None
+        for req in self.running.values():
+            if victim is None or req.priority >= victim.priority:
+                victim = req
+        assert victim is not None  # only called while something runs
+        return victim
+
     def _blocks_to_admit(self, req: Request) -> int:
         """Optimistic mode: blocks admitting ``req`` takes this step: its full prompt blocks not
         yet pinned, and private blocks for its prompt tail, its output and the token it samples."""
@@ -650,7 +731,10 @@ class Scheduler:
         self.cache.insert_hashes(req.context_hashes)
         req.preemptions += 1
         self.preemptions += 1
-        self.waiting.appendleft(req)
+        if self.by_priority:
+            self._enqueue(req)
+        else:
+            self.waiting.appendleft(req)
 
     def step_time(self, prefill_tokens: int, decode_tokens: int, kv_tokens_read: int) -> float:
         """Roofline time of one iteration, divided by ``speed``. ``kv_tokens_read`` sums every
@@ -685,6 +769,7 @@ class Scheduler:
             steps=self.steps,
             busy_s=self.busy_s,
             num_preemptions=self.preemptions,
+            requests_by_priority=tuple(sorted(self.submitted_by_priority.items())),
         )
 
 

@@ -37,7 +37,7 @@ from typing import Any
 import trio
 
 from fabricnode.asgi import Send
-from fabricnode.simengine.generation import Generator, chat_prompt
+from fabricnode.simengine.generation import Generator, chat_prompt, request_priority
 from fabricnode.simengine.httpio import (
     HttpError,
     Json,
@@ -243,6 +243,7 @@ class _Plan:
     store: bool
     background: bool
     request: Json
+    priority: int = 0  # vLLM's priority field (lower first; needs the priority policy)
 
 
 class ResponsesAPI:
@@ -366,6 +367,7 @@ class ResponsesAPI:
             flags["store"],
             flags["background"],
             request,
+            request_priority(request),
         )
 
     # -- endpoints --
@@ -377,7 +379,9 @@ class ResponsesAPI:
             if self.nursery is None:
                 raise _bad("background responses need the serving engine", "background")
             # Queued now, so a request that can never fit is refused here, not stored failed.
-            rid, tokens = self.generator.submit(plan.prompt, plan.max_tokens, plan.served)
+            rid, tokens = self.generator.submit(
+                plan.prompt, plan.max_tokens, plan.served, plan.priority
+            )
             doc = self._doc(plan, created, "queued", [], None)
             self.store.put(doc, plan.messages)
             scope = trio.CancelScope()
@@ -389,7 +393,9 @@ class ResponsesAPI:
             await self._stream(plan, created, send)
             return
         item_id = f"msg_{self.new_id()}"
-        async with self.generator.run(plan.prompt, plan.max_tokens, plan.served) as tokens:
+        async with self.generator.run(
+            plan.prompt, plan.max_tokens, plan.served, plan.priority
+        ) as tokens:
             pieces = [detokenize(event.token) async for event in tokens]
         doc = self._finished_doc(plan, created, item_id, pieces)
         if plan.store:
@@ -463,7 +469,9 @@ class ResponsesAPI:
             await send_chunk(send, sse_event(str(doc["type"]), doc))
 
         item_id = f"msg_{self.new_id()}"
-        async with self.generator.run(plan.prompt, plan.max_tokens, plan.served) as tokens:
+        async with self.generator.run(
+            plan.prompt, plan.max_tokens, plan.served, plan.priority
+        ) as tokens:
             await start_sse(send)
             initial = self._doc(plan, created, "in_progress", [], None)
             await emit({"type": "response.created", "response": initial})

@@ -9,7 +9,9 @@ Endpoints:
 * ``GET /v1/models`` — the model with ``max_model_len``, then its LoRA adapters (``lora``).
 * ``POST /v1/chat/completions``, ``POST /v1/completions`` — non-stream JSON with ``usage``, or with
   ``"stream": true`` server-sent events, one chunk per token as the scheduler produces it, ending
-  ``data: [DONE]`` (``stream_options.include_usage`` adds a usage chunk).
+  ``data: [DONE]`` (``stream_options.include_usage`` adds a usage chunk). These and
+  ``/v1/responses`` read vLLM's ``priority`` field (an integer, lower first): honoured with
+  ``--scheduling-policy priority``, else a non-zero one is a 400, as vLLM answers.
 * ``POST /v1/embeddings`` — deterministic unit vectors.
 * Routed here, served by their modules: ``/v1/responses`` (``responses``), ``/v1/messages``
   (``messages``; errors there in Anthropic's shape), ``/rerank``, ``/score``, ``/pooling``,
@@ -21,7 +23,8 @@ Endpoints:
   their client leaves.
 * ``GET /metrics`` — Prometheus text with vLLM's names (``vllm:num_requests_waiting``, which
   counts preempted requests waiting to resume, ``vllm:num_preemptions_total``,
-  ``vllm:engine_sleep_state`` ...), each labelled ``model_name``.
+  ``vllm:engine_sleep_state`` ...), each labelled ``model_name``; and one of its own,
+  ``fabric_simengine_requests_by_priority_total{priority}`` (requests by their priority field).
 * Sleep mode, vLLM's development endpoints: ``POST /sleep?level=0|1|2`` (default 1) cuts the
   requests in flight short (vLLM's default ``abort`` mode), frees the KV cache (the prefix
   cache is forgotten) and answers ``{"status": "sleeping", "level": N}``; ``POST /wake_up``
@@ -54,7 +57,7 @@ from urllib.parse import parse_qs
 
 import trio
 from prometheus_client import generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from fabricnode.asgi import Receive, Send, lifespan, serve_http
@@ -66,6 +69,7 @@ from fabricnode.simengine.generation import (
     GENERATION_PROMPT,
     Generator,
     render_chat,
+    request_priority,
 )
 from fabricnode.simengine.httpio import (
     ClientGone,
@@ -172,11 +176,12 @@ class EngineDriver:
         self.hung = False
 
     def submit(
-        self, prompt: list[int], max_tokens: int, salt: bytes = b""
+        self, prompt: list[int], max_tokens: int, salt: bytes = b"", priority: int = 0
     ) -> tuple[int, trio.MemoryReceiveChannel[TokenEvent]]:
-        """Queue a request (``ValueError`` if it can never be served); its tokens arrive on the
-        returned channel, which closes after the last one. ``salt``: its LoRA adapter's."""
-        rid = self.scheduler.submit(prompt, max_tokens, trio.current_time(), salt)
+        """Queue a request (``ValueError`` if it can never be served, or has a priority the
+        scheduling policy refuses); its tokens arrive on the returned channel, which closes
+        after the last one. ``salt``: its LoRA adapter's."""
+        rid = self.scheduler.submit(prompt, max_tokens, trio.current_time(), salt, priority)
         send, recv = trio.open_memory_channel[TokenEvent](math.inf)
         self._channels[rid] = send
         self._wake.set()
@@ -272,6 +277,15 @@ class EngineMetrics(Collector):
             s.num_preemptions,
             labels,
         )
+        if s.requests_by_priority:  # not vLLM's: what the priority field of requests said
+            by_priority = CounterMetricFamily(
+                "fabric_simengine_requests_by_priority",
+                "Requests submitted to the scheduler, by their priority field (0 when absent)",
+                labels=["model_name", "priority"],
+            )
+            for priority, count in s.requests_by_priority:
+                by_priority.add_metric([self.app.model, str(priority)], count)
+            yield by_priority
         level = self.app.sleep_level
         current = SLEEP_STATES[0] if not level else SLEEP_STATES[level]
         family = GaugeMetricFamily(
@@ -678,7 +692,8 @@ class SimEngineApp:
         whitespace is stripped from its first piece)."""
         stream, include_usage = self._stream_flags(request)
         max_tokens = self._max_tokens(request, len(prompt))
-        rid, tokens = self.generator.submit(prompt, max_tokens, served)
+        priority = request_priority(request)
+        rid, tokens = self.generator.submit(prompt, max_tokens, served, priority)
         ident = self._next_id("chatcmpl" if chat else "cmpl")
         created = int(self.wall_clock())
         obj = "chat.completion" if chat else "text_completion"
