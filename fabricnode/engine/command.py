@@ -16,6 +16,10 @@ and ``--opt=V`` forms, the last occurrence winning as with argparse. ``--served-
 ``http://HOST:PORT`` from ``--host``/``--port`` with the engine's defaults (vLLM 8000, SGLang
 30000; an ``openai`` engine must say its port); wildcard hosts (``0.0.0.0``, ``::``) become
 ``127.0.0.1`` since the URL is for connecting. Nonsense raises ``ConfigError``.
+
+Whether the engine orders its queue by the requests' ``priority`` field
+(``EngineCommand.priority_scheduling``) is read the same way: vLLM or the simulated engine with
+``--scheduling-policy priority`` (vLLM's flag; the simulated engine takes it too).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from fabricnode.errors import ConfigError
 VLLM = "vllm"
 SGLANG = "sglang"
 OPENAI = "openai"
+SIM = "sim"  # the built-in simulated engine (``sim_engine_command``)
 DEFAULT_PORTS = {VLLM: 8000, SGLANG: 30000}
 CONNECT_HOST = "127.0.0.1"
 
@@ -58,6 +63,21 @@ class EngineCommand:
     def model_hint(self) -> str | None:
         """The model id the engine should report: the first served name, else the model."""
         return self.served_model_names[0] if self.served_model_names else self.model
+
+    @property
+    def priority_scheduling(self) -> bool:
+        """Does the engine serve waiting requests by their ``priority`` field (lower first, and
+        preempt the highest value first)? vLLM and the simulated engine do with
+        ``--scheduling-policy priority`` (either spelling, ``--opt V`` or ``--opt=V``, the last
+        one winning); under their default, ``fcfs``, a non-zero priority is refused (400)."""
+        if self.kind not in (VLLM, SIM):
+            return False
+        _, start = detect_kind(self.argv)
+        try:
+            values = option_values(self.argv[start:], *_spellings("--scheduling-policy"))
+        except ConfigError:
+            return False
+        return values is not None and values[-1] == "priority"
 
 
 def detect_kind(argv: Sequence[str]) -> tuple[str, int]:
@@ -237,4 +257,4 @@ def sim_engine_command(
     port = listener.getsockname()[1]
     argv: tuple[str, ...] = (sys.executable, "-m", "fabricnode.simengine", "--model", model)
     argv += ("--fd", str(listener.fileno()), "--gpu", gpu_type, *extra)
-    return EngineCommand(argv, "sim", model, (), f"http://{CONNECT_HOST}:{port}", listener)
+    return EngineCommand(argv, SIM, model, (), f"http://{CONNECT_HOST}:{port}", listener)

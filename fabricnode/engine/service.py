@@ -54,6 +54,7 @@ from fabricnode.engine.sleep import EngineSleep
 from fabricnode.mesh.registry import (
     MAX_LABEL_VALUE,
     PARENTS_LABEL,
+    PRIORITY_SCHEDULING_LABEL,
     SLEEPING_LABEL,
     EngineInfo,
     State,
@@ -204,6 +205,7 @@ class EngineService:
             return
         version = await self._engine_version(client)
         changes = self._models_changes(Listing(tuple(models), 0))
+        changes["labels"] = self._priority_labels(changes.get("labels"))
         self.gossip.update_self(
             state=State.SERVING, engine=EngineInfo(self.command.kind, version, url), **changes
         )
@@ -257,6 +259,17 @@ class EngineService:
     def _quantization(self) -> str | None:
         quant = option_values(self.command.argv, "--quantization", "-q")
         return quant[-1][:64] if quant else None
+
+    def _priority_labels(self, labels: object) -> tuple[tuple[str, str], ...]:
+        """``labels`` (the entry's when None) with ``fabric.priority_scheduling`` set as the
+        engine command says (``EngineCommand.priority_scheduling``): the ingresses put the
+        priority of batch-tier requests only into requests for such engines."""
+        if not isinstance(labels, tuple):
+            labels = self.gossip.core.self_entry.body.labels
+        kept = [kv for kv in labels if kv[0] != PRIORITY_SCHEDULING_LABEL]
+        if self.command.priority_scheduling:
+            kept.append((PRIORITY_SCHEDULING_LABEL, "1"))
+        return tuple(sorted(kept))
 
     def _models_changes(self, listing: Listing) -> dict[str, object]:
         """The entry's ``models`` and labels for ``listing``; empty when they would not change

@@ -65,6 +65,10 @@ MAX_LABEL_VALUE = 256  # characters; what every peer decodes (a longer one drops
 # A SERVING node whose engine sleeps (value: the sleep level): not routed to while there is an
 # awake replica of its models; a request for a model with none goes to it and wakes it.
 SLEEPING_LABEL = "fabric.sleeping"
+# A SERVING node whose engine serves waiting requests by their ``priority`` field (vLLM's
+# ``--scheduling-policy priority``; value "1"): batch-tier requests routed to it carry a
+# priority below the interactive ones', so under pressure the engine lets them wait first.
+PRIORITY_SCHEDULING_LABEL = "fabric.priority_scheduling"
 # Which models are adapters (LoRA) of which others on this entry: the model row has no room
 # for a parent (every peer decodes exactly three fields), and a label is what older peers
 # carry unchanged. Value: one item per model, in the entry's order, separated by commas: the

@@ -195,3 +195,63 @@ def test_the_simulated_engine_command_holds_its_port_for_the_engine() -> None:
     with socket.socket() as other, pytest.raises(OSError):
         other.bind(("127.0.0.1", port))
     command.listener.close()
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["vllm", "serve", LLAMA], False),
+        (["vllm", "serve", LLAMA, "--scheduling-policy", "priority"], True),
+        (["vllm", "serve", LLAMA, "--scheduling-policy=priority"], True),
+        (["vllm", "serve", LLAMA, "--scheduling_policy", "priority"], True),
+        (["vllm", "serve", LLAMA, "--scheduling-policy", "fcfs"], False),
+        # the last occurrence wins, as with argparse
+        (
+            ["vllm", "serve", LLAMA, "--scheduling-policy=priority", "--scheduling-policy", "fcfs"],
+            False,
+        ),
+        (
+            [
+                "srun",
+                "python",
+                "-m",
+                "vllm.entrypoints.openai.api_server",
+                "--model",
+                LLAMA,
+                "--scheduling-policy",
+                "priority",
+            ],
+            True,
+        ),
+        # a launcher's option of the same name is not the engine's
+        (["tool", "--scheduling-policy", "priority", "vllm", "serve", LLAMA], False),
+        # SGLang and unknown OpenAI servers: no priority field is ever sent to them
+        (
+            [
+                "python",
+                "-m",
+                "sglang.launch_server",
+                "--model-path",
+                LLAMA,
+                "--scheduling-policy",
+                "priority",
+            ],
+            False,
+        ),
+        (["my-server", "--port", "9000", "--scheduling-policy", "priority"], False),
+    ],
+)
+def test_priority_scheduling_is_read_from_the_engine_command(
+    argv: list[str], expected: bool
+) -> None:
+    assert inspect_engine_cmd(argv).priority_scheduling is expected
+
+
+def test_the_simulated_engine_schedules_by_priority_when_its_flags_say_so() -> None:
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        plain = sim_engine_command("m", "H100", listener=listener)
+        priority = sim_engine_command(
+            "m", "H100", "--scheduling-policy", "priority", listener=listener
+        )
+        assert not plain.priority_scheduling and priority.priority_scheduling
