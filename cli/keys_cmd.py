@@ -234,10 +234,18 @@ def keys_api_new(
             "need such a key once keys are on.",
         ),
     ] = False,
+    weight: Annotated[
+        float,
+        typer.Option(
+            metavar="W",
+            help="Share of the batch tier (X-Fabric-Priority: batch) against other keys' "
+            "waiting batch requests: weight 2 is served twice as often as 1 (1).",
+        ),
+    ] = 1.0,
     keys_file: ApiKeysFileOption = None,
     as_json: JsonOption = False,
 ) -> None:
-    from fabricnode.dataplane.apikeys import ApiKeyStore, RateLimit, check_key_name
+    from fabricnode.dataplane.apikeys import ApiKeyStore, RateLimit, check_key_name, check_weight
 
     allow: list[str] | None = None
     try:
@@ -250,12 +258,13 @@ def keys_api_new(
             RateLimit.of(rate, burst)
         elif burst is not None:
             raise ConfigError("--burst needs --rate")
+        check_weight(weight)
     except ConfigError as exc:
         usage_error("keys api-new", str(exc))
     path = _api_keys_path(keys_file)
     store = ApiKeyStore.load(path)
     try:
-        token, key = store.new_key(name, allow, rate, burst, admin=admin)
+        token, key = store.new_key(name, allow, rate, burst, admin=admin, weight=weight)
     except ConfigError as exc:
         usage_error("keys api-new", str(exc))
     if as_json:
@@ -291,7 +300,7 @@ def keys_api_list(
         print(f"no API keys file at {path}: the ingress runs open (no auth)")
         return
     table = Table(box=None, header_style="bold", pad_edge=False)
-    for column in ("KEY ID", "NAME", "STATUS", "SCOPE", "CREATED", "PROVIDERS", "RATE"):
+    for column in ("KEY ID", "NAME", "STATUS", "SCOPE", "CREATED", "PROVIDERS", "RATE", "WEIGHT"):
         table.add_column(column, no_wrap=column != "PROVIDERS")
     for k in found:
         table.add_row(
@@ -302,6 +311,7 @@ def keys_api_list(
             _time.strftime("%Y-%m-%d %H:%M UTC", _time.gmtime(k.created_at)),
             ", ".join(k.providers) if k.providers is not None else "any",
             f"{k.rate.rate_per_s:g}/s burst {k.rate.burst}" if k.rate else "-",
+            f"{k.weight:g}",
         )
     console().print(table)
     active = sum(1 for k in found if not k.disabled)

@@ -17,6 +17,9 @@ Rules
    sees a malformed file appear turns auth on with no key (nobody gets in until it is fixed).
 4. A key may restrict which providers serve its requests (names or verified provider-key
    fingerprints) and carry a token-bucket rate limit (requests per second and a burst).
+5. A key has a ``weight`` (a number > 0, default 1): its share of the batch tier when several
+   keys' batch requests wait at an ingress (``tiers``: a key of weight 2 is released twice as
+   often as one of weight 1 while both have requests waiting).
 
 Theory of operation
 -------------------
@@ -58,6 +61,8 @@ SECRET_BYTES = 32
 SECRET_CHARS = 43  # unpadded urlsafe base64 of 32 bytes
 TOKEN_CHARS = len(TOKEN_PREFIX) + KEY_ID_HEX + 1 + SECRET_CHARS
 MAX_NAME_CHARS = 64
+DEFAULT_WEIGHT = 1.0
+MAX_WEIGHT = 1_000_000.0
 KEY_ID_DOMAIN = b"fabric/api-key-id/v1\0"
 
 _SECRET_START = len(TOKEN_PREFIX) + KEY_ID_HEX + 1
@@ -86,6 +91,21 @@ def check_key_name(name: str) -> str:
             "no leading or trailing spaces"
         )
     return name
+
+
+def check_weight(weight: object) -> float:
+    """A key's batch-tier weight: a number > 0 (at most a million); ConfigError otherwise."""
+    if (
+        isinstance(weight, bool)
+        or not isinstance(weight, int | float)
+        or not math.isfinite(weight)
+        or not 0 < weight <= MAX_WEIGHT
+    ):
+        raise ConfigError(
+            f"weight {weight!r}: must be a number > 0 (the key's share of the batch tier; "
+            f"default {DEFAULT_WEIGHT:g}, at most {MAX_WEIGHT:g})"
+        )
+    return float(weight)
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +144,8 @@ class ApiKey:
     # May read the agent's registry views and /metrics (engine addresses, every node) when
     # keys are on; an ordinary key reaches only the OpenAI endpoints.
     admin: bool = False
+    # Its share of the batch tier against other keys' waiting batch requests (``tiers``).
+    weight: float = DEFAULT_WEIGHT
     _provider_set: frozenset[str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -152,6 +174,7 @@ class ApiKey:
             "disabled": self.disabled,
             "revoked_at": self.revoked_at,
             "admin": self.admin,
+            "weight": self.weight,
         }
 
     def to_record(self) -> dict[str, Any]:
@@ -166,6 +189,7 @@ class ApiKey:
             "disabled": self.disabled,
             "revoked_at": self.revoked_at,
             "admin": self.admin,
+            "weight": self.weight,
         }
 
     @classmethod
@@ -216,6 +240,10 @@ class ApiKey:
             isinstance(revoked_at, bool) or not isinstance(revoked_at, int | float)
         ):
             raise ValueError(f"key {key_id}: revoked_at must be Unix seconds or null")
+        try:
+            weight = check_weight(doc.get("weight", DEFAULT_WEIGHT))
+        except ConfigError as exc:
+            raise ValueError(f"key {key_id}: {exc}") from None
         return cls(
             key_id=key_id,
             name=name,
@@ -226,6 +254,7 @@ class ApiKey:
             disabled=disabled,
             revoked_at=float(revoked_at) if revoked_at is not None else None,
             admin=admin,
+            weight=weight,
         )
 
 
@@ -392,10 +421,12 @@ class ApiKeyStore:
         burst: int | None = None,
         *,
         admin: bool = False,
+        weight: float = DEFAULT_WEIGHT,
         now: float | None = None,
     ) -> tuple[str, ApiKey]:
         """Create a key and save the file; returns (token, record). The token exists only here."""
         check_key_name(name)
+        weight = check_weight(weight)
         if _KEY_ID_RE.fullmatch(name):
             raise ConfigError(f"API key name {name!r} looks like a key id; choose another")
         allow: tuple[str, ...] | None = None
@@ -422,6 +453,7 @@ class ApiKeyStore:
             providers=allow,
             rate=rate,
             admin=admin,
+            weight=weight,
         )
         self._by_id = {**self._by_id, key_id: key}
         self._enabled = True

@@ -68,6 +68,9 @@ def test_api_new_records_providers_and_rate(runner: CliRunner, tmp_path: Path) -
         ["--rate", "1", "--burst", "0"],
         ["--providers", "a,,b"],
         ["--rate", "fast"],
+        ["--weight", "0"],
+        ["--weight", "-2"],
+        ["--weight", "nan"],
     ],
 )
 def test_api_new_bad_options_are_usage_errors(
@@ -76,6 +79,23 @@ def test_api_new_bad_options_are_usage_errors(
     result = runner.invoke(app, ["keys", "api-new", "alice", *args])
     assert result.exit_code == 2
     assert not keys_file.exists()
+
+
+def test_api_new_records_the_batch_weight(runner: CliRunner, keys_file: Path) -> None:
+    heavy = runner.invoke(app, ["keys", "api-new", "heavy", "--weight", "2.5", "--json"])
+    plain = runner.invoke(app, ["keys", "api-new", "plain", "--json"])
+    assert heavy.exit_code == plain.exit_code == 0, heavy.output + plain.output
+    assert json.loads(heavy.stdout)["weight"] == 2.5 and json.loads(plain.stdout)["weight"] == 1
+    by_name = {k.name: k.weight for k in ApiKeyStore.load(keys_file).list()}
+    assert by_name == {"heavy": 2.5, "plain": 1.0}
+    listed = runner.invoke(app, ["keys", "api-list"])
+    assert "WEIGHT" in listed.stdout and "2.5" in listed.stdout
+
+
+def test_api_new_bad_weight_is_one_clear_line(runner: CliRunner) -> None:
+    result = runner.invoke(app, ["keys", "api-new", "alice", "--weight", "0"])
+    assert result.exit_code == 2
+    assert "weight" in one_error_line(result.stderr)
 
 
 def test_api_new_bad_name_is_a_usage_error(runner: CliRunner) -> None:

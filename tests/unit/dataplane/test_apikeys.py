@@ -188,9 +188,37 @@ def test_record_with_a_bad_rate_is_refused(path: Path) -> None:
         ApiKeyStore.load(path)
 
 
+def test_a_keys_weight_round_trips_and_a_file_without_weights_means_one(path: Path) -> None:
+    store = ApiKeyStore.load(path)
+    _, heavy = store.new_key("heavy", weight=3)
+    _, plain = store.new_key("plain")
+    assert ApiKeyStore.load(path).get(heavy.key_id).weight == 3.0  # type: ignore[union-attr]
+    assert heavy.public()["weight"] == 3.0 and plain.public()["weight"] == 1.0
+    doc = json.loads(path.read_text())
+    for record in doc["keys"]:
+        del record["weight"]  # a file written before keys had weights
+    path.write_text(json.dumps(doc))
+    assert {k.weight for k in ApiKeyStore.load(path).list()} == {1.0}
+
+
+@pytest.mark.parametrize("weight", [0, -1, "2", True, None, 1e300])
+def test_record_with_a_bad_weight_is_one_clear_line(path: Path, weight: object) -> None:
+    store = ApiKeyStore.load(path)
+    _, key = store.new_key("alice")
+    doc = json.loads(path.read_text())
+    doc["keys"][0]["weight"] = weight
+    path.write_text(json.dumps(doc))
+    with pytest.raises(KeyFileError) as info:
+        ApiKeyStore.load(path)
+    message = str(info.value)
+    assert "\n" not in message and key.key_id in message and "weight" in message
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
+        ({"name": "a", "weight": 0}, "weight"),
+        ({"name": "a", "weight": float("inf")}, "weight"),
         ({"name": ""}, "name"),
         ({"name": "a\nb"}, "name"),
         ({"name": "deadbeef"}, "key id"),
