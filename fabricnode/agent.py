@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import logging
 import resource
+import secrets
 import signal
 import socket
 import sys
@@ -318,6 +319,9 @@ class Agent:
             declared_models=declared.models,
             on_waiting=on_waiting,
             wake_local=self._wake_engine,
+            # This agent's Batch API worker sends its requests with this secret in the batch
+            # owner header (dataplane.tiers): batch tier, on behalf of a tenant's key.
+            batch_token=secrets.token_hex(16),
         )
         self.ingress = ingress
 

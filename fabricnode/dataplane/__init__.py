@@ -22,6 +22,8 @@ Modules, in reading order (pure first, then the shell that uses them):
 * ``routing``         the pure routing core: load scores, prompt prefix hashing, the policies
                       (``make_policy``: round robin, least load, p2c, prefix, prefix-pending).
 * ``routetable``      the registry reduced to the candidates of each model, and the filters.
+* ``tiers``           priority tiers: the interactive/batch headers, when a node has room for
+                      batch work, fair queueing of waiting batch requests between API keys.
 * ``forward_auth``    the HMAC header that proves an agent-to-agent forward holds the cluster key.
 * ``apikeys``         API keys of the ingress: lookup, the keys file, rate limits.
 * ``accounting``      token usage per request, totals per key and model, the request log.

@@ -37,13 +37,14 @@ Request log format (one JSON object per line, the LLMFabric trace schema plus in
     {"v": 1, "T": 1732270000.123, "M": "llama-3.3-70b", "I": 512, "O": 128,
      "latency_s": 2.41, "ttft_s": 0.18, "status": 200, "node": "<session id>",
      "key": "alice", "stream": true, "max_tokens": 256, "temperature": 0.7,
-     "endpoint": "chat"}
+     "endpoint": "chat", "tier": "interactive"}
 
 ``T`` is the arrival time (Unix seconds), ``M`` the requested model, ``I``/``O`` input/output
 tokens (null when unknown), ``endpoint`` the kind of endpoint (``dataplane.endpoints``:
-``chat``, ``responses``, ``messages``, ``rerank``, ``transcriptions``, ...; absent from lines
-written before it existed). There is deliberately no field that could hold prompt or output
-text: the trace is shareable the way the paper's is.
+``chat``, ``responses``, ``messages``, ``rerank``, ``transcriptions``, ...), ``tier`` the
+request's priority tier (``interactive`` or ``batch``: ``dataplane.tiers``); each is absent
+from lines written before it existed, and read as null from them. There is deliberately no
+field that could hold prompt or output text: the trace is shareable the way the paper's is.
 """
 
 from __future__ import annotations
@@ -393,6 +394,7 @@ class TraceRecord:
     max_tokens: int | None = None
     temperature: float | None = None
     endpoint: str | None = None  # the endpoint's kind (None: a line from before it was logged)
+    tier: str | None = None  # interactive | batch (None: a line from before it was logged)
 
     def as_dict(self) -> dict[str, Any]:
         """The JSON object of one log line (see the module docstring).
@@ -415,6 +417,7 @@ class TraceRecord:
             "max_tokens": opt_int(self.max_tokens),
             "temperature": _opt_float(self.temperature),
             "endpoint": None if self.endpoint is None else str(self.endpoint)[:MAX_MODEL_CHARS],
+            "tier": None if self.tier is None else str(self.tier)[:MAX_MODEL_CHARS],
         }
 
     @classmethod
@@ -439,6 +442,7 @@ class TraceRecord:
             max_tokens=opt_int(doc.get("max_tokens")),
             temperature=float(doc["temperature"]) if _is_number(doc.get("temperature")) else None,
             endpoint=doc["endpoint"] if isinstance(doc.get("endpoint"), str) else None,
+            tier=doc["tier"] if isinstance(doc.get("tier"), str) else None,
         )
 
 
@@ -483,6 +487,7 @@ RawTrace = tuple[
     int | None,  # max_tokens (already checked: see ``opt_int``)
     float | None,  # temperature (already a float)
     str,  # endpoint: the endpoint's kind
+    str,  # tier: interactive | batch
 ]
 
 
@@ -604,7 +609,7 @@ def _raw_line(raw: RawTrace) -> bytes:
     """The log line of a ``RawTrace``: ``TraceRecord.as_dict`` for fields whose types the
     ingress guarantees (so only the rounding and the length caps are left to do)."""
     (t, model, inp, out, latency, ttft, status, node, key, stream, max_tokens, temperature,
-     endpoint) = raw  # fmt: skip
+     endpoint, tier) = raw  # fmt: skip
     return _dumps_line(
         {
             "v": TRACE_VERSION,
@@ -621,6 +626,7 @@ def _raw_line(raw: RawTrace) -> bytes:
             "max_tokens": max_tokens,
             "temperature": None if temperature is None else round(temperature, 6),
             "endpoint": endpoint,
+            "tier": tier,
         }
     )
 

@@ -9,10 +9,11 @@
 One task per client connection, none per request; requests on a connection are handled in
 order (pipelined ones queue in the parser). Bodies are forwarded as received, never
 re-encoded: the body is parsed once (orjson) only to read ``model``, ``stream`` and the prompt
-for cache-aware routing (the audio endpoints' forms: their ``model`` field). The one exception
-is ``POST /v1/responses``, whose ``request_id`` each attempt sets so that the response's id
-names the node that stores it (``endpoints``). Responses are relayed piece by piece as they
-arrive.
+for cache-aware routing (the audio endpoints' forms: their ``model`` field). The exceptions are
+``POST /v1/responses``, whose ``request_id`` each attempt sets so that the response's id names
+the node that stores it (``endpoints``), and batch-tier generation requests to a node whose
+engine schedules by priority, which carry ``"priority"`` (below). Responses are relayed piece
+by piece as they arrive.
 
 Dispatch (``_handle``): the path is looked up in ``endpoints.ENDPOINTS`` first, every endpoint
 routed by a model (chat's, the other OpenAI-style ones, Anthropic's Messages, and the ones vLLM
@@ -35,11 +36,13 @@ Anthropic paths, ``/v1/messages*``, Anthropic's ``{"type": "error", "error": {"t
 "message"}}``: ``request.error_body_for``):
 
 * 400 malformed HTTP, JSON, form, ``model`` or a bad ``X-Fabric-*`` header; 401 missing/unknown
-  API key (only when a keys file exists; ``Authorization: Bearer`` or ``x-api-key``); 403
+  API key (only when a keys file exists; ``Authorization: Bearer`` or ``x-api-key``), or a batch
+  owner header that does not verify; 403
   forward header that does not verify; 404 unknown path, a model no SERVING node announces, or
   a stored response whose node is gone; 405 wrong method; 413 body over ``max_body_bytes``; 429
-  rate limited (``Retry-After``); 431 header block too large; 503 no eligible node, or every
-  attempt failed before the first byte (``Retry-After``).
+  rate limited (``Retry-After``); 431 header block too large; 503 no eligible node, every
+  attempt failed before the first byte, or a batch request the gate refused or held too long
+  (``Retry-After``).
 * Failover: a connection error, a timeout before the response head, or a 502/503/504 answer is
   retried on the next candidate, at most ``max_attempts`` nodes within ``retry_budget_s``; the
   failed node is ejected by the circuit breaker. A chat or completion stream that breaks after
@@ -50,6 +53,17 @@ Anthropic paths, ``/v1/messages*``, Anthropic's ``{"type": "error", "error": {"t
 * Served locally (this agent's own engine, chosen by the policy or asked by a verified
   forward): counted in ``local_inflight``, which the engine service publishes as the node's
   ``inflight`` load. While leaving, forwards are refused with 503 so the ingress fails over.
+* Priority tiers (``tiers``): a batch request (``X-Fabric-Priority: batch``, or this agent's
+  Batch API worker with the batch owner header) goes only to a node with room for batch work
+  (a fresh load report without a queue and with KV usage under ``batch_kv_threshold``, and
+  fewer than ``batch_max_inflight_per_node`` of our batch requests on it), else waits in the
+  gate (``_admit_batch``), released in weighted fair order between API keys when a batch
+  request ends or the gate's tick finds room; 503 ``batch_queue_full`` past
+  ``max_batch_waiting`` waiters and ``batch_wait_timeout`` past ``batch_max_wait_s``. Then
+  it is routed by the policy among the nodes with room, with failover. To a node labelled
+  ``fabric.priority_scheduling`` its chat, completion and Responses bodies carry
+  ``"priority": batch_priority``. Interactive requests (the default) pay two header lookups
+  and never wait in the gate.
 * Sleeping engines (``fabric.sleeping``, ``engine.sleep``): a model whose replicas all sleep
   is routed to them, unranked (ours first, then by session id, so ingresses agree on one),
   and the serving agent wakes its engine before relaying (``wake_local``); a node that does not
@@ -64,7 +78,7 @@ import math
 import os
 import random
 import socket
-from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -123,6 +137,7 @@ from fabricnode.dataplane.request import (
     Requirements,
     authorize,
     decode,
+    decode_as,
     error_body,
     error_body_for,
     key_of,
@@ -154,6 +169,19 @@ from fabricnode.dataplane.sockio import (
     client_gone,
     close,
 )
+from fabricnode.dataplane.tiers import (
+    BATCH,
+    NO_TENANT,
+    OWNER_HEADER,
+    PRIORITY_HEADER,
+    PRIORITY_KINDS,
+    FairQueue,
+    RoomRules,
+    Ticket,
+    has_room,
+    owner_of,
+    tier_of,
+)
 from fabricnode.dataplane.upstream import BrokenResponse, Exchange, UpstreamError, UpstreamPool
 from fabricnode.logs import ThrottledErrors
 from fabricnode.mesh.core import MeshCore
@@ -175,6 +203,62 @@ JSON = b"application/json"
 SSE = b"text/event-stream"
 CONNECT_REFUSED = "cannot connect"  # how UpstreamError names a refused connection
 MAX_REFUSED_SKIPS = 8  # refused connections per request that do not count as attempts
+# The batch gate (``tiers``): while batch requests wait, room is looked for this often (besides
+# whenever a batch request ends), and their clients are checked for a hang-up this often.
+GATE_TICK_S = 0.1
+GATE_PEEK_S = 0.5
+BATCH_RETRY_AFTER_S = 5  # Retry-After of a batch request refused (gate full, waited too long)
+MAX_KEY_LABELS = 256  # distinct ``key`` labels of the batch metrics (tenants without a key)
+# How a batch request's wait in the gate ended.
+GRANTED = "granted"
+GATE_FULL = "batch_queue_full"
+GATE_TIMEOUT = "batch_wait_timeout"
+GATE_GONE = "gone"
+NO_NODE = "no_node"
+
+
+class BatchWaiter:
+    """A batch request in the gate (``Ingress._admit_batch``), and how its wait ended."""
+
+    __slots__ = (
+        "conn",
+        "deadline",
+        "event",
+        "job",
+        "label",
+        "outcome",
+        "pinned",
+        "providers",
+        "ranked",
+        "requirements",
+        "routes",
+        "rreq",
+        "tried",
+    )
+
+    def __init__(
+        self,
+        conn: ClientConn,
+        job: Job,
+        rreq: routing.RouteRequest,
+        providers: frozenset[str],
+        requirements: Requirements | None,
+        tried: set[str],
+        pinned: str | None,
+    ) -> None:
+        self.conn = conn
+        self.job = job
+        self.rreq = rreq
+        self.providers = providers
+        self.requirements = requirements
+        self.tried = tried  # nodes this request tried already (a failover)
+        self.pinned = pinned  # the only node it may go to (a stored response's)
+        self.deadline = math.inf
+        self.label = ""  # its ``key`` label in the metrics
+        self.event: trio.Event | None = None  # made when it has to wait
+        self.outcome = ""  # GRANTED, GATE_FULL, ... once its wait is over
+        self.ranked: list[routing.Candidate] = []  # granted: the nodes to try, in order
+        self.routes: list[Route] = []  # ... and the routes they come from
 
 
 @dataclass
@@ -186,6 +270,8 @@ class IngressStatistics:
     retries: int
     ejections: int
     broken_streams: int
+    batch_waiting: int  # batch requests held at the gate
+    batch_inflight: int  # batch requests in flight to nodes (ours included)
     watchdog_expired: int
     pool_connects: int
     pool_reuses: int
@@ -209,8 +295,12 @@ class Ingress:
         declared_models: Callable[[], list[str]] | None = None,
         on_waiting: Callable[[Mapping[str, int]], None] | None = None,
         wake_local: Callable[[], Awaitable[bool]] | None = None,
+        batch_token: str | None = None,
     ) -> None:
         self.core = core
+        # The secret of this agent's batch owner header (``tiers.owner_of``), made by the agent
+        # at start and read by its Batch API worker; None: no request may use the header.
+        self.batch_token = batch_token
         # Scale from zero (the elastic controller): how long a request for a model declared in
         # the mesh's service file may wait for a replica (None: not declared), the declared
         # models, and who is told which models have requests waiting (the agent labels its
@@ -263,6 +353,21 @@ class Ingress:
         self.local_inflight = 0  # requests in flight to our own engine
         self.local_served = 0  # requests sent to our own engine, ever (its idle clock)
         self.leaving = False  # refuse forwards (503) so ingresses fail over
+        # The batch tier (``tiers``): waiting requests in fair order, our batch requests in
+        # flight per node (a slot is taken when one is admitted, given back when its attempt
+        # ends), and when a node has room for one more.
+        self.gate: FairQueue[BatchWaiter] = FairQueue(cfg.max_batch_waiting)
+        self.batch_inflight: dict[str, int] = {}
+        self._room = RoomRules(
+            kv_threshold=cfg.batch_kv_threshold,
+            max_waiting=cfg.batch_max_waiting,
+            max_inflight=cfg.batch_max_inflight_per_node,
+            stale_after_s=routing.DEFAULT_CONFIG.load_stale_after_s,
+        )
+        self._gate_idle: trio.Event | None = None  # set when the first request waits
+        self._key_labels: set[str] = set()
+        self._batch_waiting = LabelCache(self.metrics.batch_waiting)
+        self._waiting_labels: set[str] = set()  # batch_waiting labels set so far
         self.connections = 0
         self.requests = 0
         self.retries = 0
@@ -290,6 +395,8 @@ class Ingress:
             retries=self.retries,
             ejections=self.breaker.ejections,
             broken_streams=self.broken_streams,
+            batch_waiting=len(self.gate),
+            batch_inflight=sum(self.batch_inflight.values()),
             watchdog_expired=self.watchdog.expired_total,
             pool_connects=pool.connects,
             pool_reuses=pool.reuses,
@@ -302,6 +409,13 @@ class Ingress:
         m.inflight.labels("ingress").set(sum(self.remote_inflight.values()))
         m.inflight.labels("local").set(self.local_inflight)
         m.connections.set(self.connections)
+        waiting = dict.fromkeys(self._waiting_labels, 0)
+        for ticket in self.gate:
+            label = ticket.item.label
+            waiting[label] = waiting.get(label, 0) + 1
+        for label, n in waiting.items():
+            self._batch_waiting(label).set(n)
+        self._waiting_labels.update(waiting)
         parks = self.reactor.parks
         m.reactor_waits.inc(parks - self._parks_reported)
         self._parks_reported = parks
@@ -325,6 +439,7 @@ class Ingress:
             await nursery.start(self.reactor.run)
             await nursery.start(self.watchdog.run)
             nursery.start_soon(self._settle_loop)
+            nursery.start_soon(self._gate_loop)
             async with trio.open_nursery() as conn_nursery:
                 accept_scope = trio.CancelScope()
                 conn_nursery.start_soon(self._accept_loop, sock, conn_nursery, accept_scope)
@@ -495,8 +610,8 @@ class Ingress:
         path = req.path
         if not path.startswith(b"/v1/") and path not in ENDPOINTS:
             return False
-        if FORWARD_HEADER in req.headers:
-            return False
+        if FORWARD_HEADER in req.headers or OWNER_HEADER in req.headers:
+            return False  # checked with the body: its own HMAC, or the batch owner's token
         return key_of(req.headers, keys) is None
 
     async def _send_error(
@@ -667,9 +782,26 @@ class Ingress:
         """Check and route a request: the coroutine that answers it (await it)."""
         started = self.clock.now()
         body = req.body
-        decoded = decode(kind, req.headers, body, self.api_keys, self.rate_limiter, started)
+        headers = req.headers
+        owner = headers.get(OWNER_HEADER)
+        tenant = NO_TENANT
+        if owner is None:
+            decoded = decode(kind, headers, body, self.api_keys, self.rate_limiter, started)
+        else:  # our Batch API worker, for a tenant: batch tier, no rate limit (the gate governs)
+            owned = owner_of(owner, self.batch_token, self.api_keys)
+            if isinstance(owned, Rejection):
+                return self._reject(conn, owned, path)
+            tenant = owned[1]
+            decoded = decode_as(kind, headers, body, owned[0])
         if isinstance(decoded, Rejection):
             return self._reject(conn, decoded, path)
+        batch = owner is not None
+        tier = headers.get(PRIORITY_HEADER)
+        if tier is not None:
+            try:
+                batch = tier_of(tier) == BATCH or batch
+            except ValueError as exc:
+                return self._reject(conn, Rejection(400, str(exc), "invalid_header"), path)
         model = decoded.model
         routes = self.table.routes(model)
         self._forget_removed()
@@ -693,11 +825,14 @@ class Ingress:
                     Rejection(404, f"model {model!r} is not served by any node", "model_not_found"),
                     path,
                 )
-        job = Job(kind, model, decoded.stream, body, path, req.headers, decoded.key, started, doc)
+        job = Job(kind, model, decoded.stream, body, path, headers, decoded.key, started, doc)
         if req.http_version == "1.0":
             job.http10 = True
         if waking:
             job.waking = True
+        if batch:
+            job.batch = True
+            job.tenant = decoded.key.key_id if decoded.key is not None else tenant
         if kind in PREPARED_KINDS:
             if kind == RESPONSES:
                 job.retag = True  # each attempt names its node in the response id
@@ -933,6 +1068,7 @@ class Ingress:
         answered = False
         fallback: float | None = None  # seconds a request no node answered may wait for one
         observed = -1  # candidates for the first attempt, observed when the request is done
+        refusal = ""  # why the batch gate sent the request away (GATE_FULL, GATE_TIMEOUT)
         try:
             while len(tried) < limit:
                 now = self.clock.now() if tried else job.started
@@ -944,10 +1080,26 @@ class Ingress:
                     observed = len(candidates)
                 if not candidates:
                     break
-                # One candidate: nothing to choose and no use holding (the request would wait
-                # for the same node either way); the policy is skipped, as prompt hashing was.
-                if len(candidates) == 1 or job.waking:
-                    ranked: list[routing.Candidate] | None = candidates
+                ranked: list[routing.Candidate] | None
+                if job.batch:
+                    # Only to a node with room for batch work, else held in the gate.
+                    admitted = await self._admit_batch(
+                        conn, job, rreq, providers, requirements, tried
+                    )
+                    if isinstance(admitted, str):
+                        refusal = admitted
+                        break
+                    if admitted is None:
+                        break  # no eligible node left
+                    ranked, routes = admitted
+                    now, wall = self.clock.now(), self.wall_clock()
+                    if not tried:  # the time it waited is not failover time
+                        deadline = now + cfg.retry_budget_s
+                elif len(candidates) == 1 or job.waking:
+                    # One candidate: nothing to choose and no use holding (the request would
+                    # wait for the same node either way); the policy is skipped, as prompt
+                    # hashing was.
+                    ranked = candidates
                 else:
                     ranked = policy.rank(rreq, candidates, wall)
                 if ranked is None:
@@ -966,6 +1118,8 @@ class Ingress:
                 finally:
                     # Metrics only: counted once the attempt is over, off the request's path.
                     self.metrics.decision(policy.name, "first" if len(tried) == 1 else "retry")
+                    if job.batch_node is not None:
+                        self._batch_done(job)  # its slot on that node is free again
                 if outcome is None:
                     self.breaker.succeeded(pick)
                     answered = True
@@ -994,6 +1148,30 @@ class Ingress:
                 log.info("attempt on %s failed before the first byte: %s", pick[:8], outcome)
             if answered:
                 keep = job.status != 0 and not job.close
+            elif refusal:
+                job.status = 503
+                if refusal == GATE_FULL:
+                    message = (
+                        f"{len(self.gate)} batch requests wait at this ingress, its most: "
+                        "retry later"
+                    )
+                else:
+                    message = (
+                        f"no node had room for batch work within {cfg.batch_max_wait_s:g} s: "
+                        "retry later"
+                    )
+                if job.held_head:
+                    await self._end_stream(conn, job, message, refusal)
+                else:
+                    await self._send_error(
+                        conn,
+                        503,
+                        message,
+                        refusal,
+                        extra=[(b"retry-after", b"%d" % BATCH_RETRY_AFTER_S)],
+                        path=job.path,
+                    )
+                keep = not job.close
             elif job.splice is not None:
                 # A resumed stream no node could continue: the client holds an open stream,
                 # which ends well-formed with the error event.
@@ -1031,6 +1209,8 @@ class Ingress:
         finally:
             if job.transcript is not None:
                 job.transcript.release()
+            if job.batch_node is not None:  # left between its admission and its attempt
+                self._batch_done(job)
         if fallback is not None:
             log.info("no node answered for %s: waiting for a replica", job.model)
             return await self._wait_for_replica(
@@ -1105,6 +1285,203 @@ class Ingress:
             released, self._released = self._released, trio.Event()
             released.set()
 
+    # == the batch gate (``tiers``) ==========================================================
+
+    async def _admit_batch(
+        self,
+        conn: ClientConn,
+        job: Job,
+        rreq: routing.RouteRequest,
+        providers: frozenset[str],
+        requirements: Requirements | None,
+        tried: set[str],
+    ) -> tuple[list[routing.Candidate], list[Route]] | str | None:
+        """A batch request's way to a node with room for batch work: the candidates to try
+        (the first holds a batch slot on its node, ``job.batch_node``) with their routes;
+        ``GATE_FULL`` or ``GATE_TIMEOUT`` when the gate sends it away; None when no node is
+        eligible any more. ClientGone if its client hangs up while it waits.
+
+        It goes on at once if a node has room and no batch request waits (or it is a failover:
+        an admitted request keeps its turn); else it waits in the gate, in its tenant's queue,
+        until ``_scan_gate`` releases it in fair order (a batch request ending, or the gate's
+        tick: load reports come and age), for at most ``batch_max_wait_s`` from its arrival.
+        """
+        pinned: str | None = None
+        if job.kind == RESPONSES and job.doc is not None:
+            previous = job.doc.get("previous_response_id")
+            pinned = node_of_response(previous) if isinstance(previous, str) else None
+        w = BatchWaiter(conn, job, rreq, providers, requirements, tried, pinned)
+        first = not tried
+        gate = self.gate
+        if not first or not len(gate):
+            got = self._batch_try(w, self.clock.now(), self.wall_clock())
+            if got is None:
+                return None
+            if got:
+                self._batch_admitted(w, first)
+                return w.ranked, w.routes
+        w.label = self._key_label(job)
+        key = job.key
+        group: Hashable = (job.model, providers, requirements, pinned)
+        ticket, pushed_out = gate.push(job.tenant, key.weight if key else 1.0, group, w)
+        if pushed_out is not None:  # a longer queue's newest made room for this tenant
+            self._batch_wake(pushed_out.item, GATE_FULL)
+        if ticket is None:
+            return GATE_FULL
+        now = self.clock.now()
+        w.deadline = (job.started if first else now) + self.config.batch_max_wait_s
+        self._scan_gate()  # its turn may be now (another tenant's, or no room elsewhere)
+        if not w.outcome:
+            w.event = trio.Event()
+            idle = self._gate_idle
+            if idle is not None:
+                idle.set()  # the gate's tick runs while anyone waits
+            try:
+                await w.event.wait()
+            finally:
+                gate.cancel(ticket)  # a no-op once released (cancelled here: shutdown)
+        outcome = w.outcome
+        if outcome == GRANTED:
+            self._batch_admitted(w, first)
+            return w.ranked, w.routes
+        if outcome == GATE_GONE:
+            self.metrics.client_disconnects.labels("gate").inc()
+            raise ClientGone
+        if outcome == NO_NODE:
+            return None
+        return outcome
+
+    def _batch_try(self, w: BatchWaiter, now: float, wall: float) -> bool | None:
+        """Admit ``w`` if an eligible node has room for batch work (``tiers.has_room``): rank
+        those nodes with the policy (no hold), take a batch slot on the first. True if
+        admitted, False if no node has room, None if no node is eligible at all."""
+        job = w.job
+        routes = self.table.routes(job.model)
+        if not routes:
+            routes = self.table.sleeping(job.model)  # only sleeping replicas: one is woken
+            job.waking = routes is not None
+        if routes and w.pinned is not None:
+            routes = [r for r in routes if r.info.session_id == w.pinned]
+        if not routes:
+            return None
+        cands = self._candidates(routes, w.providers, w.requirements, w.tried, now, wall)
+        if not cands:
+            return None
+        inflight = self.batch_inflight
+        rules = self._room
+        roomy = [
+            c for c in cands if has_room(c.load, inflight.get(c.node.session_id, 0), wall, rules)
+        ]
+        if not roomy:
+            return False
+        ranked: list[routing.Candidate] | None = None
+        if len(roomy) > 1 and not job.waking:
+            ranked = self.policy.rank(w.rreq, roomy, wall, allow_hold=False)
+        w.ranked = ranked or roomy
+        w.routes = routes
+        sid = w.ranked[0].node.session_id
+        inflight[sid] = inflight.get(sid, 0) + 1
+        job.batch_node = sid
+        return True
+
+    def _scan_gate(self) -> None:
+        """Release the waiting batch requests that can go now, in fair order (``tiers``): each
+        that has room is admitted; once one finds none, the others of its group (the same
+        filters: the same nodes) are passed over, and the walk ends when no group has room."""
+        gate = self.gate
+        if not len(gate):
+            return
+        now, wall = self.clock.now(), self.wall_clock()
+        groups = gate.groups()
+        blocked: set[Hashable] = set()
+        ended: list[tuple[Ticket[BatchWaiter], str]] = []
+        for ticket in gate.ordered():
+            group = ticket.group
+            if group in blocked:
+                continue
+            w = ticket.item
+            got = self._batch_try(w, now, wall)
+            if got is None:
+                ended.append((ticket, NO_NODE))
+            elif got:
+                ended.append((ticket, GRANTED))
+            elif not w.tried:  # a failover sees fewer nodes than its group: it proves nothing
+                blocked.add(group)
+                if len(blocked) >= groups:
+                    break
+        for ticket, outcome in ended:  # the queue changes only after the walk
+            if outcome == GRANTED:
+                gate.grant(ticket)
+            else:
+                gate.cancel(ticket)
+            self._batch_wake(ticket.item, outcome)
+
+    def _batch_wake(self, w: BatchWaiter, outcome: str) -> None:
+        w.outcome = outcome
+        if w.event is not None:
+            w.event.set()
+
+    def _batch_done(self, job: Job) -> None:
+        """The attempt that held a batch slot ended: free the slot, and let a waiter have it."""
+        sid = job.batch_node
+        job.batch_node = None
+        if sid is None:
+            return
+        inflight = self.batch_inflight
+        n = inflight.get(sid, 1) - 1
+        if n > 0:
+            inflight[sid] = n
+        else:
+            inflight.pop(sid, None)
+        if len(self.gate):
+            self._scan_gate()
+
+    def _batch_admitted(self, w: BatchWaiter, first: bool) -> None:
+        """Metrics of a batch request sent on (the first time only: not its failovers)."""
+        if not first:
+            return
+        job = w.job
+        self.metrics.batch_wait.observe((), self.clock.now() - job.started)
+        self.metrics.batch_admitted.labels(w.label or self._key_label(job)).inc()
+
+    def _key_label(self, job: Job) -> str:
+        """The ``key`` label of a batch request: its key's name, else its tenant (at most
+        ``MAX_KEY_LABELS`` tenants without a key get their own)."""
+        key = job.key
+        label = key.name if key is not None else job.tenant
+        labels = self._key_labels
+        if label not in labels:
+            if len(labels) >= MAX_KEY_LABELS:
+                return "other"
+            labels.add(label)
+        return label
+
+    async def _gate_loop(self) -> None:
+        """While batch requests wait: every ``GATE_TICK_S`` end the waits past their deadline,
+        every ``GATE_PEEK_S`` notice clients that hung up (``client_gone``), and look for room
+        (load reports arrive and age, nodes join). Asleep while nobody waits."""
+        next_peek = 0.0
+        while True:
+            if not len(self.gate):
+                self._gate_idle = idle = trio.Event()
+                await idle.wait()
+            await trio.sleep(GATE_TICK_S)
+            now = self.clock.now()
+            peek = now >= next_peek
+            if peek:
+                next_peek = now + GATE_PEEK_S
+            ended: list[tuple[Ticket[BatchWaiter], str]] = []
+            for ticket in self.gate:
+                w = ticket.item
+                if now >= w.deadline:
+                    ended.append((ticket, GATE_TIMEOUT))
+                elif peek and client_gone(w.conn.sock):
+                    ended.append((ticket, GATE_GONE))
+            for ticket, outcome in ended:
+                self.gate.cancel(ticket)
+                self._batch_wake(ticket.item, outcome)
+            self._scan_gate()
+
     # == one attempt =========================================================================
 
     def _attempt(
@@ -1115,6 +1492,8 @@ class Ingress:
         sid = route.info.session_id
         if job.retag:
             self._tag_response(job, sid)
+        if job.batch and job.kind in PRIORITY_KINDS:
+            self._prioritize(job, route.priority)
         if route.is_self:
             url = self.serving_engine_url()
             if url is None:
@@ -1152,7 +1531,27 @@ class Ingress:
         tagged = dict(doc)
         tagged["request_id"] = rid
         job.body = orjson.dumps(tagged)
+        job.unprioritized = None  # a new body: without the priority field
         job.response_id = rid
+
+    def _prioritize(self, job: Job, on: bool) -> None:
+        """A batch request about to go to a node: its body carries ``"priority":
+        batch_priority`` if that node's engine schedules by priority (``on``), and is as it
+        came otherwise (vLLM refuses a non-zero priority under its default policy). Only batch
+        requests pay for this decode and re-encode, and only JSON bodies of the generation
+        kinds (``tiers.PRIORITY_KINDS``) get here."""
+        if on:
+            if job.unprioritized is not None:
+                return  # it carries the field already
+            doc = orjson.loads(job.body)
+            if not isinstance(doc, dict):
+                return
+            doc["priority"] = self.config.batch_priority
+            job.unprioritized = job.body
+            job.body = orjson.dumps(doc)
+        elif job.unprioritized is not None:
+            job.body = job.unprioritized
+            job.unprioritized = None
 
     async def _wake_then_relay(
         self, conn: ClientConn, job: Job, origin: Origin, request: bytes, sid: str, now: float
@@ -1468,6 +1867,7 @@ class Ingress:
             log.info("stream from %s not resumed: %s", sid[:8], plan)
             return False
         job.body, job.splice = plan
+        job.unprioritized = None  # the continuation's body: without the priority field
         job.resumes += 1
         return True
 

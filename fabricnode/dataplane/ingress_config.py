@@ -56,3 +56,16 @@ class IngressConfig:
     # and a waiting stream gets an SSE comment this often so that nothing times it out.
     max_waiting_for_replica: int = 1024
     replica_keepalive_s: float = 10.0
+    # Priority tiers (``tiers``): a batch request (X-Fabric-Priority: batch) goes to a node only
+    # while a fresh load report shows its KV usage below ``batch_kv_threshold`` and at most
+    # ``batch_max_waiting`` requests queued, and fewer than ``batch_max_inflight_per_node`` of
+    # our batch requests in flight to it (without a fresh report: one). Otherwise it waits at
+    # the ingress, at most ``max_batch_waiting`` of them in all, each for at most
+    # ``batch_max_wait_s`` (then 503). Attempts to a node whose engine schedules by priority
+    # carry ``"priority": batch_priority`` (interactive requests: vLLM's default, 0).
+    batch_kv_threshold: float = 0.6
+    batch_max_waiting: int = 0
+    batch_max_inflight_per_node: int = 8
+    max_batch_waiting: int = 4096
+    batch_max_wait_s: float = 600.0
+    batch_priority: int = 1

@@ -18,6 +18,8 @@ class Job:
 
     __slots__ = (
         "audio_s",
+        "batch",
+        "batch_node",
         "body",
         "candidates",
         "close",
@@ -45,8 +47,10 @@ class Job:
         "started",
         "status",
         "stream",
+        "tenant",
         "transcript",
         "ttft_s",
+        "unprioritized",
         "waking",
     )
 
@@ -106,3 +110,11 @@ class Job:
         self.response_id: str | None = None
         # The data of the last event relayed of a stream that broke (its error event follows).
         self.last_event: bytes | None = None
+        # The batch tier (``tiers``): held at the ingress until a node has room, queued under
+        # ``tenant`` (its key's id, "-" without one, or the tenant an owner header names); the
+        # node its current attempt holds a batch slot on; and, while an attempt's body carries
+        # the engine priority, the body without it.
+        self.batch = False
+        self.tenant = "-"
+        self.batch_node: str | None = None
+        self.unprioritized: bytes | None = None

@@ -182,6 +182,18 @@ class IngressMetrics:
             (),
             CANDIDATE_BUCKETS,
         )
+        self.tier_requests = FastCounter(
+            "fabric_ingress_tier_requests",
+            "Requests answered by this ingress, by priority tier (interactive, batch)",
+            ("tier",),
+        )
+        self.batch_wait = FastHistogram(
+            "fabric_ingress_batch_wait_seconds",
+            "How long batch requests waited at the ingress for a node with room for batch work"
+            " (0 when one had room at once)",
+            (),
+            LATENCY_BUCKETS,
+        )
         r.register(
             FastCollectorFor(
                 [
@@ -194,6 +206,8 @@ class IngressMetrics:
                     self.audio_seconds,
                     self.decisions,
                     self.candidates,
+                    self.tier_requests,
+                    self.batch_wait,
                 ]
             )
         )
@@ -219,7 +233,8 @@ class IngressMetrics:
         self.client_disconnects = Counter(
             "fabric_ingress_client_disconnects",
             "Requests whose client went away before the answer ended (the upstream request"
-            " was aborted), by phase: waiting for the response head, or relaying it",
+            " was aborted), by phase: waiting for the response head, relaying it, or waiting"
+            " in the batch gate (gate)",
             ["phase"],
             registry=r,
         )
@@ -261,6 +276,19 @@ class IngressMetrics:
             "Client connections closed at accept, by reason: the agent holds max_connections"
             " (total) or the client's address holds max_connections_per_client (per_client)",
             ["reason"],
+            registry=r,
+        )
+        self.batch_admitted = Counter(
+            "fabric_ingress_batch_admitted",
+            "Batch requests sent on to a node with room, by API key name (the tenant when the"
+            " request has no key)",
+            ["key"],
+            registry=r,
+        )
+        self.batch_waiting = Gauge(
+            "fabric_ingress_batch_waiting",
+            "Batch requests waiting at this ingress for a node with room, by API key name",
+            ["key"],
             registry=r,
         )
         self.internal_errors = Counter(

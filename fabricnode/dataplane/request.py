@@ -196,6 +196,14 @@ def decode(
         if isinstance(checked, Rejection):
             return checked
         key = checked
+    return decode_as(kind, headers, body, key)
+
+
+def decode_as(
+    kind: str, headers: Mapping[bytes, bytes], body: bytes, key: ApiKey | None
+) -> Decoded | Rejection:
+    """The checks of ``decode`` after the key, for a request already authenticated as ``key``
+    (the batch owner header's: ``tiers.owner_of``)."""
     try:
         doc = orjson.loads(body)
     except orjson.JSONDecodeError:

@@ -7,7 +7,9 @@ changes by the millisecond: local liveness (the SWIM view), the circuit breaker,
 gossiped load report and this ingress's own in-flight count (``eligible``).
 
 Nodes whose engine sleeps (``fabric.sleeping``) are kept apart (``sleeping``): the ingress
-goes to them only for a model that has no awake node, and the request wakes one.
+goes to them only for a model that has no awake node, and the request wakes one. A route also
+says whether its node's engine schedules by priority (``fabric.priority_scheduling``): batch
+requests sent there carry the batch priority (``tiers``).
 
 Filter order (issue: filters before the policy): model served → SERVING, lease not expired,
 locally alive (DEAD/LEFT never; SUSPECT only when no ALIVE node is left) → provider allowlist
@@ -33,7 +35,13 @@ from fabricnode.dataplane.routing import (
 from fabricnode.errors import ConfigError
 from fabricnode.mesh.core import MeshCore
 from fabricnode.mesh.membership import Liveness
-from fabricnode.mesh.registry import SLEEPING_LABEL, SignedEntry, State, model_parents
+from fabricnode.mesh.registry import (
+    PRIORITY_SCHEDULING_LABEL,
+    SLEEPING_LABEL,
+    SignedEntry,
+    State,
+    model_parents,
+)
 from fabricnode.mesh.wire import Load
 
 Origin = tuple[str, int]
@@ -47,6 +55,8 @@ class Route:
     origin: Origin  # the node agent's HTTP address
     expires_at: float
     is_self: bool
+    # Its engine serves waiting requests by their ``priority`` field (fabric.priority_scheduling).
+    priority: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +133,7 @@ class RouteTable:
                 continue
             verified = entry.verified_provider(now, core.verifier)
             table = sleeping if _asleep(body.labels) else by_model
+            priority = (PRIORITY_SCHEDULING_LABEL, "1") in body.labels
             for model_id, parent in model_parents(body).items():
                 said = parents.setdefault(model_id, {})
                 said[parent] = said.get(parent, 0) + 1
@@ -138,7 +149,9 @@ class RouteTable:
                     max_model_len=model.max_model_len,
                     quantization=model.quantization,
                 )
-                route = Route(info, origin, body.expires_at, body.session_id == core.self_id)
+                route = Route(
+                    info, origin, body.expires_at, body.session_id == core.self_id, priority
+                )
                 table.setdefault(model.id, []).append(route)
                 by_session.setdefault(body.session_id, route)
         for routes in sleeping.values():  # the one to wake first: our own, else by id

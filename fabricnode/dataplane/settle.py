@@ -25,6 +25,7 @@ from fabricnode.dataplane.endpoints import FORM_KINDS, NO_USAGE_KINDS
 from fabricnode.dataplane.job import Job
 from fabricnode.dataplane.metrics import IngressMetrics
 from fabricnode.dataplane.sockio import LoopClock
+from fabricnode.dataplane.tiers import BATCH, INTERACTIVE
 
 log = logging.getLogger("fabricnode.dataplane.settle")
 
@@ -96,6 +97,8 @@ class Settler:
             self.metrics.first_token(job.model, job.ttft_s)
         self.metrics.count_tokens(job.model, job.prompt_tokens, job.completion_tokens)
         self.metrics.count_endpoint(job.kind, status, job.prompt_tokens, job.completion_tokens)
+        tier = BATCH if job.batch else INTERACTIVE
+        self.metrics.tier_requests.inc((tier,))
         if job.audio_s:
             self.metrics.audio_seconds.inc((job.model,), job.audio_s)
         name = job.key.name if job.key is not None else "anonymous"
@@ -131,6 +134,7 @@ class Settler:
                     max_tokens,
                     temperature,
                     job.kind,
+                    tier,
                 )
             )
 

@@ -303,6 +303,7 @@ def test_request_log_holds_counts_never_prompt_or_output_text(tmp_path: Path) ->
         "max_tokens",
         "temperature",
         "endpoint",
+        "tier",
     }
     assert (line["T"], line["M"], line["I"], line["O"]) == (1000.0, "m", 12, 3)
     assert not any(isinstance(v, str) and len(v) > 40 for v in line.values())
@@ -413,6 +414,7 @@ def test_appends_during_flushes_from_another_thread_are_not_lost(tmp_path: Path)
     max_tokens=st.none() | st.integers(1, 2**31),
     temperature=st.none() | st.floats(0, 2),
     endpoint=st.sampled_from(["chat", "responses", "messages", "rerank", "transcriptions"]),
+    tier=st.sampled_from(["interactive", "batch"]),
 )
 @settings(max_examples=60, deadline=None)
 def test_a_raw_trace_tuple_logs_the_same_line_as_its_trace_record(
@@ -428,10 +430,12 @@ def test_a_raw_trace_tuple_logs_the_same_line_as_its_trace_record(
     max_tokens: int | None,
     temperature: float | None,
     endpoint: str,
+    tier: str,
 ) -> None:
     """The ingress hands the log tuples (cheap on the event loop): same lines as records."""
     fields = (
-        t, model, *tokens, latency, ttft, status, *names, stream, max_tokens, temperature, endpoint
+        t, model, *tokens, latency, ttft, status, *names, stream, max_tokens, temperature,
+        endpoint, tier,
     )  # fmt: skip
     path = tmp_path_factory.mktemp("raw") / "log.jsonl"
     log = RequestLog(path)
@@ -579,3 +583,14 @@ def test_recent_sums_count_tokens_and_a_ttft_histogram() -> None:
     assert accounting.ttft_quantile({}, 0.95) is None
     assert accounting.ttft_bucket(0.0) == 0
     assert accounting.ttft_bucket(1e9) == accounting.TTFT_BUCKETS - 1
+
+
+def test_the_tier_is_logged_and_lines_from_before_it_read_as_null(tmp_path: Path) -> None:
+    path = tmp_path / "log.jsonl"
+    log = RequestLog(path)
+    log.append(TraceRecord(1.0, "m", 1, 1, 0.1, endpoint="chat", tier="batch"))
+    assert log.flush() == 1
+    older = {"v": 1, "T": 2.0, "M": "m", "I": 1, "O": 1, "latency_s": 0.1, "endpoint": "chat"}
+    with path.open("a") as f:
+        f.write(json.dumps(older) + "\n")
+    assert [(r.t, r.tier) for r in read_request_log(path)] == [(1.0, "batch"), (2.0, None)]
