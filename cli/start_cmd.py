@@ -127,6 +127,51 @@ def start(
         int | None,
         typer.Option(metavar="N", help="Client connections from one address (1024)."),
     ] = None,
+    batch_kv_threshold: Annotated[
+        float | None,
+        typer.Option(
+            metavar="FRACTION",
+            help="Batch tier (X-Fabric-Priority: batch): send batch requests only to nodes whose "
+            "KV cache is less full than this (0.6).",
+        ),
+    ] = None,
+    batch_max_waiting: Annotated[
+        int | None,
+        typer.Option(
+            metavar="N",
+            help="Batch tier: send batch requests only to nodes whose engine has at most N "
+            "requests queued (0).",
+        ),
+    ] = None,
+    batch_max_inflight_per_node: Annotated[
+        int | None,
+        typer.Option(
+            metavar="N", help="Batch tier: at most N of this ingress's batch requests per node (8)."
+        ),
+    ] = None,
+    max_batch_waiting: Annotated[
+        int | None,
+        typer.Option(
+            metavar="N",
+            help="Batch tier: batch requests this ingress holds while no node has room, in all "
+            "(4096; past it 503).",
+        ),
+    ] = None,
+    batch_max_wait: Annotated[
+        float | None,
+        typer.Option(
+            metavar="SECONDS",
+            help="Batch tier: longest a batch request waits for room (600; then 503).",
+        ),
+    ] = None,
+    batch_priority: Annotated[
+        int | None,
+        typer.Option(
+            metavar="N",
+            help="Batch tier: the priority field batch requests carry to engines started with "
+            "--scheduling-policy priority (1; interactive ones: vLLM's default, 0).",
+        ),
+    ] = None,
     drain_timeout: Annotated[
         float | None,
         typer.Option(metavar="SECONDS", help="On leave, let accepted requests finish (30)."),
@@ -191,7 +236,7 @@ def start(
         ),
     ] = False,
 ) -> None:
-    from fabricnode.config import ConnectionLimits, load_config
+    from fabricnode.config import BatchLimits, ConnectionLimits, load_config
 
     try:
         config = load_config(
@@ -219,6 +264,14 @@ def start(
             max_body_mb=max_body_mb,
             limits=ConnectionLimits(
                 max_buffered_body_mb, max_connections, max_connections_per_client
+            ),
+            batch=BatchLimits(
+                batch_kv_threshold,
+                batch_max_waiting,
+                batch_max_inflight_per_node,
+                max_batch_waiting,
+                batch_max_wait,
+                batch_priority,
             ),
             drain_timeout_s=drain_timeout,
             leave_before_end_s=leave_before_end,

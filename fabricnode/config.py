@@ -24,12 +24,14 @@ from __future__ import annotations
 
 import getpass
 import ipaddress
+import math
 import os
 import shlex
 import socket
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from fabricnode.addr import WILDCARD_HOSTS, join_hostport, split_hostport
 from fabricnode.dataplane.ingress_config import IngressConfig
@@ -186,6 +188,7 @@ def load_config(
     request_log: str | None = None,
     max_body_mb: float | None = None,
     limits: ConnectionLimits | None = None,
+    batch: BatchLimits | None = None,
     drain_timeout_s: float | None = None,
     leave_before_end_s: float | None = None,
     sleep_after_s: float | None = None,
@@ -251,7 +254,7 @@ def load_config(
         drain_timeout_s=_drain(drain_timeout_s),
         sleep_after_s=_sleep_after(sleep_after_s),
         leave_before_end_s=_leave_before_end(leave_before_end_s, env),
-        ingress=_ingress(policy, max_body_mb, limits or ConnectionLimits()),
+        ingress=_ingress(policy, max_body_mb, limits or ConnectionLimits(), batch or BatchLimits()),
         cluster_key_path=key_path,
         rendezvous_path=rendezvous_path,
         provider=_provider(provider, env),
@@ -288,8 +291,46 @@ class ConnectionLimits:
     max_connections_per_client: int | None = None
 
 
+@dataclass(frozen=True)
+class BatchLimits:
+    """The batch tier's thresholds as given on the command line (None: the default); see
+    ``IngressConfig`` and ``fabricnode.dataplane.tiers``."""
+
+    batch_kv_threshold: float | None = None
+    batch_max_waiting: int | None = None
+    batch_max_inflight_per_node: int | None = None
+    max_batch_waiting: int | None = None
+    batch_max_wait_s: float | None = None
+    batch_priority: int | None = None
+
+
+def _batch(given: BatchLimits) -> dict[str, Any]:
+    """The batch tier's settings from ``given``, each checked (``ConfigError`` names the flag)."""
+    out: dict[str, Any] = {}
+    checks: tuple[tuple[str, str, float, float], ...] = (
+        ("batch_kv_threshold", "--batch-kv-threshold", 0.0, 1.0),
+        ("batch_max_waiting", "--batch-max-waiting", 0, 1_000_000),
+        ("batch_max_inflight_per_node", "--batch-max-inflight-per-node", 1, 1_000_000),
+        ("max_batch_waiting", "--max-batch-waiting", 1, 1_000_000),
+        ("batch_max_wait_s", "--batch-max-wait", 0.0, 86_400.0),
+        ("batch_priority", "--batch-priority", 1, 1_000_000),
+    )
+    for name, flag, low, high in checks:
+        value = getattr(given, name)
+        if value is None:
+            continue
+        # a threshold of 0 would never let batch work through, and nor would a wait of 0
+        exclusive = name in ("batch_kv_threshold", "batch_max_wait_s")
+        above = value > low if exclusive else value >= low
+        if not (math.isfinite(value) and above and value <= high):
+            bound = "more than" if exclusive else "at least"
+            raise ConfigError(f"{flag} {value:g}: expected {bound} {low:g}, at most {high:g}")
+        out[name] = value
+    return out
+
+
 def _ingress(
-    policy: str | None, max_body_mb: float | None, limits: ConnectionLimits
+    policy: str | None, max_body_mb: float | None, limits: ConnectionLimits, batch: BatchLimits
 ) -> IngressConfig:
     defaults = IngressConfig()
     name = (policy or defaults.policy).lower()
@@ -318,7 +359,7 @@ def _ingress(
         raise ConfigError(
             f"--max-connections-per-client {per_client}: expected 1..--max-connections ({total})"
         )
-    return IngressConfig(
+    config = IngressConfig(
         policy=name,
         max_body_bytes=max_body,
         max_buffered_body_bytes=buffered,
@@ -326,6 +367,7 @@ def _ingress(
         max_connections_per_client=per_client,
         busy_connections=total * 3 // 4,
     )
+    return replace(config, **_batch(batch))
 
 
 def _drain(value: float | None) -> float:

@@ -6,7 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from fabricnode.config import ConnectionLimits, default_api_keys_path, load_config
+from fabricnode.config import (
+    BatchLimits,
+    ConnectionLimits,
+    default_api_keys_path,
+    load_config,
+)
 from fabricnode.engine.command import connect_host
 from fabricnode.errors import ConfigError
 
@@ -104,6 +109,38 @@ def test_bounds_that_cannot_work_are_one_config_error(
 ) -> None:
     with pytest.raises(ConfigError, match=names):
         load_config(env=env_in(tmp_path), max_body_mb=16, limits=limits)
+
+
+def test_the_batch_tiers_thresholds_come_from_the_flags(tmp_path: Path) -> None:
+    default = load_config(env=env_in(tmp_path)).ingress
+    assert (default.batch_kv_threshold, default.batch_max_waiting) == (0.6, 0)
+    assert (default.batch_max_inflight_per_node, default.max_batch_waiting) == (8, 4096)
+    assert (default.batch_max_wait_s, default.batch_priority) == (600.0, 1)
+    batch = BatchLimits(0.8, 2, 3, 100, 30.0, 5)
+    ingress = load_config(env=env_in(tmp_path), batch=batch).ingress
+    assert (ingress.batch_kv_threshold, ingress.batch_max_waiting) == (0.8, 2)
+    assert (ingress.batch_max_inflight_per_node, ingress.max_batch_waiting) == (3, 100)
+    assert (ingress.batch_max_wait_s, ingress.batch_priority) == (30.0, 5)
+
+
+@pytest.mark.parametrize(
+    ("batch", "flag"),
+    [
+        (BatchLimits(batch_kv_threshold=0.0), "--batch-kv-threshold"),
+        (BatchLimits(batch_kv_threshold=1.5), "--batch-kv-threshold"),
+        (BatchLimits(batch_kv_threshold=float("nan")), "--batch-kv-threshold"),
+        (BatchLimits(batch_max_waiting=-1), "--batch-max-waiting"),
+        (BatchLimits(batch_max_inflight_per_node=0), "--batch-max-inflight-per-node"),
+        (BatchLimits(max_batch_waiting=0), "--max-batch-waiting"),
+        (BatchLimits(batch_max_wait_s=0.0), "--batch-max-wait"),
+        (BatchLimits(batch_priority=0), "--batch-priority"),
+    ],
+)
+def test_batch_thresholds_that_cannot_work_are_one_config_error(
+    tmp_path: Path, batch: BatchLimits, flag: str
+) -> None:
+    with pytest.raises(ConfigError, match=flag):
+        load_config(env=env_in(tmp_path), batch=batch)
 
 
 def test_sleep_after_is_off_by_default_checked_and_opens_vllms_sleep_endpoints(
