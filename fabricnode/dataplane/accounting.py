@@ -838,7 +838,9 @@ def recent_sums(records: Iterable[TraceRecord]) -> dict[str, dict[str, Any]]:
     ``prompt_tokens`` sums the known input tokens of those, over ``prompt_known`` requests;
     ``output_tokens`` the known output tokens, over ``output_known`` (answered) requests;
     ``ttft`` maps a bucket (``ttft_bucket``, as a string: JSON keys) to the count of answered
-    requests whose first token came in it (streams only: a JSON answer has no first token).
+    requests whose first token came in it (streams only: a JSON answer has no first token), of
+    the interactive tier only: a batch request's first token includes its wait for spare
+    capacity at the ingress (``tiers``), which a latency objective must not scale for.
     """
     out: dict[str, dict[str, Any]] = {}
     for r in records:
@@ -861,7 +863,7 @@ def recent_sums(records: Iterable[TraceRecord]) -> dict[str, dict[str, Any]]:
         if r.output_tokens is not None and r.output_tokens >= 0:
             row["output_tokens"] += r.output_tokens
             row["output_known"] += 1
-        if r.ttft_s is not None and r.status == 200 and r.ttft_s >= 0:
+        if r.ttft_s is not None and r.status == 200 and r.ttft_s >= 0 and r.tier != "batch":
             key = str(ttft_bucket(r.ttft_s))
             row["ttft"][key] = row["ttft"].get(key, 0) + 1
     return out

@@ -594,3 +594,18 @@ def test_the_tier_is_logged_and_lines_from_before_it_read_as_null(tmp_path: Path
     with path.open("a") as f:
         f.write(json.dumps(older) + "\n")
     assert [(r.t, r.tier) for r in read_request_log(path)] == [(1.0, "batch"), (2.0, None)]
+
+
+def test_batch_requests_count_as_demand_but_not_in_the_ttft_histogram() -> None:
+    """A batch request's first token includes its wait for spare capacity: the latency
+    objective the controller scales for is the interactive requests'."""
+    rows = [
+        TraceRecord(1.0, "m", 10, 5, 1.0, ttft_s=0.2, stream=True, tier="interactive"),
+        TraceRecord(2.0, "m", 10, 5, 300.0, ttft_s=299.0, stream=True, tier="batch"),
+        TraceRecord(3.0, "m", 10, 5, 1.0, ttft_s=0.3, stream=True),  # logged before tiers
+    ]
+    m = accounting.recent_sums(rows)["m"]
+    assert m["requests"] == 3 and m["output_tokens"] == 15
+    assert sum(m["ttft"].values()) == 2
+    p95 = accounting.ttft_quantile({int(k): v for k, v in m["ttft"].items()}, 0.95)
+    assert p95 is not None and p95 < 1.0
