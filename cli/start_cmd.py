@@ -236,7 +236,7 @@ def start(
         ),
     ] = False,
 ) -> None:
-    from fabricnode.config import BatchLimits, ConnectionLimits, load_config
+    from fabricnode.config import ConnectionLimits, TierLimits, load_config
 
     try:
         config = load_config(
@@ -265,7 +265,7 @@ def start(
             limits=ConnectionLimits(
                 max_buffered_body_mb, max_connections, max_connections_per_client
             ),
-            batch=BatchLimits(
+            tiers=TierLimits(
                 batch_kv_threshold,
                 batch_max_waiting,
                 batch_max_inflight_per_node,

@@ -188,7 +188,7 @@ def load_config(
     request_log: str | None = None,
     max_body_mb: float | None = None,
     limits: ConnectionLimits | None = None,
-    batch: BatchLimits | None = None,
+    tiers: TierLimits | None = None,
     drain_timeout_s: float | None = None,
     leave_before_end_s: float | None = None,
     sleep_after_s: float | None = None,
@@ -254,7 +254,7 @@ def load_config(
         drain_timeout_s=_drain(drain_timeout_s),
         sleep_after_s=_sleep_after(sleep_after_s),
         leave_before_end_s=_leave_before_end(leave_before_end_s, env),
-        ingress=_ingress(policy, max_body_mb, limits or ConnectionLimits(), batch or BatchLimits()),
+        ingress=_ingress(policy, max_body_mb, limits or ConnectionLimits(), tiers or TierLimits()),
         cluster_key_path=key_path,
         rendezvous_path=rendezvous_path,
         provider=_provider(provider, env),
@@ -292,7 +292,7 @@ class ConnectionLimits:
 
 
 @dataclass(frozen=True)
-class BatchLimits:
+class TierLimits:
     """The batch tier's thresholds as given on the command line (None: the default); see
     ``IngressConfig`` and ``fabricnode.dataplane.tiers``."""
 
@@ -304,7 +304,7 @@ class BatchLimits:
     batch_priority: int | None = None
 
 
-def _batch(given: BatchLimits) -> dict[str, Any]:
+def _tier_limits(given: TierLimits) -> dict[str, Any]:
     """The batch tier's settings from ``given``, each checked (``ConfigError`` names the flag)."""
     out: dict[str, Any] = {}
     checks: tuple[tuple[str, str, float, float], ...] = (
@@ -330,7 +330,7 @@ def _batch(given: BatchLimits) -> dict[str, Any]:
 
 
 def _ingress(
-    policy: str | None, max_body_mb: float | None, limits: ConnectionLimits, batch: BatchLimits
+    policy: str | None, max_body_mb: float | None, limits: ConnectionLimits, tiers: TierLimits
 ) -> IngressConfig:
     defaults = IngressConfig()
     name = (policy or defaults.policy).lower()
@@ -367,7 +367,7 @@ def _ingress(
         max_connections_per_client=per_client,
         busy_connections=total * 3 // 4,
     )
-    return replace(config, **_batch(batch))
+    return replace(config, **_tier_limits(tiers))
 
 
 def _drain(value: float | None) -> float:

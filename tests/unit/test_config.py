@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from fabricnode.config import (
-    BatchLimits,
     ConnectionLimits,
+    TierLimits,
     default_api_keys_path,
     load_config,
 )
@@ -116,31 +116,31 @@ def test_the_batch_tiers_thresholds_come_from_the_flags(tmp_path: Path) -> None:
     assert (default.batch_kv_threshold, default.batch_max_waiting) == (0.6, 0)
     assert (default.batch_max_inflight_per_node, default.max_batch_waiting) == (8, 4096)
     assert (default.batch_max_wait_s, default.batch_priority) == (600.0, 1)
-    batch = BatchLimits(0.8, 2, 3, 100, 30.0, 5)
-    ingress = load_config(env=env_in(tmp_path), batch=batch).ingress
+    limits = TierLimits(0.8, 2, 3, 100, 30.0, 5)
+    ingress = load_config(env=env_in(tmp_path), tiers=limits).ingress
     assert (ingress.batch_kv_threshold, ingress.batch_max_waiting) == (0.8, 2)
     assert (ingress.batch_max_inflight_per_node, ingress.max_batch_waiting) == (3, 100)
     assert (ingress.batch_max_wait_s, ingress.batch_priority) == (30.0, 5)
 
 
 @pytest.mark.parametrize(
-    ("batch", "flag"),
+    ("limits", "flag"),
     [
-        (BatchLimits(batch_kv_threshold=0.0), "--batch-kv-threshold"),
-        (BatchLimits(batch_kv_threshold=1.5), "--batch-kv-threshold"),
-        (BatchLimits(batch_kv_threshold=float("nan")), "--batch-kv-threshold"),
-        (BatchLimits(batch_max_waiting=-1), "--batch-max-waiting"),
-        (BatchLimits(batch_max_inflight_per_node=0), "--batch-max-inflight-per-node"),
-        (BatchLimits(max_batch_waiting=0), "--max-batch-waiting"),
-        (BatchLimits(batch_max_wait_s=0.0), "--batch-max-wait"),
-        (BatchLimits(batch_priority=0), "--batch-priority"),
+        (TierLimits(batch_kv_threshold=0.0), "--batch-kv-threshold"),
+        (TierLimits(batch_kv_threshold=1.5), "--batch-kv-threshold"),
+        (TierLimits(batch_kv_threshold=float("nan")), "--batch-kv-threshold"),
+        (TierLimits(batch_max_waiting=-1), "--batch-max-waiting"),
+        (TierLimits(batch_max_inflight_per_node=0), "--batch-max-inflight-per-node"),
+        (TierLimits(max_batch_waiting=0), "--max-batch-waiting"),
+        (TierLimits(batch_max_wait_s=0.0), "--batch-max-wait"),
+        (TierLimits(batch_priority=0), "--batch-priority"),
     ],
 )
 def test_batch_thresholds_that_cannot_work_are_one_config_error(
-    tmp_path: Path, batch: BatchLimits, flag: str
+    tmp_path: Path, limits: TierLimits, flag: str
 ) -> None:
     with pytest.raises(ConfigError, match=flag):
-        load_config(env=env_in(tmp_path), batch=batch)
+        load_config(env=env_in(tmp_path), tiers=limits)
 
 
 def test_sleep_after_is_off_by_default_checked_and_opens_vllms_sleep_endpoints(
