@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import logging
 import resource
+import secrets
 import signal
 import socket
 import sys
@@ -55,6 +56,9 @@ import trio
 from fabricnode import native
 from fabricnode.addr import join_hostport
 from fabricnode.asgi import bind_http_socket, serve_http
+from fabricnode.batch.api import BatchApi
+from fabricnode.batch.store import BatchStore
+from fabricnode.batch.worker import BatchWorker
 from fabricnode.config import AgentConfig, engine_env
 from fabricnode.control.app import AdminApp
 from fabricnode.control.memberlog import log_member_changes
@@ -81,6 +85,7 @@ from fabricnode.mesh.core import MeshCore
 from fabricnode.mesh.identity import Identity, ProviderKey
 from fabricnode.mesh.join import JoinTracker
 from fabricnode.mesh.keyring import Keyring
+from fabricnode.mesh.membership import Liveness
 from fabricnode.mesh.registry import Addresses, EngineInfo, EntryBody, Hardware, State
 from fabricnode.mesh.service import GossipService, UdpTcpTransport
 
@@ -210,6 +215,64 @@ class Agent:
             expires_at=expires,
             provider_cert=cert,
         )
+
+    def _batch(
+        self,
+        core: MeshCore,
+        ingress: Ingress,
+        http_sock: socket.socket,
+        declared: Declared,
+        tracker: JoinTracker,
+    ) -> BatchWorker | None:
+        """The Batch API on the ingress, and this agent's share of the work (None: no worker,
+        ``--batch-concurrency 0``; the API still answers)."""
+        cfg = self.config
+        if cfg.batch_dir is None:
+            return None
+        store = BatchStore(cfg.batch_dir)
+        port = http_sock.getsockname()[1]
+        host = cfg.http_host if cfg.http_host not in ("0.0.0.0", "::", "") else "127.0.0.1"
+        loopback = f"http://{join_hostport(host, port)}"
+
+        def is_gone(holder: str) -> bool:
+            # Only what the mesh knows for sure: an unknown holder may be a worker we have not
+            # heard of yet, and its lease's expiry decides.
+            if not tracker.is_ready():
+                return False
+            entry = core.registry.get(holder)
+            if entry is None:
+                return False
+            if entry.body.state in (State.DOWN, State.LEFT):
+                return True
+            return core.members.status(holder) is Liveness.DEAD
+
+        def known_model(model: str) -> bool:
+            table = ingress.table
+            return bool(
+                table.routes(model) or table.sleeping(model) or declared.hold_s(model)
+            )
+
+        if ingress.batch_token is None:
+            ingress.batch_token = secrets.token_hex(16)
+        worker = None
+        if cfg.batch.concurrency > 0:
+            worker = BatchWorker(
+                store,
+                config=cfg.batch,
+                worker_id=lambda: core.self_id,
+                ingress_url=lambda: loopback,
+                owner_token=lambda: ingress.batch_token or "",
+                is_gone=is_gone,
+                known_model=known_model,
+                wall_clock=self.wall_clock,
+            )
+        ingress.batch_app = BatchApi(
+            store,
+            wall_clock=self.wall_clock,
+            max_file_bytes=cfg.ingress.max_body_bytes,
+            poke_worker=worker.poke if worker is not None else lambda: None,
+        )
+        return worker
 
     def discover_host(self) -> tuple[Hardware, SlurmJob | None]:
         """GPUs and Slurm job of this process (runs nvidia-smi/scontrol: call in a thread)."""
@@ -382,6 +445,7 @@ class Agent:
         # With --admin the agent endpoints move to a hypercorn port of their own and the public
         # port keeps only health/ready.
         ingress.control_app = app(admin_sock is None)
+        batch_worker = self._batch(core, ingress, http_sock, declared, tracker)
         http_shutdown = trio.Event()
         admin_done = trio.Event()
         async with trio.open_nursery() as nursery:
@@ -410,6 +474,8 @@ class Agent:
             nursery.start_soon(log_member_changes, core, tracker)
             if controller is not None:
                 nursery.start_soon(controller.run)
+            if batch_worker is not None:
+                await nursery.start(batch_worker.run)
             if job is not None:
                 self._start_job_follower(nursery, job, gossip)
             task_status.started(AgentAddresses(core.self_id, http_url, gossip_addr, admin_url))
