@@ -136,8 +136,8 @@ def test_validation_fails_the_batch_and_names_each_bad_line(
     lines = [
         json.dumps(good),
         "{not json",
-        json.dumps({**good, "url": "/v1/embeddings"}),
-        json.dumps({**good, "body": {**good["body"], "model": "no-such-model"}}),
+        json.dumps({**good, "custom_id": "x3", "url": "/v1/embeddings"}),
+        json.dumps({**good, "custom_id": "x4", "body": {**good["body"], "model": "no-such-model"}}),
         json.dumps(good),  # custom_id r-0 again
         json.dumps({k: v for k, v in good.items() if k != "custom_id"}),
     ]
