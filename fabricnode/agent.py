@@ -57,6 +57,7 @@ from fabricnode import native
 from fabricnode.addr import join_hostport
 from fabricnode.asgi import bind_http_socket, serve_http
 from fabricnode.batch.api import BatchApi
+from fabricnode.batch.metrics import render as render_batch_metrics
 from fabricnode.batch.store import BatchStore
 from fabricnode.batch.worker import BatchWorker
 from fabricnode.config import AgentConfig, engine_env
@@ -248,9 +249,7 @@ class Agent:
 
         def known_model(model: str) -> bool:
             table = ingress.table
-            return bool(
-                table.routes(model) or table.sleeping(model) or declared.hold_s(model)
-            )
+            return bool(table.routes(model) or table.sleeping(model) or declared.hold_s(model))
 
         if ingress.batch_token is None:
             ingress.batch_token = secrets.token_hex(16)
@@ -426,6 +425,13 @@ class Agent:
             engine = self.engine
             return None if engine is None else engine.statistics()
 
+        batch_worker = self._batch(core, ingress, http_sock, declared, tracker)
+        batch_metrics = render_batch_metrics(batch_worker.statistics) if batch_worker else None
+
+        def data_plane_metrics() -> bytes:
+            page = ingress.render_metrics()
+            return page + batch_metrics() if batch_metrics is not None else page
+
         def app(agent_endpoints: bool) -> AdminApp:
             return AdminApp(
                 core,
@@ -434,7 +440,7 @@ class Agent:
                 keyring=gossip,
                 wall_clock=self.wall_clock,
                 agent_endpoints=agent_endpoints,
-                extra_metrics=ingress.render_metrics,
+                extra_metrics=data_plane_metrics,
                 request_log_path=cfg.request_log_path,
                 wake_gossip=gossip.poke,
                 controller=controller,
@@ -445,7 +451,6 @@ class Agent:
         # With --admin the agent endpoints move to a hypercorn port of their own and the public
         # port keeps only health/ready.
         ingress.control_app = app(admin_sock is None)
-        batch_worker = self._batch(core, ingress, http_sock, declared, tracker)
         http_shutdown = trio.Event()
         admin_done = trio.Event()
         async with trio.open_nursery() as nursery:

@@ -15,6 +15,7 @@ import openai
 import pytest
 
 from cli.localmesh import AgentProcess, LocalMesh, wait_until
+from fabricnode.dataplane.apikeys import ApiKeyStore
 from tests.support.meshview import state_is
 
 pytestmark = pytest.mark.slow
@@ -208,3 +209,42 @@ def test_a_batch_survives_its_worker_killed_with_sigkill(mesh: LocalMesh) -> Non
     assert set(counted) == {f"r-{i}" for i in range(n)}  # none lost
     assert max(counted.values()) == 1  # none twice
     assert done.request_counts is not None and done.request_counts.completed == n
+
+
+def test_a_batch_belongs_to_the_key_that_created_it(mesh: LocalMesh) -> None:
+    """With API keys on, the worker runs a key's batch as that key; another key neither sees,
+    reads nor cancels it, and a request without a key gets 401."""
+    store = ApiKeyStore(mesh.workdir / "api-keys.json", enabled=True)
+    alice, bob = store.new_key("alice")[0], store.new_key("bob")[0]
+    store.save()
+    front = mesh.start("front")
+    node = mesh.start("node", args=["--sim", MODEL])
+    assert wait_until(lambda: state_is(front, node.session_id, "serving"), 30)
+    a = openai.OpenAI(base_url=front.http_url + "/v1", api_key=alice, max_retries=0)
+    b = openai.OpenAI(base_url=front.http_url + "/v1", api_key=bob, max_retries=0)
+    nobody = openai.OpenAI(base_url=front.http_url + "/v1", api_key="not-a-key", max_retries=0)
+
+    uploaded = a.files.create(file=("in.jsonl", io.BytesIO(batch_file(40))), purpose="batch")
+    with pytest.raises(openai.NotFoundError):
+        b.files.retrieve(uploaded.id)
+    with pytest.raises(openai.NotFoundError):
+        b.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+    batch = a.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    with pytest.raises(openai.NotFoundError):
+        b.batches.retrieve(batch.id)
+    with pytest.raises(openai.NotFoundError):
+        b.batches.cancel(batch.id)
+    assert [x.id for x in b.batches.list()] == []
+    with pytest.raises(openai.AuthenticationError):
+        nobody.batches.list()
+
+    done = wait_for_batch(a, batch.id, {"completed", "failed"}, 120)
+    assert done.status == "completed" and done.request_counts is not None
+    assert done.request_counts.completed == 40
+    with pytest.raises(openai.NotFoundError):
+        b.files.content(done.output_file_id or "")
+    assert len(results(a, done.output_file_id)) == 40
