@@ -367,6 +367,16 @@ class BatchStore:
         doc = {"completed": counts.completed, "failed": counts.failed}
         write_atomic(self.batch_dir(batch_id) / f"shard-{shard}.done", json.dumps(doc).encode())
 
+    def done_shard_ids(self, batch_id: str) -> set[int]:
+        """The shards marked done (one directory listing, no file read)."""
+        out = set()
+        for name in os.listdir(self.batch_dir(batch_id)):
+            if name.startswith("shard-") and name.endswith(".done"):
+                shard = name[len("shard-") : -len(".done")]
+                if shard.isdigit():
+                    out.add(int(shard))
+        return out
+
     def done_shards(self, batch_id: str) -> dict[int, ShardCounts]:
         out: dict[int, ShardCounts] = {}
         for path in self.batch_dir(batch_id).glob("shard-*.done"):
@@ -381,16 +391,20 @@ class BatchStore:
 
     def counts(self, batch_id: str, plan: Plan | None) -> ShardCounts:
         """Requests answered so far: the done shards' counts plus what the segments of the
-        shards still being worked hold."""
+        shards still being worked hold (one directory listing, then only those segments)."""
         if plan is None:
             return ShardCounts(0, 0)
         done = self.done_shards(batch_id)
         completed = sum(c.completed for c in done.values())
         failed = sum(c.failed for c in done.values())
-        for shard in range(plan.shards):
-            if shard in done:
-                continue
-            for line in self.read_results(batch_id, shard).values():
+        working: set[int] = set()
+        for name in os.listdir(self.batch_dir(batch_id)):
+            if name.startswith("shard-") and name.endswith(".jsonl"):
+                number = name[len("shard-") :].partition(".")[0]
+                if number.isdigit() and int(number) not in done:
+                    working.add(int(number))
+        for k in working:
+            for line in self.read_results(batch_id, k).values():
                 if result_failed(json.loads(line)):
                     failed += 1
                 else:

@@ -176,9 +176,7 @@ class BatchWorker:
             nursery.start_soon(self._renew_leases)
             nursery.start_soon(self._send_lines, client, nursery)
             task_status.started()
-            log.info(
-                "batch worker: up to %d requests at once, through %s", n, self.ingress_url()
-            )
+            log.info("batch worker: up to %d requests at once, through %s", n, self.ingress_url())
             while True:
                 try:
                     await self._scan()
@@ -266,7 +264,7 @@ class BatchWorker:
                 self._stop(batch, records.CANCELLED)
             elif now >= float(record.get("expires_at") or float("inf")):
                 self._stop(batch, records.EXPIRED)
-        batch.done = set(await trio.to_thread.run_sync(store.done_shards, batch_id))
+        batch.done = await trio.to_thread.run_sync(store.done_shard_ids, batch_id)
         for shard in list(batch.shards.values()):
             if shard.inflight == 0 and not shard.pending:
                 await self._finish_shard(shard)  # stopped or lost while nothing was in flight
