@@ -124,8 +124,10 @@ class BatchWorker:
         is_gone: Callable[[str], bool],
         known_model: Callable[[str], bool],
         wall_clock: Callable[[], float],
+        transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         self.store = store
+        self.transport = transport  # tests hand in httpx.MockTransport
         self.config = config
         self.worker_id = worker_id
         self.ingress_url = ingress_url
@@ -171,7 +173,7 @@ class BatchWorker:
         limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
         timeout = httpx.Timeout(cfg.request_timeout_s, connect=10.0)
         await trio.to_thread.run_sync(self.store.ensure)
-        client = httpx.AsyncClient(limits=limits, timeout=timeout)
+        client = httpx.AsyncClient(limits=limits, timeout=timeout, transport=self.transport)
         async with client, trio.open_nursery() as nursery:
             nursery.start_soon(self._renew_leases)
             nursery.start_soon(self._send_lines, client, nursery)
