@@ -173,7 +173,9 @@ def engine_supports_priority() -> bool:
 
 def start_mesh(mesh: LocalMesh, s: Settings, worker: bool) -> AgentProcess:
     concurrency = str(s.batch_concurrency if worker else 0)
-    ingress = mesh.start("ingress", args=["--batch-concurrency", concurrency], wait=False)
+    # A 20,000-line file of trace-sized prompts is ~100 MB: over the default body limit.
+    args = ["--batch-concurrency", concurrency, "--max-body-mb", "512"]
+    ingress = mesh.start("ingress", args=args, wait=False)
     nodes = [
         mesh.start(f"n{i}", args=engine_args(s, free_port()), wait=False) for i in range(s.nodes)
     ]
