@@ -19,7 +19,7 @@ from typing import Annotated, Any, NoReturn, ParamSpec, TypeVar
 import typer
 from rich.console import Console
 
-from fabricnode.control.client import AdminClient, agent_base_url
+from fabricnode.control.client import AdminClient, BatchClient, agent_base_url
 from fabricnode.errors import ConfigError, FabricError
 
 DEFAULT_AGENT = "http://127.0.0.1:8080"
@@ -31,7 +31,7 @@ R = TypeVar("R")
 @dataclass
 class CliState:
     agent_url: str = DEFAULT_AGENT
-    api_key: str | None = None  # sent to the agent's admin API (needed once API keys are on)
+    api_key: str | None = None  # sent to the agent (needed once API keys are on)
     debug: bool = False
 
 
@@ -95,11 +95,20 @@ def print_json(doc: Any) -> None:
 
 def agent_client(command: str) -> AdminClient:
     """A client of the agent named by --agent / $FABRIC_AGENT; a malformed URL is bad usage."""
+    return AdminClient(_agent_url(command), api_key=state().api_key)
+
+
+def batch_client(command: str) -> BatchClient:
+    """A client of the Batch API of the agent named by --agent / $FABRIC_AGENT, with the key of
+    --api-key / $FABRIC_API_KEY (the batches it sees are that key's)."""
+    return BatchClient(_agent_url(command), api_key=state().api_key)
+
+
+def _agent_url(command: str) -> str:
     try:
-        url = agent_base_url(state().agent_url)
+        return agent_base_url(state().agent_url)
     except ConfigError as exc:
         usage_error(command, f"--agent: {exc}")
-    return AdminClient(url, api_key=state().api_key)
 
 
 def check_labels(labels: list[str] | None) -> list[str]:

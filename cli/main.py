@@ -8,7 +8,8 @@ node, ...), 2 bad usage (unknown option, malformed value). Errors are one line o
 
 This module is the entry point: the global options, the command list and the error handling
 of a run. The commands live one family per module (``start_cmd``, ``registry_cmd``,
-``plan_cmd``, ``demo_cmd``, ``keys_cmd``, ``slurm_cmd``), their shared helpers in ``common``.
+``plan_cmd``, ``demo_cmd``, ``keys_cmd``, ``slurm_cmd``, ``services_cmd``, ``batch_cmd``), their
+shared helpers in ``common``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Annotated
 import typer
 
 from cli import demo_cmd, plan_cmd, registry_cmd, start_cmd
+from cli.batch_cmd import batch_app
 from cli.common import DEFAULT_AGENT, STATE, CliState, error
 from cli.keys_cmd import keys_app
 from cli.services_cmd import services_app
@@ -40,6 +42,7 @@ app.add_typer(demo_cmd.commands)
 app.add_typer(keys_app, name="keys")
 app.add_typer(slurm_app, name="slurm")
 app.add_typer(services_app, name="services")
+app.add_typer(batch_app, name="batch")
 
 
 @app.callback()
@@ -61,8 +64,9 @@ def _root(
             "--api-key",
             metavar="KEY",
             envvar="FABRIC_API_KEY",
-            help="Admin API key for the agent's registry views, once API keys are on "
-            "(default $FABRIC_API_KEY; made by `fabric keys api-new NAME --admin`).",
+            help="API key sent to the agent once API keys are on (default $FABRIC_API_KEY): "
+            "an admin key (`fabric keys api-new NAME --admin`) for the registry views, your "
+            "own for `fabric batch` (batches belong to the key that created them).",
             show_envvar=False,
         ),
     ] = None,

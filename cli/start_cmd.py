@@ -191,6 +191,14 @@ def start(
             "mode: add --enable-sleep-mode to vLLM); the next request wakes it (off).",
         ),
     ] = None,
+    batch_concurrency: Annotated[
+        int | None,
+        typer.Option(
+            metavar="N",
+            help="Batch API requests this agent's worker sends at once, as batch-tier "
+            "requests (64; 0 = this agent works no batches, its Batch API still answers).",
+        ),
+    ] = None,
     engine_template: Annotated[
         str | None,
         typer.Option(
@@ -276,6 +284,7 @@ def start(
             drain_timeout_s=drain_timeout,
             leave_before_end_s=leave_before_end,
             sleep_after_s=sleep_after,
+            batch_concurrency=batch_concurrency,
             engine_template=engine_template,
             model_paths=model_path or (),
             trust_operators=trust_operator or (),

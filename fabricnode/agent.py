@@ -56,6 +56,10 @@ import trio
 from fabricnode import native
 from fabricnode.addr import join_hostport
 from fabricnode.asgi import bind_http_socket, serve_http
+from fabricnode.batch.api import BatchApi
+from fabricnode.batch.metrics import render as render_batch_metrics
+from fabricnode.batch.store import BatchStore
+from fabricnode.batch.worker import BatchWorker
 from fabricnode.config import AgentConfig, engine_env
 from fabricnode.control.app import AdminApp
 from fabricnode.control.memberlog import log_member_changes
@@ -82,6 +86,7 @@ from fabricnode.mesh.core import MeshCore
 from fabricnode.mesh.identity import Identity, ProviderKey
 from fabricnode.mesh.join import JoinTracker
 from fabricnode.mesh.keyring import Keyring
+from fabricnode.mesh.membership import Liveness
 from fabricnode.mesh.registry import Addresses, EngineInfo, EntryBody, Hardware, State
 from fabricnode.mesh.service import GossipService, UdpTcpTransport
 
@@ -211,6 +216,62 @@ class Agent:
             expires_at=expires,
             provider_cert=cert,
         )
+
+    def _batch(
+        self,
+        core: MeshCore,
+        ingress: Ingress,
+        http_sock: socket.socket,
+        declared: Declared,
+        tracker: JoinTracker,
+    ) -> BatchWorker | None:
+        """The Batch API on the ingress, and this agent's share of the work (None: no worker,
+        ``--batch-concurrency 0``; the API still answers)."""
+        cfg = self.config
+        if cfg.batch_dir is None:
+            return None
+        store = BatchStore(cfg.batch_dir)
+        port = http_sock.getsockname()[1]
+        host = cfg.http_host if cfg.http_host not in ("0.0.0.0", "::", "") else "127.0.0.1"
+        loopback = f"http://{join_hostport(host, port)}"
+
+        def is_gone(holder: str) -> bool:
+            # Only what the mesh knows for sure: an unknown holder may be a worker we have not
+            # heard of yet, and its lease's expiry decides.
+            if not tracker.is_ready():
+                return False
+            entry = core.registry.get(holder)
+            if entry is None:
+                return False
+            if entry.body.state in (State.DOWN, State.LEFT):
+                return True
+            return core.members.status(holder) is Liveness.DEAD
+
+        def known_model(model: str) -> bool:
+            table = ingress.table
+            return bool(table.routes(model) or table.sleeping(model) or declared.hold_s(model))
+
+        if ingress.batch_token is None:
+            ingress.batch_token = secrets.token_hex(16)
+        worker = None
+        if cfg.batch.concurrency > 0:
+            worker = BatchWorker(
+                store,
+                config=cfg.batch,
+                worker_id=lambda: core.self_id,
+                ingress_url=lambda: loopback,
+                owner_token=lambda: ingress.batch_token or "",
+                is_gone=is_gone,
+                known_model=known_model,
+                wall_clock=self.wall_clock,
+            )
+        ingress.batch_app = BatchApi(
+            store,
+            wall_clock=self.wall_clock,
+            max_file_bytes=cfg.ingress.max_body_bytes,
+            poke_worker=worker.poke if worker is not None else lambda: None,
+        )
+        return worker
 
     def discover_host(self) -> tuple[Hardware, SlurmJob | None]:
         """GPUs and Slurm job of this process (runs nvidia-smi/scontrol: call in a thread)."""
@@ -367,6 +428,13 @@ class Agent:
             engine = self.engine
             return None if engine is None else engine.statistics()
 
+        batch_worker = self._batch(core, ingress, http_sock, declared, tracker)
+        batch_metrics = render_batch_metrics(batch_worker.statistics) if batch_worker else None
+
+        def data_plane_metrics() -> bytes:
+            page = ingress.render_metrics()
+            return page + batch_metrics() if batch_metrics is not None else page
+
         def app(agent_endpoints: bool) -> AdminApp:
             return AdminApp(
                 core,
@@ -375,7 +443,7 @@ class Agent:
                 keyring=gossip,
                 wall_clock=self.wall_clock,
                 agent_endpoints=agent_endpoints,
-                extra_metrics=ingress.render_metrics,
+                extra_metrics=data_plane_metrics,
                 request_log_path=cfg.request_log_path,
                 wake_gossip=gossip.poke,
                 controller=controller,
@@ -414,6 +482,8 @@ class Agent:
             nursery.start_soon(log_member_changes, core, tracker)
             if controller is not None:
                 nursery.start_soon(controller.run)
+            if batch_worker is not None:
+                await nursery.start(batch_worker.run)
             if job is not None:
                 self._start_job_follower(nursery, job, gossip)
             task_status.started(AgentAddresses(core.self_id, http_url, gossip_addr, admin_url))

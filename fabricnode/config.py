@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from fabricnode.addr import WILDCARD_HOSTS, join_hostport, split_hostport
+from fabricnode.batch.worker import BatchConfig
 from fabricnode.dataplane.ingress_config import IngressConfig
 from fabricnode.dataplane.routing import POLICY_NAMES
 from fabricnode.elastic.slurmctl import mesh_tag
@@ -51,6 +52,7 @@ from fabricnode.mesh.core import MeshConfig
 from fabricnode.mesh.registry import MAX_LABEL_KEY, MAX_LABEL_VALUE
 
 DEFAULT_HTTP = "0.0.0.0:8080"
+MAX_BATCH_CONCURRENCY = 4096
 DEFAULT_GOSSIP = "0.0.0.0:7946"
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -119,6 +121,9 @@ class AgentConfig:
     mesh: MeshConfig = field(default_factory=MeshConfig)
     ingress: IngressConfig = field(default_factory=IngressConfig)
     controller: ControllerConfig | None = None
+    # The Batch API's files and batches (shared by every job: $FABRIC_HOME/batches); None: off.
+    batch_dir: Path | None = None
+    batch: BatchConfig = field(default_factory=BatchConfig)
 
     @property
     def http_bind(self) -> str:
@@ -192,6 +197,7 @@ def load_config(
     drain_timeout_s: float | None = None,
     leave_before_end_s: float | None = None,
     sleep_after_s: float | None = None,
+    batch_concurrency: int | None = None,
     controller: bool = False,
     controller_dry_run: bool = False,
     serve: str | None = None,
@@ -253,6 +259,8 @@ def load_config(
         request_log_path=log_path,
         drain_timeout_s=_drain(drain_timeout_s),
         sleep_after_s=_sleep_after(sleep_after_s),
+        batch_dir=home / "batches",
+        batch=_batch(batch_concurrency),
         leave_before_end_s=_leave_before_end(leave_before_end_s, env),
         ingress=_ingress(policy, max_body_mb, limits or ConnectionLimits(), tiers or TierLimits()),
         cluster_key_path=key_path,
@@ -379,6 +387,17 @@ def _drain(value: float | None) -> float:
 
 
 MAX_SLEEP_AFTER_S = 7 * 86400.0
+
+
+def _batch(concurrency: int | None) -> BatchConfig:
+    if concurrency is None:
+        return BatchConfig()
+    if not 0 <= concurrency <= MAX_BATCH_CONCURRENCY:
+        raise ConfigError(
+            f"--batch-concurrency {concurrency}: expected 0 (no batch worker) to "
+            f"{MAX_BATCH_CONCURRENCY}"
+        )
+    return BatchConfig(concurrency=concurrency)
 
 
 def _sleep_after(value: float | None) -> float | None:

@@ -1,9 +1,12 @@
-"""A small synchronous client of an agent's admin API, for the CLI, the demo and tests.
+"""Small synchronous clients of an agent, for the CLI, the demo and tests: ``AdminClient`` for
+its admin API (the registry, assignments, services), ``BatchClient`` for its OpenAI Batch API
+(``/v1/files``, ``/v1/batches``; ``fabricnode.batch.api``).
 
 Every failure becomes ``AgentApiError`` with one line a user can act on: the agent is not
 reachable (with the URL tried, why, and how to point elsewhere), it did not answer in time, the
-port does not serve the agent endpoints (``fabric start --admin`` moved them), an unknown or
-ambiguous session id (with the candidates), or any other error answer (the message of its
+port does not serve the agent endpoints (``fabric start --admin`` moved them) or the Batch API
+(it is on the ``--http`` port), an API key is needed, an unknown or ambiguous session id (with
+the candidates), an unknown batch or file, or any other error answer (the message of its
 OpenAI-shaped error body). ``agent_base_url`` turns what a user typed as ``--agent`` into a base
 URL, or raises ``ConfigError``.
 """
@@ -11,8 +14,9 @@ URL, or raises ``ConfigError``.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any, Self
 from urllib.parse import quote, urlsplit, urlunsplit
 
 import httpx
@@ -22,6 +26,7 @@ from fabricnode.errors import AgentApiError, ConfigError
 Json = dict[str, Any]
 
 AGENT_PATH_PREFIX = "/fabric/v1/"
+BATCH_PATH_PREFIXES = ("/v1/files", "/v1/batches")
 
 
 def agent_base_url(text: str) -> str:
@@ -49,7 +54,12 @@ def agent_base_url(text: str) -> str:
     return urlunsplit((parts.scheme, parts.netloc, path, "", ""))
 
 
-class AdminClient:
+class _AgentClient:
+    """The plumbing both clients share: one ``httpx.Client``, errors as ``AgentApiError``."""
+
+    # What a 401/403 answer asks the user for.
+    key_hint = "give an admin key (fabric --api-key KEY, or $FABRIC_API_KEY)"
+
     def __init__(
         self,
         base_url: str,
@@ -65,7 +75,7 @@ class AdminClient:
             base_url=self.base_url, timeout=timeout_s, transport=transport, headers=headers
         )
 
-    def __enter__(self) -> AdminClient:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -73,6 +83,95 @@ class AdminClient:
 
     def close(self) -> None:
         self._http.close()
+
+    def get_json(self, path: str, params: list[tuple[str, str]] | None = None) -> Json:
+        return self._json(path, self._request(path, params))
+
+    def post_json(self, path: str, body: Json) -> Json:
+        return self._json(path, self._request(path, body=body))
+
+    def _json(self, path: str, response: httpx.Response) -> Json:
+        try:
+            doc = response.json()
+        except ValueError:
+            raise AgentApiError(
+                f"{self.base_url}{path} did not answer with JSON (is it a fabric agent?)",
+                response.status_code,
+            ) from None
+        if not isinstance(doc, dict):
+            raise AgentApiError(f"{self.base_url}{path}: unexpected answer", response.status_code)
+        return doc
+
+    def _request(
+        self,
+        path: str,
+        params: list[tuple[str, str]] | None = None,
+        *,
+        body: Json | None = None,
+    ) -> httpx.Response:
+        if body is None:
+            return self._send("GET", path, params=tuple(params or ()))
+        return self._send("POST", path, json=body)
+
+    def _send(
+        self, method: str, path: str, *, timeout_s: float | None = None, **kwargs: Any
+    ) -> httpx.Response:
+        """One request; its answer if it succeeded, else AgentApiError."""
+        with self._transport_errors(timeout_s):
+            response = self._http.request(
+                method, path, timeout=timeout_s or self.timeout_s, **kwargs
+            )
+        self._check(path, response)
+        return response
+
+    @contextmanager
+    def _transport_errors(self, timeout_s: float | None = None) -> Iterator[None]:
+        try:
+            yield
+        except httpx.ConnectError as exc:
+            raise AgentApiError(
+                f"cannot reach the agent at {self.base_url}: {_reason(exc)} (is `fabric start` "
+                "running there? choose another with --agent URL or FABRIC_AGENT)"
+            ) from None
+        except httpx.TimeoutException:
+            raise AgentApiError(
+                f"the agent at {self.base_url} did not answer within "
+                f"{timeout_s or self.timeout_s:g} s"
+            ) from None
+        except httpx.HTTPError as exc:
+            raise AgentApiError(f"request to {self.base_url} failed: {exc}") from None
+
+    def _check(self, path: str, response: httpx.Response) -> None:
+        """AgentApiError for an error answer (its body read already)."""
+        if response.is_success:
+            return
+        message = _error_message(response)
+        unserved = (
+            response.status_code == 404
+            and _error_code(response) == "not_found"
+            and "no such endpoint" in message
+        )
+        if unserved and path.startswith(AGENT_PATH_PREFIX):
+            raise AgentApiError(
+                f"{self.base_url} does not serve the agent endpoints (an agent started with "
+                "--admin HOST:PORT serves them on that port: point --agent there)",
+                404,
+            )
+        if unserved and path.startswith(BATCH_PATH_PREFIXES):
+            raise AgentApiError(
+                f"{self.base_url} does not serve the Batch API (the --admin port of an agent "
+                "serves only the agent endpoints: point --agent at its --http port)",
+                404,
+            )
+        if response.status_code in (401, 403):
+            raise AgentApiError(
+                f"{message}; the agent's API keys are on: {self.key_hint}", response.status_code
+            )
+        raise AgentApiError(message, response.status_code)
+
+
+class AdminClient(_AgentClient):
+    """The agent endpoints (``/fabric/v1/...``) and ``/metrics``."""
 
     # -- endpoints --------------------------------------------------------------------------
 
@@ -158,66 +257,100 @@ class AdminClient:
     def workload(self, window_s: float) -> Json:
         return self.get_json("/fabric/v1/workload", [("window", f"{window_s:g}")])
 
-    # -- plumbing ---------------------------------------------------------------------------
 
-    def get_json(self, path: str, params: list[tuple[str, str]] | None = None) -> Json:
-        return self._json(path, self._request(path, params))
+class BatchClient(_AgentClient):
+    """The OpenAI Batch API of an agent (any agent answers for any batch of the mesh).
 
-    def post_json(self, path: str, body: Json) -> Json:
-        return self._json(path, self._request(path, body=body))
+    Files and batches belong to the API key that created them (``api_key``; none when the
+    ingress runs open): another key's are unknown here, as if they did not exist. Uploads and
+    downloads get ``transfer_timeout_s``; everything else ``timeout_s``.
+    """
 
-    def _json(self, path: str, response: httpx.Response) -> Json:
-        try:
-            doc = response.json()
-        except ValueError:
-            raise AgentApiError(
-                f"{self.base_url}{path} did not answer with JSON (is it a fabric agent?)",
-                response.status_code,
-            ) from None
-        if not isinstance(doc, dict):
-            raise AgentApiError(f"{self.base_url}{path}: unexpected answer", response.status_code)
-        return doc
+    key_hint = "give your API key (fabric --api-key KEY, or $FABRIC_API_KEY)"
 
-    def _request(
+    def __init__(
         self,
-        path: str,
-        params: list[tuple[str, str]] | None = None,
+        base_url: str,
         *,
-        body: Json | None = None,
-    ) -> httpx.Response:
+        timeout_s: float = 10.0,
+        transfer_timeout_s: float = 120.0,
+        transport: httpx.BaseTransport | None = None,
+        api_key: str | None = None,
+    ) -> None:
+        super().__init__(base_url, timeout_s=timeout_s, transport=transport, api_key=api_key)
+        self.transfer_timeout_s = transfer_timeout_s
+
+    def upload(self, filename: str, content: bytes) -> Json:
+        """``POST /v1/files`` (multipart, ``purpose=batch``): the file object."""
+        path = "/v1/files"
+        response = self._send(
+            "POST",
+            path,
+            files={"file": (filename, content, "application/jsonl")},
+            data={"purpose": "batch"},
+            timeout_s=self.transfer_timeout_s,
+        )
+        return self._json(path, response)
+
+    def create(self, input_file_id: str, endpoint: str, metadata: dict[str, str] | None) -> Json:
+        """``POST /v1/batches`` with the 24 h completion window: the batch, ``validating``."""
+        body: Json = {
+            "input_file_id": input_file_id,
+            "endpoint": endpoint,
+            "completion_window": "24h",
+        }
+        if metadata:
+            body["metadata"] = metadata
+        return self.post_json("/v1/batches", body)
+
+    def batch(self, batch_id: str) -> Json:
+        return self._about_batch(batch_id, lambda path: self.get_json(path))
+
+    def cancel(self, batch_id: str) -> Json:
+        return self._about_batch(batch_id, lambda path: self.post_json(path + "/cancel", {}))
+
+    def batches(self, *, limit: int = 20, after: str | None = None) -> Json:
+        """``GET /v1/batches``: a page of this key's batches, newest first (OpenAI's list)."""
+        params = [("limit", str(limit))]
+        if after is not None:
+            params.append(("after", after))
+        return self.get_json("/v1/batches", params)
+
+    def download(self, file_id: str, write: Callable[[bytes], object]) -> int:
+        """``GET /v1/files/{id}/content``, handed to ``write`` as it arrives; its size."""
+        path = f"/v1/files/{quote(file_id, safe='')}/content"
+        size = 0
+        with (
+            self._transport_errors(self.transfer_timeout_s),
+            self._http.stream("GET", path, timeout=self.transfer_timeout_s) as response,
+        ):
+            if not response.is_success:
+                response.read()
+                if response.status_code == 404 and _error_code(response) == "file_not_found":
+                    raise AgentApiError(
+                        f"no file {file_id!r} at {self.base_url} (deleted, or created with "
+                        "another API key)",
+                        404,
+                    )
+                self._check(path, response)
+            for chunk in response.iter_bytes():
+                write(chunk)
+                size += len(chunk)
+        return size
+
+    def _about_batch(self, batch_id: str, call: Callable[[str], Json]) -> Json:
+        if not batch_id:
+            raise AgentApiError("no batch id given", 400)
         try:
-            if body is None:
-                response = self._http.get(path, params=tuple(params or ()))
-            else:
-                response = self._http.post(path, json=body)
-        except httpx.ConnectError as exc:
-            raise AgentApiError(
-                f"cannot reach the agent at {self.base_url}: {_reason(exc)} (is `fabric start` "
-                "running there? choose another with --agent URL or FABRIC_AGENT)"
-            ) from None
-        except httpx.TimeoutException:
-            raise AgentApiError(
-                f"the agent at {self.base_url} did not answer within {self.timeout_s:g} s"
-            ) from None
-        except httpx.HTTPError as exc:
-            raise AgentApiError(f"request to {self.base_url} failed: {exc}") from None
-        if response.is_success:
-            return response
-        if response.status_code == 404 and path.startswith(AGENT_PATH_PREFIX):
-            code = _error_code(response)
-            if code == "not_found" and "no such endpoint" in _error_message(response):
+            return call(f"/v1/batches/{quote(batch_id, safe='')}")
+        except AgentApiError as exc:
+            if exc.status == 404 and str(exc).startswith("no batch "):
                 raise AgentApiError(
-                    f"{self.base_url} does not serve the agent endpoints (an agent started with "
-                    "--admin HOST:PORT serves them on that port: point --agent there)",
+                    f"no batch {batch_id!r} at {self.base_url}: batches belong to the API key "
+                    "that created them (see `fabric batch list`)",
                     404,
-                )
-        if response.status_code in (401, 403):
-            raise AgentApiError(
-                f"{_error_message(response)}; the agent's API keys are on: give an admin key "
-                "(fabric --api-key KEY, or $FABRIC_API_KEY)",
-                response.status_code,
-            )
-        raise AgentApiError(_error_message(response), response.status_code)
+                ) from None
+            raise
 
 
 def _reason(exc: Exception) -> str:

@@ -18,8 +18,11 @@ from fabricnode.dataplane.http1 import Request
 AsgiApp = Callable[[Mapping[str, Any], Any, Any], Awaitable[None]]
 
 
-async def call_asgi(app: AsgiApp, req: Request) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
-    """Run one request through an ASGI app in this task (no hypercorn on the public port)."""
+async def call_asgi(
+    app: AsgiApp, req: Request, extra: Mapping[str, Any] | None = None
+) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    """Run one request through an ASGI app in this task (no hypercorn on the public port);
+    ``extra`` joins the scope (the Batch API learns its caller's key id so)."""
     raw_path, _, query = req.target.partition(b"?")
     scope = {
         "type": "http",
@@ -35,6 +38,8 @@ async def call_asgi(app: AsgiApp, req: Request) -> tuple[int, list[tuple[bytes, 
         "server": None,
         "client": None,
     }
+    if extra:
+        scope.update(extra)
     body_sent = False
     status = 500
     headers: list[tuple[bytes, bytes]] = []

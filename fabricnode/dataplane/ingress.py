@@ -198,6 +198,7 @@ RESUME = "resume"
 # Kinds whose requests need more than the table lookup (``Ingress._prepare``).
 PREPARED_KINDS = frozenset((RESPONSES, *FORM_KINDS))
 # Request headers passed on to the upstream (anything else stays at the ingress).
+BATCH_API_PREFIXES = (b"/v1/files", b"/v1/batches")
 FORWARDED_REQUEST_HEADERS = (b"accept", b"x-request-id", b"openai-organization")
 JSON = b"application/json"
 SSE = b"text/event-stream"
@@ -324,6 +325,10 @@ class Ingress:
         self.local_asleep = False
         self.wake_local = wake_local
         self.control_app = control_app
+        # The Batch API (``fabricnode.batch.api``), handed in by the agent; None: off.
+        self.batch_app: AsgiApp | None = None
+        # Proves a request comes from this agent's own batch worker (x-fabric-batch-owner).
+        self.batch_token: str | None = None
         self.api_keys = api_keys
         self.rate_limiter = RateLimiter()
         self.request_log = request_log
@@ -711,6 +716,8 @@ class Ingress:
             if req.method not in (b"GET", b"HEAD"):
                 return self._method_not_allowed(conn, b"GET, HEAD", path)
             return self._answer(conn, self.models_body(), head_only=req.method == b"HEAD")
+        if path.startswith(BATCH_API_PREFIXES):
+            return self._handle_batch_api(conn, req, path)
         follow_up = response_follow_up(path)
         if follow_up is not None:
             kind, rid = follow_up
@@ -729,6 +736,27 @@ class Ingress:
             "not_found",
             path,
         )
+
+    async def _handle_batch_api(self, conn: ClientConn, req: Request, path: bytes) -> bool:
+        """``/v1/files*`` and ``/v1/batches*``: the Batch API (``fabricnode.batch.api``, handed
+        in by the agent), after the same key and rate checks as any ``/v1`` request; the app
+        learns the caller's key id (``fabric.owner``), which owns what it creates."""
+        app = self.batch_app
+        if app is None:
+            await self._send_error(
+                conn, 404, "the Batch API is off on this agent", "not_found", path=path
+            )
+            return True
+        checked = authorize(req.headers, self.api_keys, self.rate_limiter, self.clock.now())
+        if isinstance(checked, Rejection):
+            return await self._reject(conn, checked, path)
+        owner = checked.key_id if checked is not None else "-"
+        status, headers, body = await call_asgi(app, req, {"fabric.owner": owner})
+        kept = [(n, v) for n, v in headers if n.lower() not in HOP_RESPONSE_HEADERS]
+        kept.append((b"content-length", b"%d" % len(body)))
+        head = build_head(status, kept)
+        await self.reactor.send_all(conn.sock, head if req.method == b"HEAD" else head + body)
+        return True
 
     async def _answer(self, conn: ClientConn, body: bytes, *, head_only: bool) -> bool:
         await self.reactor.send_all(conn.sock, full_response(200, body, head_only=head_only))

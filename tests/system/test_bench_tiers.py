@@ -1,0 +1,37 @@
+"""bench/tiers.py still runs end to end on real agents: a short slice of the trace alone and
+with a batch worked beside it, reporting a sane row for each."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support import REPO
+
+BENCH = REPO / "bench" / "tiers.py"
+
+
+@pytest.mark.slow
+def test_quick_tiers_bench_reports_latency_and_batch_throughput(tmp_path: Path) -> None:
+    out_json = tmp_path / "tiers.json"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--quick", "--minutes", "0.25", "--warmup-s", "3",
+         "--cells", "interactive,tiered", "--json", str(out_json)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "TTFT p95 with the batch / without" in proc.stdout
+    assert "CC-BY 4.0" in proc.stdout  # the trace's attribution travels with its figures
+    cells = {c["cell"]: c for c in json.loads(out_json.read_text())["cells"]}
+    alone, tiered = cells["interactive"], cells["tiered"]
+    for cell in (alone, tiered):
+        assert cell["interactive"] > 10 and cell["errors"] == 0
+        assert 0 < cell["ttft_p50_s"] <= cell["ttft_p95_s"] < 30
+    assert alone["batch_lines_per_s"] == 0
+    assert tiered["batch_lines_per_s"] > 0  # the batch ran beside the interactive load
