@@ -251,8 +251,6 @@ class Agent:
             table = ingress.table
             return bool(table.routes(model) or table.sleeping(model) or declared.hold_s(model))
 
-        if ingress.batch_token is None:
-            ingress.batch_token = secrets.token_hex(16)
         worker = None
         if cfg.batch.concurrency > 0:
             worker = BatchWorker(

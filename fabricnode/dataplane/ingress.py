@@ -327,8 +327,6 @@ class Ingress:
         self.control_app = control_app
         # The Batch API (``fabricnode.batch.api``), handed in by the agent; None: off.
         self.batch_app: AsgiApp | None = None
-        # Proves a request comes from this agent's own batch worker (x-fabric-batch-owner).
-        self.batch_token: str | None = None
         self.api_keys = api_keys
         self.rate_limiter = RateLimiter()
         self.request_log = request_log
