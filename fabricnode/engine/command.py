@@ -18,7 +18,8 @@ and ``--opt=V`` forms, the last occurrence winning as with argparse. ``--served-
 ``127.0.0.1`` since the URL is for connecting. Nonsense raises ``ConfigError``.
 
 Whether the engine orders its queue by the requests' ``priority`` field
-(``EngineCommand.priority_scheduling``) is read the same way: vLLM or the simulated engine with
+(``EngineCommand.priority_scheduling``) is read the same way: vLLM or the simulated engine (from
+``--sim``, or ``python -m fabricnode.simengine`` given as the command) with
 ``--scheduling-policy priority`` (vLLM's flag; the simulated engine takes it too).
 """
 
@@ -38,6 +39,7 @@ VLLM = "vllm"
 SGLANG = "sglang"
 OPENAI = "openai"
 SIM = "sim"  # the built-in simulated engine (``sim_engine_command``)
+SIM_MODULE = "fabricnode.simengine"
 DEFAULT_PORTS = {VLLM: 8000, SGLANG: 30000}
 CONNECT_HOST = "127.0.0.1"
 
@@ -70,9 +72,11 @@ class EngineCommand:
         preempt the highest value first)? vLLM and the simulated engine do with
         ``--scheduling-policy priority`` (either spelling, ``--opt V`` or ``--opt=V``, the last
         one winning); under their default, ``fcfs``, a non-zero priority is refused (400)."""
-        if self.kind not in (VLLM, SIM):
-            return False
         _, start = detect_kind(self.argv)
+        if self.kind not in (VLLM, SIM):
+            start = _simengine_start(self.argv)  # the simulated engine as a plain command
+            if start < 0:
+                return False
         try:
             values = option_values(self.argv[start:], *_spellings("--scheduling-policy"))
         except ConfigError:
@@ -97,6 +101,16 @@ def detect_kind(argv: Sequence[str]) -> tuple[str, int]:
             if module == "sglang.launch_server":
                 return SGLANG, i + 2 if token == "-m" else i + 1
     return OPENAI, 0
+
+
+def _simengine_start(argv: Sequence[str]) -> int:
+    """Where the simulated engine's own arguments start in ``argv`` when it runs it as a plain
+    command (``python -m fabricnode.simengine ...``, an ``openai`` engine to the agent), else
+    -1."""
+    for i, token in enumerate(argv[:-1]):
+        if token == "-m" and argv[i + 1] == SIM_MODULE and _is_python(argv[:i]):
+            return i + 2
+    return -1
 
 
 def _is_python(before: Sequence[str]) -> bool:
@@ -255,6 +269,6 @@ def sim_engine_command(
     if listener is None:
         listener = bind_listener()
     port = listener.getsockname()[1]
-    argv: tuple[str, ...] = (sys.executable, "-m", "fabricnode.simengine", "--model", model)
+    argv: tuple[str, ...] = (sys.executable, "-m", SIM_MODULE, "--model", model)
     argv += ("--fd", str(listener.fileno()), "--gpu", gpu_type, *extra)
     return EngineCommand(argv, SIM, model, (), f"http://{CONNECT_HOST}:{port}", listener)

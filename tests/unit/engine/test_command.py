@@ -239,6 +239,22 @@ def test_the_simulated_engine_command_holds_its_port_for_the_engine() -> None:
             False,
         ),
         (["my-server", "--port", "9000", "--scheduling-policy", "priority"], False),
+        # the simulated engine given as a plain command (an "openai" engine to the agent)
+        (
+            [
+                "python",
+                "-m",
+                "fabricnode.simengine",
+                "--model",
+                "m",
+                "--port",
+                "9000",
+                "--scheduling-policy",
+                "priority",
+            ],
+            True,
+        ),
+        (["python3", "-m", "fabricnode.simengine", "--model", "m", "--port", "9000"], False),
     ],
 )
 def test_priority_scheduling_is_read_from_the_engine_command(
