@@ -219,8 +219,10 @@ def test_a_batch_belongs_to_the_key_that_created_it(mesh: LocalMesh) -> None:
     store.save()
     front = mesh.start("front")
     node = mesh.start("node", args=["--sim", MODEL])
-    assert wait_until(lambda: state_is(front, node.session_id, "serving"), 30)
     a = openai.OpenAI(base_url=front.http_url + "/v1", api_key=alice, max_retries=0)
+    # the registry needs an admin key: an ordinary key sees the model list
+    assert wait_until(lambda: [m.id for m in a.models.list().data] == [MODEL], 30)
+    assert node.session_id
     b = openai.OpenAI(base_url=front.http_url + "/v1", api_key=bob, max_retries=0)
     nobody = openai.OpenAI(base_url=front.http_url + "/v1", api_key="not-a-key", max_retries=0)
 
