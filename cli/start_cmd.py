@@ -172,6 +172,15 @@ def start(
             "--scheduling-policy priority (1; interactive ones: vLLM's default, 0).",
         ),
     ] = None,
+    batch_prefill_rate: Annotated[
+        float | None,
+        typer.Option(
+            metavar="TOKENS_PER_S",
+            help="Batch tier: send each node at most this many batch prompt tokens per second, "
+            "one request at a time, so batch prefills do not pile up in one engine step "
+            "(0 = no pacing).",
+        ),
+    ] = None,
     drain_timeout: Annotated[
         float | None,
         typer.Option(metavar="SECONDS", help="On leave, let accepted requests finish (30)."),
@@ -280,6 +289,7 @@ def start(
                 max_batch_waiting,
                 batch_max_wait,
                 batch_priority,
+                batch_prefill_rate,
             ),
             drain_timeout_s=drain_timeout,
             leave_before_end_s=leave_before_end,

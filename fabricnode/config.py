@@ -310,6 +310,7 @@ class TierLimits:
     max_batch_waiting: int | None = None
     batch_max_wait_s: float | None = None
     batch_priority: int | None = None
+    batch_prefill_tokens_per_s: float | None = None
 
 
 def _tier_limits(given: TierLimits) -> dict[str, Any]:
@@ -322,6 +323,7 @@ def _tier_limits(given: TierLimits) -> dict[str, Any]:
         ("max_batch_waiting", "--max-batch-waiting", 1, 1_000_000),
         ("batch_max_wait_s", "--batch-max-wait", 0.0, 86_400.0),
         ("batch_priority", "--batch-priority", 1, 1_000_000),
+        ("batch_prefill_tokens_per_s", "--batch-prefill-rate", 0.0, 1e9),
     )
     for name, flag, low, high in checks:
         value = getattr(given, name)

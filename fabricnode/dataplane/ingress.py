@@ -179,6 +179,7 @@ from fabricnode.dataplane.tiers import (
     RoomRules,
     Ticket,
     has_room,
+    next_paced,
     owner_of,
     tier_of,
 )
@@ -361,6 +362,8 @@ class Ingress:
         # ends), and when a node has room for one more.
         self.gate: FairQueue[BatchWaiter] = FairQueue(cfg.max_batch_waiting)
         self.batch_inflight: dict[str, int] = {}
+        # Pacing (``batch_prefill_tokens_per_s``): when each node may take its next batch request.
+        self.batch_paced_until: dict[str, float] = {}
         self._room = RoomRules(
             kv_threshold=cfg.batch_kv_threshold,
             max_waiting=cfg.batch_max_waiting,
@@ -1070,6 +1073,7 @@ class Ingress:
             self.policy.on_removed(sid)
             self.breaker.forget(sid)
             self.remote_inflight.pop(sid, None)
+            self.batch_paced_until.pop(sid, None)
 
     async def _dispatch(
         self,
@@ -1395,8 +1399,12 @@ class Ingress:
             return None
         inflight = self.batch_inflight
         rules = self._room
+        paced = self.batch_paced_until
         roomy = [
-            c for c in cands if has_room(c.load, inflight.get(c.node.session_id, 0), wall, rules)
+            c
+            for c in cands
+            if has_room(c.load, inflight.get(c.node.session_id, 0), wall, rules)
+            and paced.get(c.node.session_id, 0.0) <= now
         ]
         if not roomy:
             return False
@@ -1408,6 +1416,9 @@ class Ingress:
         sid = w.ranked[0].node.session_id
         inflight[sid] = inflight.get(sid, 0) + 1
         job.batch_node = sid
+        rate = self.config.batch_prefill_tokens_per_s
+        if rate > 0:
+            paced[sid] = next_paced(paced.get(sid, now), now, w.rreq.prompt_tokens_est, rate)
         return True
 
     def _scan_gate(self) -> None:

@@ -69,3 +69,7 @@ class IngressConfig:
     max_batch_waiting: int = 4096
     batch_max_wait_s: float = 600.0
     batch_priority: int = 1
+    # Pacing (0: off): each node is sent at most this many batch prompt tokens per second, one
+    # request at a time (a request of T tokens holds the next one back T / rate seconds), so
+    # batch prefills do not pile into one engine step while interactive requests arrive.
+    batch_prefill_tokens_per_s: float = 0.0

@@ -162,6 +162,14 @@ def has_room(load: LoadSnapshot | None, inflight: int, now: float, rules: RoomRu
     )
 
 
+def next_paced(until: float, now: float, tokens: int, rate_per_s: float) -> float:
+    """Pacing: when a node that may take batch work from ``until`` on, and is sent a request of
+    ``tokens`` prompt tokens at ``now``, may take the next one. No credit for idle time: the
+    delay counts from ``now`` if ``until`` has passed, so a node never gets a burst of batch
+    prefills at once."""
+    return max(until, now) + max(tokens, 1) / rate_per_s
+
+
 # -- fair queueing between tenants --------------------------------------------------------------
 
 

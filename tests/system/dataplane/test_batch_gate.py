@@ -365,3 +365,30 @@ async def test_a_batch_request_failing_over_to_a_node_without_priority_goes_as_i
         assert answer[0].status_code == 200
         assert json.loads(g.nodes[0].received[0][1]) == {**json.loads(sent), "priority": 1}
         assert [body for _, body in g.nodes[1].received] == [sent]
+
+
+async def test_pacing_sends_a_node_one_batch_request_at_a_time_by_its_prompt(
+    tmp_path: Path,
+) -> None:
+    """With room for eight (a fresh report, an empty KV), pacing at 1000 prompt tokens/s holds
+    each ~1000-token batch request back about a second after the one before."""
+    config = IngressConfig(batch_prefill_tokens_per_s=1000.0)
+    async with gate(tmp_path, config=config) as g, httpx.AsyncClient(timeout=20) as client:
+        node = g.nodes[0]
+        g.report(0, kv_usage=0.0)
+        prompt = "word " * 800  # ~4000 bytes of body: the ingress estimates ~1000 tokens
+
+        async def send() -> None:
+            r = await client.post(g.url, json=chat(prompt, hold=True), headers=BATCH)
+            assert r.status_code == 200
+
+        async with trio.open_nursery() as senders:
+            for _ in range(3):
+                senders.start_soon(send)
+            # room for all three, but one goes now and the others wait their turn
+            await g.until(lambda: node.held == 1 and g.waiting() == 2)
+            await g.until(lambda: node.held == 2 and g.waiting() == 1, timeout_s=5)
+            g.report(0, kv_usage=0.0)  # keep the report fresh
+            await g.until(lambda: node.held == 3, timeout_s=5)
+            node.release()
+        assert g.waiting() == 0

@@ -20,6 +20,7 @@ from fabricnode.dataplane.tiers import (
     FairQueue,
     RoomRules,
     has_room,
+    next_paced,
     owner_of,
     tier_of,
 )
@@ -349,3 +350,13 @@ def test_the_queue_stays_consistent_whatever_happens(
         assert queue.groups() == len({t.group for t in ordered})
         assert queue.statistics().tenants == len(by_tenant)
         assert all(len(s.queue) <= 2 * s.live + 1 for s in queue._tenants.values())
+
+
+def test_pacing_spaces_a_nodes_batch_requests_by_their_prompt_tokens() -> None:
+    # 1000 tokens at 4000 tokens/s hold the next request back 0.25 s
+    assert next_paced(0.0, 10.0, 1000, 4000.0) == 10.25
+    # sent while still paced: the delays add up
+    assert next_paced(10.25, 10.1, 2000, 4000.0) == 10.75
+    # no credit for idle time: a node idle for a minute still takes one request at a time
+    assert next_paced(5.0, 65.0, 400, 4000.0) == 65.1
+    assert next_paced(0.0, 1.0, 0, 1000.0) == 1.001  # an empty prompt still costs a token
