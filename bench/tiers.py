@@ -16,7 +16,10 @@ Cells:
   tiered       the replay, and a ``--batch-lines`` batch submitted through the Batch API at the
                start (the ingress's worker sends ``--batch-concurrency`` lines at once, as
                batch-tier requests; the engines schedule by priority when they can). Lines are
-               drawn from the same trace's lengths.
+               drawn from the same trace's lengths. ``tiered@N``: the same with the batch tier's
+               per-node cap (``--batch-max-inflight-per-node``) at N instead of its default;
+               ``tiered@N/R``: and pacing at R prompt tokens/s per node
+               (``--batch-prefill-rate``)
   greedy       the replay, and the same lines sent by ``--batch-concurrency`` closed-loop
                clients as ordinary requests: what a researcher's own client loop does today.
                Its batch throughput is the capacity the interactive load leaves idle (the batch
@@ -25,10 +28,13 @@ Cells:
 
 Reported per cell, over the measured window (after ``--warmup-s``, to the end of the replay):
 interactive requests, their TTFT p50/p95 and end-to-end p95 at the client (seconds), errors,
-batch lines completed per second and batch output tokens per second. Targets (issue 24):
+batch lines completed per second, batch output tokens per second, and how busy the host's CPUs
+were (every process of the cell shares them: near 100% the figures measure the host, not the
+fabric). Targets (issue 24):
 tiered TTFT p95 <= 1.1 x interactive TTFT p95, and tiered batch lines/s >= 70% of greedy's.
 
-    python bench/tiers.py                           # 3 cells, about 8 minutes
+    python bench/tiers.py                           # 3 cells, about 14 minutes
+    python bench/tiers.py --cells interactive,tiered@8,tiered@32,greedy   # the trade-off
     python bench/tiers.py --minutes 2 --cells interactive,tiered --json out.json
     python bench/tiers.py --quick                   # smoke run, about a minute
 
@@ -46,7 +52,7 @@ import random
 import subprocess
 import sys
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -61,7 +67,7 @@ if str(BENCH_DIR) not in sys.path:
 import httpx  # noqa: E402
 import orjson  # noqa: E402
 import trio  # noqa: E402
-from _procs import free_port  # noqa: E402
+from _procs import free_port, host_ticks  # noqa: E402
 
 from cli.localmesh import AgentProcess, LocalMesh, wait_until  # noqa: E402
 
@@ -149,6 +155,7 @@ class Settings:
     kv_tokens: int
     batch_concurrency: int
     priority: bool  # the engines schedule by priority (--scheduling-policy priority)
+    ingress_args: tuple[str, ...] = ()  # e.g. the batch tier's flags
 
 
 def engine_args(s: Settings, port: int) -> list[str]:
@@ -174,7 +181,7 @@ def engine_supports_priority() -> bool:
 def start_mesh(mesh: LocalMesh, s: Settings, worker: bool) -> AgentProcess:
     concurrency = str(s.batch_concurrency if worker else 0)
     # A 20,000-line file of trace-sized prompts is ~100 MB: over the default body limit.
-    args = ["--batch-concurrency", concurrency, "--max-body-mb", "512"]
+    args = ["--batch-concurrency", concurrency, "--max-body-mb", "512", *s.ingress_args]
     ingress = mesh.start("ingress", args=args, wait=False)
     nodes = [
         mesh.start(f"n{i}", args=engine_args(s, free_port()), wait=False) for i in range(s.nodes)
@@ -328,6 +335,14 @@ class CellResult:
     batch_lines_per_s: float
     batch_tokens_per_s: float
     window_s: float
+    host_busy: float  # share of the host's CPU time busy over the window (2 cores here)
+
+
+def _busy(cpu: list[tuple[int, int]]) -> float:
+    if len(cpu) < 2:
+        return float("nan")
+    (b0, t0), (b1, t1) = cpu[0], cpu[-1]
+    return (b1 - b0) / (t1 - t0) if t1 > t0 else float("nan")
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -354,19 +369,27 @@ def run_cell(
     args: argparse.Namespace,
     workdir: Path,
 ) -> CellResult:
+    # tiered@16: the batch tier's per-node cap for this cell; tiered@16/3000: and its pacing
+    kind, _, knobs = cell.partition("@")
+    cap, _, rate = knobs.partition("/")
+    if cap:
+        s = replace(s, ingress_args=(*s.ingress_args, "--batch-max-inflight-per-node", cap))
+    if rate:
+        s = replace(s, ingress_args=(*s.ingress_args, "--batch-prefill-rate", rate))
     mesh = LocalMesh(workdir / cell)
     try:
-        ingress = start_mesh(mesh, s, worker=cell in ("tiered", "batch-only"))
+        ingress = start_mesh(mesh, s, worker=kind in ("tiered", "batch-only"))
         base = ingress.http_url
         span_s = (trace[-1].at_s / s.pace) if trace else args.minutes * 60 / s.pace
-        if cell == "batch-only":
+        if kind == "batch-only":
             span_s = args.batch_only_s
         lo, hi = args.warmup_s, span_s
         records: list[Record] = []
         progress = BatchProgress()
         greedy_done: list[tuple[float, int]] = []
+        cpu: list[tuple[int, int]] = []  # host (busy, total) ticks at the window's ends
         log(
-            f"{cell}: {len(trace) if cell != 'batch-only' else 0} interactive requests "
+            f"{cell}: {len(trace) if kind != 'batch-only' else 0} interactive requests "
             f"over {span_s:.0f} s"
         )
 
@@ -374,11 +397,19 @@ def run_cell(
             limits = httpx.Limits(max_connections=4096, max_keepalive_connections=512)
             async with httpx.AsyncClient(timeout=600, limits=limits) as http:
                 t0 = trio.current_time()
+
+                async def sample_cpu() -> None:
+                    await trio.sleep(lo)
+                    cpu.append(host_ticks())
+                    await trio.sleep(max(0.0, hi - lo))
+                    cpu.append(host_ticks())
+
                 async with trio.open_nursery() as nursery:
-                    if cell in ("tiered", "batch-only"):
+                    nursery.start_soon(sample_cpu)
+                    if kind in ("tiered", "batch-only"):
                         batch_id = await submit_batch(http, base, lines)
                         nursery.start_soon(watch_batch, http, base, batch_id, t0, progress)
-                    if cell == "greedy":
+                    if kind == "greedy":
                         nursery.start_soon(
                             greedy_clients,
                             http,
@@ -388,7 +419,7 @@ def run_cell(
                             t0,
                             greedy_done,
                         )
-                    if cell != "batch-only":
+                    if kind != "batch-only":
                         await replay(http, base + CHAT, trace, s.pace, t0, args.seed, records)
                     else:
                         await trio.sleep(span_s)
@@ -398,11 +429,11 @@ def run_cell(
         window = [r for r in records if lo <= r.sent_s <= hi]
         ok = [r for r in window if not r.error]
         ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
-        if cell == "greedy":
+        if kind == "greedy":
             inside = [(t, n) for t, n in greedy_done if lo <= t <= hi]
             lines_per_s = len(inside) / (hi - lo)
             tokens_per_s = sum(n for _, n in inside) / (hi - lo)
-        elif cell in ("tiered", "batch-only"):
+        elif kind in ("tiered", "batch-only"):
             lines_per_s = rate_between(progress.samples, lo, hi)
             mean_out = sum(line["body"]["max_tokens"] for line in lines) / len(lines)
             tokens_per_s = lines_per_s * mean_out
@@ -412,6 +443,7 @@ def run_cell(
             cell, len(window), len(window) - len(ok),
             percentile(ttfts, 0.5), percentile(ttfts, 0.95),
             percentile([r.e2e_s for r in ok], 0.95), lines_per_s, tokens_per_s, hi - lo,
+            _busy(cpu),
         )  # fmt: skip
     finally:
         mesh.close()
@@ -423,14 +455,14 @@ def run_cell(
 def table(results: list[CellResult]) -> str:
     head = (
         f"{'cell':<12} {'int.req':>7} {'err':>4} {'TTFT p50':>9} {'TTFT p95':>9} "
-        f"{'E2E p95':>8} {'batch/s':>8} {'batch tok/s':>11}"
+        f"{'E2E p95':>8} {'batch/s':>8} {'batch tok/s':>11} {'cpu%':>5}"
     )
     rows = [head]
     for r in results:
         rows.append(
             f"{r.cell:<12} {r.interactive:>7} {r.errors:>4} {r.ttft_p50_s:>9.3f} "
             f"{r.ttft_p95_s:>9.3f} {r.e2e_p95_s:>8.2f} {r.batch_lines_per_s:>8.2f} "
-            f"{r.batch_tokens_per_s:>11.0f}"
+            f"{r.batch_tokens_per_s:>11.0f} {100 * r.host_busy:>5.0f}"
         )
     return "\n".join(rows)
 
@@ -438,16 +470,20 @@ def table(results: list[CellResult]) -> str:
 def targets(results: list[CellResult]) -> list[str]:
     by = {r.cell: r for r in results}
     out = []
-    if "interactive" in by and "tiered" in by:
-        ratio = by["tiered"].ttft_p95_s / by["interactive"].ttft_p95_s
-        out.append(f"interactive TTFT p95 with the batch / without: {ratio:.3f} (target <= 1.1): "
-                   f"{'met' if ratio <= 1.1 else 'MISSED'}")  # fmt: skip
-    if "greedy" in by and "tiered" in by:
-        share = by["tiered"].batch_lines_per_s / by["greedy"].batch_lines_per_s
-        out.append(f"batch throughput, tiered / greedy (the idle capacity): {share:.2%} "
-                   f"(target >= 70%): {'met' if share >= 0.7 else 'MISSED'}")  # fmt: skip
-    if "greedy" in by and "interactive" in by:
-        ratio = by["greedy"].ttft_p95_s / by["interactive"].ttft_p95_s
+    alone, greedy = by.get("interactive"), by.get("greedy")
+    for r in results:
+        if not r.cell.startswith("tiered"):
+            continue
+        if alone is not None:
+            ratio = r.ttft_p95_s / alone.ttft_p95_s
+            out.append(f"{r.cell}: interactive TTFT p95 with the batch / without: {ratio:.3f} "
+                       f"(target <= 1.1): {'met' if ratio <= 1.1 else 'MISSED'}")  # fmt: skip
+        if greedy is not None:
+            share = r.batch_lines_per_s / greedy.batch_lines_per_s
+            out.append(f"{r.cell}: batch throughput / greedy's (the idle capacity): {share:.2%} "
+                       f"(target >= 70%): {'met' if share >= 0.7 else 'MISSED'}")  # fmt: skip
+    if greedy is not None and alone is not None:
+        ratio = greedy.ttft_p95_s / alone.ttft_p95_s
         out.append(f"for comparison, greedy TTFT p95 / interactive alone: {ratio:.2f}")
     return out
 
@@ -477,6 +513,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--no-priority", action="store_true", help="engines schedule first come first served"
     )
+    p.add_argument(
+        "--ingress-args",
+        default="",
+        help="more `fabric start` flags for the ingress, e.g. '--batch-max-inflight-per-node 16'",
+    )
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--json", type=Path)
     p.add_argument("--quick", action="store_true", help="30 s of trace, 5 s warm-up")
@@ -488,13 +529,16 @@ def main(argv: list[str]) -> int:
     if args.quick:
         args.minutes, args.warmup_s, args.batch_lines, args.batch_only_s = 0.5, 5.0, 2000, 20.0
     cells = [c.strip() for c in args.cells.split(",") if c.strip()]
-    unknown = [c for c in cells if c not in CELLS]
+    unknown = [c for c in cells if c.partition("@")[0] not in CELLS]
     if unknown:
         log(f"unknown cells {unknown}; choose from {', '.join(CELLS)}")
         return 2
     trace = load_trace(args.trace, args.start_minute, args.minutes)
     priority = not args.no_priority and engine_supports_priority()
-    s = Settings(args.nodes, args.gpu, args.pace, args.kv_tokens, args.batch_concurrency, priority)
+    s = Settings(
+        args.nodes, args.gpu, args.pace, args.kv_tokens, args.batch_concurrency, priority,
+        tuple(args.ingress_args.split()),
+    )  # fmt: skip
     lines = batch_lines(trace, args.batch_lines, args.max_batch_prompt, args.seed + 1)
     log(f"{len(trace)} trace requests, {len(lines)} batch lines; engines by priority: {priority}")
     results = []
