@@ -250,3 +250,43 @@ def test_a_batch_belongs_to_the_key_that_created_it(mesh: LocalMesh) -> None:
     with pytest.raises(openai.NotFoundError):
         b.files.content(done.output_file_id or "")
     assert len(results(a, done.output_file_id)) == 40
+
+
+def test_two_keys_batches_complete_at_equal_rates_whatever_their_size(mesh: LocalMesh) -> None:
+    """Key a submits ten times key b's lines; while both batches run, the worker's round robin
+    over owners and the gate's fair queue give them the same completion rate."""
+    store = ApiKeyStore(mesh.workdir / "api-keys.json", enabled=True)
+    key_a, key_b = store.new_key("a")[0], store.new_key("b")[0]
+    store.save()
+    front = mesh.start("front", args=["--batch-concurrency", "32"])
+    # four sequences at once: the engine queues beyond them, so batch lines wait in the gate
+    node = mesh.start(
+        "node", args=["--sim", MODEL, "--sim-args", "--max-num-seqs 4", "--batch-concurrency", "0"]
+    )
+    a = openai.OpenAI(base_url=front.http_url + "/v1", api_key=key_a, max_retries=0)
+    b = openai.OpenAI(base_url=front.http_url + "/v1", api_key=key_b, max_retries=0)
+    assert wait_until(lambda: [m.id for m in a.models.list().data] == [MODEL], 30)
+    assert node.session_id
+
+    def submit(client: openai.OpenAI, n: int, prefix: str) -> str:
+        data = batch_file(n, max_tokens=16, prefix=prefix)
+        uploaded = client.files.create(file=("in.jsonl", io.BytesIO(data)), purpose="batch")
+        return client.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+        ).id
+
+    big, small = submit(a, 2000, "a"), submit(b, 200, "b")
+
+    def done(client: openai.OpenAI, batch_id: str) -> int:
+        counts = client.batches.retrieve(batch_id).request_counts
+        return counts.completed if counts is not None else 0
+
+    assert wait_until(lambda: done(a, big) >= 20 and done(b, small) >= 20, 60)
+    a0, b0 = done(a, big), done(b, small)
+    assert wait_until(lambda: done(b, small) >= b0 + 100, 120)  # b still backlogged here
+    a1, b1 = done(a, big), done(b, small)
+    got_a, got_b = a1 - a0, b1 - b0
+    print(f"completions while both batches ran: a {got_a}, b {got_b}")
+    assert abs(got_a - got_b) <= 0.2 * max(got_a, got_b), (got_a, got_b)
+    assert done(a, big) < 2000  # a was backlogged all along
+    a.batches.cancel(big)
