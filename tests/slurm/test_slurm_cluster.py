@@ -97,10 +97,12 @@ def test_scancel_sends_sigterm_to_the_step_at_once(slurm: SlurmCluster, tmp_path
 def test_time_limit_signal_reaches_the_step_before_the_limit(
     slurm: SlurmCluster, tmp_path: Path
 ) -> None:
-    # The shortest limit is a minute and slurmctld looks at limits every 30 s: a step asking
-    # for SIGTERM 50 s before the end gets it at the first look 10 s or more after the job's
-    # start. That is the job's StartTime, not the step's: on a node still busy with the ends of
-    # earlier jobs the batch step may begin seconds after its job started.
+    # The shortest limit is a minute. sbatch(1) on --signal: "Due to the resolution of event
+    # handling by Slurm, the signal may be sent up to 60 seconds earlier than specified", and
+    # slurmctld looks at limits periodically: a step asking for SIGTERM 50 s before the end
+    # gets it at some look after the job's start (seen from 8.4 s to 40 s) and well before the
+    # limit. The job's StartTime, not the step's: on a node still busy with the ends of earlier
+    # jobs the batch step may begin seconds after its job started.
     job_id, up = start_step_job(slurm, tmp_path, "--time=1", "--signal=TERM@50")
     record = slurm.job(job_id)
     assert record is not None and record["TimeLimit"] == "00:01:00"
@@ -111,7 +113,7 @@ def test_time_limit_signal_reaches_the_step_before_the_limit(
         f"\nslurm: --time=1 --signal=TERM@50 -> SIGTERM {term - started:.1f} s after the job "
         f"started ({term - up:.1f} s after its step began)"
     )
-    assert 9 <= term - started <= 46  # StartTime is in whole seconds
+    assert -1 <= term - started <= 46  # StartTime is in whole seconds
     assert slurm.wait_state(job_id, ["COMPLETED", "TIMEOUT"], 10) == "COMPLETED"  # drained
 
 
