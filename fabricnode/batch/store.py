@@ -379,12 +379,8 @@ class BatchStore:
 
     def done_shards(self, batch_id: str) -> dict[int, ShardCounts]:
         out: dict[int, ShardCounts] = {}
-        for path in self.batch_dir(batch_id).glob("shard-*.done"):
-            try:
-                shard = int(path.name[len("shard-") : -len(".done")])
-            except ValueError:
-                continue
-            doc = _read_json(path)
+        for shard in self.done_shard_ids(batch_id):
+            doc = _read_json(self.batch_dir(batch_id) / f"shard-{shard}.done")
             if doc is not None:
                 out[shard] = ShardCounts(int(doc.get("completed", 0)), int(doc.get("failed", 0)))
         return out

@@ -702,13 +702,7 @@ class Ingress:
                     "insufficient_permissions",
                 )
                 return True
-        status, headers, body = await call_asgi(self.control_app, req)
-        # The app's own headers go out (Allow on a 405, caching, content type), framing ours.
-        kept = [(n, v) for n, v in headers if n.lower() not in HOP_RESPONSE_HEADERS]
-        kept.append((b"content-length", b"%d" % len(body)))
-        head = build_head(status, kept)
-        await self.reactor.send_all(conn.sock, head if req.method == b"HEAD" else head + body)
-        return True
+        return await self._answer_asgi(conn, req, self.control_app, None)
 
     def _handle_v1(self, conn: ClientConn, req: Request, path: bytes) -> Coroutine[Any, Any, bool]:
         """``/v1`` paths that are not in ``ENDPOINTS``: the model list, the stateful Responses
@@ -752,7 +746,14 @@ class Ingress:
         if isinstance(checked, Rejection):
             return await self._reject(conn, checked, path)
         owner = checked.key_id if checked is not None else "-"
-        status, headers, body = await call_asgi(app, req, {"fabric.owner": owner})
+        return await self._answer_asgi(conn, req, app, {"fabric.owner": owner})
+
+    async def _answer_asgi(
+        self, conn: ClientConn, req: Request, app: AsgiApp, extra: dict[str, str] | None
+    ) -> bool:
+        """Answer ``req`` with an ASGI app (the control app, the Batch API) in this task."""
+        status, headers, body = await call_asgi(app, req, extra)
+        # The app's own headers go out (Allow on a 405, caching, content type), framing ours.
         kept = [(n, v) for n, v in headers if n.lower() not in HOP_RESPONSE_HEADERS]
         kept.append((b"content-length", b"%d" % len(body)))
         head = build_head(status, kept)
