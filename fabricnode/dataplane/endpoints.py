@@ -93,6 +93,9 @@ STREAMING_KINDS = frozenset(
 # rewritten as ``resume.Splicer`` does chat chunks, and the stored state of a Responses answer
 # lives on the node that broke).
 RESUMABLE_KINDS = frozenset((CHAT, COMPLETIONS))
+# Kinds whose JSON body is a prompt the engine prefills (its size estimates the tokens, as for
+# routing): counted on the nodes' prefill clocks (``prefill``).
+PREFILL_KINDS = frozenset((CHAT, COMPLETIONS, RESPONSES, MESSAGES, EMBEDDINGS))
 # Kinds whose answer carries no usage of its own (a stored response read again, a cancel).
 NO_USAGE_KINDS = frozenset((RESPONSE_GET, RESPONSE_CANCEL, COUNT_TOKENS, "tokenize", "detokenize"))
 

@@ -105,6 +105,7 @@ from fabricnode.dataplane.endpoints import (
     ENDPOINT_DOCS,
     ENDPOINTS,
     FORM_KINDS,
+    PREFILL_KINDS,
     RESPONSE_CANCEL,
     RESPONSES,
     RESUMABLE_KINDS,
@@ -131,6 +132,7 @@ from fabricnode.dataplane.http1 import response_head as build_head
 from fabricnode.dataplane.ingress_config import IngressConfig
 from fabricnode.dataplane.job import Job
 from fabricnode.dataplane.metrics import IngressMetrics, LabelCache, failure_reason
+from fabricnode.dataplane.prefill import PrefillClocks
 from fabricnode.dataplane.request import (
     KEY_REJECTION,
     Rejection,
@@ -362,6 +364,8 @@ class Ingress:
         # ends), and when a node has room for one more.
         self.gate: FairQueue[BatchWaiter] = FairQueue(cfg.max_batch_waiting)
         self.batch_inflight: dict[str, int] = {}
+        # What this ingress sent each node to prefill, and how fast each prefills (routing).
+        self.prefill = PrefillClocks()
         # Pacing (``batch_prefill_tokens_per_s``): when each node may take its next batch request.
         self.batch_paced_until: dict[str, float] = {}
         self._room = RoomRules(
@@ -422,6 +426,9 @@ class Ingress:
         for label, n in waiting.items():
             self._batch_waiting(label).set(n)
         self._waiting_labels.update(waiting)
+        m.prefill_rate.clear()  # nodes forgotten since the last scrape go too
+        for sid, rate in self.prefill.learned().items():
+            m.prefill_rate.labels(sid).set(rate)
         parks = self.reactor.parks
         m.reactor_waits.inc(parks - self._parks_reported)
         self._parks_reported = parks
@@ -868,6 +875,8 @@ class Ingress:
                 job.retag = True  # each attempt names its node in the response id
             else:  # a form goes on with its boundary
                 job.content_type = req.headers.get(b"content-type", job.content_type)
+        if kind in PREFILL_KINDS:
+            job.prefill_tokens = len(body) // 4
         if not routes:
             assert hold_s is not None
             rreq = routing.RouteRequest(model, (), decoded.session, len(body) // 4)
@@ -1075,6 +1084,7 @@ class Ingress:
             self.breaker.forget(sid)
             self.remote_inflight.pop(sid, None)
             self.batch_paced_until.pop(sid, None)
+            self.prefill.forget(sid)
 
     async def _dispatch(
         self,
@@ -1279,7 +1289,13 @@ class Ingress:
             providers=providers,
             requirements=requirements,
         )
-        return [c for c in eligible if c.node.session_id not in tried] if tried else eligible
+        if tried:
+            eligible = [c for c in eligible if c.node.session_id not in tried]
+        prefill = self.prefill
+        if len(prefill):
+            for c in eligible:
+                c.prefill_s = prefill.backlog(c.node.session_id, now)
+        return eligible
 
     async def _hold(
         self,
@@ -1676,6 +1692,14 @@ class Ingress:
             self.local_served += 1
         else:
             inflight[sid] = inflight.get(sid, 0) + 1
+        # On the node's prefill clock; a stream sent to an idle clock samples the node's rate.
+        tokens = job.prefill_tokens
+        sample = False
+        sent_at = 0.0
+        if tokens:
+            sent_at = self.clock.now()
+            was_idle = self.prefill.sent(sid, tokens, sent_at)
+            sample = was_idle and job.stream and job.ttft_s is None
         try:
             ex = Exchange(self.pool, self.watchdog, origin)
             try:
@@ -1729,6 +1753,8 @@ class Ingress:
             finally:
                 ex.finish()  # closes an unfinished exchange: the engine aborts the request
         finally:
+            if sample and job.ttft_s is not None:
+                self.prefill.observe(sid, tokens, job.started + job.ttft_s - sent_at)
             if local:
                 self.local_inflight -= 1
                 idle = self._local_idle

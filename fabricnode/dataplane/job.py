@@ -36,6 +36,7 @@ class Job:
         "method",
         "model",
         "path",
+        "prefill_tokens",
         "prompt_tokens",
         "response",
         "response_id",
@@ -84,6 +85,9 @@ class Job:
         self.served_by = ""
         self.status = 0
         self.ttft_s: float | None = None
+        # Its prompt's estimated tokens, counted on the prefill clock of each node it goes to
+        # (``prefill``); 0 for kinds without a prompt to prefill.
+        self.prefill_tokens = 0
         self.prompt_tokens = 0
         self.completion_tokens = 0
         self.audio_s = 0.0  # seconds of audio a transcription or translation reported

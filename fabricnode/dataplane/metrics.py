@@ -291,6 +291,14 @@ class IngressMetrics:
             ["key"],
             registry=r,
         )
+        self.prefill_rate = Gauge(
+            "fabric_ingress_prefill_rate_tokens_per_second",
+            "Prefill rate this ingress learned for each node from its streamed requests' first"
+            " tokens, in estimated prompt tokens (prompt bytes / 4) per second; routing weighs"
+            " the prefill it sent a node by it",
+            ["node"],
+            registry=r,
+        )
         self.internal_errors = Counter(
             "fabric_ingress_internal_errors",
             "Connections closed because answering them raised an unexpected error (a bug: the"

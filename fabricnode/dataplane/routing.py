@@ -34,6 +34,12 @@ send raises the score at once, which is what spreads a burst between reports; an
 is benign for ordering at both extremes (one ingress among many: our share is small; the only
 ingress: every node's load is roughly doubled alike).
 
+The score also adds ``prefill_weight`` per second of *prefill backlog* (``Candidate.prefill_s``,
+from ``prefill.PrefillClocks``): the prompts this ingress sent the node that it estimates are
+not prefilled yet. A new prompt waits for them whatever the counts say, and counts cannot tell
+thirty requests in cheap decode from two whose prompts are being computed. This is what keeps
+interactive requests off the nodes where batch prompts are being prefilled (``bench/tiers.py``).
+
 ``prompt_blocks`` turns a prompt into cumulative hashes of whole fixed-size character blocks, so
 two prompts share their first k values exactly when they share their first k blocks. The prefix
 policy keeps an approximate, LRU-bounded map from (model, block hash) to the few nodes that last
@@ -120,15 +126,26 @@ class LoadSnapshot:
 class Candidate:
     """One eligible node for one request, with what the policies score it by."""
 
-    __slots__ = ("load", "local_inflight", "node")
+    __slots__ = ("load", "local_inflight", "node", "prefill_s")
 
-    def __init__(self, node: NodeInfo, load: LoadSnapshot | None, local_inflight: int) -> None:
+    def __init__(
+        self,
+        node: NodeInfo,
+        load: LoadSnapshot | None,
+        local_inflight: int,
+        prefill_s: float = 0.0,
+    ) -> None:
         self.node = node
         self.load = load
         self.local_inflight = local_inflight  # requests THIS ingress has in flight to the node
+        # Seconds of prefill THIS ingress sent the node that are still ahead (``prefill``).
+        self.prefill_s = prefill_s
 
     def __repr__(self) -> str:
-        return f"Candidate({self.node.session_id!r}, {self.load!r}, {self.local_inflight})"
+        return (
+            f"Candidate({self.node.session_id!r}, {self.load!r}, {self.local_inflight}, "
+            f"{self.prefill_s:.3f})"
+        )
 
 
 class RouteRequest:
@@ -179,6 +196,11 @@ class RoutingConfig:
     local_inflight_weight: float = 1.0
     # Added when the report is missing or stale: prefer a node we know to be idle, a little.
     unknown_load_penalty: float = 1.0
+    # Per second of prefill this ingress sent the node that is still ahead (``prefill``): a new
+    # prompt waits for it whatever the counts say. 100: a tenth of a second (one ~1,000-token
+    # prompt of an 8B model on an A100) weighs as ten running requests, so an idle node wins
+    # over one in the middle of a prefill unless that one is far emptier (bench/tiers.py).
+    prefill_weight: float = 100.0
     # Prompt hashing, passed by the ingress to ``prompt_blocks``. 64 chars ~ 16 tokens, one
     # vLLM KV block; 256 blocks cover the first 16 KiB of a prompt, plenty to tell prefixes apart.
     prefix_block_chars: int = 64
@@ -219,6 +241,7 @@ class RoutingConfig:
             "kv_weight": self.kv_weight,
             "local_inflight_weight": self.local_inflight_weight,
             "unknown_load_penalty": self.unknown_load_penalty,
+            "prefill_weight": self.prefill_weight,
             "prefix_max_blocks": self.prefix_max_blocks,
             "prefix_min_match_blocks": self.prefix_min_match_blocks,
             "prefix_min_match_ratio": self.prefix_min_match_ratio,
@@ -256,6 +279,9 @@ def load_score(c: Candidate, now: float, cfg: RoutingConfig) -> float:
     """
     load = c.load
     local = cfg.local_inflight_weight * max(0, c.local_inflight)
+    prefill_s = c.prefill_s
+    if prefill_s > 0.0:
+        local += cfg.prefill_weight * prefill_s
     if load is None or not _fresh(load, now, cfg):
         return local + cfg.unknown_load_penalty
     waiting = max(0, load.waiting)

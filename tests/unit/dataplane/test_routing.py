@@ -206,6 +206,29 @@ def test_kv_usage_raises_the_score() -> None:
     assert load_score(cand("a", kv=1.0), NOW, CFG) == CFG.kv_weight
 
 
+def test_prefill_backlog_raises_the_score_with_or_without_a_report() -> None:
+    busy = cand("a", running=3)
+    busy.prefill_s = 0.1
+    assert load_score(busy, NOW, CFG) == pytest.approx(3.0 + 0.1 * CFG.prefill_weight)
+    unknown = cand("b", report=False)
+    unknown.prefill_s = 0.2
+    assert load_score(unknown, NOW, CFG) == pytest.approx(
+        CFG.unknown_load_penalty + 0.2 * CFG.prefill_weight
+    )
+
+
+@pytest.mark.parametrize("name", ["least-load", "prefix", "prefix-pending"])
+def test_a_node_in_the_middle_of_a_prefill_loses_to_a_busier_idle_one(name: str) -> None:
+    # Thirty requests in decode cost a new prompt little; a tenth of a second of prompts this
+    # ingress just sent is a tenth of a second the new one waits (bench/tiers.py).
+    prefilling = cand("a", running=2, local=2)
+    prefilling.prefill_s = 0.1
+    decoding = cand("b", running=6, local=6)
+    assert pick(make_policy(name), request(), [prefilling, decoding]) == "b"
+    prefilling.prefill_s = 0.0
+    assert pick(make_policy(name), request(), [prefilling, decoding]) == "a"
+
+
 @pytest.mark.parametrize(
     "stale",
     [

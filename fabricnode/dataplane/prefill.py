@@ -1,0 +1,92 @@
+"""Prefill clocks: how long each node still needs, by this ingress's account, to prefill the
+prompts it was sent. A routing signal (``routing.load_score``'s ``prefill_s``).
+
+Why
+---
+An engine computes a prompt's prefill in one step (or a few chunks). A request that arrives
+while another prompt is being prefilled waits for that step: with prompts of ~1,000 tokens, a
+tenth of a second on an A100 for an 8B model. Counts of waiting and running requests do not see
+this: a node running thirty batch requests in decode is nearly free for a new prompt, and a node
+running two that were just sent is not. The ingress does know what it just sent, and when, so it
+keeps, per node, a *virtual clock* of the prefill work it has sent there: sending a prompt of T
+(estimated) tokens moves the node's clock to ``max(clock, now) + T / rate``, and
+``backlog(node, now) = max(0, clock - now)`` is the prefill time still ahead of a new request.
+Routing prefers nodes with no backlog; measured on ``bench/tiers.py`` (docs/benchmarks.md), this
+is what keeps interactive requests off the nodes that are prefilling batch work.
+
+The rate is learned per node, in the units the ingress estimates tokens in (prompt bytes / 4),
+so a systematic error of that estimate cancels. A sample is a streamed request sent while the
+node's clock showed no backlog: ``tokens / time to its first token``. That time also holds the
+step in progress when it arrived and the engine's overheads, so a sample can only be lower than
+the true rate: the estimate rises quickly towards higher samples and falls slowly. Short prompts
+say more about overheads than about the rate and are not sampled. Until a node has a sample it
+gets ``default_rate``.
+
+Pure: no I/O and no clock reads; every call takes ``now`` (the ingress's monotonic clock). State
+is bounded by the number of nodes: ``forget`` drops a node that left the routing table.
+"""
+
+from __future__ import annotations
+
+DEFAULT_RATE = 10_000.0  # estimated tokens per second before a node has a sample
+MIN_SAMPLE_TOKENS = 256  # shorter prompts are not sampled: overheads would dominate
+RISE = 0.25  # weight of a sample above the estimate
+FALL = 0.05  # weight of a sample below it
+MIN_RATE = 10.0
+MAX_RATE = 10_000_000.0
+
+
+class PrefillClocks:
+    """Per-node virtual prefill clocks and learned prefill rates (see the module docstring)."""
+
+    __slots__ = ("_rate", "_until", "default_rate")
+
+    def __init__(self, default_rate: float = DEFAULT_RATE) -> None:
+        if not MIN_RATE <= default_rate <= MAX_RATE:
+            raise ValueError(f"prefill default rate {default_rate!r}: must be in [10, 1e7]")
+        self.default_rate = default_rate
+        self._until: dict[str, float] = {}
+        self._rate: dict[str, float] = {}
+
+    def backlog(self, sid: str, now: float) -> float:
+        """Seconds of prefill this ingress sent to ``sid`` that are (estimated) still ahead."""
+        until = self._until.get(sid)
+        if until is None or until <= now:
+            return 0.0
+        return until - now
+
+    def sent(self, sid: str, tokens: int, now: float) -> bool:
+        """A prompt of ``tokens`` went to ``sid`` at ``now``. True if the node had no backlog
+        (the request's time to first token is then a sample of the rate)."""
+        until = self._until.get(sid, now)
+        idle = until <= now
+        start = now if idle else until
+        self._until[sid] = start + max(tokens, 1) / self._rate.get(sid, self.default_rate)
+        return idle
+
+    def observe(self, sid: str, tokens: int, ttft_s: float) -> None:
+        """A request sent to ``sid`` with no backlog there got its first token after
+        ``ttft_s`` seconds: one sample of the node's rate."""
+        if tokens < MIN_SAMPLE_TOKENS or not ttft_s > 0.0:  # NaN fails too
+            return
+        sample = min(MAX_RATE, max(MIN_RATE, tokens / ttft_s))
+        rate = self._rate.get(sid)
+        if rate is None:
+            self._rate[sid] = sample
+            return
+        weight = RISE if sample > rate else FALL
+        self._rate[sid] = rate + weight * (sample - rate)
+
+    def rate(self, sid: str) -> float:
+        return self._rate.get(sid, self.default_rate)
+
+    def learned(self) -> dict[str, float]:
+        """The rates learned so far, by node (for /metrics)."""
+        return dict(self._rate)
+
+    def forget(self, sid: str) -> None:
+        self._until.pop(sid, None)
+        self._rate.pop(sid, None)
+
+    def __len__(self) -> int:
+        return len(self._until)

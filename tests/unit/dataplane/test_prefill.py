@@ -1,0 +1,113 @@
+"""Prefill clocks (``fabricnode.dataplane.prefill``): the backlog a node still has of what this
+ingress sent it, and the per-node rate learned from streamed requests' first tokens."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from fabricnode.dataplane.prefill import (
+    DEFAULT_RATE,
+    MIN_SAMPLE_TOKENS,
+    PrefillClocks,
+)
+
+
+def test_a_node_nothing_was_sent_to_has_no_backlog() -> None:
+    clocks = PrefillClocks()
+    assert clocks.backlog("a", 100.0) == 0.0
+    assert len(clocks) == 0
+
+
+def test_a_prompt_adds_its_tokens_over_the_rate_and_the_backlog_runs_down() -> None:
+    clocks = PrefillClocks(default_rate=1000.0)
+    assert clocks.sent("a", 500, 10.0)  # the node was idle
+    assert clocks.backlog("a", 10.0) == pytest.approx(0.5)
+    assert clocks.backlog("a", 10.2) == pytest.approx(0.3)
+    assert clocks.backlog("a", 10.5) == 0.0
+    assert clocks.backlog("b", 10.2) == 0.0  # per node
+
+
+def test_prompts_sent_while_one_is_ahead_queue_behind_it() -> None:
+    clocks = PrefillClocks(default_rate=1000.0)
+    clocks.sent("a", 500, 10.0)
+    assert not clocks.sent("a", 1000, 10.1)  # 0.4 s still ahead: not idle
+    assert clocks.backlog("a", 10.1) == pytest.approx(1.4)
+
+
+def test_idle_time_gives_no_credit() -> None:
+    clocks = PrefillClocks(default_rate=1000.0)
+    clocks.sent("a", 100, 10.0)
+    assert clocks.sent("a", 100, 50.0)  # long idle: the clock starts again from now
+    assert clocks.backlog("a", 50.0) == pytest.approx(0.1)
+
+
+def test_the_first_sample_sets_the_rate_then_it_rises_fast_and_falls_slowly() -> None:
+    clocks = PrefillClocks()
+    assert clocks.rate("a") == DEFAULT_RATE
+    clocks.observe("a", 1000, 0.5)  # 2,000 tokens/s
+    assert clocks.rate("a") == pytest.approx(2000.0)
+    clocks.observe("a", 1000, 0.25)  # 4,000: a quarter of the way up
+    assert clocks.rate("a") == pytest.approx(2500.0)
+    clocks.observe("a", 1000, 1.0)  # 1,000: a twentieth of the way down
+    assert clocks.rate("a") == pytest.approx(2425.0)
+    clocks.sent("a", 2425, 0.0)
+    assert clocks.backlog("a", 0.0) == pytest.approx(1.0)  # the learned rate is used
+
+
+@pytest.mark.parametrize(
+    ("tokens", "ttft"),
+    [(MIN_SAMPLE_TOKENS - 1, 0.01), (1000, 0.0), (1000, -1.0), (1000, math.nan)],
+    ids=["short-prompt", "zero-time", "negative-time", "nan-time"],
+)
+def test_samples_that_say_nothing_of_the_rate_are_ignored(tokens: int, ttft: float) -> None:
+    clocks = PrefillClocks()
+    clocks.observe("a", tokens, ttft)
+    assert clocks.rate("a") == DEFAULT_RATE
+
+
+def test_forget_drops_a_node() -> None:
+    clocks = PrefillClocks(default_rate=1000.0)
+    clocks.sent("a", 1000, 0.0)
+    clocks.observe("a", 1000, 0.01)
+    clocks.forget("a")
+    assert len(clocks) == 0
+    assert clocks.backlog("a", 0.0) == 0.0
+    assert clocks.rate("a") == 1000.0
+
+
+@pytest.mark.parametrize("rate", [0.0, -5.0, math.nan, math.inf])
+def test_a_nonsense_default_rate_is_refused(rate: float) -> None:
+    with pytest.raises(ValueError, match="prefill default rate"):
+        PrefillClocks(default_rate=rate)
+
+
+@given(
+    events=st.lists(
+        st.tuples(
+            st.sampled_from(["a", "b"]),
+            st.integers(0, 100_000),
+            st.floats(0.0, 5.0),
+            st.one_of(st.floats(-1.0, 100.0), st.just(math.nan)),
+        ),
+        max_size=40,
+    )
+)
+def test_backlog_and_rate_stay_finite_and_bounded(
+    events: list[tuple[str, int, float, float]],
+) -> None:
+    # Whatever a client sends (any size) and however the engine answers, the signal stays a
+    # finite, non-negative number of seconds and the rate stays in its bounds.
+    clocks = PrefillClocks()
+    now = 0.0
+    for sid, tokens, gap, ttft in events:
+        now += gap
+        clocks.sent(sid, tokens, now)
+        clocks.observe(sid, tokens, ttft)
+        for node in ("a", "b"):
+            backlog = clocks.backlog(node, now)
+            assert math.isfinite(backlog) and backlog >= 0.0
+            assert 10.0 <= clocks.rate(node) <= 10_000_000.0
