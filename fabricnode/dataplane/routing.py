@@ -297,6 +297,19 @@ def load_score(c: Candidate, now: float, cfg: RoutingConfig) -> float:
     )
 
 
+def _without_prefill(
+    candidates: Sequence[Candidate], scores: list[float], cfg: RoutingConfig
+) -> list[float]:
+    """The scores without their prefill backlog, for the affinity guard: a node's backlog is
+    what this ingress sent it, and a request with affinity there shares those prompts' prefix,
+    which its engine has cached, so that backlog overstates what it waits for. (The clock
+    counts whole prompts: the ingress cannot tell which tokens the engine has cached.)"""
+    weight = cfg.prefill_weight
+    if not weight or not any(c.prefill_s > 0.0 for c in candidates):
+        return scores
+    return [s - weight * c.prefill_s for c, s in zip(candidates, scores, strict=True)]
+
+
 def _backlogged(c: Candidate, now: float, cfg: RoutingConfig) -> bool:
     """SP-P's "full" test; never true without a fresh report, so every HOLD resolves."""
     load = c.load
@@ -570,7 +583,7 @@ class PrefixPolicy:
         n = len(candidates)
         scores = [load_score(c, now, cfg) for c in candidates]
         everyone = range(n)
-        pick = self._affinity(req, candidates, scores)
+        pick = self._affinity(req, candidates, _without_prefill(candidates, scores, cfg))
         closed: list[bool] = []
         if pick < 0:
             pool: Sequence[int] = everyone

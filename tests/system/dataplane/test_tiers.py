@@ -192,6 +192,33 @@ def test_an_interactive_request_does_not_wait_behind_waiting_batch_requests(fab:
     assert after['fabric_ingress_tier_requests_total{tier="interactive"}'] >= 1
 
 
+def test_streamed_prompts_teach_the_ingress_each_nodes_prefill_rate(fab: Mesh) -> None:
+    """Each streamed request sent to a node with no prefill ahead of it (by the ingress's
+    clock) is a sample of that node's prefill rate; /metrics shows the rate learned, by node.
+    Short prompts say nothing of the rate and are not sampled."""
+    name = "fabric_ingress_prefill_rate_tokens_per_second"
+    series = f'{name}{{node="{fab.fcfs.session_id}"}}'
+    url = fab.edge.http_url + "/v1/chat/completions"
+    headers = fab.headers("a", batch=False)
+    with httpx.Client(timeout=60, headers=headers) as http:
+        short = chat("m1", 2, "a short prompt")
+        with http.stream("POST", url, json={**short, "stream": True}) as r:
+            assert r.status_code == 200
+            r.read()
+        assert series not in fab.metrics()
+        prompt = " ".join(f"word{i}" for i in range(600))  # 4,800 bytes: 1,200 estimated tokens
+        for _ in range(3):
+            body = {**chat("m1", 2, prompt), "stream": True}
+            with http.stream("POST", url, json=body) as r:
+                assert r.status_code == 200
+                assert r.headers["x-fabric-node"] == fab.fcfs.session_id
+                r.read()
+    rate = fab.metrics()[series]
+    # The simulated H100 prefills a small model's prompt in a millisecond step; the first token
+    # also waits for two agents' hops: a rate of some thousands to a few 100,000 tokens/s.
+    assert 1_000 < rate < 10_000_000, rate
+
+
 def test_batch_requests_reach_a_priority_engine_with_the_batch_priority(fab: Mesh) -> None:
     """prio's engine runs with --scheduling-policy priority: its entry says so, batch requests
     for it carry "priority": 1 (the default --batch-priority) and interactive ones none."""

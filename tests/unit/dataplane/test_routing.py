@@ -327,6 +327,20 @@ def test_prefix_routes_a_shared_long_prefix_to_the_node_that_got_it() -> None:
     assert policy.statistics().prefix_hits == 1
 
 
+@pytest.mark.parametrize("name", ["prefix", "prefix-pending"])
+def test_a_prefill_backlog_does_not_break_prefix_affinity(name: str) -> None:
+    # The prompts just sent to b share the new request's prefix, which b has cached: b's
+    # backlog overstates what the request would wait for there, and affinity holds.
+    policy = make_policy(name)
+    routed(policy, SYSTEM + "first question", "b")
+    b = cand("b", running=3)
+    b.prefill_s = 0.5
+    cands = [cand("a"), b, cand("c")]
+    assert pick(policy, request(SYSTEM + "a second, different question"), cands) == "b"
+    # Without affinity the backlog counts: a request with no match goes elsewhere.
+    assert pick(policy, request("an unrelated prompt " * 40), cands) != "b"
+
+
 def test_prefix_picks_the_least_loaded_of_the_nodes_sharing_the_prefix() -> None:
     policy = make_policy("prefix")
     routed(policy, SYSTEM + "q1", "b")
