@@ -56,14 +56,20 @@ Anthropic paths, ``/v1/messages*``, Anthropic's ``{"type": "error", "error": {"t
 * Priority tiers (``tiers``): a batch request (``X-Fabric-Priority: batch``, or this agent's
   Batch API worker with the batch owner header) goes only to a node with room for batch work
   (a fresh load report without a queue and with KV usage under ``batch_kv_threshold``, and
-  fewer than ``batch_max_inflight_per_node`` of our batch requests on it), else waits in the
+  fewer than ``batch_max_inflight_per_node`` of our batch requests on it, and no prompt of
+  ours still ahead on its prefill clock: one batch prefill at a time), else waits in the
   gate (``_admit_batch``), released in weighted fair order between API keys when a batch
-  request ends or the gate's tick finds room; 503 ``batch_queue_full`` past
-  ``max_batch_waiting`` waiters and ``batch_wait_timeout`` past ``batch_max_wait_s``. Then
+  request ends or the gate's tick finds room (it also wakes when a prefill clock runs out);
+  503 ``batch_queue_full`` past ``max_batch_waiting`` waiters and ``batch_wait_timeout``
+  past ``batch_max_wait_s``. Then
   it is routed by the policy among the nodes with room, with failover. To a node labelled
   ``fabric.priority_scheduling`` its chat, completion and Responses bodies carry
   ``"priority": batch_priority``. Interactive requests (the default) pay two header lookups
   and never wait in the gate.
+* Prefill clocks (``prefill``): each prompt sent to a node (``endpoints.PREFILL_KINDS``)
+  moves that node's clock by its estimated tokens over the node's rate; the policies' load
+  score weighs the backlog (``routing``), the batch gate waits for it to run out, and a stream
+  sent to a node with none ahead teaches the node's rate by its first token.
 * Sleeping engines (``fabric.sleeping``, ``engine.sleep``): a model whose replicas all sleep
   is routed to them, unranked (ours first, then by session id, so ingresses agree on one),
   and the serving agent wakes its engine before relaying (``wake_local``); a node that does not
@@ -1417,11 +1423,14 @@ class Ingress:
         inflight = self.batch_inflight
         rules = self._room
         paced = self.batch_paced_until
+        # One prompt at a time: a node whose prefill clock shows prompts still ahead takes no
+        # batch request, so batch prompts never pile into one long engine step (``prefill``).
         roomy = [
             c
             for c in cands
             if has_room(c.load, inflight.get(c.node.session_id, 0), wall, rules)
             and paced.get(c.node.session_id, 0.0) <= now
+            and c.prefill_s <= 0.0
         ]
         if not roomy:
             return False
@@ -1511,15 +1520,19 @@ class Ingress:
         return label
 
     async def _gate_loop(self) -> None:
-        """While batch requests wait: every ``GATE_TICK_S`` end the waits past their deadline,
-        every ``GATE_PEEK_S`` notice clients that hung up (``client_gone``), and look for room
-        (load reports arrive and age, nodes join). Asleep while nobody waits."""
+        """While batch requests wait: every ``GATE_TICK_S`` (and when a node's prefill clock
+        runs out) end the waits past their deadline, every ``GATE_PEEK_S`` notice clients that
+        hung up (``client_gone``), and look for room (load reports arrive and age, nodes join,
+        prefills end). Asleep while nobody waits."""
         next_peek = 0.0
         while True:
             if not len(self.gate):
                 self._gate_idle = idle = trio.Event()
                 await idle.wait()
-            await trio.sleep(GATE_TICK_S)
+            # Sooner when a node's prefill clock runs out: it has room for the next prompt then.
+            now = self.clock.now()
+            wake = self.prefill.soonest_end(now)
+            await trio.sleep(GATE_TICK_S if wake is None else min(GATE_TICK_S, wake - now))
             now = self.clock.now()
             peek = now >= next_peek
             if peek:

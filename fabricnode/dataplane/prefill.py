@@ -77,6 +77,11 @@ class PrefillClocks:
         weight = RISE if sample > rate else FALL
         self._rate[sid] = rate + weight * (sample - rate)
 
+    def soonest_end(self, now: float) -> float | None:
+        """The earliest time after ``now`` a node's backlog runs out (None: none has one)."""
+        ahead = [until for until in self._until.values() if until > now]
+        return min(ahead) if ahead else None
+
     def rate(self, sid: str) -> float:
         return self._rate.get(sid, self.default_rate)
 
