@@ -172,6 +172,15 @@ def start(
             "--scheduling-policy priority (1; interactive ones: vLLM's default, 0).",
         ),
     ] = None,
+    batch_preempt_kv: Annotated[
+        float | None,
+        typer.Option(
+            metavar="FRACTION",
+            help="Batch tier: when a node's engine queues requests with its KV cache this full, "
+            "take back this ingress's newest batch requests there (they wait for room again) "
+            "(0.9; 1 = never).",
+        ),
+    ] = None,
     batch_prefill_rate: Annotated[
         float | None,
         typer.Option(
@@ -290,6 +299,7 @@ def start(
                 batch_max_wait,
                 batch_priority,
                 batch_prefill_rate,
+                batch_preempt_kv,
             ),
             drain_timeout_s=drain_timeout,
             leave_before_end_s=leave_before_end,

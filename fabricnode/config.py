@@ -311,6 +311,7 @@ class TierLimits:
     batch_max_wait_s: float | None = None
     batch_priority: int | None = None
     batch_prefill_tokens_per_s: float | None = None
+    batch_preempt_kv_threshold: float | None = None
 
 
 def _tier_limits(given: TierLimits) -> dict[str, Any]:
@@ -324,13 +325,14 @@ def _tier_limits(given: TierLimits) -> dict[str, Any]:
         ("batch_max_wait_s", "--batch-max-wait", 0.0, 86_400.0),
         ("batch_priority", "--batch-priority", 1, 1_000_000),
         ("batch_prefill_tokens_per_s", "--batch-prefill-rate", 0.0, 1e9),
+        ("batch_preempt_kv_threshold", "--batch-preempt-kv", 0.0, 1.0),
     )
     for name, flag, low, high in checks:
         value = getattr(given, name)
         if value is None:
             continue
         # a threshold of 0 would never let batch work through, and nor would a wait of 0
-        exclusive = name in ("batch_kv_threshold", "batch_max_wait_s")
+        exclusive = name in ("batch_kv_threshold", "batch_max_wait_s", "batch_preempt_kv_threshold")
         above = value > low if exclusive else value >= low
         if not (math.isfinite(value) and above and value <= high):
             bound = "more than" if exclusive else "at least"

@@ -204,6 +204,8 @@ RETRYABLE_STATUS = (502, 503, 504)
 RETRY_FAILED_AFTER_S = 5.0
 # An attempt's outcome when its stream broke and a continuation is ready (``_prepare_resume``).
 RESUME = "resume"
+# A batch attempt taken back by the gate (``Ingress._preempt_batch``): the request waits again.
+PREEMPTED = "preempted"
 # Kinds whose requests need more than the table lookup (``Ingress._prepare``).
 PREPARED_KINDS = frozenset((RESPONSES, *FORM_KINDS))
 # Request headers passed on to the upstream (anything else stays at the ingress).
@@ -381,6 +383,11 @@ class Ingress:
             stale_after_s=routing.DEFAULT_CONFIG.load_stale_after_s,
         )
         self._gate_idle: trio.Event | None = None  # set when the first request waits
+        # Batch attempts that may be taken back, by node: job -> (when sent, its cancel scope);
+        # an attempt leaves once its answer's head is in. And the load report (its time) that
+        # each node's last preemption answered, so that the next waits for a newer report.
+        self.batch_preemptible: dict[str, dict[Job, tuple[float, trio.CancelScope]]] = {}
+        self._preempted_report: dict[str, float] = {}
         self._key_labels: set[str] = set()
         self._batch_waiting = LabelCache(self.metrics.batch_waiting)
         self._waiting_labels: set[str] = set()  # batch_waiting labels set so far
@@ -1090,6 +1097,7 @@ class Ingress:
             self.breaker.forget(sid)
             self.remote_inflight.pop(sid, None)
             self.batch_paced_until.pop(sid, None)
+            self._preempted_report.pop(sid, None)
             self.prefill.forget(sid)
 
     async def _dispatch(
@@ -1160,8 +1168,14 @@ class Ingress:
                     log.info("stream continuation %d goes to %s", job.resumes, pick[:8])
                 policy.on_routed(rreq, pick, wall)
                 attempt = self._attempt(conn, job, route, now)
+                outcome: str | None
                 try:
-                    outcome = attempt if isinstance(attempt, str) else await attempt
+                    if isinstance(attempt, str):
+                        outcome = attempt
+                    elif job.batch and job.preemptions < cfg.batch_max_preemptions:
+                        outcome = await self._preemptible(job, pick, attempt)
+                    else:
+                        outcome = await attempt
                 finally:
                     # Metrics only: counted once the attempt is over, off the request's path.
                     self.metrics.decision(policy.name, "first" if len(tried) == 1 else "retry")
@@ -1171,6 +1185,10 @@ class Ingress:
                     self.breaker.succeeded(pick)
                     answered = True
                     break
+                if outcome is PREEMPTED:
+                    # Taken back under pressure: not the node's failure, and no attempt used.
+                    tried.discard(pick)
+                    continue
                 self.breaker.failed(pick, self.clock.now())
                 self.metrics.ejections.inc()
                 if outcome is RESUME:
@@ -1499,6 +1517,57 @@ class Ingress:
         if len(self.gate):
             self._scan_gate()
 
+    async def _preemptible(
+        self, job: Job, sid: str, attempt: Coroutine[Any, Any, str | None]
+    ) -> str | None:
+        """A batch attempt the gate may take back until its answer's head is in (``_relay``
+        calls ``_unpreemptible`` then): the attempt's outcome, or ``PREEMPTED``."""
+        running = self.batch_preemptible.setdefault(sid, {})
+        with trio.CancelScope() as scope:
+            running[job] = (self.clock.now(), scope)
+            idle = self._gate_idle
+            if idle is not None:
+                idle.set()  # the gate's tick watches for pressure while batch work runs
+            try:
+                return await attempt
+            finally:
+                self._unpreemptible(job, sid)
+        job.preemptions += 1
+        self.metrics.batch_preempted.inc()
+        return PREEMPTED
+
+    def _unpreemptible(self, job: Job, sid: str) -> None:
+        running = self.batch_preemptible.get(sid)
+        if running is not None and running.pop(job, None) is not None and not running:
+            del self.batch_preemptible[sid]
+
+    def _preempt_batch(self, wall: float) -> None:
+        """Yield under pressure: on each node whose fresh load report (newer than the one its
+        last preemption answered) shows requests queued with the KV cache at
+        ``batch_preempt_kv_threshold`` or more, take back our newest batch attempts with no
+        answer yet, one per queued request, at most ``batch_preempt_per_report``. Their
+        connections close, so the engine aborts them and frees their KV at once; an engine
+        admits a waiting request only when its KV fits, whatever its priority, so without this
+        a queued interactive request waits for batch requests to finish."""
+        cfg = self.config
+        threshold = cfg.batch_preempt_kv_threshold
+        if threshold >= 1.0 or not self.batch_preemptible:
+            return
+        rules = self._room
+        for sid, running in list(self.batch_preemptible.items()):
+            load = self.table.load_of(sid)
+            if load is None or not abs(wall - load.at) <= rules.stale_after_s:
+                continue
+            if load.waiting <= rules.max_waiting or not load.kv_usage >= threshold:
+                continue
+            if load.at <= self._preempted_report.get(sid, -math.inf):
+                continue  # the report the last preemption answered: wait for a newer one
+            self._preempted_report[sid] = load.at
+            n = min(load.waiting, cfg.batch_preempt_per_report)
+            newest = sorted(running.values(), key=lambda v: v[0], reverse=True)[:n]
+            for _, scope in newest:
+                scope.cancel()
+
     def _batch_admitted(self, w: BatchWaiter, first: bool) -> None:
         """Metrics of a batch request sent on (the first time only: not its failovers)."""
         if not first:
@@ -1526,7 +1595,7 @@ class Ingress:
         prefills end). Asleep while nobody waits."""
         next_peek = 0.0
         while True:
-            if not len(self.gate):
+            if not len(self.gate) and not self.batch_preemptible:
                 self._gate_idle = idle = trio.Event()
                 await idle.wait()
             # Sooner when a node's prefill clock runs out: it has room for the next prompt then.
@@ -1547,6 +1616,7 @@ class Ingress:
             for ticket, outcome in ended:
                 self.gate.cancel(ticket)
                 self._batch_wake(ticket.item, outcome)
+            self._preempt_batch(self.wall_clock())
             self._scan_gate()
 
     # == one attempt =========================================================================
@@ -1729,6 +1799,8 @@ class Ingress:
             except ClientGone:
                 self.metrics.client_disconnects.labels("waiting").inc()
                 raise
+            if job.batch:
+                self._unpreemptible(job, sid)  # its answer is coming: it runs to the end
             try:
                 status = ex.status
                 if status in RETRYABLE_STATUS:

@@ -36,6 +36,7 @@ class Job:
         "method",
         "model",
         "path",
+        "preemptions",
         "prefill_tokens",
         "prompt_tokens",
         "response",
@@ -88,6 +89,7 @@ class Job:
         # Its prompt's estimated tokens, counted on the prefill clock of each node it goes to
         # (``prefill``); 0 for kinds without a prompt to prefill.
         self.prefill_tokens = 0
+        self.preemptions = 0  # times the batch gate took it back from a node (``tiers``)
         self.prompt_tokens = 0
         self.completion_tokens = 0
         self.audio_s = 0.0  # seconds of audio a transcription or translation reported

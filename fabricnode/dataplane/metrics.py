@@ -291,6 +291,12 @@ class IngressMetrics:
             ["key"],
             registry=r,
         )
+        self.batch_preempted = Counter(
+            "fabric_ingress_batch_preempted",
+            "Batch requests taken back from a node whose engine queued requests with its KV"
+            " cache nearly full (they waited for room again)",
+            registry=r,
+        )
         self.prefill_rate = Gauge(
             "fabric_ingress_prefill_rate_tokens_per_second",
             "Prefill rate this ingress learned for each node from its streamed requests' first"

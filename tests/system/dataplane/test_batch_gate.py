@@ -108,11 +108,11 @@ class Gate:
     keys: dict[str, str]
     core: MeshCore
 
-    def report(self, node: int, *, kv_usage: float) -> None:
-        """A fresh load report of node ``node`` (no queue; ``kv_usage``)."""
+    def report(self, node: int, *, kv_usage: float, waiting: int = 0) -> None:
+        """A fresh load report of node ``node`` (``waiting`` queued; ``kv_usage``)."""
         now = time.time()
         self.seq += 1
-        load = Load(self.sids[node], self.seq, 0, 1, kv_usage, 0, now)
+        load = Load(self.sids[node], self.seq, waiting, 1, kv_usage, 0, now)
         self.core.ingest([load], now)
 
     seq: int = 0
@@ -125,6 +125,11 @@ class Gate:
 
     def waiting(self) -> int:
         return self.ingress.statistics().batch_waiting
+
+    def preempted(self) -> int:
+        text = self.ingress.render_metrics().decode()
+        found = re.search(r"^fabric_ingress_batch_preempted_total (\S+)$", text, re.M)
+        return int(float(found.group(1))) if found else 0
 
 
 @asynccontextmanager
@@ -392,3 +397,80 @@ async def test_pacing_sends_a_node_one_batch_request_at_a_time_by_its_prompt(
             await g.until(lambda: node.held == 3, timeout_s=5)
             node.release()
         assert g.waiting() == 0
+
+
+async def test_batch_requests_yield_their_node_when_its_engine_queues_with_a_full_cache(
+    tmp_path: Path,
+) -> None:
+    """A fresh report showing the engine queueing with its KV cache at the preemption threshold
+    takes back the newest batch request there that has no answer yet (one per queued request,
+    once per report): its connection closes and it waits in the gate again, then goes when
+    there is room. Interactive requests are never taken back; every client gets one answer."""
+    config = IngressConfig(batch_max_inflight_per_node=4)
+    async with gate(tmp_path, config=config) as g, httpx.AsyncClient(timeout=20) as client:
+        node = g.nodes[0]
+        g.report(0, kv_usage=0.1)
+        answers: dict[str, httpx.Response] = {}
+
+        async def send(name: str, headers: dict[str, str]) -> None:
+            answers[name] = await client.post(g.url, json=chat(name, hold=True), headers=headers)
+
+        async with trio.open_nursery() as senders:
+            for n, name in enumerate(("first", "second", "third")):
+                senders.start_soon(send, name, BATCH)
+                await g.until(lambda n=n: node.held == n + 1)  # type: ignore[misc]
+            senders.start_soon(send, "interactive", {})
+            await g.until(lambda: node.held == 4)
+            assert g.preempted() == 0
+            # The engine queues one request with its cache 95% full: the newest batch request
+            # is taken back, and waits (the report shows a queue: no room).
+            g.report(0, kv_usage=0.95, waiting=1)
+            await g.until(lambda: g.preempted() == 1 and g.waiting() == 1)
+            await trio.sleep(0.35)  # a few gate ticks on the same report: no second one
+            assert g.preempted() == 1 and g.waiting() == 1
+            assert g.ingress.batch_inflight == {g.sids[0]: 2}
+            # Room again: it goes back to the node.
+            g.report(0, kv_usage=0.3)
+            await g.until(lambda: len(node.received) == 5)
+            for _ in range(5):
+                node.release()
+                await trio.sleep(0.05)
+        assert {name: r.status_code for name, r in answers.items()} == dict.fromkeys(
+            ("first", "second", "third", "interactive"), 200
+        )
+        texts = [json.loads(body)["messages"][0]["content"] for _, body in node.received]
+        assert texts == ["first", "second", "third", "interactive", "third"]
+        assert g.waiting() == 0 and g.ingress.batch_inflight == {}
+        assert g.ingress.batch_preemptible == {}
+
+
+async def test_no_preemption_when_it_is_off_or_the_queue_is_not_under_pressure(
+    tmp_path: Path,
+) -> None:
+    config = IngressConfig(batch_max_inflight_per_node=4, batch_preempt_kv_threshold=1.0)
+    async with gate(tmp_path, config=config) as g, httpx.AsyncClient(timeout=20) as client:
+        node = g.nodes[0]
+        g.report(0, kv_usage=0.1)
+        async with trio.open_nursery() as senders:
+            senders.start_soon(
+                lambda: client.post(g.url, json=chat("batch", hold=True), headers=BATCH)
+            )
+            await g.until(lambda: node.held == 1)
+            g.report(0, kv_usage=0.99, waiting=3)  # off: nothing is taken back
+            await trio.sleep(0.35)
+            assert g.preempted() == 0
+            node.release()
+    async with gate(tmp_path) as g, httpx.AsyncClient(timeout=20) as client:
+        node = g.nodes[0]
+        g.report(0, kv_usage=0.1)
+        async with trio.open_nursery() as senders:
+            senders.start_soon(
+                lambda: client.post(g.url, json=chat("batch", hold=True), headers=BATCH)
+            )
+            await g.until(lambda: node.held == 1)
+            g.report(0, kv_usage=0.99)  # a full cache but no queue: no pressure on anyone
+            await trio.sleep(0.2)
+            g.report(0, kv_usage=0.5, waiting=2)  # a queue, but room in the cache
+            await trio.sleep(0.35)
+            assert g.preempted() == 0
+            node.release()
