@@ -361,6 +361,23 @@ def rate_between(samples: list[tuple[float, int]], lo: float, hi: float) -> floa
     return (nb - na) / (tb - ta) if tb > ta else float("nan")
 
 
+def log_ingress_state(base: str, cell: str) -> None:
+    """What the ingress learned and did, from its /metrics: each node's prefill rate, and how
+    many batch requests it took back from nodes under pressure."""
+    try:
+        text = httpx.get(base + "/metrics", timeout=5).text
+    except httpx.HTTPError as exc:
+        log(f"{cell}: ingress /metrics unreadable: {exc}")
+        return
+    wanted = (
+        "fabric_ingress_prefill_rate_tokens_per_second{",
+        "fabric_ingress_batch_preempted_total",
+    )
+    for line in text.splitlines():
+        if line.startswith(wanted):
+            log(f"{cell}: {line}")
+
+
 def run_cell(
     cell: str,
     trace: list[Request],
@@ -426,6 +443,7 @@ def run_cell(
                     nursery.cancel_scope.cancel()
 
         trio.run(main)
+        log_ingress_state(base, cell)
         window = [r for r in records if lo <= r.sent_s <= hi]
         ok = [r for r in window if not r.error]
         ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]

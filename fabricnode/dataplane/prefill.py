@@ -16,11 +16,13 @@ is what keeps interactive requests off the nodes that are prefilling batch work.
 
 The rate is learned per node, in the units the ingress estimates tokens in (prompt bytes / 4),
 so a systematic error of that estimate cancels. A sample is a streamed request sent while the
-node's clock showed no backlog: ``tokens / time to its first token``. That time also holds the
-step in progress when it arrived and the engine's overheads, so a sample can only be lower than
-the true rate: the estimate rises quickly towards higher samples and falls slowly. Short prompts
-say more about overheads than about the rate and are not sampled. Until a node has a sample it
-gets ``default_rate``.
+node's clock showed no backlog: ``tokens / time to its first byte``. That time also holds the
+step in progress when it arrived and the engine's overheads, which make a sample low; a prompt
+whose prefix the engine had cached makes it far too high. So the rate is a robust upper
+quantile, the ``QUANTILE`` of the last ``WINDOW`` samples: a quarter of them may be outliers
+either way. Short prompts say more about overheads than about the rate and are not sampled.
+Until a node has a sample it gets ``default_rate``. (The first byte of a vLLM stream comes with
+the first token: the role chunk is sent on the generator's first iteration.)
 
 Pure: no I/O and no clock reads; every call takes ``now`` (the ingress's monotonic clock). State
 is bounded by the number of nodes: ``forget`` drops a node that left the routing table.
@@ -28,10 +30,12 @@ is bounded by the number of nodes: ``forget`` drops a node that left the routing
 
 from __future__ import annotations
 
+from collections import deque
+
 DEFAULT_RATE = 10_000.0  # estimated tokens per second before a node has a sample
 MIN_SAMPLE_TOKENS = 256  # shorter prompts are not sampled: overheads would dominate
-RISE = 0.25  # weight of a sample above the estimate
-FALL = 0.05  # weight of a sample below it
+WINDOW = 32  # samples kept per node
+QUANTILE = 0.75  # the rate: this quantile of the samples kept
 MIN_RATE = 10.0
 MAX_RATE = 10_000_000.0
 
@@ -39,7 +43,7 @@ MAX_RATE = 10_000_000.0
 class PrefillClocks:
     """Per-node virtual prefill clocks and learned prefill rates (see the module docstring)."""
 
-    __slots__ = ("_rate", "_until", "default_rate")
+    __slots__ = ("_rate", "_samples", "_until", "default_rate")
 
     def __init__(self, default_rate: float = DEFAULT_RATE) -> None:
         if not MIN_RATE <= default_rate <= MAX_RATE:
@@ -47,6 +51,7 @@ class PrefillClocks:
         self.default_rate = default_rate
         self._until: dict[str, float] = {}
         self._rate: dict[str, float] = {}
+        self._samples: dict[str, deque[float]] = {}
 
     def backlog(self, sid: str, now: float) -> float:
         """Seconds of prefill this ingress sent to ``sid`` that are (estimated) still ahead."""
@@ -70,12 +75,12 @@ class PrefillClocks:
         if tokens < MIN_SAMPLE_TOKENS or not ttft_s > 0.0:  # NaN fails too
             return
         sample = min(MAX_RATE, max(MIN_RATE, tokens / ttft_s))
-        rate = self._rate.get(sid)
-        if rate is None:
-            self._rate[sid] = sample
-            return
-        weight = RISE if sample > rate else FALL
-        self._rate[sid] = rate + weight * (sample - rate)
+        samples = self._samples.get(sid)
+        if samples is None:
+            self._samples[sid] = samples = deque(maxlen=WINDOW)
+        samples.append(sample)
+        ordered = sorted(samples)
+        self._rate[sid] = ordered[int(QUANTILE * (len(ordered) - 1))]
 
     def soonest_end(self, now: float) -> float | None:
         """The earliest time after ``now`` a node's backlog runs out (None: none has one)."""
@@ -92,6 +97,7 @@ class PrefillClocks:
     def forget(self, sid: str) -> None:
         self._until.pop(sid, None)
         self._rate.pop(sid, None)
+        self._samples.pop(sid, None)
 
     def __len__(self) -> int:
         return len(self._until)

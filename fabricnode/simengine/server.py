@@ -747,16 +747,22 @@ class SimEngineApp:
                 data = b"data: " + _dumps(doc) + b"\n\n"
                 await send({"type": "http.response.body", "body": data, "more_body": True})
 
-            if chat:
-                await emit([_chunk_choice(chat, "", None, role=True)])
+            # As vLLM: the role chunk goes out with the first token (its first iteration), so
+            # the stream's first byte comes when the prompt has been computed.
+            role = chat
             count = 0
             first = not continuing
             async for event in tokens:
+                if role:
+                    await emit([_chunk_choice(chat, "", None, role=True)])
+                    role = False
                 count += 1
                 piece = detokenize(event.token)
                 if first:
                     piece, first = piece.lstrip(), False
                 await emit([_chunk_choice(chat, piece, event.finish_reason)])
+            if role:
+                await emit([_chunk_choice(chat, "", None, role=True)])
             finished = True
             if include_usage:
                 await emit([], _usage(len(prompt), count))

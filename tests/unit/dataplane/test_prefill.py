@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from fabricnode.dataplane.prefill import (
     DEFAULT_RATE,
     MIN_SAMPLE_TOKENS,
+    WINDOW,
     PrefillClocks,
 )
 
@@ -45,17 +46,37 @@ def test_idle_time_gives_no_credit() -> None:
     assert clocks.backlog("a", 50.0) == pytest.approx(0.1)
 
 
-def test_the_first_sample_sets_the_rate_then_it_rises_fast_and_falls_slowly() -> None:
+def test_the_rate_is_an_upper_quantile_of_the_recent_samples() -> None:
     clocks = PrefillClocks()
     assert clocks.rate("a") == DEFAULT_RATE
     clocks.observe("a", 1000, 0.5)  # 2,000 tokens/s
     assert clocks.rate("a") == pytest.approx(2000.0)
-    clocks.observe("a", 1000, 0.25)  # 4,000: a quarter of the way up
-    assert clocks.rate("a") == pytest.approx(2500.0)
-    clocks.observe("a", 1000, 1.0)  # 1,000: a twentieth of the way down
-    assert clocks.rate("a") == pytest.approx(2425.0)
-    clocks.sent("a", 2425, 0.0)
+    for ttft in (0.25, 1.0, 0.5):  # 4,000, 1,000 and 2,000 tokens/s
+        clocks.observe("a", 1000, ttft)
+    # The samples are 1,000, 2,000, 2,000, 4,000: the 0.75 quantile of four (index 2).
+    assert clocks.rate("a") == pytest.approx(2000.0)
+    clocks.sent("a", 2000, 0.0)
     assert clocks.backlog("a", 0.0) == pytest.approx(1.0)  # the learned rate is used
+
+
+def test_a_few_outliers_either_way_do_not_move_the_rate() -> None:
+    # A prompt the engine had cached answers at once (a far too high sample); one that found a
+    # long step in progress answers late (a low one). A quarter of the window may be either.
+    clocks = PrefillClocks()
+    for _ in range(WINDOW):
+        clocks.observe("a", 1000, 0.1)  # 10,000 tokens/s
+    for i in range(WINDOW // 4 - 1):
+        clocks.observe("a", 1000, 0.0001 if i % 2 else 5.0)
+    assert clocks.rate("a") == pytest.approx(10_000.0)
+
+
+def test_old_samples_leave_the_window() -> None:
+    clocks = PrefillClocks()
+    for _ in range(WINDOW):
+        clocks.observe("a", 1000, 0.1)
+    for _ in range(WINDOW):
+        clocks.observe("a", 1000, 0.2)  # the node got slower (a shared GPU, a longer model)
+    assert clocks.rate("a") == pytest.approx(5000.0)
 
 
 @pytest.mark.parametrize(
