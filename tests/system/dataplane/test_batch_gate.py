@@ -444,10 +444,19 @@ async def test_batch_requests_yield_their_node_when_its_engine_queues_with_a_ful
         assert g.ingress.batch_preemptible == {}
 
 
+@pytest.mark.parametrize(
+    ("threshold", "reports"),
+    [
+        (1.0, [(0.99, 3)]),  # off: nothing is taken back
+        # A full cache but no queue (no pressure on anyone), then a queue with room in the cache.
+        (0.9, [(0.99, 0), (0.5, 2)]),
+    ],
+    ids=["off", "no-pressure"],
+)
 async def test_no_preemption_when_it_is_off_or_the_queue_is_not_under_pressure(
-    tmp_path: Path,
+    tmp_path: Path, threshold: float, reports: list[tuple[float, int]]
 ) -> None:
-    config = IngressConfig(batch_max_inflight_per_node=4, batch_preempt_kv_threshold=1.0)
+    config = IngressConfig(batch_max_inflight_per_node=4, batch_preempt_kv_threshold=threshold)
     async with gate(tmp_path, config=config) as g, httpx.AsyncClient(timeout=20) as client:
         node = g.nodes[0]
         g.report(0, kv_usage=0.1)
@@ -456,21 +465,8 @@ async def test_no_preemption_when_it_is_off_or_the_queue_is_not_under_pressure(
                 lambda: client.post(g.url, json=chat("batch", hold=True), headers=BATCH)
             )
             await g.until(lambda: node.held == 1)
-            g.report(0, kv_usage=0.99, waiting=3)  # off: nothing is taken back
-            await trio.sleep(0.35)
-            assert g.preempted() == 0
-            node.release()
-    async with gate(tmp_path) as g, httpx.AsyncClient(timeout=20) as client:
-        node = g.nodes[0]
-        g.report(0, kv_usage=0.1)
-        async with trio.open_nursery() as senders:
-            senders.start_soon(
-                lambda: client.post(g.url, json=chat("batch", hold=True), headers=BATCH)
-            )
-            await g.until(lambda: node.held == 1)
-            g.report(0, kv_usage=0.99)  # a full cache but no queue: no pressure on anyone
-            await trio.sleep(0.2)
-            g.report(0, kv_usage=0.5, waiting=2)  # a queue, but room in the cache
-            await trio.sleep(0.35)
+            for kv_usage, waiting in reports:
+                g.report(0, kv_usage=kv_usage, waiting=waiting)
+                await trio.sleep(0.3)  # a few gate ticks
             assert g.preempted() == 0
             node.release()
