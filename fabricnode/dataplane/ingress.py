@@ -1589,10 +1589,11 @@ class Ingress:
         return label
 
     async def _gate_loop(self) -> None:
-        """While batch requests wait: every ``GATE_TICK_S`` (and when a node's prefill clock
-        runs out) end the waits past their deadline, every ``GATE_PEEK_S`` notice clients that
-        hung up (``client_gone``), and look for room (load reports arrive and age, nodes join,
-        prefills end). Asleep while nobody waits."""
+        """While batch requests wait or batch attempts may be taken back: every ``GATE_TICK_S``
+        (and when a node's prefill clock runs out) end the waits past their deadline, every
+        ``GATE_PEEK_S`` notice clients that hung up (``client_gone``), take back batch work
+        from nodes under pressure (``_preempt_batch``), and look for room (load reports arrive
+        and age, nodes join, prefills end). Asleep otherwise."""
         next_peek = 0.0
         while True:
             if not len(self.gate) and not self.batch_preemptible:
