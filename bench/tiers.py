@@ -68,6 +68,7 @@ import httpx  # noqa: E402
 import orjson  # noqa: E402
 import trio  # noqa: E402
 from _procs import free_port, host_ticks  # noqa: E402
+from steplog import summarize_all  # noqa: E402
 
 from cli.localmesh import AgentProcess, LocalMesh, wait_until  # noqa: E402
 
@@ -156,9 +157,14 @@ class Settings:
     batch_concurrency: int
     priority: bool  # the engines schedule by priority (--scheduling-policy priority)
     ingress_args: tuple[str, ...] = ()  # e.g. the batch tier's flags
+    step_log: Path | None = None  # each engine's step log: <this>-n<i>.jsonl (``steplog``)
 
 
-def engine_args(s: Settings, port: int) -> list[str]:
+def step_log(s: Settings, node: int) -> Path | None:
+    return None if s.step_log is None else s.step_log.with_name(f"{s.step_log.name}-n{node}.jsonl")
+
+
+def engine_args(s: Settings, port: int, step_log: Path | None = None) -> list[str]:
     args = [
         "--sim-gpu", s.gpu, "--batch-concurrency", "0",
         "--engine-url", f"http://127.0.0.1:{port}", "--",
@@ -168,6 +174,8 @@ def engine_args(s: Settings, port: int) -> list[str]:
     ]  # fmt: skip
     if s.priority:
         args += ["--scheduling-policy", "priority"]
+    if step_log is not None:
+        args += ["--step-log", str(step_log)]
     return args
 
 
@@ -184,7 +192,8 @@ def start_mesh(mesh: LocalMesh, s: Settings, worker: bool) -> AgentProcess:
     args = ["--batch-concurrency", concurrency, "--max-body-mb", "512", *s.ingress_args]
     ingress = mesh.start("ingress", args=args, wait=False)
     nodes = [
-        mesh.start(f"n{i}", args=engine_args(s, free_port()), wait=False) for i in range(s.nodes)
+        mesh.start(f"n{i}", args=engine_args(s, free_port(), step_log(s, i)), wait=False)
+        for i in range(s.nodes)
     ]
     for agent in (ingress, *nodes):
         agent.wait_ready(60)
@@ -393,6 +402,9 @@ def run_cell(
         s = replace(s, ingress_args=(*s.ingress_args, "--batch-max-inflight-per-node", cap))
     if rate:
         s = replace(s, ingress_args=(*s.ingress_args, "--batch-prefill-rate", rate))
+    if args.step_log is not None:
+        args.step_log.mkdir(parents=True, exist_ok=True)
+        s = replace(s, step_log=args.step_log / cell.replace("/", "_"))
     mesh = LocalMesh(workdir / cell)
     try:
         ingress = start_mesh(mesh, s, worker=kind in ("tiered", "batch-only"))
@@ -444,6 +456,10 @@ def run_cell(
 
         trio.run(main)
         log_ingress_state(base, cell)
+        if s.step_log is not None:
+            paths = [p for i in range(s.nodes) if (p := step_log(s, i)) is not None]
+            for line in summarize_all(paths, skip_s=lo):
+                log(f"{cell}: {line}")
         window = [r for r in records if lo <= r.sent_s <= hi]
         ok = [r for r in window if not r.error]
         ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
@@ -538,6 +554,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--json", type=Path)
+    p.add_argument(
+        "--step-log",
+        type=Path,
+        metavar="DIR",
+        help="each engine writes its step log here (CELL-nI.jsonl); a summary of where "
+        "requests waited is printed after each cell (bench/steplog.py)",
+    )
     p.add_argument("--quick", action="store_true", help="30 s of trace, 5 s warm-up")
     return p.parse_args(argv)
 

@@ -108,6 +108,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="stored /v1/responses kept, the oldest evicted first (default %(default)s)",
     )
+    p.add_argument(
+        "--step-log",
+        default=None,
+        metavar="PATH",
+        help="append one JSON line per engine step to PATH: when it started, its duration, the "
+        "prompts it admitted (priority, tokens, seconds queued), the queue, KV use (for "
+        "experiments: it costs a write per step)",
+    )
     p.add_argument("--log-level", default="WARNING")
     return p
 
@@ -183,6 +191,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         enable_lora=args.enable_lora,
         lora_modules=modules,
         responses_store_max=args.responses_store_max,
+        step_log=args.step_log,
     )
 
 

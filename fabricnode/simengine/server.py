@@ -43,6 +43,8 @@ an error rate.
 
 from __future__ import annotations
 
+import itertools
+import json
 import logging
 import math
 import os
@@ -89,7 +91,9 @@ from fabricnode.simengine.lora import Models, Served
 from fabricnode.simengine.messages import MessagesAPI
 from fabricnode.simengine.model import (
     EngineConfig,
+    Request,
     Scheduler,
+    Step,
     TokenEvent,
     detokenize,
     embedding,
@@ -147,6 +151,7 @@ class SimConfig:
     responses_store_max: int = DEFAULT_STORE_MAX_RESPONSES
     responses_store_max_bytes: int = DEFAULT_STORE_MAX_BYTES
     max_audio_bytes: int = DEFAULT_MAX_UPLOAD_BYTES
+    step_log: str | None = None  # a JSON line per step appended here (``StepLog``)
 
 
 @dataclass(frozen=True)
@@ -162,15 +167,57 @@ class EngineStatistics:
 # -- the driver -------------------------------------------------------------------------------
 
 
+class StepLog:
+    """One JSON line per engine step, for experiments (``--step-log``): where a request's time
+    to first token went. Fields: ``t`` (trio time the step started), ``duration_s``,
+    ``prefill_tokens``, ``decode_tokens``, ``admitted`` (``[priority, prompt tokens, seconds
+    queued]`` per request it admitted), ``waiting`` (the same for the queue after it, at most
+    ``MAX_WAITING`` of them) and ``queued`` (the queue's length), ``preempted`` (requests
+    preempted), ``kv_usage``. Written as each step starts; line-buffered."""
+
+    MAX_WAITING = 64
+
+    def __init__(self, path: str) -> None:
+        self._file = open(path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115 (long-lived)
+
+    def write(self, scheduler: Scheduler, step: Step) -> None:
+        now = step.started_at
+        requests = scheduler.requests
+
+        def row(req: Request) -> list[float]:
+            return [req.priority, len(req.prompt), round(now - req.arrived_at, 4)]
+
+        admitted = [row(requests[rid]) for rid in step.admitted if rid in requests]
+        waiting = [row(req) for req in itertools.islice(scheduler.waiting, self.MAX_WAITING)]
+        doc = {
+            "t": round(now, 4),
+            "duration_s": round(step.duration_s, 5),
+            "prefill_tokens": step.prefill_tokens,
+            "decode_tokens": step.decode_tokens,
+            "admitted": admitted,
+            "waiting": waiting,
+            "queued": len(scheduler.waiting),
+            "preempted": len(step.preempted),
+            "kv_usage": round(scheduler.statistics().kv_cache_usage, 4),
+        }
+        self._file.write(json.dumps(doc) + "\n")
+
+    def close(self) -> None:
+        self._file.close()
+
+
 class EngineDriver:
     """Runs the scheduler in trio time: one task steps it, sleeping each step's duration, and
     hands each request's tokens to the request's channel when the step ends. A preempted request
     just gets no token for a while: the scheduler never produces an index twice, so every token
     goes to its channel exactly once, in order."""
 
-    def __init__(self, config: EngineConfig, slowdown: float = 1.0) -> None:
+    def __init__(
+        self, config: EngineConfig, slowdown: float = 1.0, step_log: StepLog | None = None
+    ) -> None:
         self.config = replace(config, speed=config.speed / slowdown)
         self.scheduler = Scheduler(self.config)
+        self.step_log = step_log
         self._channels: dict[int, trio.MemorySendChannel[TokenEvent]] = {}
         self._wake = trio.Event()
         self.hung = False
@@ -210,6 +257,8 @@ class EngineDriver:
                 self._wake = trio.Event()
                 await self._wake.wait()
                 continue
+            if self.step_log is not None:
+                self.step_log.write(self.scheduler, step)
             await trio.sleep_until(step.ends_at)
             while self.hung:
                 await trio.sleep_forever()
@@ -846,7 +895,8 @@ async def serve(
     """Serve the simulated engine on a bound socket until ``shutdown`` is set (in-flight requests
     then get ``shutdown_grace_s``). Fault timers run alongside; ``started`` gives the app."""
     faults = config.faults
-    driver = EngineDriver(config.engine, faults.slowdown)
+    step_log = StepLog(config.step_log) if config.step_log is not None else None
+    driver = EngineDriver(config.engine, faults.slowdown, step_log)
     app = SimEngineApp(config, driver)
     http_done = trio.Event()
 
@@ -861,6 +911,8 @@ async def serve(
         task_status.started(app)
         await http_done.wait()  # hypercorn returns once in-flight requests finish or time out
         nursery.cancel_scope.cancel()
+    if step_log is not None:
+        step_log.close()
 
 
 async def _crash_after(delay_s: float) -> None:

@@ -20,7 +20,8 @@ def test_quick_tiers_bench_reports_latency_and_batch_throughput(tmp_path: Path) 
     out_json = tmp_path / "tiers.json"
     proc = subprocess.run(
         [sys.executable, str(BENCH), "--quick", "--minutes", "0.25", "--warmup-s", "3",
-         "--cells", "interactive,tiered", "--json", str(out_json)],
+         "--cells", "interactive,tiered", "--json", str(out_json),
+         "--step-log", str(tmp_path / "steps")],
         capture_output=True,
         text=True,
         timeout=300,
@@ -35,3 +36,13 @@ def test_quick_tiers_bench_reports_latency_and_batch_throughput(tmp_path: Path) 
         assert 0 < cell["ttft_p50_s"] <= cell["ttft_p95_s"] < 30
     assert alone["batch_lines_per_s"] == 0
     assert tiered["batch_lines_per_s"] > 0  # the batch ran beside the interactive load
+    # Each engine's step log, summarized after each cell; what the ingress learned, too.
+    assert sorted(p.name for p in (tmp_path / "steps").iterdir()) == [
+        "interactive-n0.jsonl",
+        "interactive-n1.jsonl",
+        "tiered-n0.jsonl",
+        "tiered-n1.jsonl",
+    ]
+    assert proc.stderr.count("interactive admissions") == 4
+    assert "steps admitting batch prompts" in proc.stderr
+    assert "fabric_ingress_prefill_rate_tokens_per_second{node=" in proc.stderr
