@@ -292,6 +292,13 @@ def test_unknown_batches_and_refusals_are_one_line_and_exit_1(
     assert "is completed and cannot be cancelled" in line
 
 
+def _as_in_a_terminal() -> None:
+    """In the child: SIGINT as a terminal delivers it. A test run started in the background
+    (``make test &``) ignores SIGINT, its children inherit that, and Python then never turns
+    Ctrl-C into KeyboardInterrupt."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_stops_the_waiting_and_the_batch_goes_on(sim: Mesh, tmp_path: Path) -> None:
     prompts = write_prompts(tmp_path / "p.txt", 600)
     proc = subprocess.Popen(
@@ -301,6 +308,7 @@ def test_ctrl_c_stops_the_waiting_and_the_batch_goes_on(sim: Mesh, tmp_path: Pat
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=_as_in_a_terminal,
     )  # fmt: skip
     try:
         assert proc.stdout is not None
