@@ -24,7 +24,9 @@ from typing import Any
 FULL_KV = 0.9
 
 
-def _quantile(values: list[float], q: float) -> float:
+def percentile(values: list[float], q: float) -> float:
+    """The value at rank ``int(q * n)`` of the sorted values; NaN for none (``bench/tiers.py``
+    reports its latencies by this too)."""
     if not values:
         return float("nan")
     ordered = sorted(values)
@@ -65,7 +67,7 @@ def summarize(path: Path, *, skip_s: float = 30.0, slow_s: float = 0.25) -> list
     queued = [w for w, _ in waits]
     lines = [
         f"{path.name}: {len(steps)} steps; interactive admissions {len(waits)}, queued in the "
-        f"engine p50 {_quantile(queued, 0.5):.3f} s, p95 {_quantile(queued, 0.95):.3f} s; "
+        f"engine p50 {percentile(queued, 0.5):.3f} s, p95 {percentile(queued, 0.95):.3f} s; "
         f"mean KV use {mean(s['kv_usage'] for s in steps):.2f}",
         f"  interactive requests queued >= {slow_s:g} s: "
         + ", ".join(f"{kind} steps {t:.1f} s" for kind, t in spent.items())
@@ -76,8 +78,8 @@ def summarize(path: Path, *, skip_s: float = 30.0, slow_s: float = 0.25) -> list
         lines.append(
             f"  steps admitting batch prompts: {len(batch_steps)}, {per_step:.2f} prompts and "
             f"{mean(s['prefill_tokens'] for s in batch_steps):.0f} prefill tokens each; batch "
-            f"prompts queued p50 {_quantile(batch_waits, 0.5):.3f} s, "
-            f"p90 {_quantile(batch_waits, 0.9):.3f} s"
+            f"prompts queued p50 {percentile(batch_waits, 0.5):.3f} s, "
+            f"p90 {percentile(batch_waits, 0.9):.3f} s"
         )
     return lines
 

@@ -68,7 +68,7 @@ import httpx  # noqa: E402
 import orjson  # noqa: E402
 import trio  # noqa: E402
 from _procs import free_port, host_ticks  # noqa: E402
-from steplog import summarize_all  # noqa: E402
+from steplog import percentile, summarize_all  # noqa: E402
 
 from cli.localmesh import AgentProcess, LocalMesh, wait_until  # noqa: E402
 
@@ -160,8 +160,8 @@ class Settings:
     step_log: Path | None = None  # each engine's step log: <this>-n<i>.jsonl (``steplog``)
 
 
-def step_log(s: Settings, node: int) -> Path | None:
-    return None if s.step_log is None else s.step_log.with_name(f"{s.step_log.name}-n{node}.jsonl")
+def step_log(prefix: Path, node: int) -> Path:
+    return prefix.with_name(f"{prefix.name}-n{node}.jsonl")
 
 
 def engine_args(s: Settings, port: int, step_log: Path | None = None) -> list[str]:
@@ -192,7 +192,11 @@ def start_mesh(mesh: LocalMesh, s: Settings, worker: bool) -> AgentProcess:
     args = ["--batch-concurrency", concurrency, "--max-body-mb", "512", *s.ingress_args]
     ingress = mesh.start("ingress", args=args, wait=False)
     nodes = [
-        mesh.start(f"n{i}", args=engine_args(s, free_port(), step_log(s, i)), wait=False)
+        mesh.start(
+            f"n{i}",
+            args=engine_args(s, free_port(), s.step_log and step_log(s.step_log, i)),
+            wait=False,
+        )
         for i in range(s.nodes)
     ]
     for agent in (ingress, *nodes):
@@ -354,13 +358,6 @@ def _busy(cpu: list[tuple[int, int]]) -> float:
     return (b1 - b0) / (t1 - t0) if t1 > t0 else float("nan")
 
 
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def rate_between(samples: list[tuple[float, int]], lo: float, hi: float) -> float:
     """Completions per second between the samples nearest ``lo`` and ``hi``."""
     inside = [(t, n) for t, n in samples if lo <= t <= hi]
@@ -457,7 +454,7 @@ def run_cell(
         trio.run(main)
         log_ingress_state(base, cell)
         if s.step_log is not None:
-            paths = [p for i in range(s.nodes) if (p := step_log(s, i)) is not None]
+            paths = [step_log(s.step_log, i) for i in range(s.nodes)]
             for line in summarize_all(paths, skip_s=lo):
                 log(f"{cell}: {line}")
         window = [r for r in records if lo <= r.sent_s <= hi]

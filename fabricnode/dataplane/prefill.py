@@ -66,7 +66,7 @@ class PrefillClocks:
         until = self._until.get(sid, now)
         idle = until <= now
         start = now if idle else until
-        self._until[sid] = start + max(tokens, 1) / self._rate.get(sid, self.default_rate)
+        self._until[sid] = start + max(tokens, 1) / self.rate(sid)
         return idle
 
     def observe(self, sid: str, tokens: int, ttft_s: float) -> None:
