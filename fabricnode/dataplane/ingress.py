@@ -1776,14 +1776,19 @@ class Ingress:
             self.local_served += 1
         else:
             inflight[sid] = inflight.get(sid, 0) + 1
-        # On the node's prefill clock; a stream sent to an idle clock samples the node's rate.
+        # On the node's prefill clock. A stream's first token corrects the clock when it comes
+        # late; one sent to an idle clock also samples the node's rate.
         tokens = job.prefill_tokens
-        sample = False
-        sent_at = 0.0
+        timed = sample = False
+        sent_at = due = 0.0
         if tokens:
+            prefill = self.prefill
             sent_at = self.clock.now()
-            was_idle = self.prefill.sent(sid, tokens, sent_at)
-            sample = was_idle and job.stream and job.ttft_s is None
+            was_idle = prefill.sent(sid, tokens, sent_at)
+            timed = job.stream and job.ttft_s is None
+            if timed:
+                due = prefill.due(sid)
+                sample = was_idle
         try:
             ex = Exchange(self.pool, self.watchdog, origin)
             try:
@@ -1839,8 +1844,11 @@ class Ingress:
             finally:
                 ex.finish()  # closes an unfinished exchange: the engine aborts the request
         finally:
-            if sample and job.ttft_s is not None:
-                self.prefill.observe(sid, tokens, job.started + job.ttft_s - sent_at)
+            if timed and job.ttft_s is not None:
+                first_at = job.started + job.ttft_s
+                self.prefill.first_token(sid, due, first_at)
+                if sample:
+                    self.prefill.observe(sid, tokens, first_at - sent_at)
             if local:
                 self.local_inflight -= 1
                 idle = self._local_idle

@@ -24,6 +24,14 @@ either way. Short prompts say more about overheads than about the rate and are n
 Until a node has a sample it gets ``default_rate``. (The first byte of a vLLM stream comes with
 the first token: the role chunk is sent on the generator's first iteration.)
 
+Under load the rate alone runs the clock ahead of the engine: each step also decodes the running
+requests, and an engine that schedules by priority computes a later interactive prompt before an
+earlier batch one. So every stream corrects the clock when its first token comes: a prompt whose
+first token comes later than the end of its slot on the clock says the node is that much behind,
+and the node's clock moves on by the difference (``first_token``). Corrections are only ever
+forward and are not counted twice: a slot's end is read with the corrections made since it was
+given (``_shift``), so two prompts held up by the same delay push the clock once.
+
 Pure: no I/O and no clock reads; every call takes ``now`` (the ingress's monotonic clock). State
 is bounded by the number of nodes: ``forget`` drops a node that left the routing table.
 """
@@ -43,7 +51,7 @@ MAX_RATE = 10_000_000.0
 class PrefillClocks:
     """Per-node virtual prefill clocks and learned prefill rates (see the module docstring)."""
 
-    __slots__ = ("_rate", "_samples", "_until", "default_rate")
+    __slots__ = ("_rate", "_samples", "_shift", "_until", "default_rate")
 
     def __init__(self, default_rate: float = DEFAULT_RATE) -> None:
         if not MIN_RATE <= default_rate <= MAX_RATE:
@@ -52,6 +60,9 @@ class PrefillClocks:
         self._until: dict[str, float] = {}
         self._rate: dict[str, float] = {}
         self._samples: dict[str, deque[float]] = {}
+        # Per node, the corrections made so far (seconds, growing): a slot's end as given is
+        # read as ``due + _shift`` (see ``first_token``).
+        self._shift: dict[str, float] = {}
 
     def backlog(self, sid: str, now: float) -> float:
         """Seconds of prefill this ingress sent to ``sid`` that are (estimated) still ahead."""
@@ -68,6 +79,26 @@ class PrefillClocks:
         start = now if idle else until
         self._until[sid] = start + max(tokens, 1) / self.rate(sid)
         return idle
+
+    def due(self, sid: str) -> float:
+        """The end of the slot ``sent`` just gave ``sid``'s last prompt, as a handle for
+        ``first_token`` (in the node's frame before its corrections)."""
+        return self._until.get(sid, 0.0) - self._shift.get(sid, 0.0)
+
+    def first_token(self, sid: str, due: float, at: float) -> float:
+        """The prompt ``sent`` to ``sid`` with slot ``due`` got its first token at ``at``: if
+        that is later than the slot's end (with the corrections made since), the node is that
+        much behind this clock and the clock moves on by as much. Returns the correction."""
+        until = self._until.get(sid)
+        if until is None:
+            return 0.0
+        shift = self._shift.get(sid, 0.0)
+        late = at - (due + shift)
+        if not late > 0.0:  # on time, early (a cached prefix), or NaN
+            return 0.0
+        self._until[sid] = until + late
+        self._shift[sid] = shift + late
+        return late
 
     def observe(self, sid: str, tokens: int, ttft_s: float) -> None:
         """A request sent to ``sid`` with no backlog there got its first token after
@@ -98,6 +129,7 @@ class PrefillClocks:
         self._until.pop(sid, None)
         self._rate.pop(sid, None)
         self._samples.pop(sid, None)
+        self._shift.pop(sid, None)
 
     def __len__(self) -> int:
         return len(self._until)

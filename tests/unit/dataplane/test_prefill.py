@@ -79,6 +79,52 @@ def test_old_samples_leave_the_window() -> None:
     assert clocks.rate("a") == pytest.approx(5000.0)
 
 
+def test_a_first_token_later_than_its_slot_moves_the_clock_on_by_the_delay() -> None:
+    clocks = PrefillClocks(default_rate=1000.0)
+    clocks.sent("a", 500, 10.0)  # slot ends at 10.5
+    due = clocks.due("a")
+    clocks.sent("a", 500, 10.0)  # queued behind it: the clock ends at 11.0
+    # The engine was busy with other work: the first prompt's first token came at 10.8.
+    assert clocks.first_token("a", due, 10.8) == pytest.approx(0.3)
+    assert clocks.backlog("a", 10.8) == pytest.approx(0.5)  # the second is still all ahead
+
+
+def test_one_delay_seen_by_two_prompts_moves_the_clock_once() -> None:
+    clocks = PrefillClocks(default_rate=1000.0)
+    clocks.sent("a", 500, 10.0)
+    first = clocks.due("a")  # 10.5
+    clocks.sent("a", 500, 10.0)
+    second = clocks.due("a")  # 11.0
+    assert clocks.first_token("a", first, 10.8) == pytest.approx(0.3)
+    # The second prompt came 0.3 s after its slot too: that is the same delay, already counted.
+    assert clocks.first_token("a", second, 11.3) == 0.0
+    assert clocks.backlog("a", 11.3) == 0.0
+    # Later than that is news: the node fell further behind.
+    clocks.sent("a", 500, 20.0)
+    third = clocks.due("a")
+    assert clocks.first_token("a", third, 20.7) == pytest.approx(0.2)
+
+
+@pytest.mark.parametrize("at", [10.2, 10.5, math.nan], ids=["early", "on-time", "nan"])
+def test_a_first_token_on_time_or_early_leaves_the_clock(at: float) -> None:
+    # Early is a prefix the engine had cached, or a prompt it put ahead of others by priority:
+    # the clock is never pulled back (what it holds may still be ahead).
+    clocks = PrefillClocks(default_rate=1000.0)
+    clocks.sent("a", 500, 10.0)
+    due = clocks.due("a")
+    assert clocks.first_token("a", due, at) == 0.0
+    assert clocks.backlog("a", 10.0) == pytest.approx(0.5)
+
+
+def test_a_first_token_from_a_forgotten_node_is_ignored() -> None:
+    clocks = PrefillClocks(default_rate=1000.0)
+    clocks.sent("a", 500, 10.0)
+    due = clocks.due("a")
+    clocks.forget("a")
+    assert clocks.first_token("a", due, 99.0) == 0.0
+    assert len(clocks) == 0
+
+
 @pytest.mark.parametrize(
     ("tokens", "ttft"),
     [(MIN_SAMPLE_TOKENS - 1, 0.01), (1000, 0.0), (1000, -1.0), (1000, math.nan)],
@@ -127,6 +173,7 @@ def test_backlog_and_rate_stay_finite_and_bounded(
     for sid, tokens, gap, ttft in events:
         now += gap
         clocks.sent(sid, tokens, now)
+        clocks.first_token(sid, clocks.due(sid), now + ttft)
         clocks.observe(sid, tokens, ttft)
         for node in ("a", "b"):
             backlog = clocks.backlog(node, now)
