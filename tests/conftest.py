@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from cli.localmesh import LocalMesh
+from tests.support.browser import chromium  # noqa: F401 (the dashboard tests' browser)
 from tests.support.slurmcluster import (  # noqa: F401 (fixtures for the real-Slurm tests)
     slurm,
     slurm_accounting_cluster,

@@ -34,7 +34,19 @@ Endpoints (all GET; HEAD is answered like GET without a body):
   With ``after=<cursor>`` instead (``end`` to start): only what the log gained after the
   cursor, per model (requests, prompt and output tokens, a TTFT histogram:
   ``accounting.recent_sums``), and the next ``cursor``; the elastic controller polls it.
+* ``/fabric/v1/stats`` — per model, requests/s, output tokens/s, errors and TTFT and
+  end-to-end p50/p95 in 10-second buckets over the last ``window`` seconds (at most 600) and a
+  summary of the last minute: the whole mesh's (every live agent asked, ``meshstats``), or
+  with ``scope=self`` only this agent's counts, as mergeable rows (``dataplane.recent``).
+* ``/fabric/v1/fleet`` — the service file this agent holds (without its text), the acting
+  controller and its ``/fabric/v1/controller`` answer, asked from it wherever it runs
+  (``fleet``); ``controller`` is null when the mesh runs none. Always 200.
+* ``/fabric/v1/nodes/{session_id}/load`` — that node's recent load reports
+  (``loadhistory``): ``{"session_id", "samples": [{"at", "waiting", "running", "kv_usage",
+  "inflight"}]}``.
 * ``/metrics`` — Prometheus text, every name prefixed ``fabric_``.
+* ``/ui`` (and ``/ui/<file>``) — the dashboard's files (``fabricnode.ui``), with a strict
+  Content-Security-Policy; ``/`` redirects a browser (``Accept: text/html``) there.
 
 Errors have the OpenAI shape ``{"error": {"message", "type", "code"}}``: 400 bad query, 404 unknown
 path or session, 405 wrong method, 409 ambiguous prefix, 500 a bug (logged). The app reads the
@@ -60,8 +72,11 @@ from prometheus_client import generate_latest
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
-from fabricnode import __version__
+from fabricnode import __version__, ui
 from fabricnode.asgi import Receive, Send, lifespan
+from fabricnode.control.fleet import fleet_view
+from fabricnode.control.loadhistory import LoadHistory
+from fabricnode.control.meshstats import MeshStats, window_of
 from fabricnode.control.views import Json, entry_view, match_sessions, models_view, node_views
 from fabricnode.dataplane.accounting import (
     TraceRecord,
@@ -79,7 +94,7 @@ from fabricnode.engine.service import EngineStatistics
 from fabricnode.errors import DecodeError, FabricError
 from fabricnode.mesh.assignment import Offer, SignedAssignment
 from fabricnode.mesh.core import MeshCore
-from fabricnode.mesh.registry import State
+from fabricnode.mesh.registry import SignedEntry, State
 from fabricnode.mesh.service import TransportStatistics
 from fabricnode.mesh.servicedoc import MAX_SERVICES_BYTES, SignedServices
 from fabricnode.metricfamilies import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -100,6 +115,11 @@ ASSIGNMENTS_PATH = "/fabric/v1/assignments"
 SERVICES_PATH = "/fabric/v1/services"
 CONTROLLER_PATH = "/fabric/v1/controller"
 WORKLOAD_PATH = "/fabric/v1/workload"
+STATS_PATH = "/fabric/v1/stats"
+FLEET_PATH = "/fabric/v1/fleet"
+LOAD_SUFFIX = "/load"
+UI_PATH = "/ui"
+UI_PREFIX = "/ui/"
 MAX_POST_BYTES = 1024 * 1024
 MAX_ASSIGNMENTS_PER_POST = 4096
 DEFAULT_WORKLOAD_WINDOW_S = 3600.0
@@ -120,6 +140,8 @@ class Response:
     status: int
     body: bytes
     content_type: str = "application/json"
+    headers: tuple[tuple[bytes, bytes], ...] = ()
+    cache_control: bytes = b"no-store"
 
 
 class HttpError(Exception):
@@ -162,8 +184,12 @@ class AdminApp:
         wake_gossip: Callable[[], None] = lambda: None,
         controller: Controller | None = None,
         engine: Callable[[], EngineStatistics | None] = lambda: None,
+        stats: MeshStats | None = None,
+        load_history: LoadHistory | None = None,
     ) -> None:
         self.core = core
+        self.stats = stats  # the dashboard's rates and latencies (None: no data plane)
+        self.load_history = load_history
         self.engine = engine  # the supervised engine's statistics (None: no engine)
         self.controller = controller  # --controller: its status and decisions
         self.wake_gossip = wake_gossip  # sends an accepted assignment now, not at the next tick
@@ -206,6 +232,15 @@ class AdminApp:
                 )
             elif self.agent_endpoints and path == WORKLOAD_PATH:
                 response = await self.workload(_query(scope))
+            elif self.agent_endpoints and path == STATS_PATH:
+                response = await self.stats_view(_query(scope), _header(scope, b"authorization"))
+            elif self.agent_endpoints and path == FLEET_PATH and self.stats is not None:
+                doc = await fleet_view(
+                    self.core, self.controller, self.stats.peers, _header(scope, b"authorization")
+                )
+                response = json_response(doc)
+            elif self.agent_endpoints and (path == "/" or path.startswith(UI_PATH)):
+                response = self.dashboard(path, scope)
             else:
                 response = self.route(path)(_query(scope))
         except HttpError as exc:
@@ -216,7 +251,8 @@ class AdminApp:
         headers = [
             (b"content-type", response.content_type.encode()),
             (b"content-length", str(len(response.body)).encode()),
-            (b"cache-control", b"no-store"),
+            (b"cache-control", response.cache_control),
+            *response.headers,
         ]
         if response.status == 405:
             headers.append((b"allow", b"GET, HEAD, POST" if posting else b"GET, HEAD"))
@@ -238,6 +274,9 @@ class AdminApp:
                 return self.self_entry
             if path == "/fabric/v1/nodes":
                 return self.nodes
+            if path.startswith(NODES_PREFIX) and path.endswith(LOAD_SUFFIX):
+                sid = unquote(path[len(NODES_PREFIX) : -len(LOAD_SUFFIX)])
+                return lambda query: self.node_load(sid)
             if path.startswith(NODES_PREFIX) and len(path) > len(NODES_PREFIX):
                 sid = unquote(path[len(NODES_PREFIX) :])
                 return lambda query: self.node(sid)
@@ -322,6 +361,9 @@ class AdminApp:
         return json_response({"nodes": views})
 
     def node(self, prefix: str) -> Response:
+        return json_response(entry_view(self.core, self._one_node(prefix), self.wall_clock()))
+
+    def _one_node(self, prefix: str) -> SignedEntry:
         matches = match_sessions(self.core, prefix)
         if not matches:
             raise HttpError(404, f"no node with session id {prefix!r}", "not_found")
@@ -332,7 +374,60 @@ class AdminApp:
                 f"session id prefix {prefix!r} is ambiguous ({len(matches)} nodes: {shown})",
                 "ambiguous_session_id",
             )
-        return json_response(entry_view(self.core, matches[0], self.wall_clock()))
+        return matches[0]
+
+    def node_load(self, prefix: str) -> Response:
+        entry = self._one_node(prefix)
+        samples = [] if self.load_history is None else self.load_history.of(entry.session_id)
+        return json_response({"session_id": entry.session_id, "samples": samples})
+
+    async def stats_view(self, query: list[tuple[str, str]], authorization: str | None) -> Response:
+        if self.stats is None:
+            raise HttpError(404, "this agent has no data plane to count requests", "not_found")
+        params = dict(query)
+        unknown = sorted(set(params) - {"scope", "window"})
+        if unknown:
+            raise HttpError(
+                400,
+                f"unknown query parameter {unknown[0]!r} (use scope, window)",
+                "invalid_parameter",
+            )
+        try:
+            window_s = window_of(params.get("window"))
+        except ValueError as exc:
+            raise HttpError(400, str(exc), "invalid_parameter") from None
+        scope = params.get("scope", "mesh")
+        if scope == "self":
+            return json_response(self.stats.local(window_s))
+        if scope != "mesh":
+            raise HttpError(400, f"scope {scope!r}: expected mesh or self", "invalid_parameter")
+        return json_response(await self.stats.gather(window_s, authorization))
+
+    def dashboard(self, path: str, scope: Scope) -> Response:
+        """The dashboard's files; ``/`` sends a browser to them."""
+        if path == "/":
+            if b"text/html" not in (_header_bytes(scope, b"accept") or b""):
+                raise HttpError(404, "no such endpoint: / (the dashboard is at /ui)", "not_found")
+            return Response(
+                302, b"", "text/plain; charset=utf-8", ((b"location", UI_PATH.encode()),)
+            )
+        if path in (UI_PATH, UI_PREFIX):
+            name = ""
+        elif path.startswith(UI_PREFIX):
+            name = path[len(UI_PREFIX) :]
+        else:
+            raise HttpError(404, f"no such endpoint: {path}", "not_found")
+        if name == "session":
+            # Where the data plane's ingress does not answer it first (the --admin port): no
+            # API keys are checked here.
+            return json_response({"keys_required": False, "key": None, "admin": True})
+        found = ui.asset(name)
+        if found is None:
+            raise HttpError(404, f"no such file: {path}", "not_found")
+        headers = (*ui.HEADERS, (b"etag", found.etag.encode()))
+        if _header_bytes(scope, b"if-none-match") == found.etag.encode():
+            return Response(304, b"", found.content_type, headers, b"no-cache")
+        return Response(200, found.body, found.content_type, headers, b"no-cache")
 
     def models(self, query: list[tuple[str, str]]) -> Response:
         return json_response({"models": models_view(self.core, self.wall_clock())})
@@ -653,3 +748,15 @@ async def _read_body(receive: Receive, limit: int) -> bytes:
 def _query(scope: Scope) -> list[tuple[str, str]]:
     raw = scope.get("query_string", b"")
     return parse_qsl(raw.decode("latin-1"), keep_blank_values=True)
+
+
+def _header_bytes(scope: Scope, name: bytes) -> bytes | None:
+    for key, value in scope.get("headers") or ():
+        if key.lower() == name:
+            return bytes(value)
+    return None
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    value = _header_bytes(scope, name)
+    return None if value is None else value.decode("latin-1")

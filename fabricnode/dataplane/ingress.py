@@ -700,6 +700,8 @@ class Ingress:
         return self._handle_control(conn, req)
 
     async def _handle_control(self, conn: ClientConn, req: Request) -> bool:
+        if req.path == UI_SESSION_PATH and req.method in (b"GET", b"HEAD"):
+            return await self._answer(conn, self._ui_session(req), head_only=req.method == b"HEAD")
         if self.control_app is None:
             await self._send_error(conn, 404, "no such endpoint", "not_found")
             return True
@@ -723,6 +725,21 @@ class Ingress:
                 )
                 return True
         return await self._answer_asgi(conn, req, self.control_app, None)
+
+    def _ui_session(self, req: Request) -> bytes:
+        """What the dashboard may read with the key it sends (``UI_SESSION_PATH``, open): so
+        the page asks for a key before it reads anything, instead of collecting 401s."""
+        keys = self.api_keys
+        if keys is None or not keys.enabled:
+            doc: dict[str, Any] = {"keys_required": False, "key": None, "admin": True}
+        else:
+            key = key_of(req.headers, keys)
+            doc = {
+                "keys_required": True,
+                "key": None if key is None else key.name,
+                "admin": key is not None and key.admin,
+            }
+        return orjson.dumps(doc)
 
     def _handle_v1(self, conn: ClientConn, req: Request, path: bytes) -> Coroutine[Any, Any, bool]:
         """``/v1`` paths that are not in ``ENDPOINTS``: the model list, the stateful Responses
@@ -2114,6 +2131,12 @@ class Ingress:
         """The bookkeeping of every request answered so far (see ``Settler.settle``)."""
         self.settler.settle()
 
+    def recent_export(self, now: float, window_s: float) -> list[dict[str, Any]]:
+        """What this ingress answered in the last ``window_s`` (wall clock ``now``), per model
+        and 10-second bucket, as mergeable rows (``recent``; the dashboard's figures)."""
+        self.settle()
+        return self.settler.recent.export(now, window_s)
+
     async def _settle_loop(self) -> None:
         while True:
             await trio.sleep(SETTLE_INTERVAL_S)
@@ -2123,10 +2146,19 @@ class Ingress:
 # == helpers =================================================================================
 
 OPEN_CONTROL_PATHS = (b"/health", b"/ready", b"/ping", b"/version")
+# The dashboard's question before it reads anything: are keys on, and is this one good?
+UI_SESSION_PATH = b"/ui/session"
 ASSIGNMENTS_PATH = b"/fabric/v1/assignments"
 
 
 def _open_control(req: Request) -> bool:
-    """Control endpoints anyone may call while API keys are on."""
+    """Control endpoints anyone may call while API keys are on. The dashboard's files hold no
+    data (the page asks for a key and reads the guarded APIs with it)."""
     path = req.path
-    return path in OPEN_CONTROL_PATHS or (path == ASSIGNMENTS_PATH and req.method == b"POST")
+    return (
+        path in OPEN_CONTROL_PATHS
+        or (path == ASSIGNMENTS_PATH and req.method == b"POST")
+        or path == b"/"
+        or path == b"/ui"
+        or path.startswith(b"/ui/")
+    )

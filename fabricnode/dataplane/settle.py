@@ -24,6 +24,7 @@ from fabricnode.dataplane.accounting import (
 from fabricnode.dataplane.endpoints import FORM_KINDS, NO_USAGE_KINDS
 from fabricnode.dataplane.job import Job
 from fabricnode.dataplane.metrics import IngressMetrics
+from fabricnode.dataplane.recent import RecentStats
 from fabricnode.dataplane.sockio import LoopClock
 from fabricnode.dataplane.tiers import BATCH, INTERACTIVE
 
@@ -51,6 +52,8 @@ class Settler:
         self.wall_clock = wall_clock
         self.clock = clock
         self.finished: deque[Job] = deque()
+        # The last minutes per model, for the dashboard (``GET /fabric/v1/stats``).
+        self.recent = RecentStats()
 
     def answered(self, job: Job, candidates: int, now: float) -> None:
         """The request is answered at ``now``: queue it; settle at once when the queue is full."""
@@ -101,6 +104,16 @@ class Settler:
         self.metrics.tier_requests.inc((tier,))
         if job.audio_s:
             self.metrics.audio_seconds.inc((job.model,), job.audio_s)
+        self.recent.add(
+            job.started + wall_offset,
+            job.model,
+            status,
+            latency,
+            job.ttft_s,
+            job.prompt_tokens,
+            job.completion_tokens if status == 200 else 0,
+            job.batch,
+        )
         name = job.key.name if job.key is not None else "anonymous"
         self.ledger.record(
             name, job.model, job.prompt_tokens, job.completion_tokens, error=status >= 400

@@ -156,6 +156,8 @@ class ControllerStatus:
     last_pass_at: float = 0.0
     dry_run: bool = False
     commands: tuple[str, ...] = ()  # dry-run: what it would have run
+    # model -> its TTFT p95 objective (seconds), for those the service file gives one
+    objectives: dict[str, float] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -167,6 +169,7 @@ class ControllerStatus:
             "dry_run": self.dry_run,
             "models": [m.to_json() for m in self.models],
             "commands": list(self.commands),
+            "objectives": dict(self.objectives),
         }
 
 
@@ -260,6 +263,9 @@ class Controller:
             for p in plans.models:  # a new file: failed models get another chance
                 self.memory.reset_model(p.model)
             self.status.service_digest = plans.digest
+        self.status.objectives = {
+            p.model: p.ttft_p95_s for p in plans.models if p.ttft_p95_s is not None
+        }
         jobs = await trio.to_thread.run_sync(self.slurm.list_jobs)
         jobs = await trio.to_thread.run_sync(self._preemptions, jobs)
         ran = len(self.slurm.commands)

@@ -73,7 +73,6 @@ Each cluster has its own ROOT and ports and every process carries its ROOT: the 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import pwd
 import re
@@ -89,6 +88,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from tests.support.debian import InstallError, Unavailable, install_packages, tail
 
 SLURM_PACKAGES = ("munge", "slurmctld", "slurmd", "slurm-client")
 SLURM_COMMANDS = (
@@ -112,12 +113,7 @@ ACCOUNT = "fabric"
 # The accounting mode's QoS and their limits (sacctmgr words); the user may use both, the first
 # is its default. "single" lets a user have one job submitted at a time: sbatch refuses the next.
 ACCOUNTING_QOS = {"normal": "", "single": "MaxSubmitJobsPerUser=1"}
-INSTALL_LOCK = Path(tempfile.gettempdir()) / "fabricnode-slurm-install.lock"
 SEARCH_PATH = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin", "/usr/bin"])
-NO_NETWORK = re.compile(
-    r"Failed to fetch|Temporary failure resolving|Could not (connect|resolve)|Unable to fetch"
-    r"|Network is unreachable|Connection (refused|timed out)"
-)
 # Errors every run logs: no PMIx library (MPI is off), no state on a first start, cancellations.
 BENIGN_LOG_LINE = re.compile(r"pmix|state file|backup state save|\*\*\* (JOB|STEP) .* CANCELLED AT")
 
@@ -176,101 +172,20 @@ def install_slurm(
 
     ``accounting`` adds slurmdbd and MariaDB (``ACCOUNTING_PACKAGES``). Raises SlurmUnavailable
     when it cannot be done here (not root, no apt-get, the Debian mirrors unreachable) and
-    SlurmError when apt itself fails. One install at a time across processes (a file lock);
-    ``apt-get update`` once per attempt, retried with a pause.
+    SlurmError when apt itself fails (``debian.install_packages``: one install at a time across
+    processes, ``apt-get update`` once per attempt, retried with a pause).
     """
-    wanted = packages(accounting=accounting)
-    if not missing_commands(accounting=accounting):
-        return 0.0
-    if os.geteuid() != 0:
-        raise SlurmUnavailable(
-            f"Slurm is not installed ({', '.join(missing_commands(accounting=accounting))}"
-            " missing) and installing it needs root"
-        )
-    if shutil.which("apt-get") is None:
-        raise SlurmUnavailable("Slurm is not installed and there is no apt-get to install it")
-    t0 = time.monotonic()
-    with _file_lock(INSTALL_LOCK, lock_timeout_s):
-        if not missing_commands(accounting=accounting):  # another session installed it meanwhile
-            return time.monotonic() - t0
-        failures: list[str] = []
-        for attempt in range(attempts):
-            if attempt:
-                time.sleep(5 * attempt)
-            update = _apt("update")
-            install = _apt("install", "-y", "--no-install-recommends", *wanted)
-            if install.returncode == 0 and not missing_commands(accounting=accounting):
-                return time.monotonic() - t0
-            failures.append(_tail(update.stdout + install.stdout, 6))
-        if not _apt_knows(wanted[-1]) or NO_NETWORK.search(update.stdout + install.stdout):
-            raise SlurmUnavailable(
-                f"apt cannot fetch {' '.join(wanted)} (no network to a Debian mirror?): "
-                + failures[-1]
-            )
-        raise SlurmError(f"apt-get install {' '.join(wanted)} failed: {failures[-1]}")
-
-
-def _apt(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive", "LC_ALL": "C"}
-    argv = [
-        "apt-get",
-        "-q",
-        "-o",
-        "DPkg::Lock::Timeout=600",
-        "-o",
-        "Dpkg::Options::=--force-confdef",
-        "-o",
-        "Dpkg::Options::=--force-confold",
-        *args,
-    ]
-    # No service may start from the packages' scripts (there is no systemd; invoke-rc.d would
-    # run the init scripts): a policy-rc.d that says no, unless the machine has its own.
-    policy = Path("/usr/sbin/policy-rc.d")
-    ours = args[0] == "install" and not policy.exists()
-    if ours:
-        policy.write_text("#!/bin/sh\n# fabricnode tests: installing Slurm\nexit 101\n")
-        policy.chmod(0o755)
     try:
-        return subprocess.run(
-            argv,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            timeout=900,
-            check=False,
+        return install_packages(
+            packages(accounting=accounting),
+            lambda: missing_commands(accounting=accounting),
+            attempts=attempts,
+            lock_timeout_s=lock_timeout_s,
         )
-    except subprocess.TimeoutExpired as e:
-        return subprocess.CompletedProcess(argv, 124, f"timed out after {e.timeout} s", "")
-    finally:
-        if ours:
-            policy.unlink(missing_ok=True)
-
-
-def _apt_knows(package: str) -> bool:
-    shown = subprocess.run(
-        ["apt-cache", "show", package], capture_output=True, timeout=60, check=False
-    )
-    return shown.returncode == 0 and bool(shown.stdout.strip())
-
-
-@contextlib.contextmanager
-def _file_lock(path: Path, timeout_s: float) -> Iterator[None]:
-    with open(path, "a") as f:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise SlurmError(f"{path} is still locked after {timeout_s} s") from None
-                time.sleep(1)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    except Unavailable as exc:
+        raise SlurmUnavailable(f"Slurm is not installed: {exc}") from None
+    except InstallError as exc:
+        raise SlurmError(str(exc)) from None
 
 
 def _which(command: str) -> str:
@@ -278,10 +193,6 @@ def _which(command: str) -> str:
     if found is None:
         raise SlurmError(f"{command} is not installed")
     return found
-
-
-def _tail(text: str, lines: int) -> str:
-    return " | ".join(line.strip() for line in text.strip().splitlines()[-lines:])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -791,7 +702,7 @@ class SlurmCluster:
             stdin=subprocess.DEVNULL,
         )
         if done.returncode != 0:
-            raise SlurmError(f"mariadb-install-db: {_tail(done.stdout + done.stderr, 10)}")
+            raise SlurmError(f"mariadb-install-db: {tail(done.stdout + done.stderr, 10)}")
         self._spawn(
             "mariadbd",
             *server,
@@ -862,7 +773,7 @@ class SlurmCluster:
 
     def _stderr_tail(self, name: str) -> str:
         path = self.logs_dir / f"{name}.stderr"
-        return _tail(path.read_text(errors="replace"), 10) if path.exists() else ""
+        return tail(path.read_text(errors="replace"), 10) if path.exists() else ""
 
 
 def parse_record(text: str) -> dict[str, str]:

@@ -453,8 +453,13 @@ def test_demo_serve_answers_on_the_printed_url_until_ctrl_c(demo_runs: list[Demo
             assert raw.parse().choices[0].message.content
             served = sessions[raw.headers["x-fabric-node"][:8]]
             assert served != victim.group(1)
-    # The admin command it suggests works against the same agent.
+    # The dashboard it prints is served there (the page and its files, from the package).
     agent_url = base.group(1).removesuffix("/v1")
+    assert re.search(rf"dashboard: +{re.escape(agent_url)}/ui$", output, re.M), output
+    page = httpx.get(f"{agent_url}/ui", timeout=5.0)
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert "content-security-policy" in page.headers
+    # The admin command it suggests works against the same agent.
     listed = CliRunner().invoke(app, ["--agent", agent_url, "nodes", "--json"])
     assert listed.exit_code == 0, listed.output
     assert len(json.loads(listed.stdout)["nodes"]) == 3

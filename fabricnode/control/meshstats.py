@@ -1,0 +1,136 @@
+"""The mesh's rates and latencies per model over the last minutes (``GET /fabric/v1/stats``).
+
+Each agent counts what it answered as an ingress (``dataplane.recent``); a request is counted
+once, by the agent the client sent it to. So the mesh's figures are the sum over every agent:
+``MeshStats.gather`` asks the other live agents for their own counts
+(``/fabric/v1/stats?scope=self``), adds them to this agent's, and reads the rates and
+percentiles from the sum (``recent.summarize``). That makes any agent a window on the whole mesh.
+
+Bounds: at most ``MAX_AGENTS`` agents asked, ``peers.CONCURRENCY`` at a time, through
+``peers.PeerClient`` (each answer bounded in time and size); an agent that does not answer, or
+answers something else, is left out and counted (``answered`` < ``asked`` in the answer). One
+gathering is reused for ``CACHE_S`` by every viewer with the same key, so ten open dashboards
+cost the mesh what one does. The page's ``Authorization`` header is passed on (agents sharing an
+API-keys file accept the same admin key); nothing else of the page's request is.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import trio
+
+from fabricnode.control.peers import CONCURRENCY, PeerClient
+from fabricnode.dataplane.recent import BUCKET_S, BUCKETS, merge, summarize
+from fabricnode.mesh.core import MeshCore
+from fabricnode.mesh.membership import Liveness
+from fabricnode.mesh.registry import State
+
+log = logging.getLogger("fabricnode.control.meshstats")
+
+STATS_PATH = "/fabric/v1/stats"
+MAX_AGENTS = 256
+CACHE_S = 2.0
+MAX_CACHED = 8
+
+Json = dict[str, Any]
+LocalExport = Callable[[float, float], list[Json]]
+AskAgent = Callable[[str, float, str | None], Awaitable[list[Json] | None]]
+
+
+def window_of(raw: str | None) -> float:
+    """The ``window`` query parameter (seconds), bounded to what the ring keeps."""
+    if raw is None:
+        return BUCKETS * BUCKET_S
+    value = float(raw)  # ValueError: the caller answers 400
+    if not math.isfinite(value) or value < BUCKET_S:
+        raise ValueError(f"window {raw!r}: expected seconds >= {BUCKET_S:g}")
+    return min(value, BUCKETS * BUCKET_S)
+
+
+class MeshStats:
+    def __init__(
+        self,
+        core: MeshCore,
+        local_export: LocalExport,
+        wall_clock: Callable[[], float],
+        peers: PeerClient,
+        ask: AskAgent | None = None,
+    ) -> None:
+        self.core = core
+        self.local_export = local_export
+        self.wall_clock = wall_clock
+        self.peers = peers
+        self.ask = ask or self._ask
+        self._cache: dict[tuple[float, str | None], tuple[float, Json]] = {}
+
+    def local(self, window_s: float) -> Json:
+        """This agent's own counts: what ``scope=self`` answers (mergeable rows)."""
+        now = self.wall_clock()
+        return {
+            "scope": "self",
+            "bucket_s": BUCKET_S,
+            "now": now,
+            "rows": self.local_export(now, window_s),
+        }
+
+    async def gather(self, window_s: float, authorization: str | None) -> Json:
+        """The whole mesh's figures (see the module docstring)."""
+        key = (window_s, authorization)
+        now = self.wall_clock()
+        cached = self._cache.get(key)
+        if cached is not None and now - cached[0] < CACHE_S:
+            return cached[1]
+        urls = self.peer_urls()
+        answers: list[list[Json]] = [self.local_export(now, window_s)]
+        answered = 1
+        limiter = trio.CapacityLimiter(CONCURRENCY)
+
+        async def one(url: str) -> None:
+            nonlocal answered
+            async with limiter:
+                rows = await self.ask(url, window_s, authorization)
+            if rows is not None:
+                answers.append(rows)
+                answered += 1
+
+        async with trio.open_nursery() as nursery:
+            for url in urls:
+                nursery.start_soon(one, url)
+        doc = {
+            "scope": "mesh",
+            "bucket_s": BUCKET_S,
+            "now": now,
+            "agents": {"asked": len(urls) + 1, "answered": answered},
+            "models": summarize(merge(answers), now, window_s),
+        }
+        if len(self._cache) >= MAX_CACHED:
+            self._cache.clear()
+        self._cache[key] = (now, doc)
+        return doc
+
+    def peer_urls(self) -> list[str]:
+        """The HTTP addresses of the other agents this one sees alive (or suspect: it may be
+        a slow answer, which the timeout bounds), and not left."""
+        urls: list[str] = []
+        own = self.core.self_entry.session_id
+        for entry in sorted(self.core.registry, key=lambda e: e.session_id):
+            body = entry.body
+            if entry.session_id == own or body.state in (State.DOWN, State.LEFT):
+                continue
+            if self.core.liveness(entry.session_id) in (Liveness.DEAD, Liveness.LEFT):
+                continue
+            if body.addresses.http:
+                urls.append(body.addresses.http.rstrip("/"))
+            if len(urls) >= MAX_AGENTS:
+                break
+        return urls
+
+    async def _ask(self, url: str, window_s: float, authorization: str | None) -> list[Json] | None:
+        params = {"scope": "self", "window": f"{window_s:g}"}
+        doc = await self.peers.get_json(url, STATS_PATH, params, authorization)
+        rows = None if doc is None else doc.get("rows")
+        return rows if isinstance(rows, list) else None
