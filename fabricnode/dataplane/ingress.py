@@ -1801,11 +1801,12 @@ class Ingress:
         if tokens:
             prefill = self.prefill
             sent_at = self.clock.now()
-            was_idle = prefill.sent(sid, tokens, sent_at)
+            was_idle = prefill.sent(sid, tokens, sent_at, job.batch)
             timed = job.stream and job.ttft_s is None
             if timed:
                 due = prefill.due(sid)
-                sample = was_idle
+                # A batch prompt's first token also waits for interactive ones: no sample.
+                sample = was_idle and not job.batch
         try:
             ex = Exchange(self.pool, self.watchdog, origin)
             try:

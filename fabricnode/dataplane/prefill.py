@@ -32,12 +32,21 @@ and the node's clock moves on by the difference (``first_token``). Corrections a
 forward and are not counted twice: a slot's end is read with the corrections made since it was
 given (``_shift``), so two prompts held up by the same delay push the clock once.
 
+A batch prompt also waits, in an engine that schedules by priority, behind every interactive
+prompt that arrives while it is queued: it gets only what they leave of the node's rate (a
+low-priority job's service rate in a priority queue). So its slot is its tokens over
+``rate * (1 - interactive load)``, the load being the interactive prompt tokens sent to the
+node over the last ``LOAD_WINDOW_S`` (exponentially decayed) as a share of the rate, and at
+least ``MIN_BATCH_SHARE`` of it. This counts the interactive prompts twice (each also adds its
+own slot when sent): the clock errs late for batch work, which only ever waits the longer.
+
 Pure: no I/O and no clock reads; every call takes ``now`` (the ingress's monotonic clock). State
 is bounded by the number of nodes: ``forget`` drops a node that left the routing table.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 
 DEFAULT_RATE = 10_000.0  # estimated tokens per second before a node has a sample
@@ -45,13 +54,15 @@ MIN_SAMPLE_TOKENS = 256  # shorter prompts are not sampled: overheads would domi
 WINDOW = 32  # samples kept per node
 QUANTILE = 0.75  # the rate: this quantile of the samples kept
 MIN_RATE = 10.0
+LOAD_WINDOW_S = 10.0  # the interactive load a batch prompt's slot allows for (decay time)
+MIN_BATCH_SHARE = 0.25  # a batch prompt's slot assumes at least this share of the rate
 MAX_RATE = 10_000_000.0
 
 
 class PrefillClocks:
     """Per-node virtual prefill clocks and learned prefill rates (see the module docstring)."""
 
-    __slots__ = ("_rate", "_samples", "_shift", "_until", "default_rate")
+    __slots__ = ("_load", "_rate", "_samples", "_shift", "_until", "default_rate")
 
     def __init__(self, default_rate: float = DEFAULT_RATE) -> None:
         if not MIN_RATE <= default_rate <= MAX_RATE:
@@ -63,6 +74,8 @@ class PrefillClocks:
         # Per node, the corrections made so far (seconds, growing): a slot's end as given is
         # read as ``due + _shift`` (see ``first_token``).
         self._shift: dict[str, float] = {}
+        # Per node, interactive prompt tokens sent, decayed over LOAD_WINDOW_S: (sum, as of).
+        self._load: dict[str, tuple[float, float]] = {}
 
     def backlog(self, sid: str, now: float) -> float:
         """Seconds of prefill this ingress sent to ``sid`` that are (estimated) still ahead."""
@@ -71,14 +84,33 @@ class PrefillClocks:
             return 0.0
         return until - now
 
-    def sent(self, sid: str, tokens: int, now: float) -> bool:
-        """A prompt of ``tokens`` went to ``sid`` at ``now``. True if the node had no backlog
-        (the request's time to first token is then a sample of the rate)."""
+    def sent(self, sid: str, tokens: int, now: float, batch: bool = False) -> bool:
+        """A prompt of ``tokens`` went to ``sid`` at ``now`` (``batch``: of the batch tier).
+        True if the node had no backlog (the request's time to first token is then a sample of
+        the rate)."""
         until = self._until.get(sid, now)
         idle = until <= now
         start = now if idle else until
-        self._until[sid] = start + max(tokens, 1) / self.rate(sid)
+        tokens = max(tokens, 1)
+        rate = self.rate(sid)
+        if batch:
+            share = max(MIN_BATCH_SHARE, 1.0 - self.interactive_load(sid, now))
+            self._until[sid] = start + tokens / (rate * share)
+            return idle
+        self._until[sid] = start + tokens / rate
+        self._load[sid] = (self._decayed(sid, now) + tokens, now)
         return idle
+
+    def interactive_load(self, sid: str, now: float) -> float:
+        """The interactive prompt tokens sent to ``sid`` lately as a share of its rate."""
+        return self._decayed(sid, now) / (LOAD_WINDOW_S * self.rate(sid))
+
+    def _decayed(self, sid: str, now: float) -> float:
+        found = self._load.get(sid)
+        if found is None:
+            return 0.0
+        total, at = found
+        return total * math.exp(-max(0.0, now - at) / LOAD_WINDOW_S)
 
     def due(self, sid: str) -> float:
         """The end of the slot ``sent`` just gave ``sid``'s last prompt, as a handle for
@@ -130,6 +162,7 @@ class PrefillClocks:
         self._rate.pop(sid, None)
         self._samples.pop(sid, None)
         self._shift.pop(sid, None)
+        self._load.pop(sid, None)
 
     def __len__(self) -> int:
         return len(self._until)

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from fabricnode.dataplane.prefill import (
     DEFAULT_RATE,
+    MIN_BATCH_SHARE,
     MIN_SAMPLE_TOKENS,
     WINDOW,
     PrefillClocks,
@@ -172,10 +173,34 @@ def test_backlog_and_rate_stay_finite_and_bounded(
     now = 0.0
     for sid, tokens, gap, ttft in events:
         now += gap
-        clocks.sent(sid, tokens, now)
+        clocks.sent(sid, tokens, now, batch=tokens % 2 == 1)
         clocks.first_token(sid, clocks.due(sid), now + ttft)
         clocks.observe(sid, tokens, ttft)
         for node in ("a", "b"):
             backlog = clocks.backlog(node, now)
             assert math.isfinite(backlog) and backlog >= 0.0
             assert 10.0 <= clocks.rate(node) <= 10_000_000.0
+
+
+def test_a_batch_prompt_gets_what_the_interactive_load_leaves_of_the_rate() -> None:
+    clocks = PrefillClocks(default_rate=1000.0)
+    # No interactive load: a batch prompt's slot is its tokens over the rate.
+    clocks.sent("a", 500, 0.0, batch=True)
+    assert clocks.backlog("a", 0.0) == pytest.approx(0.5)
+    # 5,000 interactive tokens sent to b; 5 s later (their slot is over) what is left of them
+    # over the load window (10 s) is the share of b's rate they take.
+    clocks.sent("b", 5000, 100.0)
+    load = 5000 * math.exp(-5 / 10) / (10 * 1000)
+    assert clocks.interactive_load("b", 105.0) == pytest.approx(load)
+    clocks.sent("b", 500, 105.0, batch=True)
+    assert clocks.backlog("b", 105.0) == pytest.approx(500 / (1000 * (1 - load)))
+    # The load decays: a minute later, nearly nothing is left of it.
+    assert clocks.interactive_load("b", 160.0) < 0.01
+
+
+def test_a_batch_prompt_s_slot_assumes_at_least_a_quarter_of_the_rate() -> None:
+    clocks = PrefillClocks(default_rate=1000.0)
+    clocks.sent("a", 100_000, 0.0)  # far more interactive work than the node can do
+    ahead = clocks.backlog("a", 1.0)
+    clocks.sent("a", 1000, 1.0, batch=True)
+    assert clocks.backlog("a", 1.0) - ahead == pytest.approx(1000 / (1000 * MIN_BATCH_SHARE))
