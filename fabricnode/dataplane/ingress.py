@@ -1477,6 +1477,11 @@ class Ingress:
         sid = w.ranked[0].node.session_id
         inflight[sid] = inflight.get(sid, 0) + 1
         job.batch_node = sid
+        if job.prefill_tokens:
+            # On the clock now, not when its task gets to send it: the same walk of the gate
+            # must see this node busy, or it sends it several batch prompts at once.
+            self.prefill.sent(sid, job.prefill_tokens, now, True)
+            job.prefill_booked = sid
         rate = self.config.batch_prefill_tokens_per_s
         if rate > 0:
             paced[sid] = next_paced(paced.get(sid, now), now, w.rreq.prompt_tokens_est, rate)
@@ -1801,7 +1806,11 @@ class Ingress:
         if tokens:
             prefill = self.prefill
             sent_at = self.clock.now()
-            was_idle = prefill.sent(sid, tokens, sent_at, job.batch)
+            if job.prefill_booked == sid:  # the batch gate put it on the clock
+                was_idle = False
+            else:
+                was_idle = prefill.sent(sid, tokens, sent_at, job.batch)
+            job.prefill_booked = None
             timed = job.stream and job.ttft_s is None
             if timed:
                 due = prefill.due(sid)

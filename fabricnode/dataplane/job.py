@@ -37,6 +37,7 @@ class Job:
         "model",
         "path",
         "preemptions",
+        "prefill_booked",
         "prefill_tokens",
         "prompt_tokens",
         "response",
@@ -89,6 +90,9 @@ class Job:
         # Its prompt's estimated tokens, counted on the prefill clock of each node it goes to
         # (``prefill``); 0 for kinds without a prompt to prefill.
         self.prefill_tokens = 0
+        # The node whose prefill clock the batch gate already moved for it when it admitted it
+        # there (None: not booked); its first attempt there does not count it again.
+        self.prefill_booked: str | None = None
         self.preemptions = 0  # times the batch gate took it back from a node (``tiers``)
         self.prompt_tokens = 0
         self.completion_tokens = 0

@@ -399,6 +399,39 @@ async def test_pacing_sends_a_node_one_batch_request_at_a_time_by_its_prompt(
         assert g.waiting() == 0
 
 
+async def test_one_walk_of_the_gate_sends_a_node_one_batch_prompt_not_all_it_has_room_for(
+    tmp_path: Path,
+) -> None:
+    """Three batch requests wait while the node has room for one; then it has room for eight.
+    The walk of the gate that follows admits one: the prompt it admits is on the node's prefill
+    clock at once, so the next waits until the clock says it is computed (~0.4 s for ~4,000
+    estimated tokens at the default rate), and the engine never gets them in one step."""
+    async with gate(tmp_path) as g, httpx.AsyncClient(timeout=20) as client:
+        node = g.nodes[0]
+        prompt = "word " * 3200  # ~16,000 bytes of body: ~4,000 estimated tokens
+
+        async def send() -> None:
+            r = await client.post(g.url, json=chat(prompt, hold=True), headers=BATCH)
+            assert r.status_code == 200
+
+        async with trio.open_nursery() as senders:
+            senders.start_soon(send)
+            await g.until(lambda: node.held == 1)  # no load report: room for one
+            for _ in range(3):
+                senders.start_soon(send)
+            await g.until(lambda: g.waiting() == 3)
+            g.report(0, kv_usage=0.0)  # a fresh report: room for eight
+            node.release()
+            await g.until(lambda: g.waiting() < 3)
+            assert g.waiting() == 2  # one went; the others wait for the clock
+            for left in (1, 0):
+                g.report(0, kv_usage=0.0)
+                await g.until(lambda left=left: g.waiting() == left, timeout_s=5)
+            await g.until(lambda: node.held == 3)
+            node.release()
+        assert g.waiting() == 0
+
+
 async def test_batch_requests_yield_their_node_when_its_engine_queues_with_a_full_cache(
     tmp_path: Path,
 ) -> None:
