@@ -441,6 +441,10 @@ class Agent:
         stats = MeshStats(core, ingress.recent_export, self.wall_clock, PeerClient())
         load_history = LoadHistory()
 
+        def engine_argv() -> tuple[str, ...] | None:
+            engine = self.engine
+            return None if engine is None else tuple(engine.command.argv)
+
         def app(agent_endpoints: bool) -> AdminApp:
             return AdminApp(
                 core,
@@ -456,6 +460,7 @@ class Agent:
                 engine=engine_statistics,
                 stats=stats,
                 load_history=load_history,
+                engine_command=engine_argv,
             )
 
         # The public port is the data plane; paths outside /v1 go to the control app inline.

@@ -41,12 +41,16 @@ Endpoints (all GET; HEAD is answered like GET without a body):
 * ``/fabric/v1/fleet`` — the service file this agent holds (without its text), the acting
   controller and its ``/fabric/v1/controller`` answer, asked from it wherever it runs
   (``fleet``); ``controller`` is null when the mesh runs none. Always 200.
+* ``/fabric/v1/self/engine`` and ``/fabric/v1/nodes/{session_id}/engine`` — the engine command
+  (secret-looking values hidden), which only the node's own agent knows: asked of it
+  (``enginecmd``); ``command`` null with a ``reason`` when it cannot be told.
 * ``/fabric/v1/nodes/{session_id}/load`` — that node's recent load reports
   (``loadhistory``): ``{"session_id", "samples": [{"at", "waiting", "running", "kv_usage",
   "inflight"}]}``.
 * ``/metrics`` — Prometheus text, every name prefixed ``fabric_``.
 * ``/ui`` (and ``/ui/<file>``) — the dashboard's files (``fabricnode.ui``), with a strict
-  Content-Security-Policy; ``/`` redirects a browser (``Accept: text/html``) there.
+  Content-Security-Policy; ``/`` redirects a browser (``Accept: text/html``) there, and
+  ``/favicon.ico`` (which a browser asks of any page here) is the dashboard's icon.
 
 Errors have the OpenAI shape ``{"error": {"message", "type", "code"}}``: 400 bad query, 404 unknown
 path or session, 405 wrong method, 409 ambiguous prefix, 500 a bug (logged). The app reads the
@@ -61,7 +65,7 @@ import logging
 import math
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -74,6 +78,7 @@ from prometheus_client.registry import Collector
 
 from fabricnode import __version__, ui
 from fabricnode.asgi import Receive, Send, lifespan
+from fabricnode.control.enginecmd import SELF_ENGINE_PATH, node_engine, own_engine
 from fabricnode.control.fleet import fleet_view
 from fabricnode.control.loadhistory import LoadHistory
 from fabricnode.control.meshstats import MeshStats, window_of
@@ -118,7 +123,9 @@ WORKLOAD_PATH = "/fabric/v1/workload"
 STATS_PATH = "/fabric/v1/stats"
 FLEET_PATH = "/fabric/v1/fleet"
 LOAD_SUFFIX = "/load"
+ENGINE_SUFFIX = "/engine"
 UI_PATH = "/ui"
+FAVICON_PATH = "/favicon.ico"
 UI_PREFIX = "/ui/"
 MAX_POST_BYTES = 1024 * 1024
 MAX_ASSIGNMENTS_PER_POST = 4096
@@ -186,8 +193,10 @@ class AdminApp:
         engine: Callable[[], EngineStatistics | None] = lambda: None,
         stats: MeshStats | None = None,
         load_history: LoadHistory | None = None,
+        engine_command: Callable[[], Sequence[str] | None] = lambda: None,
     ) -> None:
         self.core = core
+        self.engine_command = engine_command  # this node's engine argv (None: no engine)
         self.stats = stats  # the dashboard's rates and latencies (None: no data plane)
         self.load_history = load_history
         self.engine = engine  # the supervised engine's statistics (None: no engine)
@@ -234,12 +243,22 @@ class AdminApp:
                 response = await self.workload(_query(scope))
             elif self.agent_endpoints and path == STATS_PATH:
                 response = await self.stats_view(_query(scope), _header(scope, b"authorization"))
+            elif self.agent_endpoints and path == SELF_ENGINE_PATH:
+                response = json_response(own_engine(self.engine_command()))
+            elif (
+                self.agent_endpoints
+                and path.startswith(NODES_PREFIX)
+                and path.endswith(ENGINE_SUFFIX)
+                and self.stats is not None
+            ):
+                sid = unquote(path[len(NODES_PREFIX) : -len(ENGINE_SUFFIX)])
+                response = await self.node_engine(sid, _header(scope, b"authorization"))
             elif self.agent_endpoints and path == FLEET_PATH and self.stats is not None:
                 doc = await fleet_view(
                     self.core, self.controller, self.stats.peers, _header(scope, b"authorization")
                 )
                 response = json_response(doc)
-            elif self.agent_endpoints and (path == "/" or path.startswith(UI_PATH)):
+            elif self.agent_endpoints and (path in ("/", FAVICON_PATH) or path.startswith(UI_PATH)):
                 response = self.dashboard(path, scope)
             else:
                 response = self.route(path)(_query(scope))
@@ -381,6 +400,15 @@ class AdminApp:
         samples = [] if self.load_history is None else self.load_history.of(entry.session_id)
         return json_response({"session_id": entry.session_id, "samples": samples})
 
+    async def node_engine(self, prefix: str, authorization: str | None) -> Response:
+        entry = self._one_node(prefix)
+        if entry.session_id == self.core.self_entry.session_id:
+            doc = own_engine(self.engine_command())
+        else:
+            assert self.stats is not None
+            doc = await node_engine(self.stats.peers, entry.body.addresses.http, authorization)
+        return json_response({"session_id": entry.session_id, **doc})
+
     async def stats_view(self, query: list[tuple[str, str]], authorization: str | None) -> Response:
         if self.stats is None:
             raise HttpError(404, "this agent has no data plane to count requests", "not_found")
@@ -411,7 +439,9 @@ class AdminApp:
             return Response(
                 302, b"", "text/plain; charset=utf-8", ((b"location", UI_PATH.encode()),)
             )
-        if path in (UI_PATH, UI_PREFIX):
+        if path == FAVICON_PATH:
+            name = "favicon.svg"  # what browsers ask any page of this origin for
+        elif path in (UI_PATH, UI_PREFIX):
             name = ""
         elif path.startswith(UI_PREFIX):
             name = path[len(UI_PREFIX) :]

@@ -2169,6 +2169,7 @@ def _open_control(req: Request) -> bool:
         path in OPEN_CONTROL_PATHS
         or (path == ASSIGNMENTS_PATH and req.method == b"POST")
         or path == b"/"
+        or path == b"/favicon.ico"
         or path == b"/ui"
         or path.startswith(b"/ui/")
     )

@@ -93,16 +93,22 @@ def wait_for(driver: Any, predicate: Any, timeout_s: float, what: str) -> Any:
     return WebDriverWait(driver, timeout_s, poll_frequency=0.2).until(predicate, what)
 
 
+ROWS_JS = """
+const out = {};
+for (const row of document.querySelectorAll('#mesh-groups tr[data-session]')) {
+  out[row.dataset.session] = {
+    state: row.querySelector('.state').textContent,
+    liveness: row.querySelector('.live').textContent,
+  };
+}
+return out;
+"""
+
+
 def rows(driver: Any) -> dict[str, dict[str, str]]:
-    """The mesh table's rows by session id: state and liveness as the page writes them."""
-    out: dict[str, dict[str, str]] = {}
-    for row in driver.find_elements("css selector", "#mesh-groups tr[data-session]"):
-        sid = row.get_attribute("data-session")
-        out[sid] = {
-            "state": row.find_element("css selector", ".state").text,
-            "liveness": row.find_element("css selector", ".live").text,
-        }
-    return out
+    """The mesh table's rows by session id: state and liveness as the page writes them (read in
+    one script, as the page redraws the table on every poll)."""
+    return dict(driver.execute_script(ROWS_JS))
 
 
 def test_the_mesh_view_lists_every_node(page: Any, mesh: Mesh) -> None:
@@ -171,6 +177,16 @@ def test_the_models_view_shows_rates_under_load(page: Any, mesh: Mesh) -> None:
 
         # The summary is the last complete 10-second bucket onwards: up to 20 s.
         wait_for(page, busy, 40, "a non-zero request rate for the loaded model")
+
+        def buckets_with_requests() -> int:
+            r = httpx.get(f"{mesh.url}/fabric/v1/stats", timeout=5.0)
+            series = r.json()["models"].get(LLAMA, {}).get("series", {})
+            return sum(1 for v in series.get("requests_per_s", []) if v)
+
+        # Two buckets, so the charts draw lines, and the page's next poll after that.
+        assert wait_until(lambda: buckets_with_requests() >= 2, 30.0)
+        status = page.find_element("id", "status").text
+        wait_for(page, lambda d: d.find_element("id", "status").text != status, 15, "a new poll")
         ttft = page.find_element("css selector", f'{card} [data-figure="ttft"]').text
         assert "ms" in ttft or " s" in ttft
         charts = page.find_elements("css selector", f"{card} .chart canvas")
@@ -202,6 +218,8 @@ def test_the_node_view_shows_one_entry_in_full(page: Any, mesh: Mesh) -> None:
     )
     text = page.find_element("id", "node-detail").text
     assert sid in text and "L40S" in text and LLAMA in text and "sim" in text
+    # The engine's command, which only the node's own agent knows: asked of it.
+    assert "fabricnode.simengine" in text and "--model llama-3-8b" in text
     wait_for(
         page,
         lambda d: d.find_elements("css selector", '#node-detail [data-chart="load"] canvas'),

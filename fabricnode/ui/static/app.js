@@ -22,6 +22,7 @@
   let session = null; // /ui/session: whether keys are on and what this key may read
   let lastUpdate = 0;
   let chat = null; // the playground's AbortController while a reply streams
+  const engineOf = new Map(); // session id -> its engine command, once its agent told us
 
   // -- DOM helpers ---------------------------------------------------------------------------
 
@@ -336,7 +337,15 @@
 
   const PALETTE = ["--accent", "--ok", "--warn", "--bad", "--muted"];
 
-  // A uPlot chart in `box`, made once per view and fed new data on every poll.
+  // The charts' time window: the last ten minutes, whatever the data covers (a single point
+  // would otherwise stretch the axis over years).
+  function lastMinutes() {
+    const now = Date.now() / 1000;
+    return [now - STATS_WINDOW_S, now];
+  }
+
+  // A uPlot chart in `box`, made once per view and fed new data on every poll. A series may
+  // name its own scale (`scale`, `axisLabel`): it gets an axis on the right.
   function chart(id, box, series, data, yLabel) {
     let u = charts.get(id);
     if (u && u.root.isConnected) {
@@ -345,25 +354,31 @@
     }
     if (u) u.destroy();
     const width = Math.max(240, box.clientWidth || 320);
+    const axis = { stroke: cssVar("--muted"), grid: { stroke: cssVar("--line") } };
+    const axes = [{ ...axis }, { ...axis, label: yLabel, size: 56 }];
+    const scales = { x: { time: true, range: () => lastMinutes() }, y: { range: (u, lo, hi) => [0, Math.max(hi, 1e-3) * 1.1] } };
+    for (const s of series) {
+      if (!s.scale || scales[s.scale]) continue;
+      scales[s.scale] = { range: (u, lo, hi) => [0, Math.max(hi, 1e-3) * 1.1] };
+      axes.push({ ...axis, grid: { show: false }, scale: s.scale, side: 1, label: s.axisLabel, size: 60 });
+    }
     const opts = {
       width,
       height: 180,
-      scales: { x: { time: true } },
+      scales,
       legend: { live: false },
       cursor: { drag: { x: false, y: false } },
-      axes: [
-        { stroke: cssVar("--muted"), grid: { stroke: cssVar("--line") } },
-        { stroke: cssVar("--muted"), grid: { stroke: cssVar("--line") }, label: yLabel, size: 56 },
-      ],
+      axes,
       series: [
         {},
         ...series.map((s, i) => ({
           label: s.label,
+          scale: s.scale || "y",
           stroke: cssVar(s.color || PALETTE[i % PALETTE.length]),
           width: 1.5,
           dash: s.dash,
           spanGaps: false,
-          points: { show: false },
+          points: { size: 4 },
         })),
       ],
     };
@@ -405,7 +420,9 @@
     for (const id of Object.keys(perModel)) ids.add(id);
     const box = $("models-list");
     const seen = new Set();
+    if (ids.size && box.querySelector(":scope > p")) clear(box); // the "no model" line
     for (const id of [...ids].sort()) {
+      const position = seen.size;
       seen.add(id);
       const m = (models.models || []).find((x) => x.id === id) || { id, nodes: 0, serving: 0, load: {} };
       const s = perModel[id] || null;
@@ -415,19 +432,27 @@
       ).length;
       const plan = planned.get(id);
       let card = box.querySelector(`[data-model="${CSS.escape(id)}"]`);
+      if (card && Boolean(card.querySelector(".chart")) !== Boolean(s)) {
+        card.remove(); // requests started or stopped: built again with or without charts
+        card = null;
+      }
       if (!card) {
         card = el(
           "article",
           { class: "card", dataset: { model: id } },
           el("h2", { text: id }),
           el("dl", { class: "figures" }),
-          el("h3", { text: "Throughput" }),
-          el("div", { class: "chart", dataset: { chart: "rate" } }),
-          el("h3", { text: "Latency" }),
-          el("div", { class: "chart", dataset: { chart: "latency" } }),
+          ...(s
+            ? [
+              el("h3", { text: "Throughput" }),
+              el("div", { class: "chart", dataset: { chart: "rate" } }),
+              el("h3", { text: "Latency" }),
+              el("div", { class: "chart", dataset: { chart: "latency" } }),
+            ]
+            : [el("p", { class: "summary", text: "No request for this model through the mesh in the last 10 minutes." })]),
         );
-        box.append(card);
       }
+      if (box.children[position] !== card) box.insertBefore(card, box.children[position] || null);
       const dl = card.querySelector(".figures");
       clear(dl);
       const load = m.load || {};
@@ -448,8 +473,8 @@
       if (s) {
         const t = s.series.t;
         chart(`${id}/rate`, card.querySelector('[data-chart="rate"]'),
-          [{ label: "requests/s" }, { label: "output tokens/s ÷ 100", color: "--ok" }],
-          [t, s.series.requests_per_s, s.series.output_tokens_per_s.map((v) => v / 100)], "per s");
+          [{ label: "requests/s" }, { label: "output tokens/s", color: "--ok", scale: "tokens", axisLabel: "tokens/s" }],
+          [t, s.series.requests_per_s, s.series.output_tokens_per_s], "requests/s");
         const latency = [
           { label: "TTFT p50" },
           { label: "TTFT p95", color: "--warn" },
@@ -489,10 +514,13 @@
     }
     $("node-hint").hidden = true;
     const id = encodeURIComponent(sid);
-    const [n, history] = await Promise.all([
+    const [n, history, engine] = await Promise.all([
       getJson(`/fabric/v1/nodes/${id}`),
       getJson(`/fabric/v1/nodes/${id}/load`),
+      // Asked of the node's own agent through this one: only once per node shown.
+      engineOf.has(sid) ? engineOf.get(sid) : getJson(`/fabric/v1/nodes/${id}/engine`),
     ]);
+    if (engine.command) engineOf.set(sid, engine);
     if (mine !== generation) return;
     let chartBox = box.querySelector('[data-chart="load"]');
     const head = el(
@@ -503,12 +531,12 @@
         el("span", { class: `live live-${n.liveness}`, text: n.liveness })),
       kvList([
         ["provider", n.provider + (n.verified_provider ? ` (verified ${n.verified_provider})` : " (unverified)")],
-        ["version", String(n.version)],
+        ["entry version", String(n.version)],
         ["host", (n.hardware && n.hardware.host) || "–"],
         ["GPUs", `${gpus(n.hardware)}${n.hardware && n.hardware.gpu_memory_gb ? `, ${n.hardware.gpu_memory_gb} GB each` : ""}`],
         ["engine", n.engine && n.engine.kind ? `${n.engine.kind} ${n.engine.version || "(version unknown)"}` : "none"],
         ["engine URL", (n.engine && n.engine.url) || "–"],
-        ["engine command", n.engine && n.engine.command ? n.engine.command.join(" ") : "known to the node's own agent only"],
+        ["engine command", engine.command ? engine.command.join(" ") : `unknown (${engine.reason || "not said"})`],
         ["models", (n.models || []).map((m) => m.id + (m.max_model_len ? ` (${m.max_model_len} tokens)` : "") + (m.parent ? ` on ${m.parent}` : "")).join(", ") || "–"],
         ["addresses", `http ${n.addresses.http || "–"} · gossip ${n.addresses.gossip || "–"}`],
         ["labels", Object.entries(n.labels || {}).map(([k, v]) => `${k}=${v}`).join(", ") || "–"],

@@ -13,6 +13,7 @@ import pytest
 
 from fabricnode import ui
 from fabricnode.control.app import AdminApp
+from fabricnode.control.enginecmd import redact
 from fabricnode.control.loadhistory import LoadHistory
 from fabricnode.control.meshstats import MeshStats
 from fabricnode.control.peers import PeerClient
@@ -254,3 +255,41 @@ async def test_the_fleet_view_answers_without_a_controller(mesh: Mesh) -> None:
     r = await get(make_app(mesh, RecentStats()), "/fabric/v1/fleet")
     assert r.status_code == 200
     assert r.json() == {"services": None, "acting": None, "controller": None}
+
+
+@pytest.mark.parametrize(
+    ("argv", "shown"),
+    [
+        (["vllm", "serve", "m", "--api-key", "s3cret"], ["vllm", "serve", "m", "--api-key", "***"]),
+        (["vllm", "serve", "--hf-token=abc", "m"], ["vllm", "serve", "--hf-token=***", "m"]),
+        (["env", "HF_TOKEN=abc", "vllm"], ["env", "HF_TOKEN=***", "vllm"]),
+        (["vllm", "serve", "m", "--port", "8000"], ["vllm", "serve", "m", "--port", "8000"]),
+    ],
+)
+def test_secret_looking_values_of_an_engine_command_are_hidden(
+    argv: list[str], shown: list[str]
+) -> None:
+    assert redact(argv) == shown
+
+
+async def test_an_agent_tells_its_own_engine_command(mesh: Mesh) -> None:
+    app = make_app(mesh, RecentStats())
+    app.engine_command = lambda: ("vllm", "serve", "m", "--api-key", "x")
+    me = mesh.core.self_entry.session_id
+    doc = (await get(app, f"/fabric/v1/nodes/{me}/engine")).json()
+    assert doc == {
+        "session_id": me,
+        "command": ["vllm", "serve", "m", "--api-key", "***"],
+        "reason": None,
+    }
+    own = (await get(app, "/fabric/v1/self/engine")).json()
+    assert own["command"] == doc["command"]
+
+
+async def test_another_node_s_command_it_cannot_ask_is_null_with_the_reason(mesh: Mesh) -> None:
+    # The test mesh's entries have no HTTP address: nothing to ask, and still a 200.
+    r = await get(
+        make_app(mesh, RecentStats()), f"/fabric/v1/nodes/{mesh.sid('serving-a100')}/engine"
+    )
+    assert r.status_code == 200
+    assert r.json()["command"] is None and "no HTTP address" in r.json()["reason"]

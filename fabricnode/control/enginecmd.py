@@ -1,0 +1,69 @@
+"""A node's engine command, for the dashboard's Node view (``GET /fabric/v1/nodes/{id}/engine``).
+
+The command is not in the signed entry (entries are gossiped to every member and kept small,
+and a command line can hold secrets): only the node's own agent knows it. So an agent answers
+for itself from its engine (``/fabric/v1/self/engine``) and asks the node's agent for any other
+(``peers``), always answering 200 with ``command`` null and the reason when it cannot tell, so
+a page never logs an error for a node that left.
+
+Values of options that look like secrets (``--api-key X``, ``--hf-token=X``, ``KEY=...``
+arguments naming a key, token, secret, password or credential) are shown as ``***``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from fabricnode.control.peers import PeerClient
+
+SELF_ENGINE_PATH = "/fabric/v1/self/engine"
+SECRET = re.compile(r"key|token|secret|passw|credential|auth", re.IGNORECASE)
+HIDDEN = "***"
+
+Json = dict[str, Any]
+
+
+def redact(argv: Sequence[str]) -> list[str]:
+    """``argv`` with the values of secret-looking options hidden."""
+    out: list[str] = []
+    hide_next = False
+    for arg in argv:
+        if hide_next:
+            out.append(HIDDEN)
+            hide_next = False
+            continue
+        if arg.startswith("-"):
+            name, eq, _ = arg.partition("=")
+            if SECRET.search(name):
+                if eq:
+                    out.append(f"{name}={HIDDEN}")
+                else:
+                    out.append(arg)
+                    hide_next = True
+                continue
+        elif "=" in arg and SECRET.search(arg.partition("=")[0]):
+            out.append(f"{arg.partition('=')[0]}={HIDDEN}")
+            continue
+        out.append(arg)
+    return out
+
+
+def own_engine(argv: Sequence[str] | None) -> Json:
+    if argv is None:
+        return {"command": None, "reason": "this node runs no engine"}
+    return {"command": redact(argv), "reason": None}
+
+
+async def node_engine(peers: PeerClient, http: str, authorization: str | None) -> Json:
+    """What the node's agent at ``http`` says of its engine."""
+    if not http:
+        return {"command": None, "reason": "the node has no HTTP address"}
+    doc = await peers.get_json(http, SELF_ENGINE_PATH, None, authorization)
+    if doc is None:
+        return {"command": None, "reason": "the node's agent did not answer"}
+    command = doc.get("command")
+    if not isinstance(command, list) or not all(isinstance(a, str) for a in command):
+        return {"command": None, "reason": str(doc.get("reason") or "the node did not say")[:200]}
+    return {"command": redact(command), "reason": None}  # hidden here too, whatever it sent
