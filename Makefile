@@ -53,10 +53,12 @@ test: lint types unit
 ui-vendor:
 	scripts/vendor-ui.sh
 
-# The dashboard's screenshots in docs/screenshots, taken by its browser tests (tests/browser)
-# against a live local mesh; commit them when the page changes.
+# The dashboard's screenshots in docs/screenshots, taken by its browser tests against a live
+# local mesh (tests/browser) and a real Slurm (the controller view); commit them when the page
+# changes.
 screenshots: native
-	FABRIC_SCREENSHOTS=$(CURDIR)/docs/screenshots $(BIN)/pytest -q tests/browser/test_dashboard.py
+	FABRIC_SCREENSHOTS=$(CURDIR)/docs/screenshots $(BIN)/pytest -q tests/browser/test_dashboard.py \
+	    tests/slurm/test_dashboard_controller.py
 
 bench: native
 	$(BIN)/python bench/gossip.py

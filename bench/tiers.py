@@ -19,7 +19,8 @@ Cells:
                drawn from the same trace's lengths. ``tiered@N``: the same with the batch tier's
                per-node cap (``--batch-max-inflight-per-node``) at N instead of its default;
                ``tiered@N/R``: and pacing at R prompt tokens/s per node
-               (``--batch-prefill-rate``)
+               (``--batch-prefill-rate``); ``tiered@N+kvK``: and the batch tier's KV
+               threshold at K (``--batch-kv-threshold``, 0.6 by default)
   greedy       the replay, and the same lines sent by ``--batch-concurrency`` closed-loop
                clients as ordinary requests: what a researcher's own client loop does today.
                Its batch throughput is the capacity the interactive load leaves idle (the batch
@@ -392,13 +393,17 @@ def run_cell(
     args: argparse.Namespace,
     workdir: Path,
 ) -> CellResult:
-    # tiered@16: the batch tier's per-node cap for this cell; tiered@16/3000: and its pacing
+    # tiered@16: the batch tier's per-node cap for this cell; tiered@16/3000: and its pacing;
+    # tiered@16+kv0.75: and its KV threshold
     kind, _, knobs = cell.partition("@")
+    knobs, _, kv = knobs.partition("+kv")
     cap, _, rate = knobs.partition("/")
     if cap:
         s = replace(s, ingress_args=(*s.ingress_args, "--batch-max-inflight-per-node", cap))
     if rate:
         s = replace(s, ingress_args=(*s.ingress_args, "--batch-prefill-rate", rate))
+    if kv:
+        s = replace(s, ingress_args=(*s.ingress_args, "--batch-kv-threshold", kv))
     if args.step_log is not None:
         args.step_log.mkdir(parents=True, exist_ok=True)
         s = replace(s, step_log=args.step_log / cell.replace("/", "_"))

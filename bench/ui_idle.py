@@ -38,12 +38,16 @@ TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 VIEWS = ("mesh", "models", "node", "controller")
 
 
-def agent_cpu(pid: int, seconds: float) -> float:
-    """The process's CPU over ``seconds``, as a percentage of one core."""
-    before, t0 = cpu_ticks([pid]), time.monotonic()
+def agent_cpu(page: int, others: list[int], seconds: float) -> tuple[float, float]:
+    """CPU over ``seconds`` as a percentage of one core: the page's agent, and the mean of the
+    other agents (asked by it for the mesh-wide figures)."""
+    before = [cpu_ticks([pid]) for pid in (page, *others)]
+    t0 = time.monotonic()
     time.sleep(seconds)
-    used, wall = cpu_ticks([pid]) - before, time.monotonic() - t0
-    return 100.0 * used / TICKS_PER_S / wall
+    wall = time.monotonic() - t0
+    used = [cpu_ticks([pid]) - b for pid, b in zip((page, *others), before, strict=True)]
+    pct = [100.0 * u / TICKS_PER_S / wall for u in used]
+    return pct[0], sum(pct[1:]) / max(1, len(pct) - 1)
 
 
 def main(argv: list[str]) -> int:
@@ -75,23 +79,25 @@ def main(argv: list[str]) -> int:
             print("the mesh did not converge", file=sys.stderr)
             return 1
         time.sleep(args.settle_s)
-        rows = [("no page", agent_cpu(page_agent.pid, args.seconds))]
+        others = [a.pid for a in agents[1:]]
+        rows = [("no page", agent_cpu(page_agent.pid, others, args.seconds))]
         driver = new_driver()
         try:
             for view in views:
                 fragment = view if view != "node" else f"node/{page_agent.session_id}"
                 driver.get(f"{page_agent.http_url}/ui#/{fragment}")
                 time.sleep(3.0)  # loaded, first answers drawn
-                rows.append((f"page on {view}", agent_cpu(page_agent.pid, args.seconds)))
+                rows.append((f"page on {view}", agent_cpu(page_agent.pid, others, args.seconds)))
             errors = console_errors(driver)
         finally:
             driver.quit()
-        rows.append(("no page again", agent_cpu(page_agent.pid, args.seconds)))
-    idle = (rows[0][1] + rows[-1][1]) / 2
+        rows.append(("no page again", agent_cpu(page_agent.pid, others, args.seconds)))
+    idle = (rows[0][1][0] + rows[-1][1][0]) / 2
+    idle_others = (rows[0][1][1] + rows[-1][1][1]) / 2
     print(f"agent CPU, % of one core, {args.seconds:g} s per phase, {args.nodes} idle nodes")
-    print(f"{'phase':20} {'cpu %':>7} {'added':>7}")
-    for name, cpu in rows:
-        print(f"{name:20} {cpu:7.2f} {cpu - idle:+7.2f}")
+    print(f"{'phase':20} {'page agent':>10} {'added':>7} {'others':>7} {'added':>7}")
+    for name, (cpu, other) in rows:
+        print(f"{name:20} {cpu:10.2f} {cpu - idle:+7.2f} {other:7.2f} {other - idle_others:+7.2f}")
     print(f"browser console errors: {len(errors)}")
     for line in errors:
         print(f"  {line}")

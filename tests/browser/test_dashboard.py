@@ -261,7 +261,7 @@ def test_the_controller_view_says_when_there_is_none(page: Any, mesh: Mesh) -> N
         10,
         "the controller view",
     )
-    screenshot(page, mesh.shots / "controller.png")
+    screenshot(page, mesh.shots / "controller-none.png")
 
 
 def test_a_phone_screen_gets_one_column(page: Any, mesh: Mesh) -> None:

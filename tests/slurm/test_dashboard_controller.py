@@ -20,6 +20,10 @@ from tests.support.slurmcluster import SlurmCluster
 
 MODEL = "sim-dashboard"
 SERVICE = f"""
+[limits]
+max_jobs = 2
+max_gpus = 2
+
 [[model]]
 name = "{MODEL}"
 engine = "sim"
