@@ -146,7 +146,8 @@ def start(
     batch_max_inflight_per_node: Annotated[
         int | None,
         typer.Option(
-            metavar="N", help="Batch tier: at most N of this ingress's batch requests per node (8)."
+            metavar="N",
+            help="Batch tier: at most N of this ingress's batch requests per node (32).",
         ),
     ] = None,
     max_batch_waiting: Annotated[

@@ -65,7 +65,9 @@ class IngressConfig:
     # carry ``"priority": batch_priority`` (interactive requests: vLLM's default, 0).
     batch_kv_threshold: float = 0.6
     batch_max_waiting: int = 0
-    batch_max_inflight_per_node: int = 8
+    # 32: with the prefill clocks pacing batch prompts, the KV threshold is what binds; a
+    # smaller cap only leaves capacity idle (docs/benchmarks.md, "Priority tiers").
+    batch_max_inflight_per_node: int = 32
     max_batch_waiting: int = 4096
     batch_max_wait_s: float = 600.0
     batch_priority: int = 1

@@ -145,7 +145,7 @@ class RoomRules:
 
     kv_threshold: float = 0.6  # batch_kv_threshold: KV usage below this
     max_waiting: int = 0  # batch_max_waiting: the node's queue at most this long
-    max_inflight: int = 8  # batch_max_inflight_per_node: our batch requests in flight to it
+    max_inflight: int = 32  # batch_max_inflight_per_node: our batch requests in flight to it
     stale_after_s: float = 3.0  # routing's load_stale_after_s: a report older is not trusted
 
 

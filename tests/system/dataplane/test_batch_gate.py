@@ -375,7 +375,7 @@ async def test_a_batch_request_failing_over_to_a_node_without_priority_goes_as_i
 async def test_pacing_sends_a_node_one_batch_request_at_a_time_by_its_prompt(
     tmp_path: Path,
 ) -> None:
-    """With room for eight (a fresh report, an empty KV), pacing at 1000 prompt tokens/s holds
+    """With room for many (a fresh report, an empty KV), pacing at 1000 prompt tokens/s holds
     each ~1000-token batch request back about a second after the one before."""
     config = IngressConfig(batch_prefill_tokens_per_s=1000.0)
     async with gate(tmp_path, config=config) as g, httpx.AsyncClient(timeout=20) as client:
@@ -402,7 +402,7 @@ async def test_pacing_sends_a_node_one_batch_request_at_a_time_by_its_prompt(
 async def test_one_walk_of_the_gate_sends_a_node_one_batch_prompt_not_all_it_has_room_for(
     tmp_path: Path,
 ) -> None:
-    """Three batch requests wait while the node has room for one; then it has room for eight.
+    """Three batch requests wait while the node has room for one; then it has room for many.
     The walk of the gate that follows admits one: the prompt it admits is on the node's prefill
     clock at once, so the next waits until the clock says it is computed (~0.4 s for ~4,000
     estimated tokens at the default rate), and the engine never gets them in one step."""
@@ -420,7 +420,7 @@ async def test_one_walk_of_the_gate_sends_a_node_one_batch_prompt_not_all_it_has
             for _ in range(3):
                 senders.start_soon(send)
             await g.until(lambda: g.waiting() == 3)
-            g.report(0, kv_usage=0.0)  # a fresh report: room for eight
+            g.report(0, kv_usage=0.0)  # a fresh report: room for many
             node.release()
             await g.until(lambda: g.waiting() < 3)
             assert g.waiting() == 2  # one went; the others wait for the clock
