@@ -646,6 +646,7 @@
     const meta = $("chat-meta");
     out.textContent = "";
     meta.textContent = "sending…";
+    delete meta.dataset.done; // set again when this answer is whole
     const body = {
       model: $("chat-model").value,
       messages: [{ role: "user", content: $("chat-input").value }],
