@@ -26,6 +26,14 @@ Receive = Callable[[], Awaitable[Mapping[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 
+def header(scope: Mapping[str, Any], name: bytes) -> str | None:
+    """The first value of request header ``name`` (lower case), decoded as latin-1."""
+    for key, value in scope.get("headers") or ():
+        if key.lower() == name:
+            return bytes(value).decode("latin-1")
+    return None
+
+
 def bind_http_socket(host: str, port: int, flag: str) -> socket.socket:
     """Bind (not listen) a TCP socket; ``flag`` names the option in the error message."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET

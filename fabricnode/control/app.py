@@ -77,7 +77,7 @@ from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
 from fabricnode import __version__, ui
-from fabricnode.asgi import Receive, Send, lifespan
+from fabricnode.asgi import Receive, Send, header, lifespan
 from fabricnode.control.enginecmd import SELF_ENGINE_PATH, node_engine, own_engine
 from fabricnode.control.fleet import fleet_view
 from fabricnode.control.loadhistory import LoadHistory
@@ -242,7 +242,7 @@ class AdminApp:
             elif self.agent_endpoints and path == WORKLOAD_PATH:
                 response = await self.workload(_query(scope))
             elif self.agent_endpoints and path == STATS_PATH:
-                response = await self.stats_view(_query(scope), _header(scope, b"authorization"))
+                response = await self.stats_view(_query(scope), header(scope, b"authorization"))
             elif self.agent_endpoints and path == SELF_ENGINE_PATH:
                 response = json_response(own_engine(self.engine_command()))
             elif (
@@ -252,10 +252,10 @@ class AdminApp:
                 and self.stats is not None
             ):
                 sid = unquote(path[len(NODES_PREFIX) : -len(ENGINE_SUFFIX)])
-                response = await self.node_engine(sid, _header(scope, b"authorization"))
+                response = await self.node_engine(sid, header(scope, b"authorization"))
             elif self.agent_endpoints and path == FLEET_PATH and self.stats is not None:
                 doc = await fleet_view(
-                    self.core, self.controller, self.stats.peers, _header(scope, b"authorization")
+                    self.core, self.controller, self.stats.peers, header(scope, b"authorization")
                 )
                 response = json_response(doc)
             elif self.agent_endpoints and (path in ("/", FAVICON_PATH) or path.startswith(UI_PATH)):
@@ -434,7 +434,7 @@ class AdminApp:
     def dashboard(self, path: str, scope: Scope) -> Response:
         """The dashboard's files; ``/`` sends a browser to them."""
         if path == "/":
-            if b"text/html" not in (_header_bytes(scope, b"accept") or b""):
+            if "text/html" not in (header(scope, b"accept") or ""):
                 raise HttpError(404, "no such endpoint: / (the dashboard is at /ui)", "not_found")
             return Response(
                 302, b"", "text/plain; charset=utf-8", ((b"location", UI_PATH.encode()),)
@@ -455,7 +455,7 @@ class AdminApp:
         if found is None:
             raise HttpError(404, f"no such file: {path}", "not_found")
         headers = (*ui.HEADERS, (b"etag", found.etag.encode()))
-        if _header_bytes(scope, b"if-none-match") == found.etag.encode():
+        if header(scope, b"if-none-match") == found.etag:
             return Response(304, b"", found.content_type, headers, b"no-cache")
         return Response(200, found.body, found.content_type, headers, b"no-cache")
 
@@ -778,15 +778,3 @@ async def _read_body(receive: Receive, limit: int) -> bytes:
 def _query(scope: Scope) -> list[tuple[str, str]]:
     raw = scope.get("query_string", b"")
     return parse_qsl(raw.decode("latin-1"), keep_blank_values=True)
-
-
-def _header_bytes(scope: Scope, name: bytes) -> bytes | None:
-    for key, value in scope.get("headers") or ():
-        if key.lower() == name:
-            return bytes(value)
-    return None
-
-
-def _header(scope: Scope, name: bytes) -> str | None:
-    value = _header_bytes(scope, name)
-    return None if value is None else value.decode("latin-1")

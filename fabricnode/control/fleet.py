@@ -2,10 +2,9 @@
 dashboard's Controller view).
 
 ``/fabric/v1/controller`` answers only on an agent that runs a controller. This finds the acting
-one as ``fabric services`` does (``elastic.leader.acting`` over the registry's controller
-labels) and asks it (``peers``), so a page on any agent shows it. The
-answer is 200 whether or not the mesh has a controller: ``controller`` is then null, and the
-page says so.
+one as the controllers themselves do (``elastic.controller.acting_controller``) and asks it
+(``peers``), so a page on any agent shows it. The answer is 200 whether or not the mesh has a
+controller: ``controller`` is then null, and the page says so.
 """
 
 from __future__ import annotations
@@ -13,31 +12,12 @@ from __future__ import annotations
 from typing import Any
 
 from fabricnode.control.peers import PeerClient
-from fabricnode.control.views import liveness_of
-from fabricnode.elastic.controller import Controller, summarise
-from fabricnode.elastic.leader import Candidate, acting, candidate_since
+from fabricnode.elastic.controller import Controller, acting_controller, summarise
 from fabricnode.mesh.core import MeshCore
-from fabricnode.mesh.membership import Liveness
-from fabricnode.mesh.registry import State
 
 CONTROLLER_PATH = "/fabric/v1/controller"
 
 Json = dict[str, Any]
-
-
-def acting_controller(core: MeshCore) -> Candidate | None:
-    candidates = []
-    for entry in core.registry:
-        body = entry.body
-        when = candidate_since(body.labels)
-        if when is None:
-            continue
-        dead = body.state in (State.DOWN, State.LEFT) or liveness_of(core, entry) in (
-            Liveness.DEAD,
-            Liveness.LEFT,
-        )
-        candidates.append(Candidate(entry.session_id, when, dead, body.addresses.http))
-    return acting(candidates)
 
 
 async def fleet_view(

@@ -25,9 +25,8 @@ import trio
 
 from fabricnode.control.peers import CONCURRENCY, PeerClient
 from fabricnode.dataplane.recent import BUCKET_S, BUCKETS, merge, summarize
+from fabricnode.elastic.signals import agent_urls
 from fabricnode.mesh.core import MeshCore
-from fabricnode.mesh.membership import Liveness
-from fabricnode.mesh.registry import State
 
 log = logging.getLogger("fabricnode.control.meshstats")
 
@@ -113,21 +112,11 @@ class MeshStats:
         return doc
 
     def peer_urls(self) -> list[str]:
-        """The HTTP addresses of the other agents this one sees alive (or suspect: it may be
-        a slow answer, which the timeout bounds), and not left."""
-        urls: list[str] = []
+        """The HTTP addresses of the other agents this one does not know down, dead or gone
+        (a suspect one may be a slow answer, which the timeout bounds)."""
         own = self.core.self_entry.session_id
-        for entry in sorted(self.core.registry, key=lambda e: e.session_id):
-            body = entry.body
-            if entry.session_id == own or body.state in (State.DOWN, State.LEFT):
-                continue
-            if self.core.liveness(entry.session_id) in (Liveness.DEAD, Liveness.LEFT):
-                continue
-            if body.addresses.http:
-                urls.append(body.addresses.http.rstrip("/"))
-            if len(urls) >= MAX_AGENTS:
-                break
-        return urls
+        urls = sorted((sid, url) for sid, url in agent_urls(self.core) if sid != own)
+        return [url.rstrip("/") for _, url in urls[:MAX_AGENTS]]
 
     async def _ask(self, url: str, window_s: float, authorization: str | None) -> list[Json] | None:
         params = {"scope": "self", "window": f"{window_s:g}"}

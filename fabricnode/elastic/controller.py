@@ -203,7 +203,7 @@ class Controller:
                 log.warning("controller pass skipped: %s", exc)
 
     async def tick(self) -> None:
-        leader = acting(self._candidates())
+        leader = acting_controller(self.core)
         me = self.core.self_id
         role = "acting" if leader is not None and leader.session_id == me else "standby"
         if role != self.status.role:
@@ -212,17 +212,6 @@ class Controller:
         self.status.acting = leader.session_id if leader else ""
         if role == "acting":
             await self.run_pass()
-
-    def _candidates(self) -> list[Candidate]:
-        out = []
-        for entry in self.core.registry:
-            since = candidate_since(entry.body.labels)
-            if since is None:
-                continue
-            live = self.core.liveness(entry.session_id)
-            dead = entry.body.state >= State.DOWN or live in (Liveness.DEAD, Liveness.LEFT)
-            out.append(Candidate(entry.session_id, since, dead, entry.body.addresses.http))
-        return out
 
     def replicas(self) -> list[Replica]:
         out = []
@@ -441,6 +430,19 @@ def _kind(reason: str) -> str:
         if kind in reason:
             return kind
     return reason.split(":", 1)[0][:32] if reason else "other"
+
+
+def acting_controller(core: MeshCore) -> Candidate | None:
+    """The acting controller by ``core``'s registry and liveness view (``leader.acting``)."""
+    out = []
+    for entry in core.registry:
+        since = candidate_since(entry.body.labels)
+        if since is None:
+            continue
+        live = core.liveness(entry.session_id)
+        dead = entry.body.state >= State.DOWN or live in (Liveness.DEAD, Liveness.LEFT)
+        out.append(Candidate(entry.session_id, since, dead, entry.body.addresses.http))
+    return acting(out)
 
 
 def summarise(controller: Controller, limit: int = 50) -> dict[str, object]:

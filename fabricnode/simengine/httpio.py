@@ -98,14 +98,6 @@ def parse_json(body: bytes) -> Json:
     return doc
 
 
-def header(scope: Scope, name: bytes) -> str | None:
-    """The first value of request header ``name`` (lower case), decoded as latin-1."""
-    for key, value in scope.get("headers", ()):
-        if key.lower() == name:
-            return bytes(value).decode("latin-1")
-    return None
-
-
 def dumps(doc: Json) -> bytes:
     return json.dumps(doc, separators=(",", ":")).encode()
 

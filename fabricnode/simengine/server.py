@@ -62,7 +62,7 @@ from prometheus_client import generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from fabricnode.asgi import Receive, Send, lifespan, serve_http
+from fabricnode.asgi import Receive, Send, header, lifespan, serve_http
 from fabricnode.metricfamilies import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from fabricnode.metricfamilies import counter, gauge, registry_of
 from fabricnode.simengine.audio import DEFAULT_MAX_UPLOAD_BYTES, AudioAPI
@@ -80,7 +80,6 @@ from fabricnode.simengine.httpio import (
     Scope,
     anthropic_error_doc,
     error_doc,
-    header,
     parse_json,
     read_body,
 )

@@ -229,26 +229,33 @@ def test_the_node_view_shows_one_entry_in_full(page: Any, mesh: Mesh) -> None:
     screenshot(page, mesh.shots / "node.png")
 
 
-def test_the_playground_streams_an_answer_and_names_the_node(page: Any, mesh: Mesh) -> None:
+def chat(driver: Any, *, models: int, model: str | None = None) -> str:
+    """On the playground: wait for its ``models`` choices, send the message with ``model`` (or
+    the first), wait for the whole answer; the line under it (who served, how fast)."""
     from selenium.webdriver.support.ui import Select
 
-    page.get(f"{mesh.url}/ui#/playground")
     wait_for(
-        page,
-        lambda d: len(d.find_elements("css selector", "#chat-model option")) == 2,
+        driver,
+        lambda d: len(d.find_elements("css selector", "#chat-model option")) == models,
         10,
         "the model list",
     )
-    Select(page.find_element("id", "chat-model")).select_by_value(QWEN)
-    page.find_element("id", "chat-send").click()
+    if model is not None:
+        Select(driver.find_element("id", "chat-model")).select_by_value(model)
+    driver.find_element("id", "chat-send").click()
     wait_for(
-        page,
+        driver,
         lambda d: d.find_element("id", "chat-meta").get_attribute("data-done") == "1",
         20,
         "the whole answer",
     )
+    return str(driver.find_element("id", "chat-meta").text)
+
+
+def test_the_playground_streams_an_answer_and_names_the_node(page: Any, mesh: Mesh) -> None:
+    page.get(f"{mesh.url}/ui#/playground")
+    meta = chat(page, models=2, model=QWEN)
     assert page.find_element("id", "chat-output").text.strip()
-    meta = page.find_element("id", "chat-meta").text
     assert f"served by {mesh.other.session_id[:12]}" in meta and "first token after" in meta
     screenshot(page, mesh.shots / "playground.png")
 
