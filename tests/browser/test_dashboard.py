@@ -105,6 +105,16 @@ return out;
 """
 
 
+def texts(driver: Any, css: str) -> list[str]:
+    """The text of every element ``css`` selects, read in one script: the page rebuilds its
+    tables and figures on every poll, so an element found in one call may be gone (stale) by
+    the next."""
+    found = driver.execute_script(
+        "return [...document.querySelectorAll(arguments[0])].map((e) => e.textContent)", css
+    )
+    return [str(t) for t in found]
+
+
 def rows(driver: Any) -> dict[str, dict[str, str]]:
     """The mesh table's rows by session id: state and liveness as the page writes them (read in
     one script, as the page redraws the table on every poll)."""
@@ -172,8 +182,8 @@ def test_the_models_view_shows_rates_under_load(page: Any, mesh: Mesh) -> None:
         card = f'[data-model="{LLAMA}"]'
 
         def busy(d: Any) -> bool:
-            found = d.find_elements("css selector", f'{card} [data-figure="requests_per_s"]')
-            return bool(found) and found[0].text not in ("", "\u2013", "0")
+            found = texts(d, f'{card} [data-figure="requests_per_s"]')
+            return bool(found) and found[0] not in ("", "\u2013", "0")
 
         # The summary is the last complete 10-second bucket onwards: up to 20 s.
         wait_for(page, busy, 40, "a non-zero request rate for the loaded model")
@@ -187,11 +197,11 @@ def test_the_models_view_shows_rates_under_load(page: Any, mesh: Mesh) -> None:
         assert wait_until(lambda: buckets_with_requests() >= 2, 30.0)
         status = page.find_element("id", "status").text
         wait_for(page, lambda d: d.find_element("id", "status").text != status, 15, "a new poll")
-        ttft = page.find_element("css selector", f'{card} [data-figure="ttft"]').text
+        (ttft,) = texts(page, f'{card} [data-figure="ttft"]')
         assert "ms" in ttft or " s" in ttft
         charts = page.find_elements("css selector", f"{card} .chart canvas")
         assert len(charts) == 2  # throughput and latency, drawn by the vendored library
-        serving = page.find_element("css selector", f'{card} [data-figure="serving"]').text
+        (serving,) = texts(page, f'{card} [data-figure="serving"]')
         assert serving == "2 of 2"
         screenshot(page, mesh.shots / "models.png")
     finally:

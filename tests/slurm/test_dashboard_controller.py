@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tests.browser.test_dashboard import wait_for
+from tests.browser.test_dashboard import texts, wait_for
 from tests.support.browser import console_errors, screenshot
 from tests.support.elasticmesh import Elastic, elastic_mesh
 from tests.support.meshview import fabric
@@ -57,7 +57,7 @@ def test_the_controller_view_shows_targets_replicas_and_decisions(
     row = f'#controller-detail tr[data-model="{MODEL}"]'
 
     def serving(d: Any) -> bool:
-        cells = [c.text for c in d.find_elements("css selector", f"{row} td")]
+        cells = texts(d, f"{row} td")
         return len(cells) == 8 and cells[1] == "1" and cells[2] == "1"
 
     wait_for(page, serving, 120, "the model's one replica serving, on the controller view")
@@ -71,15 +71,7 @@ def test_the_controller_view_shows_targets_replicas_and_decisions(
     page.get(f"{elastic.ingress.http_url}/ui#/models")
     wait_for(
         page,
-        lambda d: (
-            [
-                e.text
-                for e in d.find_elements(
-                    "css selector", f'[data-model="{MODEL}"] [data-figure="objective"]'
-                )
-            ]
-            == ["2.00 s"]
-        ),
+        lambda d: texts(d, f'[data-model="{MODEL}"] [data-figure="objective"]') == ["2.00 s"],
         30,
         "the TTFT objective on the model's card",
     )
