@@ -93,6 +93,9 @@ STREAMING_KINDS = frozenset(
 # rewritten as ``resume.Splicer`` does chat chunks, and the stored state of a Responses answer
 # lives on the node that broke).
 RESUMABLE_KINDS = frozenset((CHAT, COMPLETIONS))
+# Kinds whose stream, broken before its first event reached the client, is sent again whole to
+# another node: the client holds only the head, and any node serving the model can answer.
+RESENDABLE_KINDS = frozenset((CHAT, COMPLETIONS, RESPONSES, MESSAGES))
 # Kinds whose JSON body is a prompt the engine prefills (its size estimates the tokens, as for
 # routing): counted on the nodes' prefill clocks (``prefill``).
 PREFILL_KINDS = frozenset((CHAT, COMPLETIONS, RESPONSES, MESSAGES, EMBEDDINGS))

@@ -112,6 +112,7 @@ from fabricnode.dataplane.endpoints import (
     ENDPOINTS,
     FORM_KINDS,
     PREFILL_KINDS,
+    RESENDABLE_KINDS,
     RESPONSE_CANCEL,
     RESPONSES,
     RESUMABLE_KINDS,
@@ -155,9 +156,12 @@ from fabricnode.dataplane.request import (
 )
 from fabricnode.dataplane.resume import (
     RESUME_HEADER,
+    Delivered,
+    Splicer,
     Transcript,
     TranscriptBudget,
     plan_continuation,
+    turned_off,
 )
 from fabricnode.dataplane.routetable import (
     CircuitBreaker,
@@ -1989,6 +1993,8 @@ class Ingress:
                     conn.closing = True
                     return None
                 if sse and chunked:
+                    if first and self._resend_whole(job, sid):
+                        return RESUME
                     if transcript is not None and self._prepare_resume(job, transcript, sid):
                         return RESUME
                     if transcript is None and job.stream and job.kind not in RESUMABLE_KINDS:
@@ -2037,6 +2043,22 @@ class Ingress:
         await client_send(
             conn, frame([events], True) + b"0\r\n\r\n", self.config.stream_idle_timeout_s
         )
+
+    def _resend_whole(self, job: Job, sid: str) -> bool:
+        """A stream that broke before its first event reached the client (the node sent its
+        head and died): True when the request goes whole to another node, whose events pass
+        as they come, or through the splicer of the continuation this already was."""
+        if (
+            job.kind not in RESENDABLE_KINDS
+            or job.resumes >= self.config.max_resumes
+            or turned_off(job.headers.get(RESUME_HEADER))
+        ):
+            return False
+        got = job.splice.got if job.splice is not None else Delivered()
+        job.splice = Splicer(got, job.kind)  # fresh: nothing half-read of the dead node's bytes
+        job.resumes += 1
+        log.info("stream from %s broke before its first event: sent again whole", sid[:8])
+        return True
 
     def _prepare_resume(self, job: Job, transcript: Transcript, sid: str) -> bool:
         """Make the continuation of a broken stream (``resume``): True if there is one."""

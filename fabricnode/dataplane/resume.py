@@ -19,10 +19,11 @@ manner of NVIDIA Dynamo's request migration but without any change to the engine
    delivered ones it re-read as prompt).
 
 The continuation is a new sample from the same prefix: it is what the model could have written,
-not what the dead node would have written. Where a resume cannot be faithful the stream ends with
-the usual error event instead (``not_resumable``, ``read_delivered``): several choices,
-logprobs, tool calls or reasoning content in the answer, structured output, an event cut in
-half, or ``X-Fabric-Resume: off``.
+not what the dead node would have written. A stream that broke before its first event (the node
+sent its head and died) is sent again whole, and the new node's events pass unchanged. Where a
+resume cannot be faithful the stream ends with the usual error event instead (``not_resumable``,
+``read_delivered``): several choices, logprobs, tool calls or reasoning content in the answer,
+structured output, an event cut in half, or ``X-Fabric-Resume: off``.
 """
 
 from __future__ import annotations
@@ -104,10 +105,20 @@ class Delivered:
         self.text = ""
         self.tokens = 0
 
+    @property
+    def nothing(self) -> bool:
+        """The stream broke before its first event: the client holds none of the answer."""
+        return self.ident is None and not self.text and not self.tokens
+
+
+def turned_off(opt_out: bytes | None) -> bool:
+    """The client asked for a broken stream to end with its error event (``X-Fabric-Resume``)."""
+    return opt_out is not None and opt_out.strip().lower() in (b"off", b"0", b"false", b"no")
+
 
 def not_resumable(kind: str, doc: dict[str, Any] | None, opt_out: bytes | None) -> str:
     """Why this request's stream cannot be resumed ("" if it can)."""
-    if opt_out is not None and opt_out.strip().lower() in (b"off", b"0", b"false", b"no"):
+    if turned_off(opt_out):
         return "resume turned off by X-Fabric-Resume"
     if doc is None or kind not in ("chat", "completions"):
         return "not a chat or text completion"
@@ -133,14 +144,20 @@ def not_resumable(kind: str, doc: dict[str, Any] | None, opt_out: bytes | None) 
 def read_delivered(pieces: list[bytes], kind: str) -> Delivered | str:
     """Read back what the client received; a reason (str) when it cannot be continued."""
     data = b"".join(pieces).replace(b"\r\n", b"\n")
+    got = Delivered()
+    if not data.strip():
+        # The node answered with its head and died before its first event: the client holds
+        # an open stream and nothing of the answer, so the whole request goes to another node.
+        return got
     if not data.endswith(b"\n\n"):
         return "the stream broke inside an event"
-    got = Delivered()
     text: list[str] = []
+    events = 0
     for event in data.split(b"\n\n"):
         payload = _payload(event)
         if payload is None:
-            continue
+            continue  # a comment (keep-alive): nothing of the answer
+        events += 1
         if payload == b"[DONE]":
             return "the stream had ended"
         try:
@@ -164,8 +181,8 @@ def read_delivered(pieces: list[bytes], kind: str) -> Delivered | str:
             if why:
                 return why
     got.text = "".join(text)
-    if got.ident is None:
-        return "nothing was delivered"
+    if events and got.ident is None:
+        return "events without an id"
     return got
 
 
@@ -240,6 +257,8 @@ def continuation(kind: str, doc: dict[str, Any], got: Delivered) -> bytes | str:
             if limit - got.tokens < 1:
                 return "no tokens left to generate"
             new[name] = limit - got.tokens
+    if got.nothing:
+        return orjson.dumps(new)  # nothing delivered: the request as the client sent it
     if kind == "chat":
         messages = list(doc["messages"])
         messages.append({"role": "assistant", "content": got.text})
@@ -292,6 +311,8 @@ class Splicer:
         if not isinstance(doc, dict) or "error" in doc:
             return event + b"\n\n"
         got = self.got
+        if got.nothing:
+            return event + b"\n\n"  # nothing was delivered: the new node's stream is the answer
         doc["id"], doc["created"] = got.ident, got.created
         if got.model is not None:
             doc["model"] = got.model

@@ -148,6 +148,12 @@ class ApiEngine:
         model = doc.get("model", "")
         stream = doc.get("stream") is True
         cut = doc.get("stub_break_after")
+        breaker = doc.get("stub_break_first")
+        if isinstance(breaker, str):
+            with _FAILED_LOCK:  # only the first engine to see it breaks its stream
+                if f"break:{breaker}" in _FAILED:
+                    cut = None
+                _FAILED.add(f"break:{breaker}")
         token = doc.get("stub_fail_first")
         if isinstance(token, str):
             with _FAILED_LOCK:  # the first engine, of all in this process, to see it fails

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import socket
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -390,6 +391,37 @@ def test_a_broken_chat_stream_still_resumes_on_the_other_node(fab: Mesh) -> None
     assert b"upstream_broken" in data and data.count(b'"content": "Hello"') >= 1
     after = fab.admin_metrics().get('fabric_ingress_stream_resumes_total{outcome="resumed"}', 0)
     assert after > before
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+        ("/v1/responses", {"input": "hi"}),
+        ("/v1/messages", {"max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}),
+    ],
+)
+def test_a_stream_broken_before_its_first_event_is_answered_whole_by_another_node(
+    fab: Mesh, path: str, body: dict[str, Any]
+) -> None:
+    """The first node sends its 200 head and dies: the client has nothing of the answer yet, so
+    the request goes whole to the other node, whose stream the client gets as it came."""
+    before = fab.admin_metrics().get('fabric_ingress_stream_resumes_total{outcome="resumed"}', 0)
+    body = {**body, "model": "m1", "stream": True, "stub_break_after": 0,
+            "stub_break_first": f"head-only-{time.monotonic_ns()}"}  # fmt: skip
+    _, data = stream_bytes(fab, path, body)
+    assert b"upstream_broken" not in data and b'"error"' not in data, data
+    payloads = [line[6:] for line in data.split(b"\n") if line.startswith(b"data: ")]
+    if path == "/v1/chat/completions":
+        assert payloads[-1] == b"[DONE]"
+        chunks = [json.loads(p) for p in payloads[:-1]]
+        assert len({c["id"] for c in chunks}) == 1
+        assert sum(1 for c in chunks if c["choices"] and c["choices"][0]["delta"].get("role")) == 1
+    else:
+        last = json.loads(payloads[-1])["type"]
+        assert last == ("response.completed" if path == "/v1/responses" else "message_stop")
+    after = fab.admin_metrics().get('fabric_ingress_stream_resumes_total{outcome="resumed"}', 0)
+    assert after == before + 1
 
 
 # == usage ===================================================================================

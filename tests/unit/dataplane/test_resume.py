@@ -135,7 +135,7 @@ def test_a_text_completion_is_read_back() -> None:
         ([chat_chunk("c", {"reasoning_content": "hmm"})], "reasoning"),
         ([event({"error": {"message": "x"}})], "error"),
         ([b"data: {not json\n\n"], "not JSON"),
-        ([b": keep-alive comment\n\n"], "nothing was delivered"),
+        ([event({"choices": [{"index": 0, "delta": {"content": " a"}}]})], "without an id"),
         (
             [event({"id": "c", "choices": [{"index": 0, "delta": {}}, {"index": 1, "delta": {}}]})],
             "several choices",
@@ -145,6 +145,23 @@ def test_a_text_completion_is_read_back() -> None:
 def test_a_transcript_that_cannot_be_continued_says_why(pieces: list[bytes], why: str) -> None:
     got = read_delivered(pieces, "chat")
     assert isinstance(got, str) and why in got
+
+
+@pytest.mark.parametrize("pieces", [[], [b""], [b": keep-alive comment\n\n"]])
+def test_a_stream_that_broke_before_its_first_event_is_sent_again_whole(
+    pieces: list[bytes],
+) -> None:
+    """The node sent its head and died: the client holds nothing of the answer, so the request
+    goes to another node as it came, and that node's stream reaches the client unchanged."""
+    doc = {"model": "m1", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10,
+           "stream": True}  # fmt: skip
+    got = read_delivered(pieces, "chat")
+    assert isinstance(got, Delivered) and got.ident is None and got.tokens == 0
+    body = continuation("chat", doc, got)
+    assert isinstance(body, bytes) and orjson.loads(body) == doc
+    stream = chat_stream("new-1", WORDS[:3], finish=True, usage=(7, 3))
+    spliced = Splicer(got, "chat").feed(stream)
+    assert spliced == stream, "the role chunk, ids and usage of the new node, as they came"
 
 
 def test_crlf_framed_events_are_read_too() -> None:
