@@ -281,7 +281,8 @@ class IngressMetrics:
         self.batch_admitted = Counter(
             "fabric_ingress_batch_admitted",
             "Batch requests sent on to a node with room, by API key name (the tenant when the"
-            " request has no key)",
+            " request has no key); a request taken back (fabric_ingress_batch_preempted) counts"
+            " again when it is sent on again",
             ["key"],
             registry=r,
         )
