@@ -158,6 +158,7 @@ class Settings:
     batch_concurrency: int
     priority: bool  # the engines schedule by priority (--scheduling-policy priority)
     ingress_args: tuple[str, ...] = ()  # e.g. the batch tier's flags
+    chunk_tokens: int = 0  # >0: the engines chunk prefills at this many tokens per step
     step_log: Path | None = None  # each engine's step log: <this>-n<i>.jsonl (``steplog``)
 
 
@@ -175,6 +176,8 @@ def engine_args(s: Settings, port: int, step_log: Path | None = None) -> list[st
     ]  # fmt: skip
     if s.priority:
         args += ["--scheduling-policy", "priority"]
+    if s.chunk_tokens:
+        args += ["--enable-chunked-prefill", "--max-num-batched-tokens", str(s.chunk_tokens)]
     if step_log is not None:
         args += ["--step-log", str(step_log)]
     return args
@@ -540,6 +543,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--gpu", default="A100-40G")
     p.add_argument("--kv-tokens", type=int, default=60000)
+    p.add_argument(
+        "--chunked-prefill",
+        type=int,
+        default=0,
+        metavar="TOKENS",
+        help="the engines chunk prefills at TOKENS per step, as vLLM's v1 engine does (2048: "
+        "its default for the API server on an A100); 0: a prompt in one step (default)",
+    )
     p.add_argument("--batch-lines", type=int, default=20000)
     p.add_argument("--batch-concurrency", type=int, default=64)
     p.add_argument("--max-batch-prompt", type=int, default=4096)
@@ -580,7 +591,7 @@ def main(argv: list[str]) -> int:
     priority = not args.no_priority and engine_supports_priority()
     s = Settings(
         args.nodes, args.gpu, args.pace, args.kv_tokens, args.batch_concurrency, priority,
-        tuple(args.ingress_args.split()),
+        tuple(args.ingress_args.split()), chunk_tokens=args.chunked_prefill,
     )  # fmt: skip
     lines = batch_lines(trace, args.batch_lines, args.max_batch_prompt, args.seed + 1)
     log(f"{len(trace)} trace requests, {len(lines)} batch lines; engines by priority: {priority}")

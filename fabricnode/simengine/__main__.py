@@ -58,6 +58,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-tokens", type=int, default=None, help="KV-cache capacity in tokens")
     p.add_argument("--max-num-seqs", type=int, default=256, help="running batch size limit")
     p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=8192,
+        help="tokens computed per step at most (vLLM's flag; default 8192)",
+    )
+    p.add_argument(
+        "--enable-chunked-prefill",
+        action="store_true",
+        help="compute a prompt over as many steps as the token budget needs, the running "
+        "requests first, as vLLM's v1 engine does (default: a prompt in one step)",
+    )
+    p.add_argument(
         "--admission",
         choices=ADMISSION_MODES,
         default="optimistic",
@@ -131,6 +143,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         "--slowdown": args.slowdown,
         "--max-model-len": args.max_model_len,
         "--max-num-seqs": args.max_num_seqs,
+        "--max-num-batched-tokens": args.max_num_batched_tokens,
     }
     for flag, value in positive.items():
         if value <= 0:
@@ -160,6 +173,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         max_model_len=args.max_model_len,
         kv_tokens=args.kv_tokens,
         max_num_seqs=args.max_num_seqs,
+        max_batched_tokens=args.max_num_batched_tokens,
+        chunked_prefill=args.enable_chunked_prefill,
         seed=args.seed,
         admission=args.admission,
         scheduling_policy=args.scheduling_policy,

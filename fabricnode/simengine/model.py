@@ -168,6 +168,11 @@ class EngineConfig:
     prefix_cache_blocks: int | None = None
     max_num_seqs: int = 256
     max_batched_tokens: int = 8192
+    # Chunked prefill (vLLM's v1 engine always chunks): a prompt is computed over as many steps
+    # as the per-step token budget needs, and a step's budget is shared by the running requests
+    # first (one token per decoding request, the next chunk of each one still prefilling), then
+    # the admissions. Off: a prompt is computed whole in its admission step.
+    chunked_prefill: bool = False
     seed: int = 0
     admission: Admission = "optimistic"
     kv_watermark_fraction: float = 0.01
@@ -375,6 +380,9 @@ class Request:
     context_hashes: list[bytes] = field(default_factory=list)
     salt: bytes = b""  # its LoRA adapter's (adapter_salt); empty for the base model
     priority: int = 0  # lower is served first (``priority`` scheduling policy only)
+    # Chunked prefill: context tokens admitted for computing and not computed yet; no token is
+    # sampled for it until this is 0.
+    prefill_left: int = 0
 
     @property
     def private_reservation(self) -> int:
@@ -581,7 +589,7 @@ class Scheduler:
             growth = sum(
                 1
                 for r in self.running.values()
-                if (len(r.prompt) + len(r.output)) % BLOCK_TOKENS == 0
+                if not r.prefill_left and (len(r.prompt) + len(r.output)) % BLOCK_TOKENS == 0
             )
             while self._used_blocks + growth > self.num_blocks and len(self.running) > 1:
                 if self.by_priority:
@@ -589,13 +597,36 @@ class Scheduler:
                     del self.running[victim.id]
                 else:
                     _, victim = self.running.popitem()  # the most recently admitted
-                if (len(victim.prompt) + len(victim.output)) % BLOCK_TOKENS == 0:
+                if (
+                    not victim.prefill_left
+                    and (len(victim.prompt) + len(victim.output)) % BLOCK_TOKENS == 0
+                ):
                     growth -= 1
                 self._preempt(victim)
                 preempted.append(victim)
         admitted: list[Request] = []
-        budget = cfg.max_batched_tokens - len(self.running)
+        chunked = cfg.chunked_prefill
         prefill = 0
+        prefilled: list[Request] = []  # their prompt is computed whole by the end of this step
+        if chunked:
+            # The running requests first, in admission order: a decoding one takes a token, a
+            # prefilling one its next chunk (vLLM's v1 scheduler).
+            budget = cfg.max_batched_tokens
+            for r in self.running.values():
+                if r.prefill_left:
+                    continue
+                budget -= 1
+            for r in self.running.values():
+                if r.prefill_left and budget - prefill > 0:
+                    chunk = min(r.prefill_left, budget - prefill)
+                    r.prefill_left -= chunk
+                    prefill += chunk
+                    if not r.prefill_left:
+                        prefilled.append(r)
+                        if optimistic and (len(r.prompt) + len(r.output)) % BLOCK_TOKENS == 0:
+                            growth += 1  # it samples its first token this step
+        else:
+            budget = cfg.max_batched_tokens - len(self.running)
         # As vLLM's v1 scheduler: a step that had to preempt admits nobody.
         while not preempted and self.waiting and len(self.running) < cfg.max_num_seqs:
             req = self.waiting[0]
@@ -611,7 +642,12 @@ class Scheduler:
             context = len(req.prompt) + len(req.output)
             cached = self.cache.lookup_hashes(context, req.context_hashes or req.block_hashes)
             uncached = context - cached
-            if admitted and uncached > budget - prefill:
+            if chunked and budget - prefill <= 0:
+                # No budget left this step: undo the query, admit it next step.
+                self.cache.query_tokens -= context
+                self.cache.hit_tokens -= cached
+                break
+            if not chunked and admitted and uncached > budget - prefill:
                 # Over the per-step token budget: undo the query, admit it next step.
                 self.cache.query_tokens -= context
                 self.cache.hit_tokens -= cached
@@ -621,15 +657,23 @@ class Scheduler:
             req.admitted_at = now
             self.running[req.id] = req
             self._admit(req)
-            if optimistic and context % BLOCK_TOKENS == 0:
-                growth += 1
             if not req.output:
                 self.prompt_tokens += len(req.prompt)  # counted once, as vLLM
-            prefill += uncached
+            if chunked:
+                chunk = min(uncached, budget - prefill)
+                req.prefill_left = uncached - chunk
+                prefill += chunk
+            else:
+                prefill += uncached
             admitted.append(req)
+            if not req.prefill_left:
+                prefilled.append(req)
+                if optimistic and context % BLOCK_TOKENS == 0:
+                    growth += 1  # the token it samples this step needs a new block
         if not self.running:
             return None  # the head of the queue can never fit; check() prevents this
-        decode = len(self.running)
+        # Every running request samples a token, but one still prefilling after this step.
+        decode = len(self.running) - sum(1 for r in self.running.values() if r.prefill_left)
         # Each sequence reads its own whole context, shared blocks included: sharing memory does
         # not share bandwidth.
         duration = self.step_time(
@@ -639,6 +683,8 @@ class Scheduler:
         events: list[TokenEvent] = []
         self._used_blocks += growth
         for req in list(self.running.values()):
+            if req.prefill_left:
+                continue  # its prompt is not computed yet: no token this step
             index = len(req.output)
             token = output_token(cfg.seed, req.prompt_key, index)
             req.output.append(token)
@@ -653,7 +699,7 @@ class Scheduler:
                 del self.running[req.id]
                 self._release(req)
                 self.finished += 1
-        for req in admitted:
+        for req in prefilled:  # its blocks are computed: later prompts may hit them
             self.cache.insert_hashes(req.context_hashes or req.block_hashes)
         self.steps += 1
         self.busy_s += duration
@@ -728,7 +774,11 @@ class Scheduler:
         self._release(req)
         known = req.context_hashes or req.block_hashes
         req.context_hashes = block_hashes(req.prompt + req.output, known, req.salt)
-        self.cache.insert_hashes(req.context_hashes)
+        # Only the blocks it computed are cached: a prompt preempted mid-prefill has the rest
+        # still to compute (and computes it again, as it recomputes everything uncached).
+        computed = len(req.prompt) + len(req.output) - req.prefill_left
+        self.cache.insert_hashes(req.context_hashes[: computed // BLOCK_TOKENS])
+        req.prefill_left = 0
         req.preemptions += 1
         self.preemptions += 1
         if self.by_priority:

@@ -456,13 +456,21 @@ def check_accounting(s: Scheduler) -> None:
         assert stats.num_preemptions == 0
 
 
+@pytest.mark.parametrize("chunked", [False, True])
 @pytest.mark.parametrize("admission", ADMISSION_MODES)
 @settings(max_examples=100, deadline=None)
 @given(st.lists(_OP, max_size=60), st.integers(150, 800))
 def test_shared_accounting_never_exceeds_capacity_and_every_token_comes_once(
-    admission: str, ops: list[tuple[str, int, int, int, int]], kv_tokens: int
+    admission: str, chunked: bool, ops: list[tuple[str, int, int, int, int]], kv_tokens: int
 ) -> None:
-    s = Scheduler(config(kv_tokens=kv_tokens, max_batched_tokens=256, admission=admission))
+    s = Scheduler(
+        config(
+            kv_tokens=kv_tokens,
+            max_batched_tokens=256 if not chunked else 64,
+            admission=admission,
+            chunked_prefill=chunked,
+        )
+    )
     log = TokenLog(s)
     submitted: list[int] = []
     now = 0.0
@@ -491,6 +499,7 @@ def test_shared_accounting_never_exceeds_capacity_and_every_token_comes_once(
     event(f"preempted: {stats.num_preemptions > 0}")
 
 
+@pytest.mark.parametrize("chunked", [False, True])
 @pytest.mark.parametrize("admission", ADMISSION_MODES)
 @settings(max_examples=50, deadline=None)
 @given(
@@ -502,9 +511,16 @@ def test_shared_accounting_never_exceeds_capacity_and_every_token_comes_once(
     st.integers(400, 2000),
 )
 def test_every_request_finishes_with_exactly_max_tokens(
-    admission: str, shape: list[tuple[int, int, float]], kv_tokens: int
+    admission: str, chunked: bool, shape: list[tuple[int, int, float]], kv_tokens: int
 ) -> None:
-    s = Scheduler(config(kv_tokens=kv_tokens, max_batched_tokens=512, admission=admission))
+    s = Scheduler(
+        config(
+            kv_tokens=kv_tokens,
+            max_batched_tokens=512 if not chunked else 100,
+            admission=admission,
+            chunked_prefill=chunked,
+        )
+    )
     arrivals = [(at, prompt(n, i * 311), m) for i, (n, m, at) in enumerate(shape)]
     arrivals = [a for a in arrivals if fits(s, len(a[1]), a[2])]
     run_until_idle(s, 0.0, arrivals)
@@ -521,6 +537,48 @@ def test_every_request_finishes_with_exactly_max_tokens(
     target(float(stats.num_preemptions))
     event(f"preempted: {stats.num_preemptions > 0}")
     assert BLOCK_TOKENS == 16
+
+
+# -- chunked prefill ----------------------------------------------------------------------------
+
+
+def test_a_chunked_prompt_is_computed_over_several_steps_and_samples_once_computed() -> None:
+    s = Scheduler(config(max_batched_tokens=2048, chunked_prefill=True))
+    rid = s.submit(prompt(5000), 3, 0.0)
+    _, steps = drive(s)
+    assert [st.prefill_tokens for st in steps[:3]] == [2048, 2048, 904]
+    assert [len(st.events) for st in steps] == [0, 0, 1, 1, 1]
+    assert s.requests[rid].first_token_at == steps[2].ends_at
+
+
+def test_running_requests_keep_decoding_while_a_prompt_is_chunked() -> None:
+    s = Scheduler(config(max_batched_tokens=1024, chunked_prefill=True))
+    first = s.submit(prompt(100), 20, 0.0)
+    step = s.step(0.0)
+    assert step is not None and [e.request_id for e in step.events] == [first]
+    s.submit(prompt(3000, 7), 5, step.ends_at)
+    now = step.ends_at
+    for expected_prefill in (1023, 1023, 954):  # the budget less one token for the decoder
+        step = s.step(now)
+        assert step is not None and step.prefill_tokens == expected_prefill
+        assert first in [e.request_id for e in step.events]
+        now = step.ends_at
+
+
+def test_a_step_admitting_a_short_prompt_behind_a_long_one_holds_only_the_budget() -> None:
+    """Without chunking, an interactive prompt admitted with a waiting batch prompt shares its
+    whole step with it; with chunking the step holds at most the budget."""
+    for chunked, budget, computed in ((False, 8192, 500 + 3000), (True, 2048, 2048)):
+        s = Scheduler(
+            config(max_batched_tokens=budget, chunked_prefill=chunked, scheduling_policy="priority")
+        )
+        batch = s.submit(prompt(3000, 5), 4, 0.0, priority=1)
+        short = s.submit(prompt(500, 9), 4, 0.0)
+        step = s.step(0.0)
+        assert step is not None and step.admitted == (short, batch)
+        assert step.prefill_tokens == computed
+        sampled = [e.request_id for e in step.events]
+        assert sampled == ([short, batch] if not chunked else [short])
 
 
 # -- optimistic admission and preemption ------------------------------------------------------
