@@ -385,6 +385,11 @@ class Request:
     prefill_left: int = 0
 
     @property
+    def samples_into_new_block(self) -> bool:
+        """The token it samples next needs a new KV block: its context fills its last one."""
+        return (len(self.prompt) + len(self.output)) % BLOCK_TOKENS == 0
+
+    @property
     def private_reservation(self) -> int:
         """Reserve mode: KV tokens reserved beside its (shareable) full prompt blocks: the partial
         last prompt block and room for all ``max_tokens``."""
@@ -587,9 +592,7 @@ class Scheduler:
         preempted: list[Request] = []
         if optimistic and self.running:
             growth = sum(
-                1
-                for r in self.running.values()
-                if not r.prefill_left and (len(r.prompt) + len(r.output)) % BLOCK_TOKENS == 0
+                1 for r in self.running.values() if not r.prefill_left and r.samples_into_new_block
             )
             while self._used_blocks + growth > self.num_blocks and len(self.running) > 1:
                 if self.by_priority:
@@ -597,10 +600,7 @@ class Scheduler:
                     del self.running[victim.id]
                 else:
                     _, victim = self.running.popitem()  # the most recently admitted
-                if (
-                    not victim.prefill_left
-                    and (len(victim.prompt) + len(victim.output)) % BLOCK_TOKENS == 0
-                ):
+                if not victim.prefill_left and victim.samples_into_new_block:
                     growth -= 1
                 self._preempt(victim)
                 preempted.append(victim)
@@ -608,6 +608,7 @@ class Scheduler:
         chunked = cfg.chunked_prefill
         prefill = 0
         prefilled: list[Request] = []  # their prompt is computed whole by the end of this step
+        prefilling = 0  # running requests whose prompt is still not computed after this step
         if chunked:
             # The running requests first, in admission order: a decoding one takes a token, a
             # prefilling one its next chunk (vLLM's v1 scheduler).
@@ -617,14 +618,17 @@ class Scheduler:
                     continue
                 budget -= 1
             for r in self.running.values():
-                if r.prefill_left and budget - prefill > 0:
-                    chunk = min(r.prefill_left, budget - prefill)
-                    r.prefill_left -= chunk
-                    prefill += chunk
-                    if not r.prefill_left:
-                        prefilled.append(r)
-                        if optimistic and (len(r.prompt) + len(r.output)) % BLOCK_TOKENS == 0:
-                            growth += 1  # it samples its first token this step
+                if not r.prefill_left:
+                    continue
+                chunk = min(r.prefill_left, max(0, budget - prefill))
+                r.prefill_left -= chunk
+                prefill += chunk
+                if r.prefill_left:
+                    prefilling += 1
+                    continue
+                prefilled.append(r)
+                if optimistic and r.samples_into_new_block:
+                    growth += 1  # it samples its first token this step
         else:
             budget = cfg.max_batched_tokens - len(self.running)
         # As vLLM's v1 scheduler: a step that had to preempt admits nobody.
@@ -642,12 +646,10 @@ class Scheduler:
             context = len(req.prompt) + len(req.output)
             cached = self.cache.lookup_hashes(context, req.context_hashes or req.block_hashes)
             uncached = context - cached
-            if chunked and budget - prefill <= 0:
-                # No budget left this step: undo the query, admit it next step.
-                self.cache.query_tokens -= context
-                self.cache.hit_tokens -= cached
-                break
-            if not chunked and admitted and uncached > budget - prefill:
+            # Chunked: any budget left takes a chunk. Whole: the first admission always goes,
+            # the others only if their whole prompt fits.
+            left = budget - prefill
+            if (left <= 0) if chunked else (bool(admitted) and uncached > left):
                 # Over the per-step token budget: undo the query, admit it next step.
                 self.cache.query_tokens -= context
                 self.cache.hit_tokens -= cached
@@ -666,14 +668,16 @@ class Scheduler:
             else:
                 prefill += uncached
             admitted.append(req)
-            if not req.prefill_left:
+            if req.prefill_left:
+                prefilling += 1
+            else:
                 prefilled.append(req)
-                if optimistic and context % BLOCK_TOKENS == 0:
+                if optimistic and req.samples_into_new_block:
                     growth += 1  # the token it samples this step needs a new block
         if not self.running:
             return None  # the head of the queue can never fit; check() prevents this
         # Every running request samples a token, but one still prefilling after this step.
-        decode = len(self.running) - sum(1 for r in self.running.values() if r.prefill_left)
+        decode = len(self.running) - prefilling
         # Each sequence reads its own whole context, shared blocks included: sharing memory does
         # not share bandwidth.
         duration = self.step_time(

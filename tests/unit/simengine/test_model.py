@@ -416,6 +416,9 @@ class TokenLog:
 
     def record(self, step: Step) -> None:
         assert len({e.request_id for e in step.events}) == len(step.events)
+        # The step's time counts a decode token for every request that sampled one, and only
+        # those (a chunked prompt still prefilling samples none).
+        assert step.decode_tokens == len(step.events)
         for e in step.events:
             rid = e.request_id
             assert rid not in self.done and rid not in self.aborted
