@@ -376,6 +376,9 @@ class Ingress:
         # ends), and when a node has room for one more.
         self.gate: FairQueue[BatchWaiter] = FairQueue(cfg.max_batch_waiting)
         self.batch_inflight: dict[str, int] = {}
+        # Of those, the ones that carry vLLM's priority field where the node schedules by it
+        # (``tiers.PRIORITY_KINDS``): hidden from an interactive request's routing score.
+        self.batch_hidden: dict[str, int] = {}
         # What this ingress sent each node to prefill, and how fast each prefills (routing).
         self.prefill = PrefillClocks()
         # Pacing (``batch_prefill_tokens_per_s``): when each node may take its next batch request.
@@ -1151,7 +1154,9 @@ class Ingress:
                 if tried and now >= deadline:
                     break
                 wall = self.wall_clock()  # load reports carry wall-clock times
-                candidates = self._candidates(routes, providers, requirements, tried, now, wall)
+                candidates = self._candidates(
+                    routes, providers, requirements, tried, now, wall, interactive=not job.batch
+                )
                 if not tried:
                     observed = len(candidates)
                 if not candidates:
@@ -1323,8 +1328,12 @@ class Ingress:
         tried: set[str],
         now: float,
         wall_now: float,
+        *,
+        interactive: bool = False,
     ) -> list[routing.Candidate]:
-        """Eligible nodes (``RouteTable.eligible``) this request has not tried yet."""
+        """Eligible nodes (``RouteTable.eligible``) this request has not tried yet, with their
+        prefill backlogs; for an ``interactive`` request, with our batch requests it will not
+        wait for marked hidden (``routing.Candidate.hidden``)."""
         eligible = self.table.eligible(
             routes,
             now=now,
@@ -1340,6 +1349,13 @@ class Ingress:
         if len(prefill):
             for c in eligible:
                 c.prefill_s = prefill.backlog(c.node.session_id, now)
+        hidden = self.batch_hidden
+        if interactive and hidden:
+            by_priority = {r.info.session_id for r in routes if r.priority}
+            for c in eligible:
+                sid = c.node.session_id
+                if sid in by_priority:
+                    c.hidden = hidden.get(sid, 0)
         return eligible
 
     async def _hold(
@@ -1362,7 +1378,9 @@ class Ingress:
                     await self._released.wait()
                 now = self.clock.now()
                 wall = self.wall_clock()
-                cands = self._candidates(routes, providers, requirements, tried, now, wall)
+                cands = self._candidates(
+                    routes, providers, requirements, tried, now, wall, interactive=True
+                )
                 if not cands:
                     return None
                 # Held long enough: the policy's best push (affinity kept) rather than wait on.
@@ -1480,6 +1498,8 @@ class Ingress:
         w.routes = routes
         sid = w.ranked[0].node.session_id
         inflight[sid] = inflight.get(sid, 0) + 1
+        if job.kind in PRIORITY_KINDS:
+            self.batch_hidden[sid] = self.batch_hidden.get(sid, 0) + 1
         job.batch_node = sid
         if job.prefill_tokens:
             # On the clock now, not when its task gets to send it: the same walk of the gate
@@ -1534,12 +1554,9 @@ class Ingress:
         job.batch_node = None
         if sid is None:
             return
-        inflight = self.batch_inflight
-        n = inflight.get(sid, 1) - 1
-        if n > 0:
-            inflight[sid] = n
-        else:
-            inflight.pop(sid, None)
+        _take_one(self.batch_inflight, sid)
+        if job.kind in PRIORITY_KINDS:
+            _take_one(self.batch_hidden, sid)
         if len(self.gate):
             self._scan_gate()
 
@@ -2195,3 +2212,12 @@ def _open_control(req: Request) -> bool:
         or path == b"/ui"
         or path.startswith(b"/ui/")
     )
+
+
+def _take_one(counts: dict[str, int], key: str) -> None:
+    """One fewer for ``key``, whose entry goes at zero (the dict holds only non-zero counts)."""
+    n = counts.get(key, 1) - 1
+    if n > 0:
+        counts[key] = n
+    else:
+        counts.pop(key, None)

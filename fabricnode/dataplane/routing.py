@@ -40,6 +40,16 @@ not prefilled yet. A new prompt waits for them whatever the counts say, and coun
 thirty requests in cheap decode from two whose prompts are being computed. This is what keeps
 interactive requests off the nodes where batch prompts are being prefilled (``bench/tiers.py``).
 
+An interactive request does not wait for batch-tier requests on a node whose engine schedules by
+priority: it goes ahead of them in the engine's queue and shares each step with their decoding,
+which costs a new prompt little (the prompt computed in the step in progress is on the prefill
+clock). So when the ingress routes one it marks this ingress's batch requests on such nodes as
+*hidden* (``Candidate.hidden``), and the score leaves them out of our in-flight count and of the
+report's counts. Without this, a node decoding thirty batch requests scored like thirty
+requests' worth of queue (0.3 s of prefill by the weights), and interactive prompts went to the
+other node while it was still computing a long prompt (engine step logs of ``bench/tiers.py``:
+over half of the interactive requests that queued in the slowest 15%).
+
 ``prompt_blocks`` turns a prompt into cumulative hashes of whole fixed-size character blocks, so
 two prompts share their first k values exactly when they share their first k blocks. The prefix
 policy keeps an approximate, LRU-bounded map from (model, block hash) to the few nodes that last
@@ -126,7 +136,7 @@ class LoadSnapshot:
 class Candidate:
     """One eligible node for one request, with what the policies score it by."""
 
-    __slots__ = ("load", "local_inflight", "node", "prefill_s")
+    __slots__ = ("hidden", "load", "local_inflight", "node", "prefill_s")
 
     def __init__(
         self,
@@ -140,11 +150,15 @@ class Candidate:
         self.local_inflight = local_inflight  # requests THIS ingress has in flight to the node
         # Seconds of prefill THIS ingress sent the node that are still ahead (``prefill``).
         self.prefill_s = prefill_s
+        # How many of those requests the one being routed does not wait for: this ingress's
+        # batch-tier requests on a node that schedules by priority, when routing an interactive
+        # one (set by the ingress; ``load_score`` takes them out of every count).
+        self.hidden = 0
 
     def __repr__(self) -> str:
         return (
             f"Candidate({self.node.session_id!r}, {self.load!r}, {self.local_inflight}, "
-            f"{self.prefill_s:.3f})"
+            f"{self.prefill_s:.3f}, hidden={self.hidden})"
         )
 
 
@@ -276,17 +290,18 @@ def load_score(c: Candidate, now: float, cfg: RoutingConfig) -> float:
     The report's ``inflight`` (the node agent's requests to its engine) overlaps
     ``waiting + running``; only its excess, requests the engine has not counted yet, is added.
     Report fields are clamped: they are unsigned and must not produce NaN or negative scores.
+    ``c.hidden`` of our requests, which the request being routed will not wait for, leave our
+    count and the report's (``_visible``).
     """
     load = c.load
-    local = cfg.local_inflight_weight * max(0, c.local_inflight)
+    hidden = c.hidden
+    local = cfg.local_inflight_weight * max(0, c.local_inflight - hidden)
     prefill_s = c.prefill_s
     if prefill_s > 0.0:
         local += cfg.prefill_weight * prefill_s
     if load is None or not _fresh(load, now, cfg):
         return local + cfg.unknown_load_penalty
-    waiting = max(0, load.waiting)
-    running = max(0, load.running)
-    in_transit = max(0, load.inflight - waiting - running)
+    waiting, running, in_transit = _visible(load, hidden)
     kv = load.kv_usage
     kv = (1.0 if kv > 1.0 else kv) if kv >= 0.0 else 0.0  # NaN -> 0.0
     return (
@@ -295,6 +310,24 @@ def load_score(c: Candidate, now: float, cfg: RoutingConfig) -> float:
         + cfg.kv_weight * kv
         + local
     )
+
+
+def _visible(load: LoadSnapshot, hidden: int) -> tuple[int, int, int]:
+    """The report's waiting, running and in-transit counts (clamped at 0) without ``hidden``
+    requests of ours. The report cannot say where ours are, so they come out of running first
+    (where batch work mostly is), then waiting, then in transit; a report older than some of
+    them just reaches 0 sooner."""
+    waiting = max(0, load.waiting)
+    running = max(0, load.running)
+    in_transit = max(0, load.inflight - waiting - running)
+    if hidden > 0:
+        out = min(hidden, running)
+        running -= out
+        hidden -= out
+        out = min(hidden, waiting)
+        waiting -= out
+        in_transit = max(0, in_transit - (hidden - out))
+    return waiting, running, in_transit
 
 
 def _without_prefill(
@@ -315,10 +348,11 @@ def _backlogged(c: Candidate, now: float, cfg: RoutingConfig) -> bool:
     load = c.load
     if load is None or not _fresh(load, now, cfg):
         return False
-    if load.waiting > cfg.pending_waiting_threshold:
+    waiting, running, _ = _visible(load, c.hidden)
+    if waiting > cfg.pending_waiting_threshold:
         return True
-    cap = max(cfg.pending_min_local_inflight, cfg.pending_local_per_running * load.running)
-    return c.local_inflight >= cap
+    cap = max(cfg.pending_min_local_inflight, cfg.pending_local_per_running * running)
+    return c.local_inflight - c.hidden >= cap
 
 
 # -- prompt hashing -----------------------------------------------------------------------------

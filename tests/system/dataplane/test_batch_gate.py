@@ -108,11 +108,11 @@ class Gate:
     keys: dict[str, str]
     core: MeshCore
 
-    def report(self, node: int, *, kv_usage: float, waiting: int = 0) -> None:
-        """A fresh load report of node ``node`` (``waiting`` queued; ``kv_usage``)."""
+    def report(self, node: int, *, kv_usage: float, waiting: int = 0, running: int = 1) -> None:
+        """A fresh load report of node ``node`` (``waiting`` queued, ``running``; ``kv_usage``)."""
         now = time.time()
         self.seq += 1
-        load = Load(self.sids[node], self.seq, waiting, 1, kv_usage, 0, now)
+        load = Load(self.sids[node], self.seq, waiting, running, kv_usage, 0, now)
         self.core.ingest([load], now)
 
     seq: int = 0
@@ -370,6 +370,36 @@ async def test_a_batch_request_failing_over_to_a_node_without_priority_goes_as_i
         assert answer[0].status_code == 200
         assert json.loads(g.nodes[0].received[0][1]) == {**json.loads(sent), "priority": 1}
         assert [body for _, body in g.nodes[1].received] == [sent]
+
+
+@pytest.mark.parametrize("by_priority", [True, False])
+async def test_an_interactive_request_does_not_count_batch_work_its_engine_serves_after_it(
+    tmp_path: Path, by_priority: bool
+) -> None:
+    """Node 0 runs six of our batch requests, node 1 three requests of its own. Where the
+    engines schedule by priority, an interactive request goes ahead of the batch ones, so node 0
+    is the less loaded for it; where they serve first come first served, it is node 1."""
+    labels = ((PRIORITY_SCHEDULING_LABEL, "1"),) if by_priority else ()
+    async with gate(tmp_path, nodes=2, labels=labels) as g, httpx.AsyncClient(timeout=20) as client:
+        g.report(0, kv_usage=0.1)
+        g.report(1, kv_usage=0.9)  # above the batch KV threshold: the batch goes to node 0
+        async with trio.open_nursery() as senders:
+            for i in range(6):
+                senders.start_soon(
+                    lambda i=i: client.post(g.url, json=chat(f"b{i}", hold=True), headers=BATCH)
+                )
+            await g.until(lambda: g.nodes[0].held == 6)
+            g.report(0, kv_usage=0.3, running=6)
+            g.report(1, kv_usage=0.9, running=3)
+            r = await client.post(g.url, json=chat("interactive"))
+            assert r.status_code == 200
+            g.nodes[0].release()
+        received = [
+            [json.loads(b)["messages"][0]["content"] for _, b in n.received] for n in g.nodes
+        ]
+        assert ("interactive" in received[0]) is by_priority
+        assert ("interactive" in received[1]) is not by_priority
+        assert len(received[0]) == 6 + by_priority and g.ingress.batch_hidden == {}
 
 
 async def test_pacing_sends_a_node_one_batch_request_at_a_time_by_its_prompt(

@@ -229,6 +229,44 @@ def test_a_node_in_the_middle_of_a_prefill_loses_to_a_busier_idle_one(name: str)
     assert pick(make_policy(name), request(), [prefilling, decoding]) == "a"
 
 
+def test_hidden_requests_leave_our_count_and_the_reports() -> None:
+    # Thirty of our batch requests on a node that schedules by priority, five of its own.
+    busy = cand("a", running=35, local=30, kv=0.5)
+    busy.hidden = 30
+    assert load_score(busy, NOW, CFG) == pytest.approx(5 + 0.5 * CFG.kv_weight)
+    # More hidden than running: the rest come out of the queue, then out of what is in transit.
+    queued = cand("a", waiting=3, running=2, inflight=9, local=6)
+    queued.hidden = 6
+    assert load_score(queued, NOW, CFG) == pytest.approx(CFG.waiting_weight * 0 + 3)
+    # Never below nothing, whatever a stale report says.
+    stale = cand("a", running=1, local=40)
+    stale.hidden = 40
+    assert load_score(stale, NOW, CFG) == 0.0
+    unknown = cand("a", local=7, report=False)
+    unknown.hidden = 5
+    assert load_score(unknown, NOW, CFG) == 2 + CFG.unknown_load_penalty
+
+
+@pytest.mark.parametrize("name", ["least-load", "prefix", "prefix-pending"])
+def test_a_node_decoding_hidden_batch_work_wins_over_one_computing_a_long_prompt(name: str) -> None:
+    # bench/tiers.py's step logs: interactive prompts queued behind a 0.5 s prompt on one node
+    # while the other decoded thirty batch requests, which a new prompt would have gone ahead of.
+    batch = cand("a", running=32, local=30, kv=0.6)
+    mid_prompt = cand("b", running=4, local=4, kv=0.2)
+    mid_prompt.prefill_s = 0.3
+    assert pick(make_policy(name), request(), [batch, mid_prompt]) == "b"  # counted: 62 vs 34
+    batch.hidden = 30
+    assert pick(make_policy(name), request(), [batch, mid_prompt]) == "a"
+
+
+def test_pending_does_not_hold_for_hidden_requests() -> None:
+    # Our in-flight count past SP-P's cap, but all of it batch work the request goes ahead of.
+    only_batch = cand("a", running=2, local=20)
+    assert make_policy("prefix-pending").rank(request(), [only_batch], NOW) is None
+    only_batch.hidden = 18
+    assert pick(make_policy("prefix-pending"), request(), [only_batch]) == "a"
+
+
 @pytest.mark.parametrize(
     "stale",
     [
