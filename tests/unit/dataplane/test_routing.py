@@ -124,7 +124,7 @@ def backlogged(c: Candidate, now: float) -> bool:
     load = c.load
     if load is None or abs(now - load.at) > CFG.load_stale_after_s:
         return False
-    return load.waiting > 0 or c.local_inflight >= max(8, 2 * load.running)
+    return load.waiting > 1 or c.local_inflight >= max(8, 2 * load.running)
 
 
 @pytest.mark.parametrize("name", POLICY_NAMES)
@@ -501,7 +501,7 @@ def test_session_map_is_bounded() -> None:
 
 def test_pending_holds_only_when_every_candidate_is_backlogged() -> None:
     policy = make_policy("prefix-pending")
-    full = [cand("a", waiting=1, running=8), cand("b", waiting=3, running=30)]
+    full = [cand("a", waiting=2, running=8), cand("b", waiting=3, running=30)]
     assert policy.rank(request(SYSTEM), full, NOW) is None
     assert policy.statistics().holds == 1
     some_room = [*full, cand("c", waiting=0, running=40)]
@@ -532,9 +532,19 @@ def test_pending_pushes_to_an_open_node_over_an_overloaded_prefix_match() -> Non
 
 def test_pending_without_hold_pushes_to_the_least_loaded() -> None:
     policy = make_policy("prefix-pending")
-    full = [cand("a", waiting=3), cand("b", waiting=1, running=2)]
+    full = [cand("a", waiting=3), cand("b", waiting=2, running=2)]
     assert policy.rank(request(), full, NOW) is None
     assert ids(policy.rank(request(), full, NOW, allow_hold=False)) == ["b", "a"]
+
+
+def test_pending_does_not_hold_for_a_queue_of_one() -> None:
+    # An engine counts a request as waiting until its next step admits it: a report showing one
+    # waiting request on every node is the usual snapshot of engines with room (bench/tiers.py).
+    policy = make_policy("prefix-pending")
+    one_each = [cand("a", waiting=1, running=30), cand("b", waiting=1, running=20)]
+    assert pick(policy, request(), one_each) == "b"
+    assert policy.statistics().holds == 0
+    assert policy.rank(request(), [cand("a", waiting=2), cand("b", waiting=2)], NOW) is None
 
 
 def test_pending_caps_what_we_push_between_reports() -> None:
@@ -558,7 +568,7 @@ def test_pending_never_holds_when_a_load_is_unknown(unknown: Candidate) -> None:
 
 def test_a_hold_resolves_when_the_reports_age_out() -> None:
     policy = make_policy("prefix-pending")
-    cands = [cand("a", waiting=2), cand("b", waiting=1)]
+    cands = [cand("a", waiting=3), cand("b", waiting=2)]
     assert policy.rank(request(), cands, NOW) is None
     later = NOW + CFG.load_stale_after_s + 0.1
     assert policy.rank(request(), cands, later) is not None
