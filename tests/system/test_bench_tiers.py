@@ -46,3 +46,32 @@ def test_quick_tiers_bench_reports_latency_and_batch_throughput(tmp_path: Path) 
     assert proc.stderr.count("interactive admissions") == 4
     assert "steps admitting batch prompts" in proc.stderr
     assert "fabric_ingress_prefill_rate_tokens_per_second{node=" in proc.stderr
+
+
+MODEL = REPO / "bench" / "tiers_model.py"
+
+
+def test_the_tiers_model_is_deterministic_and_tells_the_cells_apart(tmp_path: Path) -> None:
+    """bench/tiers_model.py: the same seeds give the same figures, and the cells keep their
+    order: the batch beside the replay costs it far less than greedy clients do, and takes
+    less of the idle capacity than greedy."""
+    outputs = []
+    for run in ("a", "b"):
+        out = tmp_path / f"{run}.json"
+        proc = subprocess.run(
+            [sys.executable, str(MODEL), "--minutes", "1", "--seeds", "2",
+             "--cells", "interactive,tiered,greedy", "--json", str(out)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "CC-BY 4.0" in proc.stdout
+        outputs.append(json.loads(out.read_text())["cells"])
+    assert outputs[0] == outputs[1]
+    cells = {c["cell"]: c for c in outputs[0]}
+    alone, tiered, greedy = cells["interactive"], cells["tiered"], cells["greedy"]
+    assert alone["batch_lines_per_s"] == 0
+    assert 0 < tiered["batch_lines_per_s"] < greedy["batch_lines_per_s"]
+    assert 0 < alone["ttft_p50_s"] <= alone["ttft_p95_s"] < 2
+    assert tiered["ttft_p95_s"] < 2 * alone["ttft_p95_s"] < greedy["ttft_p95_s"]
