@@ -20,7 +20,7 @@ Cells:
                per-node cap (``--batch-max-inflight-per-node``) at N instead of its default;
                ``tiered@N/R``: and pacing at R prompt tokens/s per node
                (``--batch-prefill-rate``); ``tiered@N+kvK``: and the batch tier's KV
-               threshold at K (``--batch-kv-threshold``, 0.6 by default)
+               threshold at K (``--batch-kv-threshold``, 0.7 by default)
   greedy       the replay, and the same lines sent by ``--batch-concurrency`` closed-loop
                clients as ordinary requests: what a researcher's own client loop does today.
                Its batch throughput is the capacity the interactive load leaves idle (the batch

@@ -47,6 +47,7 @@ for _path in (str(REPO), str(BENCH_DIR)):
 
 from tiers import ATTRIBUTION, TRACE, VOCAB, Request, load_trace  # noqa: E402
 
+from fabricnode.dataplane.ingress_config import IngressConfig  # noqa: E402
 from fabricnode.dataplane.prefill import PrefillClocks  # noqa: E402
 from fabricnode.dataplane.routing import (  # noqa: E402
     Candidate,
@@ -112,8 +113,8 @@ class Node:
 class Cell:
     name: str
     mode: str  # interactive | tiered | greedy
-    cap: int = 32
-    kv: float = 0.6
+    cap: int = IngressConfig().batch_max_inflight_per_node
+    kv: float = IngressConfig().batch_kv_threshold
 
 
 def parse_cell(name: str) -> Cell:
@@ -122,7 +123,8 @@ def parse_cell(name: str) -> Cell:
     mode, _, cap = base.partition("@")
     if mode not in ("interactive", "tiered", "greedy"):
         raise ValueError(f"unknown cell {name!r}")
-    return Cell(name, mode, int(cap) if cap else 32, float(kv) if kv else 0.6)
+    default = Cell(name, mode)
+    return Cell(name, mode, int(cap) if cap else default.cap, float(kv) if kv else default.kv)
 
 
 @dataclass(frozen=True)

@@ -132,7 +132,7 @@ def start(
         typer.Option(
             metavar="FRACTION",
             help="Batch tier (X-Fabric-Priority: batch): send batch requests only to nodes whose "
-            "KV cache is less full than this (0.6).",
+            "KV cache is less full than this (0.7).",
         ),
     ] = None,
     batch_max_waiting: Annotated[

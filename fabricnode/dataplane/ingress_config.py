@@ -63,7 +63,10 @@ class IngressConfig:
     # the ingress, at most ``max_batch_waiting`` of them in all, each for at most
     # ``batch_max_wait_s`` (then 503). Attempts to a node whose engine schedules by priority
     # carry ``"priority": batch_priority`` (interactive requests: vLLM's default, 0).
-    batch_kv_threshold: float = 0.6
+    # 0.7: with interactive routing that leaves batch work out of its scores, the batch tier
+    # costs the interactive p95 ~2% here and takes ~75% of the idle capacity; 0.6 (SageServe's)
+    # left a third of it idle (docs/benchmarks.md, "Priority tiers").
+    batch_kv_threshold: float = 0.7
     batch_max_waiting: int = 0
     # 32: with the prefill clocks pacing batch prompts, the KV threshold is what binds; a
     # smaller cap only leaves capacity idle (docs/benchmarks.md, "Priority tiers").

@@ -11,12 +11,12 @@ Rules
    the token the agent made at start). Neither header is ever forwarded upstream.
 2. Only batch requests are ever held here. An interactive request pays two header lookups and
    is routed as before: it never waits behind a batch one at the ingress.
-3. A batch request goes to a node only while that node has room for batch work (``has_room``):
-   a fresh gossiped load report (``routing``'s ``load_stale_after_s``) with ``waiting <=
-   max_waiting`` and ``kv_usage < kv_threshold`` (SageServe's 60%), and this ingress's batch
-   requests in flight to it below ``max_inflight``; a node whose report is missing or stale
-   takes at most one. Batch in-flight counts are the ingress's own, apart from the counts the
-   policies see, and a request's own node (its local engine) counts the same way.
+3. A batch request goes to a node only while that node has room for batch work (``has_room``): a
+   fresh gossiped load report (``routing``'s ``load_stale_after_s``) with ``waiting <=
+   max_waiting`` and ``kv_usage < kv_threshold`` (0.7 by default; SageServe's 60%), and this
+   ingress's batch requests in flight to it below ``max_inflight``; a node whose report is missing
+   or stale takes at most one. Batch in-flight counts are the ingress's own, apart from the counts
+   the policies see, and a request's own node (its local engine) counts the same way.
 4. Batch requests that find no node with room wait in the gate, queued per *tenant* (the API
    key's id; ``-`` when keys are off, or the tenant the owner header names), and are released
    in weighted fair order (``FairQueue``): while tenants are backlogged, each is released in
@@ -143,7 +143,7 @@ def owner_of(
 class RoomRules:
     """When a node has room for batch work (``has_room``); from ``IngressConfig``."""
 
-    kv_threshold: float = 0.6  # batch_kv_threshold: KV usage below this
+    kv_threshold: float = 0.7  # batch_kv_threshold: KV usage below this
     max_waiting: int = 0  # batch_max_waiting: the node's queue at most this long
     max_inflight: int = 32  # batch_max_inflight_per_node: our batch requests in flight to it
     stale_after_s: float = 3.0  # routing's load_stale_after_s: a report older is not trusted

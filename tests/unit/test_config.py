@@ -113,7 +113,7 @@ def test_bounds_that_cannot_work_are_one_config_error(
 
 def test_the_batch_tiers_thresholds_come_from_the_flags(tmp_path: Path) -> None:
     default = load_config(env=env_in(tmp_path)).ingress
-    assert (default.batch_kv_threshold, default.batch_max_waiting) == (0.6, 0)
+    assert (default.batch_kv_threshold, default.batch_max_waiting) == (0.7, 0)
     assert (default.batch_max_inflight_per_node, default.max_batch_waiting) == (32, 4096)
     assert (default.batch_max_wait_s, default.batch_priority) == (600.0, 1)
     limits = TierLimits(0.8, 2, 3, 100, 30.0, 5)
