@@ -90,10 +90,10 @@ until the next step admits it, so a snapshot often shows one waiting request on 
 (the request that came during the step in progress). A report is taken every half second and
 stands until the next one, so with a threshold of 0 such a snapshot on every node held requests
 at the ingress for up to half a second while the engines had room. Measured on ``bench/tiers.py``
-(docs/benchmarks.md, with ``bench/tiers_model.py``): these holds were most of the interactive
-requests in the slowest 5% once a batch ran beside them (engines with thirty more requests step
-more often with a new arrival waiting), and the batch tier's latency cost fell from ~1.1x to
-~1.02x with the threshold at 1.
+(docs/benchmarks.md, with ``bench/tiers_model.py``): with a batch beside the interactive
+requests, such snapshots on both nodes were common, held requests were about a third of the
+slowest 5%, and the batch tier's cost to the interactive p95 fell from ~1.1x to ~1.02x with the
+threshold at 1.
 """
 
 from __future__ import annotations
