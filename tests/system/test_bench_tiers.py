@@ -13,9 +13,12 @@ import pytest
 from tests.support import REPO
 
 BENCH = REPO / "bench" / "tiers.py"
+TRACE = REPO.parent / "shared" / "data" / "azure-llm-2023-conv.csv"  # as the bench finds it
+NO_TRACE = pytest.mark.skipif(not TRACE.exists(), reason=f"{TRACE} is not on this machine")
 
 
 @pytest.mark.slow
+@NO_TRACE
 def test_quick_tiers_bench_reports_latency_and_batch_throughput(tmp_path: Path) -> None:
     out_json = tmp_path / "tiers.json"
     proc = subprocess.run(
@@ -51,6 +54,7 @@ def test_quick_tiers_bench_reports_latency_and_batch_throughput(tmp_path: Path) 
 MODEL = REPO / "bench" / "tiers_model.py"
 
 
+@NO_TRACE
 def test_the_tiers_model_is_deterministic_and_tells_the_cells_apart(tmp_path: Path) -> None:
     """bench/tiers_model.py: the same seeds give the same figures, and the cells keep their
     order: the batch beside the replay costs it far less than greedy clients do, and takes
