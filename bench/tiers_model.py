@@ -47,6 +47,7 @@ for _path in (str(REPO), str(BENCH_DIR)):
 
 from tiers import ATTRIBUTION, TRACE, VOCAB, Request, load_trace  # noqa: E402
 
+from fabricnode.dataplane.ingress import GATE_TICK_S  # noqa: E402
 from fabricnode.dataplane.ingress_config import IngressConfig  # noqa: E402
 from fabricnode.dataplane.prefill import PrefillClocks  # noqa: E402
 from fabricnode.dataplane.routing import (  # noqa: E402
@@ -63,10 +64,10 @@ from fabricnode.simengine.model import EngineConfig, Scheduler, gpu_profile  # n
 NET_S = 0.002  # one way
 REPORT_DELAY_S = 0.005
 HOLD_RETRY_S = 0.05  # Ingress._hold asks again at least this often
-HOLD_MAX_S = 2.0  # IngressConfig.hold_max_s
-GATE_TICK_S = 0.1  # ingress.GATE_TICK_S
-PREEMPT_KV = 0.9  # IngressConfig.batch_preempt_kv_threshold
-PREEMPT_PER_REPORT = 4
+# The ingress's own defaults, so the model follows them.
+HOLD_MAX_S = IngressConfig().hold_max_s
+PREEMPT_KV = IngressConfig().batch_preempt_kv_threshold
+PREEMPT_PER_REPORT = IngressConfig().batch_preempt_per_report
 TEMPLATE_TOKENS = 4  # the simulated engine's chat template around the words
 BATCH_CONCURRENCY = 64
 BATCH_LINES = 20_000
