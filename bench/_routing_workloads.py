@@ -240,3 +240,90 @@ class ChatNoSession(Chat):
 WORKLOADS: dict[str, type[Workload]] = {
     w.name: w for w in (TreeOfThoughts, Chat, ChatNoSession, NoSharing)
 }
+
+
+def read_trace_lengths(path: str, limit: int = 0) -> list[tuple[int, int]]:
+    """(prompt tokens, output tokens) per line of an Azure LLM trace CSV
+    (``TIMESTAMP,ContextTokens,GeneratedTokens``), in file order; ``limit`` lines at most."""
+    out: list[tuple[int, int]] = []
+    with open(path, encoding="utf-8") as f:
+        next(f, None)  # header
+        for line in f:
+            parts = line.rstrip("\n").split(",")
+            if len(parts) != 3:
+                continue
+            out.append((int(parts[1]), int(parts[2])))
+            if limit and len(out) >= limit:
+                break
+    return out
+
+
+class SharedPrompts(Workload):
+    """Multi-turn conversations over a few long shared system prompts, turn lengths from a real
+    trace: the shape a new user's chat product sends (a handful of long system prompts, one per
+    assistant or tool, under many short conversations), and the one on which a routing
+    regression went unseen by ``tot``/``chat``.
+
+    Each conversation picks one of ``shared_prompts`` system prompts (``system_prompt_words``
+    each, shared by every client) and a run of consecutive lines of the trace, one per turn:
+    turn k's new user message is that line's prompt length / ``trace_scale`` words and its
+    answer that line's output length / ``trace_scale`` tokens (clamped), so turns vary as the
+    trace does while a cell still sees thousands of requests. No ``X-Session-ID``: what keeps a
+    conversation on the node holding its prefix is the router's prefix matching alone, as for a
+    client that sends plain OpenAI requests.
+    """
+
+    name = "shared-prompts"
+    lengths: list[tuple[int, int]] = []  # set by the bench from the trace (see load_trace)
+
+    shared_prompts = 4
+    system_prompt_words = 2000
+    turns = (3, 8)
+    trace_scale = 4
+    user_words = (16, 600)
+    output_tokens = (4, 64)
+
+    @classmethod
+    def load_trace(cls, path: str) -> None:
+        cls.lengths = read_trace_lengths(path)
+
+    def system(self, index: int) -> str:
+        head = f"You are assistant number {index}. Follow these instructions. "
+        return head + self.words(self.system_prompt_words, "system", index)
+
+    def _turn_lengths(self, line: int) -> tuple[int, int]:
+        if not self.lengths:
+            raise RuntimeError("SharedPrompts.load_trace(path) was not called")
+        prompt, output = self.lengths[line % len(self.lengths)]
+        lo, hi = self.user_words
+        olo, ohi = self.output_tokens
+        scale = self.trace_scale
+        return min(hi, max(lo, prompt // scale)), min(ohi, max(olo, output // scale))
+
+    def first(self, client: int, program: int) -> Call:
+        rng = self.rng("conversation", client, program)
+        prompt = rng.randrange(self.shared_prompts)
+        line = rng.randrange(max(1, len(self.lengths)))
+        turns = rng.randint(*self.turns)
+        meta = {"line": line, "turns": turns}
+        words, out = self._turn_lengths(line)
+        messages = (
+            {"role": "system", "content": self.system(prompt)},
+            {"role": "user", "content": self.words(words, client, program, 0)},
+        )
+        return Call(messages, out, None, client, program, (0,), meta)
+
+    def follow(self, call: Call, output: str) -> list[Call]:
+        turn = call.path[0] + 1
+        if turn >= call.meta["turns"]:
+            return []
+        words, out = self._turn_lengths(call.meta["line"] + turn)
+        messages = (
+            *call.messages,
+            {"role": "assistant", "content": output},
+            {"role": "user", "content": self.words(words, call.client, call.program, turn)},
+        )
+        return [Call(messages, out, None, call.client, call.program, (turn,), call.meta)]
+
+
+WORKLOADS[SharedPrompts.name] = SharedPrompts

@@ -68,6 +68,7 @@ import math
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -88,13 +89,19 @@ import httpx  # noqa: E402
 import orjson  # noqa: E402
 import trio  # noqa: E402
 from _procs import cpu_ticks, descendants, free_port, host_ticks  # noqa: E402
-from _routing_workloads import WORKLOADS, Call, Shape, Workload  # noqa: E402
+from _routing_workloads import WORKLOADS, Call, Shape, SharedPrompts, Workload  # noqa: E402
 
 from cli.localmesh import AgentProcess, LocalMesh, wait_until  # noqa: E402
 from fabricnode.dataplane import routing  # noqa: E402
 from fabricnode.engine.metrics import parse_samples  # noqa: E402
 
 MODEL = "sim-8b"
+# A policy named "vllm-router:POLICY" is no policy of ours: vllm-router (the Rust router, from
+# PyPI, in its own venv: bench/_venvs.py) with that policy in front of the same engines, the
+# clients talking to it instead of the ingress. cache_aware is its prefix-tree policy.
+PEER_PREFIX = "vllm-router:"
+PEER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
+TRACE = REPO.parent / "shared" / "data" / "azure-llm-2023-conv.csv"
 CHAT_PATH = "/v1/chat/completions"
 DEFAULT_WORKLOADS = ("tot", "chat", "nosharing")
 QUICK_SHAPE = Shape(
@@ -174,6 +181,8 @@ class Settings:
     kv_tokens: int
     max_num_seqs: int
     shape: Shape
+    source: str = ""  # another checkout whose agents (not engines) run the cell; "" = this one
+    via: str = "ingress"  # "agents": client c talks to serving agent c mod nodes, not the ingress
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -185,15 +194,19 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def engine_args(s: Settings, port: int, seed: int) -> list[str]:
-    """``fabric start`` arguments supervising one simulated engine on ``port``."""
+    """``fabric start`` arguments supervising one simulated engine on ``port``. With
+    ``--source`` the agents run another checkout's code but the engines stay this one's
+    (``-P`` keeps the agent's folder off the engine's path), so only the agents differ."""
+    python = [sys.executable, "-m"]
+    if s.source:
+        python = ["env", f"PYTHONPATH={REPO}", sys.executable, "-P", "-m"]
     return [
         "--sim-gpu",
         s.gpu,
         "--engine-url",
         f"http://127.0.0.1:{port}",
         "--",
-        sys.executable,
-        "-m",
+        *python,
         "fabricnode.simengine",
         "--model",
         MODEL,
@@ -216,7 +229,8 @@ def engine_args(s: Settings, port: int, seed: int) -> list[str]:
 
 def start_mesh(mesh: LocalMesh, policy: str, s: Settings) -> tuple[AgentProcess, dict[str, str]]:
     """The ingress and the serving agents; returns the ingress and engine URL by session id."""
-    ingress = mesh.start("ingress", args=["--policy", policy], wait=False)
+    agent_policy = routing.DEFAULT_POLICY if policy.startswith(PEER_PREFIX) else policy
+    ingress = mesh.start("ingress", args=["--policy", agent_policy], wait=False)
     # Same engine seed everywhere: a prompt gets the same answer on every node, so the
     # programs (which grow from answers) do not depend on where a request went.
     nodes = [
@@ -264,8 +278,9 @@ def _models_count(ingress: AgentProcess) -> int:
 class Driver:
     """Closed-loop clients running one workload against the ingress, in trio."""
 
-    def __init__(self, url: str, workload: Workload, http: httpx.AsyncClient) -> None:
-        self.url = url + CHAT_PATH
+    def __init__(self, urls: list[str], workload: Workload, http: httpx.AsyncClient) -> None:
+        # Client c talks to urls[c mod len(urls)]: the ingress, or each serving agent in turn.
+        self.urls = [u + CHAT_PATH for u in urls]
         self.workload = workload
         self.http = http
         self.records: list[Record] = []
@@ -287,8 +302,9 @@ class Driver:
         node = ""
         error = ""
         try:
+            url = self.urls[call.client % len(self.urls)]
             async with self.http.stream(
-                "POST", self.url, content=orjson.dumps(body), headers=headers
+                "POST", url, content=orjson.dumps(body), headers=headers
             ) as r:
                 node = r.headers.get("x-fabric-node", "")
                 if r.status_code != 200:
@@ -380,7 +396,7 @@ async def ingress_holds(http: httpx.AsyncClient, url: str) -> int:
 
 async def drive_cell(
     workload: Workload,
-    ingress_url: str,
+    ingress_urls: list[str],
     engines: dict[str, str],
     s: Settings,
     roles: dict[str, list[int]],
@@ -391,7 +407,7 @@ async def drive_cell(
         httpx.AsyncClient(limits=limits, timeout=timeout) as http,
         httpx.AsyncClient(timeout=5.0) as control,
     ):
-        driver = Driver(ingress_url, workload, http)
+        driver = Driver(ingress_urls, workload, http)
         stats: dict[str, Any] = {}
         samples: list[dict[str, EngineCounters]] = []
         async with trio.open_nursery() as nursery:
@@ -400,7 +416,7 @@ async def drive_cell(
             await trio.sleep(s.warmup_s)
             t0 = trio.current_time()
             before = await scrape_engines(control, engines)
-            holds0 = await ingress_holds(control, ingress_url)
+            holds0 = sum([await ingress_holds(control, u) for u in ingress_urls])
             cpu0, host0 = {k: cpu_ticks(v) for k, v in roles.items()}, host_ticks()
             end = t0 + s.seconds
             while trio.current_time() + 0.5 < end:
@@ -410,7 +426,7 @@ async def drive_cell(
             t1 = trio.current_time()
             cpu1, host1 = {k: cpu_ticks(v) for k, v in roles.items()}, host_ticks()
             after = await scrape_engines(control, engines)
-            holds1 = await ingress_holds(control, ingress_url)
+            holds1 = sum([await ingress_holds(control, u) for u in ingress_urls])
             nursery.cancel_scope.cancel()
         hits = sum(after[k].hits - before[k].hits for k in engines)
         queries = sum(after[k].queries - before[k].queries for k in engines)
@@ -433,9 +449,57 @@ def _mean(values: list[float]) -> float:
     return statistics.fmean(values) if values else math.nan
 
 
+def start_peer_router(
+    policy: str, engines: dict[str, str], workdir: Path
+) -> subprocess.Popen[bytes]:
+    """vllm-router with ``policy`` in front of ``engines``; returns once it answers /health."""
+    import _venvs
+
+    venv = _venvs.ensure("vllm-router")
+    port = free_port()
+    argv = [
+        str(venv.executable),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--worker-urls",
+        *engines.values(),
+        "--policy",
+        policy,
+        "--prometheus-host",
+        "127.0.0.1",
+        "--prometheus-port",
+        str(free_port()),
+        "--log-level",
+        "warning",
+    ]
+    with open(workdir / "vllm-router.log", "wb") as err:
+        proc = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=err, stderr=err, start_new_session=True
+        )
+    url = f"http://127.0.0.1:{port}"
+    proc.url = url  # type: ignore[attr-defined]
+
+    def healthy() -> bool:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vllm-router exited with {proc.returncode}")
+        try:
+            return httpx.get(url + "/health", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    if not wait_until(healthy, 60, interval_s=0.1):
+        proc.kill()
+        raise RuntimeError("vllm-router did not become healthy in 60 s")
+    return proc
+
+
 def run_cell(workload_name: str, policy: str, s: Settings, workdir: Path) -> CellResult:
     workload = WORKLOADS[workload_name](seed=s.seed, shape=s.shape)
-    with LocalMesh(workdir / f"{workload_name}-{policy}", log_level="warning") as mesh:
+    cell_dir = workdir / f"{workload_name}-{policy.replace(':', '-')}"
+    source = Path(s.source) if s.source else None
+    with LocalMesh(cell_dir, log_level="warning", source=source) as mesh:
         ingress, engines = start_mesh(mesh, policy, s)
         names = {a.session_id: a.name for a in mesh.agents}
         serving = [a.pid for a in mesh.agents if a is not ingress]
@@ -445,9 +509,20 @@ def run_cell(workload_name: str, policy: str, s: Settings, workdir: Path) -> Cel
             "agents": serving,
             "engines": [p for p in descendants(*serving) if p not in serving],
         }
+        peer: subprocess.Popen[bytes] | None = None
+        targets = [ingress.http_url]
+        if policy.startswith(PEER_PREFIX):
+            peer = start_peer_router(policy[len(PEER_PREFIX) :], engines, cell_dir)
+            targets = [peer.url]  # type: ignore[attr-defined]
+            roles["ingress"] = [peer.pid]
+        elif s.via == "agents":
+            targets = [a.http_url for a in mesh.agents if a is not ingress]
         try:
-            records, stats = trio.run(drive_cell, workload, ingress.http_url, engines, s, roles)
+            records, stats = trio.run(drive_cell, workload, targets, engines, s, roles)
         finally:
+            if peer is not None:
+                peer.kill()
+                peer.wait()
             for agent in mesh.agents:
                 if not agent.running:
                     log(f"{agent.name} exited early: {agent.stderr_tail(3)}")
@@ -584,6 +659,26 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     p.add_argument("--quick", action="store_true", help="tiny smoke run (~30 s)")
     p.add_argument("--keep-workdir", action="store_true", help="keep agent logs")
+    p.add_argument(
+        "--trace",
+        type=Path,
+        default=TRACE,
+        help="the Azure trace shared-prompts takes lengths from",
+    )
+    p.add_argument(
+        "--source",
+        metavar="DIR",
+        default="",
+        help="run the agents from another checkout (e.g. a git worktree of an earlier commit); "
+        "the engines and clients stay this checkout's",
+    )
+    p.add_argument(
+        "--via",
+        choices=("ingress", "agents"),
+        default="ingress",
+        help="clients talk to the ingress agent (default), or each to one of the serving agents "
+        "(every agent is an ingress; vllm-router cells are unaffected)",
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.workloads = "tot" if args.workloads == ",".join(DEFAULT_WORKLOADS) else args.workloads
@@ -592,8 +687,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         if name not in WORKLOADS:
             p.error(f"unknown workload {name!r} (one of: {', '.join(WORKLOADS)})")
     for name in args.policies.split(","):
-        if name not in routing.POLICY_NAMES:
+        if name.startswith(PEER_PREFIX):
+            if name[len(PEER_PREFIX) :] not in PEER_POLICIES:
+                p.error(f"unknown vllm-router policy {name!r} (one of: {', '.join(PEER_POLICIES)})")
+        elif name not in routing.POLICY_NAMES:
             p.error(f"unknown policy {name!r} (one of: {', '.join(routing.POLICY_NAMES)})")
+    if "shared-prompts" in args.workloads.split(","):
+        if not args.trace.is_file():
+            p.error(f"shared-prompts takes its turn lengths from {args.trace}, which is missing")
+        SharedPrompts.load_trace(str(args.trace))
     return args
 
 
@@ -611,6 +713,8 @@ def main(argv: list[str]) -> int:
         kv_tokens=args.kv_tokens,
         max_num_seqs=args.max_num_seqs,
         shape=QUICK_SHAPE if args.quick else Shape(),
+        source=str(Path(args.source).resolve()) if args.source else "",
+        via=args.via,
     )
     workloads = args.workloads.split(",")
     policies = args.policies.split(",")
@@ -638,6 +742,7 @@ def main(argv: list[str]) -> int:
         f"kv {s.kv_tokens} tokens, speed {s.speed:g}), {s.clients} closed-loop streaming "
         f"clients, {s.warmup_s:g} s warm-up + {s.seconds:g} s measured per cell, seed {s.seed}; "
         f"default policy {routing.DEFAULT_POLICY}; {time.monotonic() - began:.0f} s in all"
+        + (f"; agents from {s.source}" if s.source else "")
     )
     print(table(cells))
     checks = targets(cells, routing.DEFAULT_POLICY)

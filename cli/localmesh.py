@@ -144,6 +144,9 @@ class LocalMesh:
     workdir: Path
     log_level: str = "info"
     provider: str = "local"
+    # Run the agents from another checkout's sources (``python -m cli.main`` in that folder):
+    # bench/routing.py --source compares an earlier commit against this one in one run.
+    source: Path | None = None
     agents: list[AgentProcess] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -204,6 +207,7 @@ class LocalMesh:
                 stdout=out,
                 stderr=err,
                 env=self.env(env),
+                cwd=self.source,
                 start_new_session=True,  # a terminal's Ctrl-C goes to us; we stop the agents
                 preexec_fn=_die_with_parent,
             )
