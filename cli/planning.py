@@ -21,10 +21,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from fabricnode.control.client import AdminClient
-from fabricnode.dataplane.accounting import merge_workload_sums
 from fabricnode.errors import AgentApiError, ConfigError
 from fabricnode.mesh.assignment import AssignmentBody, SignedAssignment
 from fabricnode.mesh.identity import OperatorKey
+from fabricnode.requestlog.sums import merge_workload_sums
 from scheduler.catalog import Catalog, is_local_path
 from scheduler.errors import CatalogError, WorkloadError
 from scheduler.inventory import NodeGroup

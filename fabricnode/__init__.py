@@ -10,6 +10,8 @@ Packages:
                  (``mesh.core.MeshCore``) and its trio shell (``mesh.service``).
 * ``dataplane``  the ``/v1`` ingress on trio + httptools: decode, route, forward, fail over,
                  account; compiled with mypyc when built.
+* ``requestlog`` the request log: its line format, the writer the ingress appends to, reading
+                 it whole or after a cursor, the sums the planner and the controller read.
 * ``engine``     the supervised engine child and the node's lifecycle JOIN -> SERVING -> DOWN;
                  following an operator's assignments.
 * ``host``       GPUs, the Slurm job and its lease, the rendezvous file.
@@ -36,7 +38,8 @@ Top-level modules:
 * ``native_build``  builds the compiled data plane: ``python -m fabricnode.native_build``.
 
 Layers: the mesh imports only itself, ``errors`` and ``addr``; the data plane never imports
-``engine``, ``host``, ``control``, ``config`` or ``agent``; nothing here imports ``testing``,
+``engine``, ``host``, ``control``, ``config`` or ``agent``; ``requestlog`` sits below the data
+plane, ``control`` and ``elastic``, which import it; nothing here imports ``testing``,
 ``cli`` or ``bench``. ``make lint`` checks these rules (CONTRIBUTING.md). docs/architecture.md
 explains the design.
 """

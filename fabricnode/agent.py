@@ -66,7 +66,6 @@ from fabricnode.control.loadhistory import LoadHistory
 from fabricnode.control.memberlog import log_member_changes
 from fabricnode.control.meshstats import MeshStats
 from fabricnode.control.peers import PeerClient
-from fabricnode.dataplane.accounting import RequestLog
 from fabricnode.dataplane.apikeys import ApiKeyStore
 from fabricnode.dataplane.ingress import Ingress
 from fabricnode.elastic.controller import Controller
@@ -92,6 +91,7 @@ from fabricnode.mesh.keyring import Keyring
 from fabricnode.mesh.membership import Liveness
 from fabricnode.mesh.registry import Addresses, EngineInfo, EntryBody, Hardware, State
 from fabricnode.mesh.service import GossipService, UdpTcpTransport
+from fabricnode.requestlog.writer import RequestLog
 
 log = logging.getLogger("fabricnode.agent")
 

@@ -33,7 +33,7 @@ Endpoints (all GET; HEAD is answered like GET without a body):
   ``window`` seconds (default 3600): request count and token sums, the planner's workload.
   With ``after=<cursor>`` instead (``end`` to start): only what the log gained after the
   cursor, per model (requests, prompt and output tokens, a TTFT histogram:
-  ``accounting.recent_sums``), and the next ``cursor``; the elastic controller polls it.
+  ``requestlog.sums.recent_sums``), and the next ``cursor``; the elastic controller polls it.
 * ``/fabric/v1/stats`` — per model, requests/s, output tokens/s, errors and TTFT and
   end-to-end p50/p95 in 10-second buckets over the last ``window`` seconds (at most 600) and a
   summary of the last minute: the whole mesh's (every live agent asked, ``meshstats``), or
@@ -83,15 +83,6 @@ from fabricnode.control.fleet import fleet_view
 from fabricnode.control.loadhistory import LoadHistory
 from fabricnode.control.meshstats import MeshStats, window_of
 from fabricnode.control.views import Json, entry_view, match_sessions, models_view, node_views
-from fabricnode.dataplane.accounting import (
-    TraceRecord,
-    parse_cursor,
-    read_request_log,
-    read_request_log_after,
-    recent_sums,
-    request_log_files,
-    workload_sums,
-)
 from fabricnode.dataplane.request import error_body
 from fabricnode.elastic.controller import Controller, summarise
 from fabricnode.engine.models import DROP_REASONS
@@ -110,6 +101,10 @@ from fabricnode.metricfamilies import (
     gauges_by,
     registry_of,
 )
+from fabricnode.requestlog.cursor import parse_cursor, read_request_log_after
+from fabricnode.requestlog.format import TraceRecord
+from fabricnode.requestlog.reader import read_request_log, request_log_files
+from fabricnode.requestlog.sums import recent_sums, workload_sums
 
 log = logging.getLogger("fabricnode.control.app")
 

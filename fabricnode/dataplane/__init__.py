@@ -7,6 +7,7 @@ module is listed by hand), so each is strictly typed Python that must behave the
 and interpreted; ``make test`` runs the data plane's tests both ways.
 
 May import: ``fabricnode.mesh`` (the registry, liveness and keyring it routes by),
+``fabricnode.requestlog`` (the request log it appends to, the TTFT buckets of ``recent``),
 ``fabricnode.errors``, ``fabricnode.addr`` and itself. Never ``fabricnode.engine``, ``host``,
 ``control``, ``config`` or ``agent``: the agent builds the ingress and hands it what it needs
 (checked by ``make lint``).
@@ -26,7 +27,9 @@ Modules, in reading order (pure first, then the shell that uses them):
                       batch work, fair queueing of waiting batch requests between API keys.
 * ``forward_auth``    the HMAC header that proves an agent-to-agent forward holds the cluster key.
 * ``apikeys``         API keys of the ingress: lookup, the keys file, rate limits.
-* ``accounting``      token usage per request, totals per key and model, the request log.
+* ``sse``             server-sent events as read from engines: a ``data:`` line, an event's data.
+* ``usage``           token usage read from each response (body or stream), totals per key
+                      and model; the request log itself is ``fabricnode.requestlog``'s.
 * ``metrics``         the data plane's Prometheus metrics, kept as plain counters.
 * ``http1``           sans-IO HTTP/1.1 parsing with hard limits (httptools underneath).
 * ``sockio``          non-blocking sockets, the reactor that waits for them, the deadline watchdog.

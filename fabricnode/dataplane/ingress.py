@@ -92,11 +92,6 @@ import orjson
 import trio
 
 from fabricnode.dataplane import routing
-from fabricnode.dataplane.accounting import (
-    RequestLog,
-    StreamUsage,
-    UsageLedger,
-)
 from fabricnode.dataplane.apikeys import ApiKeyStore, RateLimiter
 from fabricnode.dataplane.asgi_call import AsgiApp, call_asgi
 from fabricnode.dataplane.clientconn import (
@@ -196,10 +191,12 @@ from fabricnode.dataplane.tiers import (
     tier_of,
 )
 from fabricnode.dataplane.upstream import BrokenResponse, Exchange, UpstreamError, UpstreamPool
+from fabricnode.dataplane.usage import StreamUsage, UsageLedger
 from fabricnode.logs import ThrottledErrors
 from fabricnode.mesh.core import MeshCore
 from fabricnode.mesh.membership import Liveness
 from fabricnode.mesh.registry import State
+from fabricnode.requestlog.writer import RequestLog
 
 log = logging.getLogger("fabricnode.dataplane.ingress")
 

@@ -32,7 +32,7 @@ from typing import Any
 
 import orjson
 
-from fabricnode.dataplane.accounting import sse_data
+from fabricnode.dataplane.sse import event_data
 
 RESUME_HEADER = b"x-fabric-resume"  # "off": end a broken stream with the error event instead
 MAX_TRANSCRIPT_BYTES = 4 * 1024 * 1024  # per stream; a longer stream is not resumed
@@ -154,7 +154,7 @@ def read_delivered(pieces: list[bytes], kind: str) -> Delivered | str:
     text: list[str] = []
     events = 0
     for event in data.split(b"\n\n"):
-        payload = _payload(event)
+        payload = event_data(event)
         if payload is None:
             continue  # a comment (keep-alive): nothing of the answer
         events += 1
@@ -184,14 +184,6 @@ def read_delivered(pieces: list[bytes], kind: str) -> Delivered | str:
     if events and got.ident is None:
         return "events without an id"
     return got
-
-
-def _payload(event: bytes) -> bytes | None:
-    lines = [line for line in event.split(b"\n") if line.startswith(b"data:")]
-    if not lines:
-        return None
-    parts = [sse_data(line) for line in lines]
-    return parts[0] if len(parts) == 1 else b"\n".join(parts)
 
 
 def _examine_choice(choice: Any, kind: str, text: list[str], got: Delivered) -> str:
@@ -301,7 +293,7 @@ class Splicer:
         return out
 
     def _event(self, event: bytes) -> bytes:
-        payload = _payload(event)
+        payload = event_data(event)
         if payload is None or payload == b"[DONE]":
             return event + b"\n\n" if payload is not None else b""
         try:

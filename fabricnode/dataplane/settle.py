@@ -13,20 +13,20 @@ import logging
 from collections import deque
 from collections.abc import Callable
 
-from fabricnode.dataplane.accounting import (
-    RequestLog,
-    StreamUsage,
-    UsageLedger,
-    audio_seconds_from_json,
-    opt_int,
-    usage_from_json,
-)
 from fabricnode.dataplane.endpoints import FORM_KINDS, NO_USAGE_KINDS
 from fabricnode.dataplane.job import Job
 from fabricnode.dataplane.metrics import IngressMetrics
 from fabricnode.dataplane.recent import RecentStats
 from fabricnode.dataplane.sockio import LoopClock
 from fabricnode.dataplane.tiers import BATCH, INTERACTIVE
+from fabricnode.dataplane.usage import (
+    StreamUsage,
+    UsageLedger,
+    audio_seconds_from_json,
+    usage_from_json,
+)
+from fabricnode.requestlog.format import opt_int
+from fabricnode.requestlog.writer import RequestLog
 
 log = logging.getLogger("fabricnode.dataplane.settle")
 

@@ -27,13 +27,14 @@ from typing import Any
 import httpx
 import trio
 
-from fabricnode.dataplane.accounting import CURSOR_END, TTFT_BUCKETS, parse_cursor, ttft_quantile
 from fabricnode.elastic.controller import SERVICE_LABEL
 from fabricnode.elastic.policy import LoadSample
 from fabricnode.errors import FabricError
 from fabricnode.mesh.core import MeshCore
 from fabricnode.mesh.membership import Liveness
 from fabricnode.mesh.registry import State
+from fabricnode.requestlog.cursor import CURSOR_END, parse_cursor
+from fabricnode.requestlog.ttft import TTFT_BUCKETS, ttft_quantile
 
 log = logging.getLogger("fabricnode.elastic.signals")
 
@@ -43,7 +44,7 @@ MAX_COUNT = 2**53  # counts and token sums a JSON number holds exactly
 
 @dataclass(frozen=True)
 class ModelSums:
-    """One model's requests in some agents' logs (``accounting.recent_sums``, merged)."""
+    """One model's requests in some agents' logs (``requestlog.sums.recent_sums``, merged)."""
 
     requests: int = 0
     prompt_tokens: int = 0

@@ -57,6 +57,12 @@ CONTRACT_BREACHES = (
         "fabricnode.mesh.codec -> fabricnode.engine.command",
     ),
     Breach(
+        "layers",
+        "fabricnode/requestlog/writer.py",
+        "from fabricnode.dataplane import settle",
+        "fabricnode.requestlog.writer -> fabricnode.dataplane.settle",
+    ),
+    Breach(
         "mesh-self-contained",
         "fabricnode/mesh/registry.py",
         "from fabricnode.host import hardware",

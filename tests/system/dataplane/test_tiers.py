@@ -271,7 +271,7 @@ def test_bad_tier_headers_are_refused_in_the_requests_dialect(
 
 def test_the_request_log_names_each_requests_tier(fab: Mesh, tmp_path: Path) -> None:
     # The edge agent logs to its default request log under the mesh's FABRIC_HOME.
-    from fabricnode.dataplane.accounting import read_request_log, request_log_files
+    from fabricnode.requestlog.reader import read_request_log, request_log_files
 
     logs = sorted((fab.local.workdir / "logs").glob("requests-*.jsonl"))
     url = fab.edge.http_url + "/v1/chat/completions"

@@ -13,7 +13,6 @@ import pytest
 
 from fabricnode.control.app import AdminApp
 from fabricnode.control.views import models_view
-from fabricnode.dataplane.accounting import RequestLog, TraceRecord
 from fabricnode.mesh.assignment import AssignmentBody
 from fabricnode.mesh.core import MeshCore
 from fabricnode.mesh.identity import Identity, OperatorKey
@@ -22,6 +21,8 @@ from fabricnode.mesh.registry import Hardware, ModelInfo, State
 from fabricnode.mesh.service import TransportStatistics
 from fabricnode.mesh.servicedoc import ServicesBody
 from fabricnode.mesh.wire import DEAD, SUSPECT, Accusation, Load
+from fabricnode.requestlog.format import TraceRecord
+from fabricnode.requestlog.writer import RequestLog
 from fabricnode.testing.simnet import make_body
 from tests.support.meshview import ENTRY_KEYS
 

@@ -1,0 +1,51 @@
+"""The log's tail after a cursor (the elastic controller's signals)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from fabricnode.requestlog.cursor import read_request_log_after
+from fabricnode.requestlog.format import TraceRecord
+from fabricnode.requestlog.writer import RequestLog
+from tests.unit.requestlog.test_format import record
+
+
+def test_the_tail_after_a_cursor_is_read_once_whole_lines_only_across_rotations(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "log.jsonl"
+    assert read_request_log_after(path, "end") == ([], "0:0")  # nothing logged yet
+    line_bytes = len(json.dumps(record().as_dict(), separators=(",", ":"))) + 1
+    log = RequestLog(path, rotate_bytes=3 * line_bytes, keep=2)
+
+    def write(*ts: float) -> list[TraceRecord]:
+        out = [record(t=t) for t in ts]
+        for r in out:
+            log.append(r)
+            log.flush()
+        return out
+
+    write(1.0, 2.0)
+    records, cursor = read_request_log_after(path, "end")
+    assert records == []  # end: what was there before does not count
+    new = write(3.0)
+    records, cursor = read_request_log_after(path, cursor)
+    assert records == new
+    assert read_request_log_after(path, cursor) == ([], cursor)  # nothing twice
+    with path.open("ab") as f:  # a line being written is left for the next read
+        f.write(b'{"v": 1, "T": 9.0, "M": "m", "I"')
+    records, torn = read_request_log_after(path, cursor)
+    assert records == [] and torn == cursor
+    with path.open("ab") as f:
+        f.write(b': 1, "O": 2, "latency_s": 0.5}\n')
+    records, cursor = read_request_log_after(path, cursor)
+    assert [(r.t, r.input_tokens) for r in records] == [(9.0, 1)]
+    new = write(4.0, 5.0, 6.0, 7.0)  # rotates past the cursor's file: nothing lost
+    assert path.with_name("log.jsonl.1").exists()
+    records, cursor = read_request_log_after(path, cursor)
+    assert records == new
+    with pytest.raises(ValueError):
+        read_request_log_after(path, "12:x")
