@@ -69,11 +69,12 @@ from fabricnode.control.peers import PeerClient
 from fabricnode.dataplane.apikeys import ApiKeyStore
 from fabricnode.dataplane.ingress import Ingress
 from fabricnode.elastic.controller import Controller
-from fabricnode.elastic.demand import WANTED_LABEL, Declared, wanted_labels
+from fabricnode.elastic.demand import Declared, wanted_labels
 from fabricnode.elastic.follow import ForecastScaler
 from fabricnode.elastic.leader import CONTROLLER_LABEL
 from fabricnode.elastic.plans import plans_from_text
 from fabricnode.elastic.slurmctl import SlurmControl
+from fabricnode.elastic.vocab import WANTED_LABEL
 from fabricnode.engine.command import EngineCommand
 from fabricnode.engine.follower import AssignmentFollower
 from fabricnode.engine.service import EngineService, EngineStatistics

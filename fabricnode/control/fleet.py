@@ -2,7 +2,7 @@
 dashboard's Controller view).
 
 ``/fabric/v1/controller`` answers only on an agent that runs a controller. This finds the acting
-one as the controllers themselves do (``elastic.controller.acting_controller``) and asks it
+one as the controllers themselves do (``elastic.observe.acting_controller``) and asks it
 (``peers``), so a page on any agent shows it. The answer is 200 whether or not the mesh has a
 controller: ``controller`` is then null, and the page says so.
 """
@@ -12,7 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 from fabricnode.control.peers import PeerClient
-from fabricnode.elastic.controller import Controller, acting_controller, summarise
+from fabricnode.elastic.controller import Controller, summarise
+from fabricnode.elastic.observe import acting_controller
 from fabricnode.mesh.core import MeshCore
 
 CONTROLLER_PATH = "/fabric/v1/controller"

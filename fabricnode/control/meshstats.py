@@ -25,7 +25,7 @@ import trio
 
 from fabricnode.control.peers import CONCURRENCY, PeerClient
 from fabricnode.dataplane.recent import BUCKET_S, BUCKETS, merge, summarize
-from fabricnode.elastic.signals import agent_urls
+from fabricnode.elastic.observe import agent_urls
 from fabricnode.mesh.core import MeshCore
 
 log = logging.getLogger("fabricnode.control.meshstats")

@@ -1,19 +1,25 @@
 """The elastic fabric: declared models kept served through Slurm jobs and scaled with demand.
 
+From the top (the ``elastic-layers`` contract in pyproject.toml: a module imports only those
+below it, and nothing imports the loop):
+
+* ``controller``  the control loop (read, decide, act) on trio, and its status and decisions.
+* ``follow``      the controller's scaler: the demand rules, and the policy above them.
+* ``demand``      the demand rules: scale from zero on requests held, idle to zero.
+* ``observe``     every look outside and every blocking call: the agents' request logs through
+  one client, the registry's replicas, load and wanted models, Slurm in worker threads.
+* ``reconcile``   one controller pass, pure: from Slurm's and the mesh's view, the jobs to submit
+  and cancel (keep-alive across time limits, replacement, scaling, back-off, limits).
+* ``plans``       the service file as the controller's plans (``"auto"`` GPUs from the planner).
+* ``slurmctl``    the Slurm command lines: submit, list and cancel the controller's (tagged) jobs,
+  or dry-run them.
+* ``capacity``    what one replica sustains, from the planner or a low default.
+* ``vocab``       the words the others share: a model's plan, goals, actions, decisions and
+  their reasons (``Reason``: the metric's labels), the fleet, the scaler protocol.
 * ``servicefile`` the service file (TOML): its format, the pure parser/validator, canonical
   bytes, the renderer back to TOML.
-* ``plans``       the service file as the controller's plans (``"auto"`` GPUs from the planner).
-* ``slurmctl``    submit, list and cancel the controller's Slurm jobs (tagged), or dry-run them.
-* ``reconcile``   one controller pass: from Slurm's and the mesh's view, the jobs to submit and
-  cancel (keep-alive across time limits, replacement, scaling, back-off, limits).
-* ``leader``      which of the ``--controller`` agents acts.
-* ``controller``  the control loop (read, decide, act) and its status and decisions.
 * ``policy``      the pure scaling policy: per model, how many replicas to run now (a token-demand
   forecast at the cold-start horizon, load and TTFT confirmation, scale-in hysteresis), and the
   static and reactive baselines with the same interface.
-* ``demand``      the demand rules: scale from zero on requests held, idle to zero.
-* ``signals``     what the policy is told: the agents' request logs (polled incrementally), the
-  replicas' gossiped load, the p95 TTFT.
-* ``capacity``    what one replica sustains, from the planner or a low default.
-* ``follow``      the controller's scaler: the demand rules, and the policy above them.
+* ``leader``      which of the ``--controller`` agents acts.
 """

@@ -18,43 +18,29 @@ Rules
   policy's: ``fabricnode.elastic.follow``.)
 
 ``DemandScaler`` is these rules as a ``Scaler`` (``follow.ForecastScaler``, the controller's,
-takes the larger of its target and the policy's); ``Declared`` gives the ingress the declared
-models and how long a request for each may wait.
+takes the larger of its target and the policy's; what it reads of the mesh and the logs,
+``observe``); ``wanted_labels`` is what an ingress labels itself with; ``Declared`` gives the
+ingress the declared models and how long a request for each may wait.
 """
 
 from __future__ import annotations
 
-import logging
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-import httpx
-import trio
-
-from fabricnode.elastic.controller import Fleet, ModelPlan
+from fabricnode.elastic.observe import (
+    AgentClient,
+    WorkloadClient,
+    agent_urls,
+    requests_for,
+    wanted_models,
+)
 from fabricnode.elastic.servicefile import ServiceSpec, parse
-from fabricnode.elastic.signals import WORKLOAD_PATH, agent_urls
+from fabricnode.elastic.vocab import MIN_REPLICAS, WANTED_LABEL, Fleet, ModelPlan, Reason, Why
 from fabricnode.errors import FabricError
 from fabricnode.mesh.core import MeshCore
-from fabricnode.mesh.membership import Liveness
-from fabricnode.mesh.registry import MAX_LABEL_VALUE, State
-
-log = logging.getLogger("fabricnode.elastic.demand")
-
-WANTED_LABEL = "fabric.wanted"
-
-# agent HTTP URL, window (s) -> requests per model over the window; raises on failure
-AskWorkload = Callable[[str, float], Mapping[str, float]]
-
-
-def ask_workload(url: str, window_s: float) -> dict[str, float]:
-    """Request counts per model in one agent's request log over the last ``window_s``."""
-    r = httpx.get(f"{url}{WORKLOAD_PATH}", params={"window": f"{window_s:g}"}, timeout=3.0)
-    r.raise_for_status()
-    models = r.json().get("models") or {}
-    return {str(m): float(row.get("requests", 0.0)) for m, row in models.items()}
-
+from fabricnode.mesh.registry import MAX_LABEL_VALUE
 
 MAX_WANTED_LABELS = 8
 
@@ -73,26 +59,12 @@ def wanted_labels(models: Iterable[str]) -> tuple[tuple[str, str], ...]:
     return tuple(zip(keys, values, strict=False))
 
 
-def wanted_models(core: MeshCore) -> set[str]:
-    """Models some alive agent holds requests for (its ``fabric.wanted*`` labels)."""
-    out: set[str] = set()
-    for entry in core.registry:
-        if entry.body.state >= State.DOWN:
-            continue
-        values = [v for k, v in entry.body.labels if k.startswith(WANTED_LABEL)]
-        if not values or core.liveness(entry.session_id) in (Liveness.DEAD, Liveness.LEFT):
-            continue
-        for value in values:
-            out.update(value.split())
-    return out
-
-
 @dataclass
 class DemandScaler:
     """The controller's scaler without a load policy (module docstring)."""
 
     core: MeshCore
-    ask: AskWorkload = ask_workload
+    client: WorkloadClient = field(default_factory=lambda: AgentClient())
     check_interval_s: float = 30.0
     active_at: dict[str, float] = field(default_factory=dict)  # model -> last activity seen
     checked_at: dict[str, float] = field(default_factory=dict)
@@ -108,41 +80,31 @@ class DemandScaler:
             if plan.model in wanted:
                 self.active_at[plan.model] = now
                 continue
-            idle_s = plan.idle_to_zero_s
-            if plan.min_replicas > 0 or idle_s is None:
+            idle_s = plan.service.idle_to_zero_s
+            if plan.service.min_replicas > 0 or idle_s is None:
                 continue
             every = min(self.check_interval_s, idle_s / 2)
             if now - self.checked_at.get(plan.model, -math.inf) < every:
                 continue
             self.checked_at[plan.model] = now
-            urls = agent_urls(self.core)
-            count = await trio.to_thread.run_sync(self._requests, urls, plan.model, idle_s)
+            agents = agent_urls(self.core)
+            count = await requests_for(self.client, agents, plan.model, idle_s)
             if count:  # None (an agent did not answer): no news, the last verdict stands
                 self.active_at[plan.model] = now
         self._wanted = wanted
 
-    def target(self, plan: ModelPlan, now: float) -> tuple[int, str]:
+    def target(self, plan: ModelPlan, now: float) -> tuple[int, Why]:
+        service = plan.service
         if plan.model in self._wanted:
-            return max(1, plan.min_replicas), "scale from zero: requests waiting"
-        if plan.min_replicas > 0 or plan.idle_to_zero_s is None:
-            return plan.min_replicas, "min replicas"
-        idle_s = plan.idle_to_zero_s
+            why = Why(Reason.SCALE_FROM_ZERO, "scale from zero: requests waiting")
+            return max(1, service.min_replicas), why
+        if service.min_replicas > 0 or service.idle_to_zero_s is None:
+            return service.min_replicas, MIN_REPLICAS
+        idle_s = service.idle_to_zero_s
         last = self.active_at.get(plan.model)
         if last is not None and now - last < idle_s:
-            return 1, "active recently"
-        return 0, f"idle for {idle_s:g} s"
-
-    def _requests(
-        self, urls: Sequence[tuple[str, str]], model: str, window_s: float
-    ) -> float | None:
-        total = 0.0
-        for sid, url in urls:
-            try:
-                total += float(self.ask(url, window_s).get(model, 0.0))
-            except (httpx.HTTPError, ValueError, FabricError) as exc:
-                log.info("no request log from %s: %s", sid[:8], exc)
-                return None
-        return total
+            return 1, Why(Reason.ACTIVE, "active recently")
+        return 0, Why(Reason.IDLE, f"idle for {idle_s:g} s")
 
 
 @dataclass

@@ -11,7 +11,9 @@ Rules
   ``load``, ``objective``, ``low-demand`` or ``bounds``, then what it saw). The policy runs
   between ``max(min_replicas, 1)`` and ``max_replicas``: going to zero stays the idle rule's,
   and while that rule says zero the policy is not asked.
-* **What the policy is told**, each pass (``signals`` gathers it):
+* **What the policy is told**, each pass (``observe`` reads it; ``TtftWindow`` keeps the
+  polls' TTFT histograms of the last ``window_s`` and gives their p95 once enough first tokens
+  were seen, streams only: a JSON answer has no first token):
 
   - arrivals (requests, prompt tokens) and completions (output tokens) from the agents'
     request logs, polled once per forecast bin (``bin_s``) at the first pass of a new bin and
@@ -20,7 +22,7 @@ Rules
   - the p95 TTFT of the last ``ttft_window_s`` of polls, when the service has a ``ttft_p95``
     objective (without one the policy never scales on latency);
   - the gossiped load of the model's SERVING replicas;
-  - what the controller holds (``controller.Fleet``: serving and starting units, the learned
+  - what the controller holds (``vocab.Fleet``: serving and starting units, the learned
     cold start) and the replica's capacity (``capacity``: the planner's for a catalog model
     on its first GPU type, or the GPU type its replicas run on; else ``DEFAULT_CAPACITY``).
 * A model that cannot go above its floor polls nothing and behaves as the rules say.
@@ -29,14 +31,22 @@ Rules
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-import trio
-
 from fabricnode.elastic.capacity import DEFAULT_CAPACITY, catalog_capacity
-from fabricnode.elastic.controller import SERVICE_LABEL, Fleet, ModelPlan
 from fabricnode.elastic.demand import DemandScaler
+from fabricnode.elastic.observe import (
+    AgentClient,
+    CapacityOf,
+    WorkloadClient,
+    WorkloadPoller,
+    agent_urls,
+    capacity,
+    load_sample,
+    serving_gpu_type,
+)
 from fabricnode.elastic.policy import (
     Decision,
     ForecastPolicy,
@@ -44,17 +54,39 @@ from fabricnode.elastic.policy import (
     ReplicaCapacity,
     ReplicaState,
 )
-from fabricnode.elastic.signals import TtftWindow, WorkloadPoller, agent_urls, load_sample
+from fabricnode.elastic.vocab import Fleet, ModelPlan, Reason, Why
 from fabricnode.mesh.core import MeshCore
-from fabricnode.mesh.registry import State
-
-# (model or model path, GPU type, GPUs per replica) -> the planner's capacity, or None
-CapacityOf = Callable[[str, str, int], ReplicaCapacity | None]
+from fabricnode.requestlog.ttft import ttft_quantile
 
 
 def follows_demand(plan: ModelPlan) -> bool:
     """Can the model run more replicas than the demand rules' floor?"""
-    return plan.max_replicas > max(plan.min_replicas, 1)
+    return plan.service.max_replicas > max(plan.service.min_replicas, 1)
+
+
+@dataclass
+class TtftWindow:
+    """The TTFT histograms of the polls of the last ``window_s``, and their p95."""
+
+    window_s: float = 60.0
+    min_samples: int = 20  # fewer first tokens than this: no p95 (one slow stream is no trend)
+    _polls: deque[tuple[float, Mapping[int, int]]] = field(default_factory=deque)
+
+    def add(self, now: float, histogram: Mapping[int, int]) -> None:
+        if histogram:
+            self._polls.append((now, histogram))
+        while self._polls and self._polls[0][0] <= now - self.window_s:
+            self._polls.popleft()
+
+    def p95(self, now: float) -> float | None:
+        merged: dict[int, int] = {}
+        for at, histogram in self._polls:
+            if at > now - self.window_s:
+                for bucket, count in histogram.items():
+                    merged[bucket] = merged.get(bucket, 0) + count
+        if sum(merged.values()) < self.min_samples:
+            return None
+        return ttft_quantile(merged, 0.95)
 
 
 @dataclass
@@ -64,7 +96,7 @@ class _Model:
     objective_s: float | None
     policy: ForecastPolicy
     ttft: TtftWindow
-    why: str = ""  # the reason of the policy's last change of count
+    why: Why | None = None  # the reason of the policy's last change of count
 
 
 @dataclass
@@ -72,8 +104,9 @@ class ForecastScaler:
     """The controller's ``Scaler`` (module docstring)."""
 
     core: MeshCore
-    rules: DemandScaler | None = None  # default: DemandScaler(core)
-    poller: WorkloadPoller = field(default_factory=WorkloadPoller)
+    client: WorkloadClient = field(default_factory=lambda: AgentClient())
+    rules: DemandScaler | None = None  # default: DemandScaler(core, client)
+    poller: WorkloadPoller | None = None  # default: WorkloadPoller(client)
     config: PolicyConfig = field(default_factory=PolicyConfig)  # ttft objective per model
     ttft_window_s: float = 60.0
     ttft_min_samples: int = 20
@@ -86,14 +119,16 @@ class ForecastScaler:
 
     def __post_init__(self) -> None:
         if self.rules is None:
-            self.rules = DemandScaler(self.core)
+            self.rules = DemandScaler(self.core, self.client)
+        if self.poller is None:
+            self.poller = WorkloadPoller(self.client)
 
     @property
     def bin_s(self) -> float:
         return self.config.forecast.bin_s
 
     async def observe(self, plans: Sequence[ModelPlan], now: float, fleet: Fleet) -> None:
-        assert self.rules is not None
+        assert self.rules is not None and self.poller is not None
         await self.rules.observe(plans, now, fleet)
         self._fleet = fleet
         following = [p for p in plans if follows_demand(p)]
@@ -103,7 +138,7 @@ class ForecastScaler:
                 del self.models[model]
         for plan in following:
             current = self.models.get(plan.model)
-            if current is None or current.objective_s != plan.ttft_p95_s:
+            if current is None or current.objective_s != plan.service.ttft_p95_s:
                 self.models[plan.model] = self._new_model(plan)
         if not following:
             self._polled_bin = None
@@ -125,13 +160,13 @@ class ForecastScaler:
         for plan in following:
             state = self.models[plan.model]
             p95 = state.ttft.p95(now)
-            if p95 is not None and plan.ttft_p95_s is not None:
+            if p95 is not None and plan.service.ttft_p95_s is not None:
                 state.policy.observe_ttft(now, p95)
             load = load_sample(self.core, plan.model, now, self.load_max_age_s)
             if load is not None:
                 state.policy.observe_load(now, load)
 
-    def target(self, plan: ModelPlan, now: float) -> tuple[int, str]:
+    def target(self, plan: ModelPlan, now: float) -> tuple[int, Why]:
         assert self.rules is not None
         floor, floor_why = self.rules.target(plan, now)
         state = self.models.get(plan.model)
@@ -143,8 +178,8 @@ class ForecastScaler:
         replica_state = ReplicaState(
             replicas=serving + starting,
             starting=starting,
-            min_replicas=max(plan.min_replicas, 1),
-            max_replicas=plan.max_replicas,
+            min_replicas=max(plan.service.min_replicas, 1),
+            max_replicas=plan.service.max_replicas,
             cold_start_s=cold_start_s,
             capacity=self._capacity(plan),
         )
@@ -154,33 +189,29 @@ class ForecastScaler:
         if decision.replicas > floor or (
             decision.replicas == floor and decision.reason == "low-demand"
         ):
-            why = state.why or (
+            why = state.why or Why(
+                Reason.DEMAND,
                 f"demand: {_replicas(decision.replicas)} held (the policy scales in after "
-                f"{state.policy.config.scale_in_hold_s:g} s of low demand)"
+                f"{state.policy.config.scale_in_hold_s:g} s of low demand)",
             )
             return decision.replicas, why
         return floor, floor_why
 
     def _new_model(self, plan: ModelPlan) -> _Model:
         config = self.config
-        if plan.ttft_p95_s is not None:
-            config = replace(config, ttft_objective_s=plan.ttft_p95_s)
+        objective_s = plan.service.ttft_p95_s
+        if objective_s is not None:
+            config = replace(config, ttft_objective_s=objective_s)
         return _Model(
-            plan.ttft_p95_s,
+            objective_s,
             ForecastPolicy(config),
             TtftWindow(self.ttft_window_s, self.ttft_min_samples),
         )
 
     def _capacity_key(self, plan: ModelPlan) -> tuple[str, str, int]:
-        gpu = plan.gpu_types[0] if plan.gpu_types else self._serving_gpu_type(plan.model)
-        return (plan.model_path or plan.model, gpu, plan.gpus)
-
-    def _serving_gpu_type(self, model: str) -> str:
-        for entry in self.core.registry:
-            body = entry.body
-            if body.state == State.SERVING and (SERVICE_LABEL, model) in body.labels:
-                return body.hardware.gpu_type or ""
-        return ""
+        service = plan.service
+        gpu = service.gpu_types[0] if service.gpu_types else serving_gpu_type(self.core, plan.model)
+        return (service.model_path or plan.model, gpu, plan.gpus)
 
     async def _capacities_of(self, plans: Sequence[ModelPlan]) -> None:
         """The planner's capacities not yet known (in a worker thread: a model path's
@@ -190,24 +221,36 @@ class ForecastScaler:
             if not key[1]:
                 self._capacities[key] = None  # no GPU type yet: the default until one serves
                 continue
-            self._capacities[key] = await trio.to_thread.run_sync(self.capacity_of, *key)
+            self._capacities[key] = await capacity(self.capacity_of, key)
 
     def _capacity(self, plan: ModelPlan) -> ReplicaCapacity:
         return self._capacities.get(self._capacity_key(plan)) or DEFAULT_CAPACITY
 
     def _why(
         self, model: str, state: _Model, decision: Decision, now: float, rs: ReplicaState
-    ) -> str:
+    ) -> Why:
         """The decision's reason and what the policy saw, for the decision log."""
+        reason = Reason(decision.reason)  # the policy's REASONS are Reason's values
+        return Why(reason, self._saw(reason, model, state, decision, now, rs))
+
+    def _saw(
+        self,
+        reason: Reason,
+        model: str,
+        state: _Model,
+        decision: Decision,
+        now: float,
+        rs: ReplicaState,
+    ) -> str:
         n = _replicas(decision.replicas)
         cfg = state.policy.config
-        if decision.reason == "forecast":
+        if reason is Reason.FORECAST:
             return f"forecast: {n} for the demand expected in {rs.cold_start_s:.0f} s"
-        if decision.reason == "objective":
+        if reason is Reason.OBJECTIVE:
             p95 = state.ttft.p95(now)
             seen = f"{p95:.2f} s" if p95 is not None else "measured"
             return f"objective: {n}, p95 TTFT {seen} over {cfg.ttft_objective_s:g} s"
-        if decision.reason == "load":
+        if reason is Reason.LOAD:
             load = load_sample(self.core, model, now, self.load_max_age_s)
             if load is None:
                 return f"load: {n}"
@@ -215,7 +258,7 @@ class ForecastScaler:
                 f"load: {n}, KV caches {load.mean_kv_usage:.0%} used, "
                 f"{load.waiting_per_replica:.1f} requests waiting per replica"
             )
-        if decision.reason == "low-demand":
+        if reason is Reason.LOW_DEMAND:
             return f"low-demand: {n}, demand low for {cfg.scale_in_hold_s:g} s"
         return f"{decision.reason}: {n}"
 

@@ -19,9 +19,8 @@ from scheduler.errors import SchedulerError
 from scheduler.replica import tp_options
 from scheduler.workload import Workload
 
-from fabricnode.elastic.controller import ModelPlan, ServicePlans
-from fabricnode.elastic.reconcile import Limits
 from fabricnode.elastic.servicefile import ModelService, ServiceSpec, parse
+from fabricnode.elastic.vocab import ModelPlan, ServicePlans
 
 # A typical chat request (the Azure conversation trace's means, rounded) for "auto" GPUs.
 AUTO_INPUT_TOKENS = 1200
@@ -34,11 +33,7 @@ def plans_from_text(text: str) -> ServicePlans:
 
 
 def plans_of(spec: ServiceSpec) -> ServicePlans:
-    return ServicePlans(
-        tuple(_plan(m) for m in spec.models),
-        Limits(spec.limits.max_jobs, spec.limits.max_gpus),
-        spec.digest(),
-    )
+    return ServicePlans(tuple(plan_of(m) for m in spec.models), spec.limits, spec.digest())
 
 
 def auto_gpus(model: ModelService, gpu_type: str | None = None) -> int:
@@ -69,28 +64,11 @@ def gpu_options(m: ModelService) -> tuple[tuple[str, int], ...]:
     return tuple(out)
 
 
-def _plan(m: ModelService) -> ModelPlan:
+def plan_of(m: ModelService) -> ModelPlan:
+    """The controller's plan of one declared model: the entry and its GPU options."""
     options = gpu_options(m)
-    return ModelPlan(
-        model=m.name,
-        min_replicas=m.min_replicas,
-        max_replicas=m.max_replicas,
-        gpu_options=options,
-        gpus=options[0][1]
-        if options
-        else m.gpus_per_replica
-        if m.gpus_per_replica is not None
-        else auto_gpus(m),
-        partitions=m.partitions,
-        time_limit=m.time_limit,
-        time_limit_s=m.time_limit_s,
-        account=m.account,
-        qos=m.qos,
-        sbatch_args=m.sbatch_args,
-        engine=m.engine,
-        model_path=m.model_path,
-        idle_to_zero_s=m.idle_to_zero_s,
-        ttft_p95_s=m.ttft_p95_s,
-        gpu_types=m.gpu_types,
-        sleep_after_s=m.sleep_after_s,
-    )
+    if options:
+        gpus = options[0][1]
+    else:
+        gpus = m.gpus_per_replica if m.gpus_per_replica is not None else auto_gpus(m)
+    return ModelPlan(m, gpus, options)

@@ -6,7 +6,9 @@ model's status; the controller loop (``fabricnode.elastic.controller``) gathers 
 from Slurm's own list of our jobs is what makes a takeover or a healed partition safe: a new
 acting controller counts the jobs its predecessor submitted, never its own memory.
 
-Rules, per model (its ``Goal``: the replicas wanted now, between the service's min and max):
+Rules, per model (its ``vocab.Goal``: the plan and the replicas wanted now, between the
+service's min and max). Every action carries a ``vocab.Why``: the reason the metric counts and
+the sentence the log shows.
 
 1. **Units.** Each of our jobs for the model is PENDING, STARTING (running, no SERVING replica
    yet) or SERVING (its agent's entry, matched by the ``slurm.job_id`` label, is SERVING and
@@ -22,7 +24,7 @@ Rules, per model (its ``Goal``: the replicas wanted now, between the service's m
    difference (a replacement's reason names the job it replaces and how that one ended, as
    ``squeue --states=all`` shows it: "replaces job 12 (preempted)"), at the first allowed
    *placement* not penalised. A placement is a partition and
-   a Slurm GPU type (``Goal.placements``: every GPU type in order of preference, and within
+   a Slurm GPU type (``ModelPlan.placements``: every GPU type in order of preference, and within
    each type every partition in order), so a model stays on its preferred GPUs while any of its
    partitions can give them.
 4. **Too many** units: cancel the newest PENDING jobs first, then STARTING, then SERVING ones
@@ -58,47 +60,20 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from fabricnode.elastic.slurmctl import Job
+from fabricnode.elastic.vocab import (
+    END_REASONS,
+    Action,
+    Cancel,
+    Goal,
+    Held,
+    Limits,
+    Placement,
+    Reason,
+    Submit,
+    Why,
+)
 
 PENDING, STARTING, SERVING = "pending", "starting", "serving"
-
-
-@dataclass(frozen=True)
-class Goal:
-    """What one model needs now (the service file's settings and the policy's target)."""
-
-    model: str
-    target: int  # replicas wanted now, already within [min, max]
-    gpus: int  # per replica (one job)
-    partitions: tuple[str, ...]  # in order of preference; () = the site's default
-    time_limit_s: int | None = None
-    reason: str = "min replicas"  # why the target is what it is (policy's reason)
-    # Slurm GPU types with the GPUs per replica on each, in order of preference; () = any type
-    # with ``gpus``
-    gpu_types: tuple[tuple[str, int], ...] = ()
-
-    def placements(self) -> list[Placement]:
-        """Where a replica may be submitted, in order of preference (rule 3)."""
-        types = self.gpu_types or (("", self.gpus),)
-        parts: tuple[str | None, ...] = self.partitions or (None,)
-        return [Placement(p, kind, gpus) for kind, gpus in types for p in parts]
-
-
-@dataclass(frozen=True)
-class Placement:
-    """A partition (None: the site's default) and a Slurm GPU type ("": any) with its GPUs."""
-
-    partition: str | None
-    gres_type: str
-    gpus: int
-
-    def key(self) -> tuple[str, str]:
-        return (self.partition or "", self.gres_type)
-
-    def __str__(self) -> str:
-        where = [f"partition {self.partition}"] if self.partition else []
-        if self.gres_type:
-            where.append(f"GPU type {self.gres_type}")
-        return " and ".join(where) or "the default partition"
 
 
 @dataclass(frozen=True)
@@ -111,12 +86,6 @@ class Replica:
     state: str  # "join", "serving", "down", "left"
     alive: bool = True
     error: str = ""  # the engine's last error, when the agent published one
-
-
-@dataclass(frozen=True)
-class Limits:
-    max_jobs: int | None = None
-    max_gpus: int | None = None
 
 
 @dataclass(frozen=True)
@@ -136,31 +105,6 @@ class Tuning:
     # a serving job that ended on its own is COMPLETING for a moment before squeue shows how it
     # ended; its replacement waits this long at most for that (the resources are held anyway)
     completing_wait_s: float = 30.0
-
-
-@dataclass(frozen=True)
-class Submit:
-    model: str
-    gpus: int
-    partition: str | None
-    time_limit_s: int | None
-    reason: str
-    replaces: str = ""
-    gres_type: str = ""  # Slurm's GPU type; "" = any
-
-
-@dataclass(frozen=True)
-class Cancel:
-    job_id: str
-    model: str
-    reason: str
-    # scancel outright, not SIGTERM to the job's step: a job with nothing to drain (pending, or
-    # its agent not serving yet: the signal would find no step, or one that serves nobody), or
-    # a drain that did not end
-    hard: bool = False
-
-
-Action = Submit | Cancel
 
 
 @dataclass
@@ -187,9 +131,9 @@ class Memory:
     refusals: dict[tuple[str, str, str], float] = field(default_factory=dict)
     refusal_notes: dict[str, str] = field(default_factory=dict)  # model -> Slurm's last words
     errors: dict[str, str] = field(default_factory=dict)  # job -> replica error seen
-    # model -> served jobs that ended this pass and how ("job 12 preempted"): a replacement's
-    # reason names them
-    ended: dict[str, list[str]] = field(default_factory=dict)
+    # model -> served jobs that ended this pass and how ("replaces job 12 (preempted)"): the
+    # reasons of their replacements
+    ended: dict[str, list[Why]] = field(default_factory=dict)
     completing: dict[str, float] = field(default_factory=dict)  # served job -> first seen so
 
     def lead_s(self, model: str, partition: str, time_limit_s: int | None = None) -> float:
@@ -271,7 +215,7 @@ def reconcile(
     jobs: Iterable[Job],
     replicas: Iterable[Replica],
     memory: Memory,
-    limits: Limits = Limits(),
+    limits: Limits | None = None,
 ) -> Pass:
     """One pass (see the module docstring). Updates ``memory`` with what it learned."""
     jobs = list(jobs)
@@ -287,7 +231,7 @@ def reconcile(
         limits,
         sum(1 for j in jobs if not j.ending),
         sum(
-            g.gpus if j.gpus is None else j.gpus
+            g.plan.gpus if j.gpus is None else j.gpus
             for g in goals
             for j in jobs
             if j.model == g.model and not j.ending
@@ -297,13 +241,14 @@ def reconcile(
     status: list[ModelStatus] = []
     for goal in goals:
         limited = ""  # which mesh limit stopped a submission of this model, if one did
-        places = goal.placements()
+        plan = goal.plan
+        places = plan.placements()
         held_off = False  # every placement was refused lately: wait (rule 5)
 
-        def submit(goal: Goal, reason: str, replaces: str = "") -> bool:
+        def submit(goal: Goal, why: Why, replaces: str = "") -> bool:
             """Submit one job of ``goal`` unless a mesh limit forbids it (rule 7)."""
             nonlocal limited, held_off
-            place = _placement(goal.model, goal.placements(), memory, now)
+            place = _placement(goal.model, goal.plan.placements(), memory, now)
             if place is None:
                 held_off = True
                 return False
@@ -311,17 +256,7 @@ def reconcile(
             if refused:
                 limited = refused
                 return False
-            actions.append(
-                Submit(
-                    goal.model,
-                    place.gpus,
-                    place.partition,
-                    goal.time_limit_s,
-                    reason,
-                    replaces,
-                    place.gres_type,
-                )
-            )
+            actions.append(Submit(goal.plan, place, why, replaces))
             return True
 
         mine = [j for j in jobs if j.model == goal.model and not j.ending]
@@ -341,7 +276,12 @@ def reconcile(
             ):
                 memory.penalised[(goal.model, *place.key())] = now + t.penalty_s
                 actions.append(
-                    Cancel(j.job_id, goal.model, f"pending {waited:.0f} s on {place}", hard=True)
+                    Cancel(
+                        j.job_id,
+                        goal.model,
+                        Why(Reason.PENDING, f"pending {waited:.0f} s on {place}"),
+                        hard=True,
+                    )
                 )
                 memory.draining[j.job_id] = now
                 units.remove(j)
@@ -354,7 +294,9 @@ def reconcile(
                 and j.job_id not in {x.replaces for x in live}
                 and j.ends_at - now <= memory.lead_s(goal.model, j.partition, j.time_limit_s)
             ):
-                submit(goal, f"time limit of job {j.job_id} in {j.ends_at - now:.0f} s", j.job_id)
+                in_s = j.ends_at - now
+                why = Why(Reason.TIME_LIMIT, f"time limit of job {j.job_id} in {in_s:.0f} s")
+                submit(goal, why, j.job_id)
         fail = memory.failure(goal.model)
         note = ""
         state = "ok"
@@ -372,10 +314,10 @@ def reconcile(
         settling = sum(1 for j in jobs if j.model == goal.model and j.job_id in memory.completing)
         for _ in range(max(0, deficit - settling)):
             if lost:
-                reason = f"replaces {lost.pop(0)}"
+                why = lost.pop(0)
             else:
-                reason = goal.reason if len(units) else f"{goal.reason} (none running)"
-            if not submit(goal, reason):
+                why = goal.why if len(units) else goal.why.but(f"{goal.why} (none running)")
+            if not submit(goal, why):
                 break
             state = "scaling"
         if held_off:
@@ -390,9 +332,9 @@ def reconcile(
                 units, key=lambda j: (order[phase[j.job_id]], -(j.submitted_at or 0.0))
             )[:surplus]
             for j in victims:
-                why = f"scale down to {goal.target}: {goal.reason}"
+                down = Why(Reason.SCALE_DOWN, f"scale down to {goal.target}: {goal.why}")
                 gentle = phase[j.job_id] == SERVING  # only a serving replica has requests
-                actions.append(Cancel(j.job_id, goal.model, why, hard=not gentle))
+                actions.append(Cancel(j.job_id, goal.model, down, hard=not gentle))
                 memory.draining[j.job_id] = now
             state = "scaling"
         counts = {p: sum(1 for j in live if phase[j.job_id] == p) for p in (PENDING, STARTING)}
@@ -406,21 +348,23 @@ def reconcile(
                 sum(1 for j in mine if j.job_id in memory.draining),
                 state,
                 note,
-                goal.reason,
+                goal.why.text,
             )
         )
     # drains that hang (an agent that does not leave): cancel those jobs outright, once
     for j in jobs:
         since = memory.draining.get(j.job_id)
         if since is not None and j.running and now - since > t.drain_kill_s:
-            actions.append(Cancel(j.job_id, j.model, f"drain took over {t.drain_kill_s:g} s", True))
+            hung = Why(Reason.DRAIN_HUNG, f"drain took over {t.drain_kill_s:g} s")
+            actions.append(Cancel(j.job_id, j.model, hung, True))
             memory.draining[j.job_id] = now + 10 * t.drain_kill_s  # not again soon
     # jobs of models no longer declared: drain them
     declared = {g.model for g in goals}
     for j in jobs:
         if j.model not in declared and not j.ending and j.job_id not in memory.draining:
             hard = _phase(j, by_job) != SERVING
-            actions.append(Cancel(j.job_id, j.model, "no longer in the service file", hard))
+            gone = Why(Reason.NO_LONGER, "no longer in the service file")
+            actions.append(Cancel(j.job_id, j.model, gone, hard))
             memory.draining[j.job_id] = now
     return Pass(tuple(actions), tuple(status))
 
@@ -429,15 +373,15 @@ def reconcile(
 class _Budget:
     """Jobs and GPUs the mesh's jobs hold, against its limits (rule 7)."""
 
-    limits: Limits
+    limits: Limits | None
     jobs: int
     gpus: int
 
     def take(self, gpus: int) -> str:
         """Count one more job of ``gpus`` GPUs, or name the limit that forbids it."""
-        if self.limits.max_jobs is not None and self.jobs >= self.limits.max_jobs:
+        if self.limits is not None and self.jobs >= self.limits.max_jobs:
             return "max_jobs"
-        if self.limits.max_gpus is not None and self.gpus + gpus > self.limits.max_gpus:
+        if self.limits is not None and self.gpus + gpus > self.limits.max_gpus:
             return "max_gpus"
         self.jobs += 1
         self.gpus += gpus
@@ -481,8 +425,12 @@ def _learn(now: float, jobs: Sequence[Job], by_job: Mapping[str, Replica], memor
         cancelled = memory.draining.pop(job_id, None) is not None
         if job_id in memory.served or cancelled:
             if not cancelled:
-                cause = job.end_cause if job is not None else "gone from the queue"
-                memory.ended.setdefault(model, []).append(f"job {job_id} ({cause})")
+                if job is None:
+                    cause, reason = "gone from the queue", Reason.GONE
+                else:
+                    cause, reason = job.end_cause, END_REASONS.get(job.state, Reason.ENDED)
+                why = Why(reason, f"replaces job {job_id} ({cause})")
+                memory.ended.setdefault(model, []).append(why)
             memory.served.discard(job_id)
             continue
         fail = memory.failure(model)  # ended without ever serving: a start failure
@@ -506,24 +454,11 @@ def _placement(
 
 def _placement_of(job: Job, goal: Goal, places: Sequence[Placement]) -> Placement | None:
     """The placement a job of ``goal`` was submitted at (None: not one allowed now)."""
-    partition = job.partition if goal.partitions else None
+    partition = job.partition if goal.plan.service.partitions else None
     for p in places:
         if p.partition == partition and p.gres_type == job.gres_type:
             return p
     return None
-
-
-@dataclass(frozen=True)
-class Held:
-    """What the controller holds of one model, as a pass counts it (rule 1): units serving,
-    and units submitted but not serving yet (pending or starting); draining jobs not at all."""
-
-    serving: int = 0
-    starting: int = 0
-
-    @property
-    def replicas(self) -> int:
-        return self.serving + self.starting
 
 
 def holdings(jobs: Iterable[Job], replicas: Iterable[Replica], memory: Memory) -> dict[str, Held]:

@@ -8,8 +8,9 @@ Rules
   model says which service the job serves; ``replaces`` links a time-limit successor to the
   job it takes over from. ``list_jobs`` lists the user's jobs with ``squeue`` and keeps only
   ours, so decisions always start from Slurm's own view, never from the controller's memory.
-* ``submit`` runs ``sbatch --parsable`` around the ``fabric-serve.sbatch`` wrapper with the
-  service's partition, account, QoS, time limit, GPUs and extra options, and returns the job id
+* ``submit`` runs ``sbatch --parsable`` around the ``fabric-serve.sbatch`` wrapper for a pass's
+  ``vocab.Submit`` (the placement's partition and GPUs; the service's account, QoS, time limit
+  and extra options, a short job's warning signal), and returns the job id
   or a ``SlurmRefused`` carrying sbatch's own words, all its error lines (unknown partition,
   QoS limit, ...). The job's agent is labelled ``fabric.service=<model>``; it runs the
   simulated engine (``FABRIC_ENGINE=sim``) or renders the service's engine template itself
@@ -28,6 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import quote, unquote
 
+from fabricnode.elastic.servicefile import ModelService
+from fabricnode.elastic.vocab import Submit
 from fabricnode.errors import FabricError
 from fabricnode.host.hostcmd import run_full
 from fabricnode.host.slurm import parse_sbatch_job_id, parse_slurm_time, parse_time_limit
@@ -109,20 +112,25 @@ END_CAUSES = {
 }
 
 
-@dataclass(frozen=True)
-class Submission:
-    model: str
-    gpus: int
-    partition: str | None
-    time_limit: str | None
-    account: str | None = None
-    qos: str | None = None
-    sbatch_args: tuple[str, ...] = ()
-    engine: str = "sim"  # "sim" (the simulated engine) or an engine command template
-    model_path: str | None = None  # {model_path} of the template (default: the model id)
-    agent_args: tuple[str, ...] = ()
-    replaces: str = ""
-    gres_type: str = ""  # Slurm's GPU type name (--gres=gpu:TYPE:N); "" = any type
+# The jobs' agents take any free ports (they announce them in the registry): several jobs
+# starting at once on one node must not race for the wrapper's preferred 8080/7946.
+JOB_AGENT_ARGS = ("--http", "0.0.0.0:0", "--gossip", "0.0.0.0:0")
+MAX_SIGNAL_LEAD_S = 120  # the wrapper's --signal=TERM@120
+
+
+def signal_args(time_limit_s: int | None) -> tuple[str, ...]:
+    """Slurm's warning signal (the agent leaves on it) at most a quarter of a short job
+    before its end, not the wrapper's 120 s that would end a 2-minute job at once."""
+    if time_limit_s is not None and time_limit_s < 4 * MAX_SIGNAL_LEAD_S:
+        return (f"--signal=TERM@{max(10, time_limit_s // 4)}",)
+    return ()
+
+
+def agent_args(service: ModelService) -> tuple[str, ...]:
+    """The job's ``fabric start`` options before the service's own (engine, label, model)."""
+    if service.sleep_after_s is None:
+        return JOB_AGENT_ARGS
+    return (*JOB_AGENT_ARGS, "--sleep-after", f"{service.sleep_after_s:g}")
 
 
 @dataclass(frozen=True)
@@ -209,34 +217,36 @@ class SlurmControl:
             raise SlurmRefused(f"squeue failed: {(err or out).strip() or f'exit status {rc}'}")
         return parse_squeue(out, self.mesh)
 
-    def sbatch_argv(self, s: Submission) -> list[str]:
-        argv = ["sbatch", "--parsable", f"--job-name=fabric-{_slug(s.model)}"]
-        comment = comment_for(self.mesh, s.model, s.replaces, s.gres_type, s.gpus)
+    def sbatch_argv(self, s: Submit) -> list[str]:
+        service, place = s.plan.service, s.placement
+        argv = ["sbatch", "--parsable", f"--job-name=fabric-{_slug(service.name)}"]
+        comment = comment_for(self.mesh, service.name, s.replaces, place.gres_type, place.gpus)
         argv.append(f"--comment={comment}")
-        if s.gpus > 0:
-            kind = f"{s.gres_type}:" if s.gres_type else ""
-            argv.append(f"--gres=gpu:{kind}{s.gpus}")
+        if place.gpus > 0:
+            kind = f"{place.gres_type}:" if place.gres_type else ""
+            argv.append(f"--gres=gpu:{kind}{place.gpus}")
         if self.output:
             argv.append(f"--output={self.output}")
         for flag, value in (
-            ("--partition", s.partition),
-            ("--time", s.time_limit),
-            ("--account", s.account),
-            ("--qos", s.qos),
+            ("--partition", place.partition),
+            ("--time", service.time_limit),
+            ("--account", service.account),
+            ("--qos", service.qos),
         ):
             if value:
                 argv.append(f"{flag}={value}")
-        agent = [*s.agent_args, "--label", f"fabric.service={s.model}"]
-        if s.engine.strip() == "sim":
+        agent = [*agent_args(service), "--label", f"fabric.service={service.name}"]
+        if service.engine.strip() == "sim":
             argv.append("--export=ALL,FABRIC_ENGINE=sim")
         else:  # the job's agent renders the template for the model (fabric start --serve)
             argv.append("--export=ALL,FABRIC_ENGINE=template")
-            agent += ["--engine-template", s.engine]
-            if s.model_path:
-                agent += ["--model-path", f"{s.model}={s.model_path}"]
-        return [*argv, *s.sbatch_args, str(self.script), *agent, "--", s.model]
+            agent += ["--engine-template", service.engine]
+            if service.model_path:
+                agent += ["--model-path", f"{service.name}={service.model_path}"]
+        extra = (*signal_args(service.time_limit_s), *service.sbatch_args)
+        return [*argv, *extra, str(self.script), *agent, "--", service.name]
 
-    def submit(self, s: Submission) -> str:
+    def submit(self, s: Submit) -> str:
         """The new job's id; ``SlurmRefused`` with sbatch's message when it says no."""
         argv = self.sbatch_argv(s)
         self.commands.append(shlex.join(argv))

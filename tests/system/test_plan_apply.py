@@ -14,7 +14,7 @@ import pytest
 
 from cli.localmesh import AgentProcess, LocalMesh, wait_until
 from fabricnode.control.client import AdminClient
-from fabricnode.elastic.signals import ask_after
+from fabricnode.elastic.observe import AgentClient
 from fabricnode.mesh.identity import OperatorKey
 from scheduler.node_assign import NodePlan
 from tests.support import meshview
@@ -199,7 +199,7 @@ def test_the_controller_reads_what_a_real_agents_request_log_gained(mesh: LocalM
     api = openai.OpenAI(base_url=f"{ingress.http_url}/v1", api_key="none", max_retries=0)
     api.completions.create(model="llama-2-7b", prompt="x " * 100, max_tokens=4)
     time.sleep(1.5)  # the request log is flushed every second
-    cursor, before = ask_after(ingress.http_url, "end")
+    cursor, before = AgentClient().after(ingress.http_url, "end")
     assert before == {}  # what was logged before the first ask does not count
     for _ in range(3):
         stream = api.completions.create(
@@ -211,9 +211,9 @@ def test_the_controller_reads_what_a_real_agents_request_log_gained(mesh: LocalM
         )
         assert len(list(stream)) > 1
     time.sleep(1.5)
-    cursor, gained = ask_after(ingress.http_url, cursor)
+    cursor, gained = AgentClient().after(ingress.http_url, cursor)
     sums = gained["llama-2-7b"]
     assert sums.requests == 3 and sums.output_tokens == 3 * 8
     assert sums.prompt_known == 3 and sums.prompt_tokens >= 3 * 300
     assert sum(sums.ttft.values()) == 3
-    assert ask_after(ingress.http_url, cursor) == (cursor, {})
+    assert AgentClient().after(ingress.http_url, cursor) == (cursor, {})

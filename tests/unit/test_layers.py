@@ -145,6 +145,18 @@ CONTRACT_BREACHES = (
         "scheduler.plan -> fabricnode.mesh.codec",
     ),
     Breach(
+        "elastic-layers",
+        "fabricnode/elastic/vocab.py",
+        "from fabricnode.elastic import controller",
+        "fabricnode.elastic.vocab -> fabricnode.elastic.controller",
+    ),
+    Breach(
+        "elastic-layers",
+        "fabricnode/elastic/observe.py",
+        "from fabricnode.elastic.controller import Controller",
+        "fabricnode.elastic.observe -> fabricnode.elastic.controller",
+    ),
+    Breach(
         "elastic-policy-sans-io",
         "fabricnode/elastic/policy.py",
         "import time",

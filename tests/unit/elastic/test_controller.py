@@ -9,20 +9,22 @@ from pathlib import Path
 
 import trio
 
-from fabricnode.elastic.controller import Controller, ModelPlan, ServicePlans
+from fabricnode.elastic.controller import Controller
 from fabricnode.elastic.leader import CONTROLLER_LABEL
 from fabricnode.elastic.slurmctl import SlurmControl, comment_for, mesh_tag
+from fabricnode.elastic.vocab import ServicePlans
 from fabricnode.errors import ConfigError
 from fabricnode.mesh.core import MeshConfig
 from fabricnode.mesh.identity import Identity, OperatorKey
 from fabricnode.mesh.registry import State
 from fabricnode.mesh.servicedoc import ServicesBody
 from fabricnode.testing.simnet import SimNetwork, SimNode
+from tests.unit.elastic.plans import plan
 
 OPERATOR = OperatorKey(Identity.from_seed(b"o" * 32))
 MESH = mesh_tag(b"k" * 32)
 PLANS = {
-    "two": ServicePlans((ModelPlan("m", 2, 4, 1, ("gpu",), "2:00", 120),), digest="two"),
+    "two": ServicePlans((plan("m", 2, 4, partitions=("gpu",), time_limit_s=120),), digest="two"),
     "none": ServicePlans((), digest="none"),
 }
 

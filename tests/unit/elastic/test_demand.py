@@ -10,24 +10,19 @@ from collections.abc import Mapping
 import httpx
 import trio
 
-from fabricnode.elastic.controller import ModelPlan
-from fabricnode.elastic.demand import (
-    MAX_WANTED_LABELS,
-    WANTED_LABEL,
-    Declared,
-    DemandScaler,
-    wanted_labels,
-    wanted_models,
-)
+from fabricnode.elastic.demand import MAX_WANTED_LABELS, Declared, DemandScaler, wanted_labels
+from fabricnode.elastic.observe import ModelSums, wanted_models
+from fabricnode.elastic.vocab import MIN_REPLICAS, WANTED_LABEL, Reason
 from fabricnode.mesh.core import MeshConfig
 from fabricnode.mesh.identity import Identity, OperatorKey
 from fabricnode.mesh.registry import MAX_LABEL_VALUE
 from fabricnode.mesh.servicedoc import ServicesBody
 from fabricnode.testing.simnet import SimNetwork
+from tests.unit.elastic.plans import plan
 
 OPERATOR = OperatorKey(Identity.from_seed(b"o" * 32))
-COLD = ModelPlan("cold", 0, 2, 1, idle_to_zero_s=60.0)
-WARM = ModelPlan("warm", 1, 2, 1)
+COLD = plan("cold", 0, 2, idle_to_zero_s=60.0)
+WARM = plan("warm", 1, 2)
 
 
 def mesh(n: int = 3) -> SimNetwork:
@@ -45,11 +40,14 @@ class Logs:
         self.down: set[str] = set()
         self.asked = 0
 
-    def __call__(self, url: str, window_s: float) -> Mapping[str, float]:
+    def requests_in(self, url: str, window_s: float) -> Mapping[str, float]:
         self.asked += 1
         if url in self.down:
             raise httpx.ConnectError("refused")
         return {"cold": self.requests.get(url, 0.0)}
+
+    def after(self, url: str, cursor: str) -> tuple[str, Mapping[str, ModelSums]]:
+        raise AssertionError("the demand rules ask by window, never by cursor")
 
 
 def test_wanted_starts_then_request_logs_keep_it_up_until_it_is_idle() -> None:
@@ -62,18 +60,21 @@ def test_wanted_starts_then_request_logs_keep_it_up_until_it_is_idle() -> None:
         net.poke(node)
     net.run_for(3)
     logs = Logs()
-    scaler = DemandScaler(nodes[0].core, ask=logs, check_interval_s=10.0)
+    scaler = DemandScaler(nodes[0].core, logs, check_interval_s=10.0)
 
     def step(at: float) -> tuple[int, str]:
         trio.run(scaler.observe, [COLD, WARM], at)
-        return scaler.target(COLD, at)
+        target, why = scaler.target(COLD, at)
+        return target, why.text
 
     assert step(0.0) == (0, "idle for 60 s")
-    assert scaler.target(WARM, 0.0) == (1, "min replicas")
+    assert scaler.target(COLD, 0.0)[1].reason is Reason.IDLE
+    assert scaler.target(WARM, 0.0) == (1, MIN_REPLICAS)
     nodes[2].core.update_self(net.wall, labels=((WANTED_LABEL, "cold other"),))
     net.poke(nodes[2])
     net.run_for(3)
     assert step(1.0) == (1, "scale from zero: requests waiting")
+    assert scaler.target(COLD, 1.0)[1].reason is Reason.SCALE_FROM_ZERO
     nodes[2].core.update_self(net.wall, labels=())
     net.poke(nodes[2])
     net.run_for(3)

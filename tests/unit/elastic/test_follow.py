@@ -13,18 +13,19 @@ import httpx
 import pytest
 import trio
 
-from fabricnode.elastic.controller import Controller, Fleet, ModelPlan, ServicePlans
-from fabricnode.elastic.demand import WANTED_LABEL, DemandScaler
-from fabricnode.elastic.follow import ForecastScaler, follows_demand
-from fabricnode.elastic.policy import ReplicaCapacity
-from fabricnode.elastic.reconcile import Held
-from fabricnode.elastic.signals import ModelSums, TtftWindow, WorkloadPoller
+from fabricnode.elastic.controller import Controller
+from fabricnode.elastic.demand import DemandScaler
+from fabricnode.elastic.follow import ForecastScaler, TtftWindow, follows_demand
+from fabricnode.elastic.observe import ModelSums
+from fabricnode.elastic.policy import REASONS, ReplicaCapacity
 from fabricnode.elastic.slurmctl import SlurmControl
+from fabricnode.elastic.vocab import WANTED_LABEL, Fleet, Held, ModelPlan, Reason, ServicePlans
 from fabricnode.mesh.core import MeshConfig
 from fabricnode.mesh.identity import Identity, OperatorKey
 from fabricnode.mesh.registry import State
 from fabricnode.mesh.wire import Load
 from fabricnode.testing.simnet import SimNetwork
+from tests.unit.elastic.plans import plan as model_plan
 from tests.unit.elastic.test_controller import MESH, FakeSlurm, announce, apply
 
 OPERATOR = OperatorKey(Identity.from_seed(b"o" * 32))
@@ -32,7 +33,7 @@ CAPACITY = ReplicaCapacity(prefill_tokens_per_s=2000.0, decode_tokens_per_s=200.
 PROMPT, OUTPUT = 1000, 20  # tokens of every request of the fake traffic
 COLD_START_S = 30.0
 STEP_S = 2.0  # the controller's pass
-HOT = ModelPlan("hot", 1, 4, 1, ttft_p95_s=2.0, gpu_types=("A100-80G",))
+HOT = model_plan("hot", 1, 4, ttft_p95_s=2.0, gpu_types=("A100-80G",))
 
 
 def mesh(n: int = 3) -> SimNetwork:
@@ -51,7 +52,8 @@ def mesh(n: int = 3) -> SimNetwork:
 
 
 class Logs:
-    """Every agent's request log as lists of requests; a cursor is a position in one."""
+    """Every agent's request log as lists of requests; a cursor is a position in one (the
+    agents' workload endpoint, ``observe.WorkloadClient``)."""
 
     def __init__(self, urls: Sequence[str]) -> None:
         self.logged: dict[str, list[tuple[str, int, int]]] = {u: [] for u in urls}
@@ -62,7 +64,7 @@ class Logs:
         for entries in self.logged.values():
             entries.extend([(model, PROMPT, OUTPUT)] * per_agent)
 
-    def __call__(self, url: str, cursor: str) -> tuple[str, Mapping[str, ModelSums]]:
+    def after(self, url: str, cursor: str) -> tuple[str, Mapping[str, ModelSums]]:
         self.asked += 1
         if url in self.down:
             raise httpx.ConnectError("refused")
@@ -73,7 +75,7 @@ class Logs:
             sums[model] = sums.get(model, ModelSums()) + ModelSums(1, prompt, 1, output, 1)
         return f"0:{len(entries)}", sums
 
-    def idle(self, url: str, window_s: float) -> Mapping[str, float]:
+    def requests_in(self, url: str, window_s: float) -> Mapping[str, float]:
         """The demand rules' idleness check (``GET /fabric/v1/workload?window=``)."""
         if url in self.down:
             raise httpx.ConnectError("refused")
@@ -102,8 +104,8 @@ def scaler_for(net: SimNetwork, logs: Logs) -> ForecastScaler:
     core = next(iter(net.nodes.values())).core
     return ForecastScaler(
         core,
-        rules=DemandScaler(core, ask=logs.idle, check_interval_s=10.0),
-        poller=WorkloadPoller(ask=logs),
+        client=logs,
+        rules=DemandScaler(core, logs, check_interval_s=10.0),
         capacity_of=lambda model, gpu, gpus: CAPACITY,
     )
 
@@ -127,10 +129,11 @@ class Run:
         fleet = self.replicas.fleet(self.plan.model, self.now)
         trio.run(self.scaler.observe, [self.plan], self.now, fleet)
         want, why = self.scaler.target(self.plan, self.now)
-        target = max(self.plan.min_replicas, min(self.plan.max_replicas, want))
+        service = self.plan.service
+        target = max(service.min_replicas, min(service.max_replicas, want))
         self.replicas.apply(target, self.now)
-        self.history.append((self.now, target, why))
-        return target, why
+        self.history.append((self.now, target, why.text))
+        return target, why.text
 
     def run(self, seconds: float, per_agent: int) -> list[tuple[float, int, str]]:
         start = len(self.history)
@@ -184,8 +187,8 @@ def test_an_agent_that_does_not_answer_changes_nothing() -> None:
 
 
 def test_an_idle_model_allowed_zero_still_goes_to_zero() -> None:
-    cold = ModelPlan("cold", 0, 3, 1, idle_to_zero_s=60.0)
-    assert follows_demand(cold) and not follows_demand(ModelPlan("one", 0, 1, 1))
+    cold = model_plan("cold", 0, 3, idle_to_zero_s=60.0)
+    assert follows_demand(cold) and not follows_demand(model_plan("one", 0, 1))
     run = Run(cold, serving=0)
     node = list(run.net.nodes.values())[2]
     node.core.update_self(run.net.wall, labels=((WANTED_LABEL, "cold"),))
@@ -203,7 +206,7 @@ def test_an_idle_model_allowed_zero_still_goes_to_zero() -> None:
 
 
 def test_a_model_without_room_above_its_floor_polls_nothing() -> None:
-    plan = ModelPlan("fixed", 2, 2, 1)
+    plan = model_plan("fixed", 2, 2)
     run = Run(plan, serving=2)
     assert run.run(30, per_agent=3)[-1][1:] == (2, "min replicas")
     assert run.logs.asked == 0 and run.scaler.models == {}
@@ -255,7 +258,7 @@ def test_malformed_workload_answers_are_refused() -> None:
 
 PLANS = {
     "follow": ServicePlans(
-        (ModelPlan("m", 1, 3, 1, ("gpu",), "2:00", 120, gpu_types=("A100-80G",)),),
+        (model_plan("m", 1, 3, partitions=("gpu",), time_limit_s=120, gpu_types=("A100-80G",)),),
         digest="follow",
     )
 }
@@ -296,3 +299,9 @@ def test_the_controller_logs_and_counts_the_policys_reason() -> None:
     (status,) = ctl.status.models
     assert status.target > 1 and status.reason.startswith("forecast: ")
     assert status.to_json()["reason"] == status.reason
+
+
+def test_every_reason_of_the_policy_is_a_reason_of_the_controller() -> None:
+    """The scaler turns the policy's reason into ``Reason(decision.reason)``: every one the
+    policy may give must be there, with the same words (they are the metric's labels)."""
+    assert {Reason(r).label for r in REASONS} == set(REASONS)

@@ -9,20 +9,20 @@ from dataclasses import replace
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fabricnode.elastic.reconcile import (
+from fabricnode.elastic.reconcile import Memory, Replica, Tuning, holdings, reconcile
+from fabricnode.elastic.slurmctl import Job
+from fabricnode.elastic.vocab import (
+    MIN_REPLICAS,
     Cancel,
     Goal,
     Held,
     Limits,
-    Memory,
     Placement,
-    Replica,
+    Reason,
     Submit,
-    Tuning,
-    holdings,
-    reconcile,
+    Why,
 )
-from fabricnode.elastic.slurmctl import Job
+from tests.unit.elastic.plans import plan
 
 NOW = 1_800_000_000.0
 M = "llama-3.1-8b"
@@ -52,7 +52,18 @@ def serving(job_id: str, model: str = M) -> Replica:
 
 
 def goal(target: int = 2, partitions: tuple[str, ...] = ("gpu",), model: str = M) -> Goal:
-    return Goal(model, target, 1, partitions, 7200, "min replicas")
+    return Goal(plan(model, partitions=partitions, time_limit_s=7200), target, MIN_REPLICAS)
+
+
+def typed_goal(
+    target: int, partitions: tuple[str, ...], options: tuple[tuple[str, int], ...]
+) -> Goal:
+    entry = plan(M, gpu_options=options, partitions=partitions, time_limit_s=7200)
+    return Goal(entry, target, MIN_REPLICAS)
+
+
+def reasons(actions: object) -> list[str]:
+    return [a.why.text for a in actions]  # type: ignore[attr-defined]
 
 
 def submits(actions: object) -> list[Submit]:
@@ -73,7 +84,7 @@ def test_steady_state_does_nothing() -> None:
 def test_missing_replicas_are_submitted_on_the_preferred_partition() -> None:
     p = reconcile(NOW, [goal(3, ("preempt", "gpu"))], [job("1")], [serving("1")], Memory())
     new = submits(p.actions)
-    assert len(new) == 2 and {s.partition for s in new} == {"preempt"}
+    assert len(new) == 2 and {s.placement.partition for s in new} == {"preempt"}
     assert p.status[0].state == "scaling"
 
 
@@ -87,7 +98,7 @@ def test_a_job_near_its_time_limit_gets_one_successor_ahead_of_the_learned_lead(
     near = [job("1", ends=NOW + lead - 5, submitted=NOW - 60), job("2", submitted=NOW - 60)]
     p = reconcile(NOW, [goal()], near, [serving("1"), serving("2")], memory)
     (succ,) = submits(p.actions)
-    assert succ.replaces == "1" and "time limit of job 1" in succ.reason
+    assert succ.replaces == "1" and "time limit of job 1" in succ.why.text
     # next pass: the successor is pending; the pair counts as one unit, nothing more is done
     jobs = [*near, job("3", "PENDING", submitted=NOW, replaces="1")]
     p = reconcile(NOW + 1, [goal()], jobs, [serving("1"), serving("2")], memory)
@@ -112,28 +123,30 @@ def test_a_preempted_or_crashed_replica_is_replaced_without_backoff() -> None:
     reconcile(NOW, [goal()], jobs, [serving("1"), serving("2")], memory)
     p = reconcile(NOW + 5, [goal()], jobs[:1], [serving("1")], memory)  # job 2 vanished
     assert len(submits(p.actions)) == 1 and memory.failure(M).count == 0
-    assert submits(p.actions)[0].reason == "replaces job 2 (gone from the queue)"
+    assert submits(p.actions)[0].why == Why(Reason.GONE, "replaces job 2 (gone from the queue)")
     # squeue --states=all says how a job ended: the replacement's reason says it too
     jobs = [job("1"), job("3")]
     reconcile(NOW + 10, [goal()], jobs, [serving("1"), serving("3")], memory)
     ended = [job("1", "NODE_FAIL"), job("3", "PREEMPTED")]
     p = reconcile(NOW + 15, [goal()], ended, [], memory)
-    assert sorted(s.reason for s in submits(p.actions)) == [
+    assert sorted(reasons(submits(p.actions))) == [
         "replaces job 1 (node failure)", "replaces job 3 (preempted)",
     ]  # fmt: skip
     # a cause is told once: a later scale-up is not called a replacement
     p = reconcile(NOW + 20, [goal(3)], [job("4"), job("5")], [serving("4"), serving("5")], memory)
-    assert [s.reason for s in submits(p.actions)] == ["min replicas"]
+    assert reasons(submits(p.actions)) == ["min replicas"]
     # a job COMPLETING has not said how it ended yet: its replacement waits for that, briefly
     memory = Memory(Tuning(completing_wait_s=30))
     reconcile(NOW, [goal(1)], [job("6")], [serving("6")], memory)
     assert reconcile(NOW + 2, [goal(1)], [job("6", "COMPLETING")], [], memory).actions == ()
     p = reconcile(NOW + 4, [goal(1)], [job("6", "PREEMPTED")], [], memory)
-    assert [s.reason for s in submits(p.actions)] == ["replaces job 6 (preempted)"]
+    assert [s.why for s in submits(p.actions)] == [
+        Why(Reason.PREEMPTED, "replaces job 6 (preempted)")
+    ]
     reconcile(NOW, [goal(1)], [job("7")], [serving("7")], memory)
     assert reconcile(NOW + 2, [goal(1)], [job("7", "COMPLETING")], [], memory).actions == ()
     p = reconcile(NOW + 33, [goal(1)], [job("7", "COMPLETING")], [], memory)
-    assert [s.reason for s in submits(p.actions)] == ["replaces job 7 (ended)"]
+    assert [s.why for s in submits(p.actions)] == [Why(Reason.ENDED, "replaces job 7 (ended)")]
 
 
 def test_start_failures_back_off_then_the_model_is_failed_with_the_engine_error() -> None:
@@ -185,34 +198,39 @@ def test_a_partition_that_keeps_a_job_pending_is_left_for_the_next() -> None:
     stuck = job("9", "PENDING", partition="preempt", submitted=NOW - 121)
     p = reconcile(NOW, [goal(1, ("preempt", "gpu"))], [stuck], [], memory)
     assert [c.job_id for c in cancels(p.actions)] == ["9"]
-    assert [s.partition for s in submits(p.actions)] == ["gpu"]
+    assert [s.placement.partition for s in submits(p.actions)] == ["gpu"]
     # with a single allowed partition it just waits
     p = reconcile(NOW, [goal(1, ("preempt",))], [stuck], [], Memory(Tuning(patience_s=120)))
     assert p.actions == ()
 
 
 def test_gpu_types_are_tried_in_order_each_on_every_partition_with_its_own_gpus() -> None:
-    typed = replace(goal(1, ("preempt", "gpu")), gpu_types=(("a100", 2), ("h100", 1)))
-    assert [(p.partition, p.gres_type, p.gpus) for p in typed.placements()] == [
+    typed = typed_goal(1, ("preempt", "gpu"), (("a100", 2), ("h100", 1)))
+    assert [(p.partition, p.gres_type, p.gpus) for p in typed.plan.placements()] == [
         ("preempt", "a100", 2), ("gpu", "a100", 2), ("preempt", "h100", 1), ("gpu", "h100", 1),
     ]  # fmt: skip
     memory = Memory(Tuning(patience_s=120, penalty_s=600))
     (first,) = submits(reconcile(NOW, [typed], [], [], memory).actions)
-    assert (first.partition, first.gres_type, first.gpus) == ("preempt", "a100", 2)
+    assert first.placement == Placement("preempt", "a100", 2)
     # A100s pend too long on both partitions: the H100s are tried, with their own count
     jobs = [job("7", "PENDING", partition="preempt", gres_type="a100", gpus=2, submitted=NOW - 121)]
     p = reconcile(NOW, [typed], jobs, [], memory)
     assert [c.job_id for c in cancels(p.actions)] == ["7"]
-    assert "pending 121 s on partition preempt and GPU type a100" in cancels(p.actions)[0].reason
+    assert "pending 121 s on partition preempt and GPU type a100" in cancels(p.actions)[0].why.text
     (second,) = submits(p.actions)
-    assert (second.partition, second.gres_type) == ("gpu", "a100")
+    assert (second.placement.partition, second.placement.gres_type) == ("gpu", "a100")
     jobs = [job("8", "PENDING", partition="gpu", gres_type="a100", gpus=2, submitted=NOW - 121)]
     (third,) = submits(reconcile(NOW + 1, [typed], jobs, [], memory).actions)
-    assert (third.partition, third.gres_type, third.gpus) == ("preempt", "h100", 1)
+    assert third.placement == Placement("preempt", "h100", 1)
     # GPUs held are counted from the jobs' own tags against max_gpus
     held = [job("9", gres_type="a100", gpus=2)]
     p = reconcile(
-        NOW, [replace(typed, target=2)], held, [serving("9")], Memory(), Limits(max_gpus=3)
+        NOW,
+        [replace(typed, target=2)],
+        held,
+        [serving("9")],
+        Memory(),
+        Limits(max_jobs=10_000, max_gpus=3),
     )
     assert submits(p.actions) == []
     assert p.status[0].state == "limited"  # 2 held + 2 more > 3
@@ -223,7 +241,7 @@ def test_a_placement_slurm_refused_is_skipped_and_with_none_left_the_model_waits
     two = goal(1, ("nope", "gpu"))
     memory.refused(M, Placement("nope", "", 1), "invalid partition specified: nope", NOW)
     (sub,) = submits(reconcile(NOW, [two], [], [], memory).actions)
-    assert sub.partition == "gpu"
+    assert sub.placement.partition == "gpu"
     memory.refused(M, Placement("gpu", "", 1), "Invalid qos specification", NOW)
     p = reconcile(NOW + 1, [two], [], [], memory)
     assert p.actions == ()  # no sbatch every pass while Slurm says no
@@ -231,7 +249,7 @@ def test_a_placement_slurm_refused_is_skipped_and_with_none_left_the_model_waits
     assert s.state == "refused" and "partition gpu: Invalid qos specification" in s.note
     # the refusals expire: tried again, in order; a new service file forgets them at once
     (again,) = submits(reconcile(NOW + 61, [two], [], [], memory).actions)
-    assert again.partition == "nope"
+    assert again.placement.partition == "nope"
     memory.refused(M, Placement("nope", "", 1), "no", NOW + 61)
     memory.refused(M, Placement("gpu", "", 1), "no", NOW + 61)
     memory.reset_model(M)
@@ -257,18 +275,20 @@ def test_a_replica_that_starts_serving_resets_start_failures_but_not_slurms_refu
 
 def test_mesh_limits_are_never_exceeded() -> None:
     goals = [goal(3), goal(3, model="other")]
-    p = reconcile(NOW, goals, [job("1")], [serving("1")], Memory(), Limits(max_jobs=4))
+    p = reconcile(
+        NOW, goals, [job("1")], [serving("1")], Memory(), Limits(max_jobs=4, max_gpus=100_000)
+    )
     assert len(submits(p.actions)) == 3  # 1 running + 3 = 4
     assert p.status[1].state == "limited" and "max_jobs" in p.status[1].note
-    gpus = [replace(g, gpus=4) for g in goals]
-    p = reconcile(NOW, gpus, [], [], Memory(), Limits(max_gpus=10))
+    gpus = [replace(g, plan=replace(g.plan, gpus=4)) for g in goals]
+    p = reconcile(NOW, gpus, [], [], Memory(), Limits(max_jobs=10_000, max_gpus=10))
     assert len(submits(p.actions)) == 2
 
 
 def test_jobs_of_a_model_no_longer_declared_are_drained() -> None:
     jobs = [job("1"), job("5", model="old"), job("6", "PENDING", model="old")]
     p = reconcile(NOW, [goal(1)], jobs, [serving("1"), serving("5", "old")], Memory())
-    assert [(c.job_id, c.reason, c.hard) for c in cancels(p.actions)] == [
+    assert [(c.job_id, c.why.text, c.hard) for c in cancels(p.actions)] == [
         ("5", "no longer in the service file", False),
         ("6", "no longer in the service file", True),
     ]
@@ -310,14 +330,21 @@ def test_a_drain_that_hangs_is_cancelled_outright_once() -> None:
     assert p.actions == ()
     p = reconcile(NOW + 101, [goal(1)], jobs, [serving("1"), serving("2")], memory)
     (hard,) = cancels(p.actions)
-    assert hard.hard and hard.job_id == victim.job_id and "drain took over" in hard.reason
+    assert hard.hard and hard.job_id == victim.job_id and "drain took over" in hard.why.text
     assert reconcile(NOW + 102, [goal(1)], jobs, [serving("1")], memory).actions == ()
 
 
 def test_time_limit_successors_count_against_the_mesh_limits_too() -> None:
     memory = Memory(Tuning(default_lead_s=600))
     near = [job("1", ends=NOW + 100), job("2", ends=NOW + 100)]
-    p = reconcile(NOW, [goal()], near, [serving("1"), serving("2")], memory, Limits(max_jobs=3))
+    p = reconcile(
+        NOW,
+        [goal()],
+        near,
+        [serving("1"), serving("2")],
+        memory,
+        Limits(max_jobs=3, max_gpus=100_000),
+    )
     (succ,) = submits(p.actions)  # room for one successor, not two
     assert succ.replaces in ("1", "2")
     assert p.status[0].state == "limited" and "max_jobs" in p.status[0].note
@@ -342,12 +369,12 @@ def test_holdings_count_units_as_a_pass_does_and_the_cold_start_is_the_learned_l
     held = holdings(jobs, [serving("1"), serving("2"), serving("6"), serving("8", "other")], memory)
     assert held == {M: Held(serving=2, starting=2), "other": Held(serving=1, starting=0)}
     assert held[M].replicas == 4
-    places = goal(partitions=("gpu", "big")).placements()
+    places = goal(partitions=("gpu", "big")).plan.placements()
     assert memory.cold_start_s(M, places, NOW) == memory.tuning.default_lead_s
     memory.observe(M, "gpu", 90.0)
     memory.observe(M, "big", 400.0)
     assert memory.cold_start_s(M, places, NOW) == 90.0
     memory.penalised[(M, "gpu", "")] = NOW + 60  # submissions go to "big" for now
     assert memory.cold_start_s(M, places, NOW) == 400.0
-    default = goal(partitions=()).placements()
+    default = goal(partitions=()).plan.placements()
     assert memory.cold_start_s(M, default, NOW) == 400.0  # the site's default: the longest

@@ -12,9 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fabricnode.elastic.controller import _submission
 from fabricnode.elastic.plans import plans_of
-from fabricnode.elastic.reconcile import Submit
 from fabricnode.elastic.servicefile import (
     DOMAIN,
     ENGINE_SHORTHANDS,
@@ -30,6 +28,7 @@ from fabricnode.elastic.servicefile import (
     parse,
 )
 from fabricnode.elastic.slurmctl import SlurmControl
+from fabricnode.elastic.vocab import MIN_REPLICAS, Submit
 from fabricnode.errors import ConfigError, DecodeError, ServiceFileError
 from fabricnode.host.slurm import parse_time_limit
 from scheduler.catalog import builtin_catalog
@@ -1116,14 +1115,14 @@ def test_sleep_after_is_a_duration_passed_to_the_jobs_and_absent_it_signs_as_bef
         parse(FULL.replace('qos = "normal"\n', 'qos = "normal"\nsleep_after = 0\n', 1))
 
     plan = plans_of(with_it).models[0]
-    assert plan.sleep_after_s == 300.0
+    assert plan.service.sleep_after_s == 300.0
     argv = SlurmControl("mesh", Path("/x.sbatch"), "me", dry_run=True).sbatch_argv(
-        _submission(plan, Submit(plan.model, 1, None, None, "min replicas"))
+        Submit(plan, plan.placements()[0], MIN_REPLICAS)
     )
     agent = argv[argv.index("/x.sbatch") + 1 :]
     assert agent[agent.index("--sleep-after") + 1] == "300"
     plain = plans_of(without).models[0]
     argv = SlurmControl("mesh", Path("/x.sbatch"), "me", dry_run=True).sbatch_argv(
-        _submission(plain, Submit(plain.model, 1, None, None, "min replicas"))
+        Submit(plain, plain.placements()[0], MIN_REPLICAS)
     )
     assert "--sleep-after" not in argv

@@ -9,15 +9,22 @@ from pathlib import Path
 import pytest
 
 from fabricnode.elastic.slurmctl import (
+    JOB_AGENT_ARGS,
     SlurmControl,
     SlurmRefused,
-    Submission,
     Tag,
     comment_for,
     mesh_tag,
     parse_comment,
     parse_squeue,
 )
+from fabricnode.elastic.vocab import MIN_REPLICAS, Placement, Submit
+from tests.unit.elastic.plans import plan
+
+
+def submit(model: str, partition: str | None = None, gpus: int = 1, **service: object) -> Submit:
+    return Submit(plan(model, gpus=gpus, **service), Placement(partition, "", gpus), MIN_REPLICAS)
+
 
 MESH = mesh_tag(b"k" * 32)
 
@@ -71,27 +78,26 @@ def test_sbatch_line_carries_the_tag_resources_and_the_wrapper_arguments() -> No
     runner = Recorder({"sbatch": (0, "4242;cluster\n", "")})
     ctl = control(runner)
     template = "vllm serve {model_path} --port {port} --tensor-parallel-size {tp}"
-    job = ctl.submit(
-        Submission(
-            "llama-3.1-8b", 2, "gpu-preempt", "2:00:00", "proj", "normal", ("--constraint=a100",),
-            template, "/models/llama", ("--leave-before-end", "60"), replaces="41",
-        )
+    llama = plan(
+        "llama-3.1-8b", gpus=2, time_limit_s=7200, account="proj", qos="normal",
+        sbatch_args=("--constraint=a100",), engine=template, model_path="/models/llama",
     )  # fmt: skip
+    job = ctl.submit(Submit(llama, Placement("gpu-preempt", "", 2), MIN_REPLICAS, replaces="41"))
     assert job == "4242"
     argv = runner.calls[0]
     assert argv[:3] == ["sbatch", "--parsable", "--job-name=fabric-llama-3.1-8b"]
     assert f"--comment={comment_for(MESH, 'llama-3.1-8b', '41', gpus=2)}" in argv
-    for flag in ("--gres=gpu:2", "--partition=gpu-preempt", "--time=2:00:00",
+    for flag in ("--gres=gpu:2", "--partition=gpu-preempt", "--time=02:00:00",
                  "--account=proj", "--qos=normal", "--export=ALL,FABRIC_ENGINE=template",
                  "--constraint=a100"):  # fmt: skip
         assert flag in argv
     script = argv.index("/opt/fabric-serve.sbatch")
     assert argv[script + 1 :] == [
-        "--leave-before-end", "60", "--label", "fabric.service=llama-3.1-8b",
+        *JOB_AGENT_ARGS, "--label", "fabric.service=llama-3.1-8b",
         "--engine-template", template, "--model-path", "llama-3.1-8b=/models/llama",
         "--", "llama-3.1-8b",
     ]  # fmt: skip
-    sim = ctl.sbatch_argv(Submission("m", 1, None, None))
+    sim = ctl.sbatch_argv(submit("m"))
     assert "--export=ALL,FABRIC_ENGINE=sim" in sim and sim[-3:] == ["fabric.service=m", "--", "m"]
     assert ctl.commands and ctl.commands[0].startswith("sbatch --parsable")
 
@@ -105,7 +111,7 @@ def test_slurms_refusal_is_one_error_with_its_own_words() -> None:
     )
     ctl = control(runner)
     with pytest.raises(SlurmRefused, match=r"^invalid partition specified: nope$"):
-        ctl.submit(Submission("m", 1, "nope", None))
+        ctl.submit(submit("m", "nope"))
     with pytest.raises(SlurmRefused, match="Invalid job id"):
         ctl.cancel("99")
     # slurm-wlm 22.05 over a QoS's MaxSubmitJobsPerUser (tests/slurm/test_elastic_qos.py)
@@ -117,7 +123,7 @@ def test_slurms_refusal_is_one_error_with_its_own_words() -> None:
         " (job submit limit, user's size and/or time limits)\n",
     )
     with pytest.raises(SlurmRefused) as refused:
-        ctl.submit(Submission("m", 1, "high", None))
+        ctl.submit(submit("m", "high"))
     assert str(refused.value) == (
         "QOSMaxSubmitJobPerUserLimit; Batch job submission failed: Job violates accounting/QOS"
         " policy (job submit limit, user's size and/or time limits)"
@@ -131,7 +137,16 @@ def test_dry_run_records_commands_and_runs_only_squeue() -> None:
     runner = Recorder({"squeue": (0, "", "")})
     ctl = control(runner, dry_run=True)
     assert ctl.list_jobs() == []
-    assert ctl.submit(Submission("m", 1, None, None)).startswith("dry-run-")
+    assert ctl.submit(submit("m")).startswith("dry-run-")
     ctl.cancel("5")
     assert [c[0] for c in runner.calls] == ["squeue"]
     assert ctl.commands[0].startswith("sbatch ") and ctl.commands[1] == "scancel --signal=TERM 5"
+
+
+def test_a_short_job_gets_slurms_warning_signal_a_quarter_before_its_end() -> None:
+    ctl = control(Recorder({}), dry_run=True)
+    short = ctl.sbatch_argv(submit("m", time_limit_s=120))
+    assert "--signal=TERM@30" in short and "--time=00:02:00" in short
+    assert not any(
+        a.startswith("--signal") for a in ctl.sbatch_argv(submit("m", time_limit_s=3600))
+    )
