@@ -62,6 +62,13 @@ from typing import Any, TypeGuard
 
 import orjson
 
+from fabricnode.dataplane.endpoints import sse_data as sse_data
+from fabricnode.dataplane.ttft import TTFT_BUCKET_BASE_S as TTFT_BUCKET_BASE_S
+from fabricnode.dataplane.ttft import TTFT_BUCKET_FACTOR as TTFT_BUCKET_FACTOR
+from fabricnode.dataplane.ttft import TTFT_BUCKETS as TTFT_BUCKETS
+from fabricnode.dataplane.ttft import ttft_bound as ttft_bound
+from fabricnode.dataplane.ttft import ttft_bucket as ttft_bucket
+from fabricnode.dataplane.ttft import ttft_quantile as ttft_quantile
 from fabricnode.errors import ConfigError
 
 
@@ -164,11 +171,6 @@ _USAGE_OBJECT = re.compile(rb'"usage"\s*:\s*\{')
 _CONTENT = re.compile(rb'"(?:content|text|reasoning_content|arguments)"\s*:\s*"(?!")')
 _ERROR = re.compile(rb'^\s*\{\s*"error"\s*:')
 MAX_LINE_BYTES = 1 << 20
-
-
-def sse_data(line: bytes) -> bytes:
-    """The value of an SSE ``data:`` line (one leading space dropped, as the SSE format says)."""
-    return line[6:] if line[5:6] == b" " else line[5:]
 
 
 class StreamUsage:
@@ -796,38 +798,6 @@ def merge_workload_sums(
 # and only whole lines (a line being written is read next time, whole).
 
 CURSOR_END = "end"  # ask for a cursor at the log's end (nothing before it counts)
-TTFT_BUCKET_BASE_S = 0.01  # the TTFT histogram's first bucket holds up to this
-TTFT_BUCKET_FACTOR = 2**0.25  # each bucket's bound is this much above the last (~19%)
-TTFT_BUCKETS = 80  # the last bucket ends at 0.01 * 2**(79/4), about 8 minutes; it holds the rest
-
-
-def ttft_bucket(ttft_s: float) -> int:
-    """The histogram bucket of one time to first token: bucket ``i`` holds the times in
-    ``(bound(i-1), bound(i)]``, ``bound(i) = TTFT_BUCKET_BASE_S * TTFT_BUCKET_FACTOR**i``."""
-    if ttft_s <= TTFT_BUCKET_BASE_S:
-        return 0
-    i = math.ceil(math.log(ttft_s / TTFT_BUCKET_BASE_S) / math.log(TTFT_BUCKET_FACTOR) - 1e-9)
-    return min(TTFT_BUCKETS - 1, i)
-
-
-def ttft_bound(bucket: int) -> float:
-    """The upper bound of a bucket (seconds)."""
-    return TTFT_BUCKET_BASE_S * TTFT_BUCKET_FACTOR**bucket
-
-
-def ttft_quantile(histogram: Mapping[int, float], q: float) -> float | None:
-    """The ``q`` quantile of a TTFT histogram (bucket -> count), as the upper bound of the
-    bucket it falls in (so at most ~19% above the true value); None when it is empty."""
-    total = sum(histogram.values())
-    if total <= 0:
-        return None
-    need = q * total
-    seen = 0.0
-    for bucket in sorted(histogram):
-        seen += histogram[bucket]
-        if seen >= need - 1e-9:
-            return ttft_bound(bucket)
-    return ttft_bound(max(histogram))
 
 
 def recent_sums(records: Iterable[TraceRecord]) -> dict[str, dict[str, Any]]:

@@ -245,3 +245,8 @@ def last_sequence_number(event: bytes | None) -> int | None:
         return None
     m = _SEQUENCE.search(event)
     return int(m.group(1)) if m is not None else None
+
+
+def sse_data(line: bytes) -> bytes:
+    """The value of an SSE ``data:`` line (one leading space dropped, as the SSE format says)."""
+    return line[6:] if line[5:6] == b" " else line[5:]

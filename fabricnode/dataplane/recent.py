@@ -10,7 +10,7 @@ models a bucket (a client naming made-up models cannot grow it: the rest are cou
 
 Every figure is mergeable, so a mesh-wide view is the sum of every agent's export
 (``merge``): counts and token sums, and latency histograms in the request log's TTFT buckets
-(``accounting.ttft_bucket``, ~19% wide), from which ``summarize`` reads p50 and p95. Buckets
+(``ttft.ttft_bucket``, ~19% wide), from which ``summarize`` reads p50 and p95. Buckets
 are aligned on wall-clock time (``index = floor(t / BUCKET_S)``), so agents' buckets line up as
 far as their clocks agree (NTP on a cluster: well under a bucket).
 
@@ -27,7 +27,7 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from fabricnode.dataplane.accounting import TTFT_BUCKETS, ttft_bucket, ttft_quantile
+from fabricnode.dataplane.ttft import TTFT_BUCKETS, ttft_bucket, ttft_quantile
 
 BUCKET_S = 10.0
 BUCKETS = 60  # ten minutes

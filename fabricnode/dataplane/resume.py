@@ -32,7 +32,7 @@ from typing import Any
 
 import orjson
 
-from fabricnode.dataplane.accounting import sse_data
+from fabricnode.dataplane.endpoints import sse_data
 
 RESUME_HEADER = b"x-fabric-resume"  # "off": end a broken stream with the error event instead
 MAX_TRANSCRIPT_BYTES = 4 * 1024 * 1024  # per stream; a longer stream is not resumed
