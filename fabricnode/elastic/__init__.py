@@ -4,6 +4,7 @@
   bytes, the renderer back to TOML.
 * ``plans``       the service file as the controller's plans (``"auto"`` GPUs from the planner).
 * ``slurmctl``    submit, list and cancel the controller's Slurm jobs (tagged), or dry-run them.
+* ``jobs``        ``Job``: one of the controller's Slurm jobs as squeue shows it (pure).
 * ``reconcile``   one controller pass: from Slurm's and the mesh's view, the jobs to submit and
   cancel (keep-alive across time limits, replacement, scaling, back-off, limits).
 * ``leader``      which of the ``--controller`` agents acts.
