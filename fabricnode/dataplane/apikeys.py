@@ -49,9 +49,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from fabricnode.dataplane.keytable import DEFAULT_WEIGHT as DEFAULT_WEIGHT
-from fabricnode.dataplane.keytable import KEY_ID_HEX, ApiKey
+from fabricnode.dataplane.keytable import KEY_ID_HEX
 from fabricnode.dataplane.keytable import MAX_NAME_CHARS as MAX_NAME_CHARS
 from fabricnode.dataplane.keytable import MAX_WEIGHT as MAX_WEIGHT
+from fabricnode.dataplane.keytable import ApiKey as ApiKey
 from fabricnode.dataplane.keytable import RateLimit as RateLimit
 from fabricnode.dataplane.keytable import RateLimiter as RateLimiter
 from fabricnode.dataplane.keytable import RateLimiterStats as RateLimiterStats
