@@ -122,6 +122,7 @@ from fabricnode.elastic.policy import (
     replicas_for,
 )
 from scheduler.catalog import builtin_catalog
+from scheduler.des import Engine
 from scheduler.errors import SchedulerError
 from scheduler.replica import ReplicaPerf
 from scheduler.workload import LengthStats
@@ -196,46 +197,14 @@ def load_trace(path: Path, compress: float, minutes: float | None) -> Trace:
 STARTING, SERVING, DRAINING, GONE = range(4)
 
 
-class Replica:
-    """One engine: des.py's iteration rules (see its docstring), plus a lifecycle."""
+class Replica(Engine):
+    """One engine: des.py's iteration step (``scheduler.des.Engine``), plus a lifecycle."""
 
-    __slots__ = (
-        "buckets",
-        "budget",
-        "busy",
-        "chunks",
-        "index",
-        "kv_cap",
-        "kv_used",
-        "max_seqs",
-        "n_dec",
-        "outstanding",
-        "prefilling",
-        "ready_s",
-        "state",
-        "step_no",
-        "submitted_s",
-        "sum_ctx",
-        "time",
-        "waiting",
-    )
+    __slots__ = ("index", "ready_s", "state", "submitted_s")
 
     def __init__(self, perf: ReplicaPerf, index: int, submitted_s: float, ready_s: float) -> None:
+        super().__init__(perf)
         self.index = index
-        self.time = perf.step.time
-        self.kv_cap = perf.kv_capacity_tokens
-        self.max_seqs = perf.serving.max_num_seqs
-        self.budget = perf.serving.max_batched_tokens
-        self.waiting: deque[int] = deque()
-        self.prefilling: list[list[int]] = []
-        self.chunks: list[tuple[list[int], int]] = []
-        self.buckets: dict[int, list[int]] = {}
-        self.n_dec = 0
-        self.sum_ctx = 0
-        self.kv_used = 0
-        self.step_no = 0
-        self.outstanding = 0
-        self.busy = False
         self.submitted_s = submitted_s
         self.ready_s = ready_s
         self.state = STARTING if ready_s > submitted_s else SERVING
@@ -336,94 +305,22 @@ def simulate(trace: Trace, cluster: Cluster, policy: ScalingPolicy, name: str) -
 
     def start(r: Replica, now: float) -> None:
         nonlocal seq
-        s = r.n_dec
-        room = r.budget - s
-        slots = r.max_seqs - s - len(r.prefilling)
-        tokens = logits = s
-        kv = pairs = r.sum_ctx + s
-        chunks: list[tuple[list[int], int]] = []
-        for entry in r.prefilling:
-            if room <= 0:
-                break
-            rid, prefilled = entry
-            q = min(req_in[rid] - prefilled, room)
-            chunks.append((entry, q))
-            room -= q
-            tokens += q
-            kv += prefilled + q
-            pairs += q * prefilled + q * (q + 1) // 2
-            if prefilled + q == req_in[rid]:
-                logits += 1
-        waiting = r.waiting
-        while waiting and room > 0 and slots > 0:
-            rid = waiting[0]
-            need = req_in[rid] + req_out[rid]
-            if r.kv_used + need > r.kv_cap:
-                break
-            waiting.popleft()
-            r.kv_used += need
-            slots -= 1
-            entry = [rid, 0]
-            r.prefilling.append(entry)
-            q = min(req_in[rid], room)
-            chunks.append((entry, q))
-            room -= q
-            tokens += q
-            kv += q
-            pairs += q * (q + 1) // 2
-            if q == req_in[rid]:
-                logits += 1
-        if tokens == 0:
-            r.busy = False
+        duration = r.start(req_in, req_out)
+        if duration is None:
             return
-        r.busy = True
-        r.chunks = chunks
         seq += 1
-        heapq.heappush(heap, (now + r.time(tokens, logits, kv, pairs), seq, STEP, r.index))
+        heapq.heappush(heap, (now + duration, seq, STEP, r.index))
 
     def complete(rid: int, now: float) -> None:
         done[rid] = now
         policy.observe_completion(now, req_out[rid])
 
     def finish(r: Replica, now: float) -> None:
-        s = r.n_dec
-        if s:
-            r.step_no += 1
-            r.sum_ctx += s
-            ended = r.buckets.pop(r.step_no, None)
-            if ended:
-                for rid in ended:
-                    complete(rid, now)
-                    length = req_in[rid] + req_out[rid]
-                    r.sum_ctx -= length - 1
-                    r.kv_used -= length
-                r.n_dec -= len(ended)
-                r.outstanding -= len(ended)
-        completed_prefill = False
-        for entry, q in r.chunks:
-            entry[1] += q
-            rid = entry[0]
-            if entry[1] == req_in[rid]:
-                completed_prefill = True
-                first[rid] = now
-                recent_ttft.append((now, now - arr[rid]))
-                out = req_out[rid]
-                if out == 1:
-                    complete(rid, now)
-                    r.kv_used -= req_in[rid] + 1
-                    r.outstanding -= 1
-                else:
-                    r.n_dec += 1
-                    r.sum_ctx += req_in[rid]
-                    key = r.step_no + out - 1
-                    bucket = r.buckets.get(key)
-                    if bucket is None:
-                        r.buckets[key] = [rid]
-                    else:
-                        bucket.append(rid)
-        if completed_prefill:
-            r.prefilling = [e for e in r.prefilling if e[1] < req_in[e[0]]]
-        r.chunks = []
+        def first_token(rid: int) -> None:
+            first[rid] = now
+            recent_ttft.append((now, now - arr[rid]))
+
+        r.finish(req_in, req_out, first_token, lambda rid: complete(rid, now))
 
     def route(rid: int, now: float) -> None:
         need = req_in[rid] + req_out[rid]

@@ -23,7 +23,8 @@ words are drawn from the seed (the engines' text does not matter to routing, onl
 
 A config is ``head`` (this checkout's ``RoutingConfig()``), or ``head`` with ``name=value``
 overrides of ``RoutingConfig`` fields joined by ``+``
-(``prefill_weight=0+pending_waiting_threshold=0``); ``--policy`` picks the policy (default: the ingress's default).
+(``prefill_weight=0+pending_waiting_threshold=0``); ``--policy`` picks the policy (default:
+the ingress's default).
 """
 
 from __future__ import annotations

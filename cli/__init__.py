@@ -20,6 +20,8 @@ Modules, in reading order:
                     and follows ``--apply``.
 * ``keys_cmd``      ``fabric keys ...``: cluster, provider, operator and ingress API keys.
 * ``slurm_cmd``     ``fabric slurm submit`` around ``slurm/fabric-serve.sbatch``; ``slurm ports``.
+* ``services_cmd`` ``fabric services``: the mesh's service file, desired against actual.
+* ``batch_cmd``     ``fabric batch ...``: the mesh's Batch API from the shell.
 * ``demo_cmd``      ``fabric demo`` and ``fabric sim-engine``.
 * ``localmesh``     ``LocalMesh``: real ``fabric start`` subprocesses on 127.0.0.1, always reaped.
 * ``demo``          ``fabric demo``: a local mesh shown step by step (registry, requests, a

@@ -16,7 +16,12 @@ Packages:
                  following an operator's assignments.
 * ``host``       GPUs, the Slurm job and its lease, the rendezvous file.
 * ``control``    the admin API (raw ASGI on hypercorn), JSON views, metric families, the client.
+* ``elastic``    the elastic fabric: declared models (the service file) kept served through
+                 Slurm jobs and scaled with demand by the controller.
+* ``batch``      the OpenAI Batch API: files and batches on the shared filesystem, worked by
+                 every agent through its own ingress as batch-tier requests.
 * ``simengine``  a simulated vLLM-like engine for machines without GPUs.
+* ``ui``         the dashboard's static files (``GET /ui``) and their loader.
 * ``testing``    seeded fake networks for tests and benches (never imported by the agent).
 
 Top-level modules:

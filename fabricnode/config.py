@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from fabricnode.addr import WILDCARD_HOSTS, join_hostport, split_hostport
-from fabricnode.batch.worker import BatchConfig
+from fabricnode.batch.worker_config import BatchConfig
 from fabricnode.dataplane.ingress_config import IngressConfig
 from fabricnode.dataplane.routing import POLICY_NAMES
 from fabricnode.elastic.slurmctl import mesh_tag

@@ -2,6 +2,7 @@
 
 Importable without OR-Tools. The pieces, in the order data flows through them:
 
+* ``specs``     the records the catalogs hold (``GpuSpec``, ``ModelSpec``), local model names.
 * ``catalog``   GPU types and model architectures, shipped as TOML data, extended by files.
 * ``hf_config`` a model's catalog entry from its Hugging Face config.json or model directory.
 * ``inventory`` the GPU inventory as nodes: node groups, pools, exclusive or shared nodes.

@@ -36,7 +36,6 @@ Local models (Hugging Face ``config.json`` files and model directories, ``schedu
 
 from __future__ import annotations
 
-import os
 import re
 import tomllib
 from collections.abc import Callable, Iterable, Mapping
@@ -46,122 +45,14 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from scheduler import hf_config
 from scheduler.errors import CatalogError
-
-GIB = 1024**3
-WEIGHT_BITS = (4, 8, 16, 32)  # the weight widths the roofline models
-
-
-@dataclass(frozen=True)
-class GpuSpec:
-    """One GPU type, per device as a job gets it (see data/gpus.toml for units)."""
-
-    name: str
-    vendor: str
-    memory_gb: float
-    bf16_tflops: float
-    memory_bw_gbs: float
-    link: str
-    link_gbs: float
-    link_latency_us: float
-    gpus_per_node: int
-    compute_efficiency: float | None = None
-    bandwidth_efficiency: float | None = None
-    aliases: tuple[str, ...] = ()
-    source: str = ""
-
-    @property
-    def memory_bytes(self) -> float:
-        return self.memory_gb * GIB
-
-    @property
-    def peak_flops(self) -> float:
-        return self.bf16_tflops * 1e12
-
-    @property
-    def memory_bw_bytes_s(self) -> float:
-        return self.memory_bw_gbs * 1e9
-
-    @property
-    def link_bw_bytes_s(self) -> float:
-        return self.link_gbs * 1e9
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """One decoder-only transformer with a gated (SwiGLU) MLP or MoE of gated experts."""
-
-    name: str
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    vocab: int
-    max_context: int
-    tie_embeddings: bool = False
-    experts: int = 0
-    experts_per_token: int = 0
-    expert_intermediate: int = 0
-    shared_expert_intermediate: int = 0
-    weight_bits: int | None = None  # None: the planner-wide RooflineConfig.weight_bits
-    aliases: tuple[str, ...] = ()
-    source: str = ""
-
-    @property
-    def is_moe(self) -> bool:
-        return self.experts > 1
-
-    @property
-    def attention_params_per_layer(self) -> int:
-        """q, k, v and o projections."""
-        d = self.head_dim
-        return self.hidden * (self.heads + 2 * self.kv_heads) * d + self.heads * d * self.hidden
-
-    @property
-    def mlp_params_per_layer(self) -> int:
-        """All MLP weights of one layer (every expert, the router and any shared expert)."""
-        if not self.is_moe:
-            return 3 * self.hidden * self.intermediate
-        return (
-            self.experts * 3 * self.hidden * self.expert_intermediate
-            + self.hidden * self.experts
-            + 3 * self.hidden * self.shared_expert_intermediate
-        )
-
-    @property
-    def active_mlp_params_per_layer(self) -> int:
-        """MLP weights one token goes through (its top-k experts, router, shared expert)."""
-        if not self.is_moe:
-            return self.mlp_params_per_layer
-        return (
-            self.experts_per_token * 3 * self.hidden * self.expert_intermediate
-            + self.hidden * self.experts
-            + 3 * self.hidden * self.shared_expert_intermediate
-        )
-
-    @property
-    def embedding_params(self) -> int:
-        """Input embedding plus the lm_head (counted once when they are tied)."""
-        return self.vocab * self.hidden * (1 if self.tie_embeddings else 2)
-
-    @property
-    def params(self) -> int:
-        layer = self.attention_params_per_layer + self.mlp_params_per_layer
-        return self.layers * layer + self.embedding_params
-
-    @property
-    def active_params(self) -> int:
-        layer = self.attention_params_per_layer + self.active_mlp_params_per_layer
-        return self.layers * layer + self.embedding_params
-
-    def kv_bytes_per_token(self, kv_bits: int = 16) -> float:
-        """K and V of every layer for one token, whole model (not per TP shard)."""
-        return 2.0 * self.layers * self.kv_heads * self.head_dim * kv_bits / 8
-
-
-# -- schema -----------------------------------------------------------------------------------
+from scheduler.specs import GIB as GIB
+from scheduler.specs import WEIGHT_BITS as WEIGHT_BITS
+from scheduler.specs import GpuSpec as GpuSpec
+from scheduler.specs import ModelSpec as ModelSpec
+from scheduler.specs import is_local_path as is_local_path
+from scheduler.specs import local_model_name as local_model_name
 
 _NUM = (int, float)
 
@@ -298,21 +189,6 @@ def _norm(name: str) -> str:
     return re.sub(r"[\s_]+", "-", name.strip().lower())
 
 
-def is_local_path(name: str) -> bool:
-    """Whether a model name is a local filesystem path (starts with ``/``, ``~`` or ``.``)."""
-    return name.startswith(("/", "~", "."))
-
-
-def local_model_name(path: str | Path) -> str:
-    """The name of a model served from ``path``: its absolute path, ``~`` expanded, without a
-    trailing slash or a final ``config.json`` (symlinks are kept, as the engine is given them)."""
-    text = os.path.expanduser(os.fspath(path).strip())
-    head, tail = os.path.split(text.rstrip("/"))
-    if tail == "config.json":
-        text = head or "."
-    return os.path.abspath(text)
-
-
 def _model_norm(name: str) -> str:
     key = _norm(name).rsplit("/", 1)[-1]
     stripped = True
@@ -377,8 +253,6 @@ class Catalog:
     def _local_model(self, path: str) -> ModelSpec | None:
         """The entry derived from the config.json at ``path``, read once (None: no file)."""
         if path not in self._local:
-            from scheduler import hf_config  # it builds on this module
-
             found = hf_config.locate(path) is not None
             self._local[path] = self._unclaimed(hf_config.model_spec(path)) if found else None
         return self._local[path]
@@ -486,8 +360,6 @@ def load_catalog(extra: Iterable[str | Path] = ()) -> Catalog:
     catalog = builtin_catalog()
     for path in extra:
         if _is_dir(path) or Path(path).suffix.lower() == ".json":
-            from scheduler import hf_config  # it builds on this module
-
             spec = hf_config.model_spec(path)
             try:
                 catalog = catalog.with_model(spec)

@@ -40,7 +40,7 @@ import heapq
 import math
 import random
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from scheduler.analytic import max_rate
@@ -117,17 +117,22 @@ class SimResult:
         raise KeyError(name)
 
 
-class _Replica:
+class Engine:
+    """One engine's continuous batching, by the rules of the module docstring: the iteration
+    step the simulation runs on every replica (``bench/autoscale.py`` runs it too, with a
+    lifecycle around it). Requests are indexes into the caller's ``req_in`` / ``req_out``
+    lengths; ``waiting`` is the FIFO queue the router appends to (and counts in
+    ``outstanding``). ``start`` takes an iteration's work and says how long it takes;
+    ``finish`` applies it when that time has come."""
+
     __slots__ = (
         "buckets",
         "budget",
         "busy",
         "chunks",
-        "index",
         "kv_cap",
         "kv_used",
         "max_seqs",
-        "model",
         "n_dec",
         "outstanding",
         "prefilling",
@@ -135,27 +140,129 @@ class _Replica:
         "sum_ctx",
         "time",
         "waiting",
-        "weight",
     )
 
-    def __init__(self, perf: ReplicaPerf, index: int, model: int, weight: float) -> None:
-        self.index = index
+    def __init__(self, perf: ReplicaPerf) -> None:
         self.time = perf.step.time
         self.kv_cap = perf.kv_capacity_tokens
         self.max_seqs = perf.serving.max_num_seqs
         self.budget = perf.serving.max_batched_tokens
-        self.model = model
-        self.weight = weight
         self.waiting: deque[int] = deque()
         self.prefilling: list[list[int]] = []  # [request, tokens prefilled]
         self.chunks: list[tuple[list[int], int]] = []
-        self.buckets: dict[int, list[int]] = {}
+        self.buckets: dict[int, list[int]] = {}  # iteration number -> requests ending then
         self.n_dec = 0
         self.sum_ctx = 0
         self.kv_used = 0
         self.step_no = 0
         self.outstanding = 0
         self.busy = False
+
+    def start(self, req_in: Sequence[int], req_out: Sequence[int]) -> float | None:
+        """Take the next iteration's work (decodes, prefill chunks, admissions): its duration
+        in seconds, or None when there is nothing to do (the engine is idle until a request
+        is routed to it)."""
+        s = self.n_dec
+        room = self.budget - s
+        slots = self.max_seqs - s - len(self.prefilling)
+        tokens = logits = s
+        kv = pairs = self.sum_ctx + s
+        chunks: list[tuple[list[int], int]] = []
+        for entry in self.prefilling:
+            if room <= 0:
+                break
+            rid, prefilled = entry
+            q = min(req_in[rid] - prefilled, room)
+            chunks.append((entry, q))
+            room -= q
+            tokens += q
+            kv += prefilled + q
+            pairs += q * prefilled + q * (q + 1) // 2
+            if prefilled + q == req_in[rid]:
+                logits += 1
+        waiting = self.waiting
+        while waiting and room > 0 and slots > 0:
+            rid = waiting[0]
+            need = req_in[rid] + req_out[rid]
+            if self.kv_used + need > self.kv_cap:
+                break
+            waiting.popleft()
+            self.kv_used += need
+            slots -= 1
+            entry = [rid, 0]
+            self.prefilling.append(entry)
+            q = min(req_in[rid], room)
+            chunks.append((entry, q))
+            room -= q
+            tokens += q
+            kv += q
+            pairs += q * (q + 1) // 2
+            if q == req_in[rid]:
+                logits += 1
+        if tokens == 0:
+            self.busy = False
+            return None
+        self.busy = True
+        self.chunks = chunks
+        return self.time(tokens, logits, kv, pairs)
+
+    def finish(
+        self,
+        req_in: Sequence[int],
+        req_out: Sequence[int],
+        first_token: Callable[[int], None],
+        completed: Callable[[int], None],
+    ) -> None:
+        """Apply the iteration ``start`` took: one token for every decode, the prefill chunks.
+        ``first_token(request)`` is called when a prompt's last chunk is done, then
+        ``completed(request)`` for every request that ended in this iteration."""
+        s = self.n_dec
+        if s:
+            self.step_no += 1
+            self.sum_ctx += s
+            ended = self.buckets.pop(self.step_no, None)
+            if ended:
+                for rid in ended:
+                    completed(rid)
+                    length = req_in[rid] + req_out[rid]
+                    self.sum_ctx -= length - 1
+                    self.kv_used -= length
+                self.n_dec -= len(ended)
+                self.outstanding -= len(ended)
+        completed_prefill = False
+        for entry, q in self.chunks:
+            entry[1] += q
+            rid = entry[0]
+            if entry[1] == req_in[rid]:
+                completed_prefill = True
+                first_token(rid)
+                out = req_out[rid]
+                if out == 1:
+                    completed(rid)
+                    self.kv_used -= req_in[rid] + 1
+                    self.outstanding -= 1
+                else:
+                    self.n_dec += 1
+                    self.sum_ctx += req_in[rid]
+                    key = self.step_no + out - 1
+                    bucket = self.buckets.get(key)
+                    if bucket is None:
+                        self.buckets[key] = [rid]
+                    else:
+                        bucket.append(rid)
+        if completed_prefill:
+            self.prefilling = [e for e in self.prefilling if e[1] < req_in[e[0]]]
+        self.chunks = []
+
+
+class _Replica(Engine):
+    __slots__ = ("index", "model", "weight")
+
+    def __init__(self, perf: ReplicaPerf, index: int, model: int, weight: float) -> None:
+        super().__init__(perf)
+        self.index = index
+        self.model = model
+        self.weight = weight
 
 
 def _percentile(sorted_values: Sequence[float], q: float) -> float:
@@ -282,92 +389,20 @@ def simulate_requests(
     end = cfg.duration_s + cfg.drain_s
     now = 0.0
 
+    def first_token(rid: int) -> None:
+        first[rid] = now
+
+    def completed(rid: int) -> None:
+        done[rid] = now
+
     def start(r: _Replica, now: float) -> None:
         nonlocal counter, steps
-        s = r.n_dec
-        room = r.budget - s
-        slots = r.max_seqs - s - len(r.prefilling)
-        tokens = logits = s
-        kv = pairs = r.sum_ctx + s
-        chunks: list[tuple[list[int], int]] = []
-        for entry in r.prefilling:
-            if room <= 0:
-                break
-            rid, prefilled = entry
-            q = min(req_in[rid] - prefilled, room)
-            chunks.append((entry, q))
-            room -= q
-            tokens += q
-            kv += prefilled + q
-            pairs += q * prefilled + q * (q + 1) // 2
-            if prefilled + q == req_in[rid]:
-                logits += 1
-        waiting = r.waiting
-        while waiting and room > 0 and slots > 0:
-            rid = waiting[0]
-            need = req_in[rid] + req_out[rid]
-            if r.kv_used + need > r.kv_cap:
-                break
-            waiting.popleft()
-            r.kv_used += need
-            slots -= 1
-            entry = [rid, 0]
-            r.prefilling.append(entry)
-            q = min(req_in[rid], room)
-            chunks.append((entry, q))
-            room -= q
-            tokens += q
-            kv += q
-            pairs += q * (q + 1) // 2
-            if q == req_in[rid]:
-                logits += 1
-        if tokens == 0:
-            r.busy = False
+        duration = r.start(req_in, req_out)
+        if duration is None:
             return
-        r.busy = True
-        r.chunks = chunks
         counter += 1
         steps += 1
-        heapq.heappush(heap, (now + r.time(tokens, logits, kv, pairs), counter, r.index))
-
-    def finish(r: _Replica, now: float) -> None:
-        s = r.n_dec
-        if s:
-            r.step_no += 1
-            r.sum_ctx += s
-            ended = r.buckets.pop(r.step_no, None)
-            if ended:
-                for rid in ended:
-                    done[rid] = now
-                    length = req_in[rid] + req_out[rid]
-                    r.sum_ctx -= length - 1
-                    r.kv_used -= length
-                r.n_dec -= len(ended)
-                r.outstanding -= len(ended)
-        completed_prefill = False
-        for entry, q in r.chunks:
-            entry[1] += q
-            rid = entry[0]
-            if entry[1] == req_in[rid]:
-                completed_prefill = True
-                first[rid] = now
-                out = req_out[rid]
-                if out == 1:
-                    done[rid] = now
-                    r.kv_used -= req_in[rid] + 1
-                    r.outstanding -= 1
-                else:
-                    r.n_dec += 1
-                    r.sum_ctx += req_in[rid]
-                    key = r.step_no + out - 1
-                    bucket = r.buckets.get(key)
-                    if bucket is None:
-                        r.buckets[key] = [rid]
-                    else:
-                        bucket.append(rid)
-        if completed_prefill:
-            r.prefilling = [e for e in r.prefilling if e[1] < req_in[e[0]]]
-        r.chunks = []
+        heapq.heappush(heap, (now + duration, counter, r.index))
 
     i = 0
     while True:
@@ -378,7 +413,7 @@ def simulate_requests(
                 break
             _, _, ri = heapq.heappop(heap)
             r = replicas[ri]
-            finish(r, now)
+            r.finish(req_in, req_out, first_token, completed)
             start(r, now)
             continue
         if i >= n_req:

@@ -60,7 +60,7 @@ badly wrong are refused: encoder-decoder models (``is_encoder_decoder``) and mul
 attention (``kv_lora_rank``, DeepSeek-V2/V3), whose KV cache is far smaller than per-head K/V.
 
 Naming (``model_spec`` of a path): the model is named by its directory's absolute path
-(``catalog.local_model_name``: ``~`` expanded, no trailing slash, ``config.json`` stripped), so an
+(``specs.local_model_name``: ``~`` expanded, no trailing slash, ``config.json`` stripped), so an
 engine template's ``vllm serve {model}`` gets a path the engine can load and agents serving that
 directory announce the same id; another ``*.json`` file is named by its own absolute path.
 Aliases: the directory's name (the file's stem for another ``*.json``) and ``_name_or_path``
@@ -79,8 +79,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from scheduler.catalog import WEIGHT_BITS, ModelSpec, is_local_path, local_model_name
 from scheduler.errors import CatalogError
+from scheduler.specs import WEIGHT_BITS, ModelSpec, is_local_path, local_model_name
 
 CONFIG_FILE = "config.json"
 

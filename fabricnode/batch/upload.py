@@ -1,8 +1,8 @@
 """Reading an uploaded file out of a ``multipart/form-data`` body (``POST /v1/files``). Pure.
 
-The grammar is the one ``dataplane.multipart`` reads (RFC 7578): parts opened by ``--boundary``,
-their headers, an empty line, the content up to ``CRLF--boundary``. Here every part is kept,
-with its name and filename; the body is already within the ingress's body limit.
+The parts are walked by ``dataplane.multipart`` (``first_part``, ``next_part``: the grammar of
+RFC 7578 as the ingress reads it for the audio forms). Here every part is kept, with its name
+and filename; the body is already within the ingress's body limit.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from fabricnode.dataplane.multipart import MAX_PART_HEAD_BYTES, boundary_of
+from fabricnode.dataplane.multipart import boundary_of, first_part, next_part
 
 _DISPOSITION = re.compile(rb"(?im)^content-disposition\s*:([^\r\n]*)")
 _PARAM = re.compile(rb'(?i);\s*(name|filename)\s*=\s*(?:"([^"]*)"|([^\s;]+))')
@@ -29,33 +29,17 @@ def form_parts(body: bytes, content_type: bytes) -> dict[str, Part] | str:
     if boundary is None:
         return "Content-Type must be multipart/form-data with a boundary"
     delim = b"--" + boundary
-    sep = b"\r\n" + delim
-    if body.startswith(delim):
-        pos = 0
-    else:
-        pos = body.find(sep)
-        if pos < 0:
-            return "the form has no part"
-        pos += 2
+    pos = first_part(body, delim)
+    if isinstance(pos, str):
+        return pos
     parts: dict[str, Part] = {}
     while True:
-        pos += len(delim)
-        if body.startswith(b"--", pos):
+        part = next_part(body, delim, pos)
+        if part is None:
             return parts
-        eol = body.find(b"\r\n", pos)
-        if eol < 0 or eol - pos > 64:
-            return "malformed form: a part delimiter without a line end"
-        head_start = eol + 2
-        if body.startswith(b"\r\n", head_start):
-            head_end = head_start
-        else:
-            head_end = body.find(b"\r\n\r\n", head_start, head_start + MAX_PART_HEAD_BYTES + 4)
-            if head_end < 0:
-                return "malformed form: a part's headers do not end"
-        content = head_end + 4 if head_end > head_start else head_start + 2
-        nxt = body.find(sep, content)
-        if nxt < 0:
-            return "malformed form: the body ends inside a part"
+        if isinstance(part, str):
+            return part
+        head_start, head_end, content, nxt = part
         m = _DISPOSITION.search(body, head_start, head_end)
         if m is not None:
             params: dict[bytes, str] = {}

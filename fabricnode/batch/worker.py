@@ -48,27 +48,12 @@ import trio
 from fabricnode.batch import records
 from fabricnode.batch.store import BatchStore, Plan, ShardCounts, result_failed
 from fabricnode.batch.validate import request_line, validate_input
+from fabricnode.batch.worker_config import BatchConfig
 
 log = logging.getLogger("fabricnode.batch.worker")
 
 TRANSIENT_STATUS = frozenset({429, 502, 503, 504})
 OWNER_HEADER = "x-fabric-batch-owner"
-
-
-@dataclass(frozen=True)
-class BatchConfig:
-    """The batch worker's knobs, with units in the names."""
-
-    concurrency: int = 64  # requests this agent's worker has in flight at once (0: no worker)
-    shard_size: int = 128  # lines per unit of work a worker takes
-    max_shards_per_batch: int = 4  # held by one worker at once
-    lease_ttl_s: float = 20.0
-    scan_interval_s: float = 0.5
-    backoff_min_s: float = 0.25
-    backoff_max_s: float = 10.0
-    request_timeout_s: float = 1800.0  # a non-streamed answer comes whole: it may take long
-    max_response_bytes: int = 64 * 1024 * 1024
-    max_server_errors: int = 3  # a line answered 500 this many times gets that as its result
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,12 @@ Modules, in reading order:
 * ``client``  ``AdminClient`` (httpx, synchronous): the admin API for the CLI, the demo
               and the tests.
 * ``memberlog`` the agent's log of member joins and state/liveness changes.
+* ``meshstats`` the mesh's rates and latencies per model over the last minutes
+              (``GET /fabric/v1/stats``).
+* ``loadhistory`` each node's recent load, for the dashboard's node view.
+* ``enginecmd`` a node's engine command, for the dashboard's node view.
+* ``fleet``   what the elastic controller is doing, from any agent (``GET /fabric/v1/fleet``).
+* ``peers``   asking other agents' read-only JSON APIs on behalf of a dashboard.
 
 docs/admin-guide.md and docs/operators.md describe the endpoints and metrics.
 """

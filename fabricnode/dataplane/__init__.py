@@ -17,11 +17,16 @@ Modules, in reading order (pure first, then the shell that uses them):
 * ``endpoints``       the endpoint table (path -> kind), each kind's dialect and stream error
                       events, the response ids that name the node storing them.
 * ``multipart``       the text fields of a ``multipart/form-data`` body, without copying files.
+* ``keytable``        API keys as the pure decoder sees them: the key record, the bearer-token
+                      parser, the ``KeyTable`` protocol the keys file implements, rate limits.
 * ``request``         the pure request decoder: a request and the caller's key in, a routed
                       request or an error (OpenAI's, or Anthropic's on its paths) out; the
                       ``X-Fabric-Require`` and ``X-Fabric-Providers`` header grammars.
 * ``routing``         the pure routing core: load scores, prompt prefix hashing, the policies
                       (``make_policy``: round robin, least load, p2c, prefix, prefix-pending).
+* ``prefill``         ``PrefillClocks``: the prompts sent to each node and not yet answered,
+                      as an estimate of its prefill work (pure, ``now`` passed in).
+* ``resume``          resuming a stream whose node died mid-answer: the pure ``Splicer``.
 * ``routetable``      the registry reduced to the candidates of each model, and the filters.
 * ``tiers``           priority tiers: the interactive/batch headers, when a node has room for
                       batch work, fair queueing of waiting batch requests between API keys.

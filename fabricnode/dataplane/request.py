@@ -31,7 +31,6 @@ from typing import Any
 
 import orjson
 
-from fabricnode.dataplane.apikeys import ApiKey, ApiKeyStore, RateLimiter, bearer_token
 from fabricnode.dataplane.endpoints import (
     CHAT,
     COMPLETIONS,
@@ -43,6 +42,7 @@ from fabricnode.dataplane.endpoints import (
     anthropic_error_body,
     anthropic_path,
 )
+from fabricnode.dataplane.keytable import ApiKey, KeyTable, RateLimiter, bearer_token
 from fabricnode.dataplane.multipart import form_fields
 
 # The OpenAI error ``type`` of each status (what the official clients map to exception classes).
@@ -138,7 +138,7 @@ KEY_REJECTION = Rejection(
 )
 
 
-def key_of(headers: Mapping[bytes, bytes], keys: ApiKeyStore) -> ApiKey | None:
+def key_of(headers: Mapping[bytes, bytes], keys: KeyTable) -> ApiKey | None:
     """The key the request names, None if none or unknown: ``Authorization: Bearer KEY``, else
     (or when that one is unknown) Anthropic's ``x-api-key: KEY``."""
     raw = headers.get(b"authorization")
@@ -153,7 +153,7 @@ def key_of(headers: Mapping[bytes, bytes], keys: ApiKeyStore) -> ApiKey | None:
 
 
 def authorize(
-    headers: Mapping[bytes, bytes], keys: ApiKeyStore | None, limiter: RateLimiter, now: float
+    headers: Mapping[bytes, bytes], keys: KeyTable | None, limiter: RateLimiter, now: float
 ) -> ApiKey | Rejection | None:
     """The caller's key (None when the ingress runs open), or the 401/429 it gets instead.
 
@@ -182,7 +182,7 @@ def decode(
     kind: str,
     headers: Mapping[bytes, bytes],
     body: bytes,
-    keys: ApiKeyStore | None,
+    keys: KeyTable | None,
     limiter: RateLimiter,
     now: float,
 ) -> Decoded | Rejection:

@@ -60,8 +60,8 @@ from dataclasses import dataclass
 from heapq import merge
 from typing import Generic, TypeVar
 
-from fabricnode.dataplane.apikeys import ApiKey, ApiKeyStore
 from fabricnode.dataplane.endpoints import CHAT, COMPLETIONS, RESPONSES
+from fabricnode.dataplane.keytable import ApiKey, KeyTable
 from fabricnode.dataplane.request import Rejection
 from fabricnode.dataplane.routing import LoadSnapshot
 
@@ -108,7 +108,7 @@ OWNER_REJECTION = Rejection(
 
 
 def owner_of(
-    raw: bytes, token: str | None, keys: ApiKeyStore | None
+    raw: bytes, token: str | None, keys: KeyTable | None
 ) -> tuple[ApiKey | None, str] | Rejection:
     """The API key (None when keys are off) and tenant an owner header speaks for, or its 401.
 

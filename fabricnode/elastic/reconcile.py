@@ -59,7 +59,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from fabricnode.elastic.slurmctl import Job
+from fabricnode.elastic.jobs import Job
 from fabricnode.elastic.vocab import (
     END_REASONS,
     Action,

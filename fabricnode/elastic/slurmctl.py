@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import quote, unquote
 
+from fabricnode.elastic.jobs import Job as Job
 from fabricnode.elastic.servicefile import ModelService
 from fabricnode.elastic.vocab import Submit
 from fabricnode.errors import FabricError
@@ -58,43 +59,6 @@ def mesh_tag(seed: bytes) -> str:
     its ``$FABRIC_HOME`` path, which the jobs share for the rendezvous file; not the cluster
     key, which an operator may rotate)."""
     return hashlib.sha256(b"fabric/elastic/mesh/v1\0" + seed).hexdigest()[:12]
-
-
-@dataclass(frozen=True)
-class Job:
-    """One of our jobs as squeue shows it; times in unix seconds (None when unknown)."""
-
-    job_id: str
-    model: str
-    state: str  # PENDING, RUNNING, COMPLETING, ... (squeue's long names)
-    partition: str
-    submitted_at: float | None
-    started_at: float | None
-    ends_at: float | None
-    time_limit_s: int | None
-    reason: str
-    replaces: str = ""
-    gres_type: str = ""  # the Slurm GPU type asked for ("" = any type), from the tag
-    gpus: int | None = None  # GPUs asked for, from the tag (None: an older tag without it)
-
-    @property
-    def pending(self) -> bool:
-        return self.state in ("PENDING", "CONFIGURING", "REQUEUED", "RESIZING", "SUSPENDED")
-
-    @property
-    def running(self) -> bool:
-        return self.state == "RUNNING"
-
-    @property
-    def ending(self) -> bool:
-        return not (self.pending or self.running)
-
-    @property
-    def end_cause(self) -> str:
-        """How an ended job ended, in words ("" while it is pending or running)."""
-        if not self.ending:
-            return ""
-        return END_CAUSES.get(self.state, self.state.lower().replace("_", " "))
 
 
 # squeue's final states, as the reason of a replacement says them

@@ -23,6 +23,8 @@ Modules, in reading order:
 * ``membership``  SWIM + Lifeguard: each node's local liveness view (alive, suspect, dead).
 * ``broadcast``   the transmit-limited queue of piggybacked gossip.
 * ``assignment``  operator-signed engine assignments, a second CRDT beside the registry.
+* ``servicedoc``  the operator-signed service file, replicated to every agent.
+* ``signed``      what the operator-signed records (assignments, the service file) share.
 * ``core``        ``MeshCore``: the whole protocol of one node, ``receive``/``tick``/
                   ``take_outbound``; start reading here for the behaviour, its parts above.
 * ``join``        ``JoinTracker``: when this node counts as joined (``/ready``), clock passed in.

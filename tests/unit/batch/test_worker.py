@@ -15,7 +15,8 @@ import trio
 
 from fabricnode.batch import records
 from fabricnode.batch.store import BatchStore
-from fabricnode.batch.worker import OWNER_HEADER, BatchConfig, BatchWorker
+from fabricnode.batch.worker import OWNER_HEADER, BatchWorker
+from fabricnode.batch.worker_config import BatchConfig
 
 
 class FakeIngress:
