@@ -242,6 +242,15 @@ WORKLOADS: dict[str, type[Workload]] = {
 }
 
 
+# The trace the shared-prompts workload takes its turn lengths from; printed by every bench that
+# uses it, as its owners ask.
+TRACE_ATTRIBUTION = (
+    "Turn lengths: Azure LLM inference trace 2023 (conversation), Azure/AzurePublicDataset, "
+    'CC-BY 4.0; Patel et al., "Splitwise: Efficient generative LLM inference using phase '
+    'splitting", ISCA 2024.'
+)
+
+
 def read_trace_lengths(path: str, limit: int = 0) -> list[tuple[int, int]]:
     """(prompt tokens, output tokens) per line of an Azure LLM trace CSV
     (``TIMESTAMP,ContextTokens,GeneratedTokens``), in file order; ``limit`` lines at most."""
@@ -281,7 +290,7 @@ class SharedPrompts(Workload):
     turns = (3, 8)
     trace_scale = 4
     user_words = (16, 600)
-    output_tokens = (4, 64)
+    output_tokens = (4, 32)
 
     @classmethod
     def load_trace(cls, path: str) -> None:

@@ -89,7 +89,14 @@ import httpx  # noqa: E402
 import orjson  # noqa: E402
 import trio  # noqa: E402
 from _procs import cpu_ticks, descendants, free_port, host_ticks  # noqa: E402
-from _routing_workloads import WORKLOADS, Call, Shape, SharedPrompts, Workload  # noqa: E402
+from _routing_workloads import (  # noqa: E402
+    TRACE_ATTRIBUTION,
+    WORKLOADS,
+    Call,
+    Shape,
+    SharedPrompts,
+    Workload,
+)
 
 from cli.localmesh import AgentProcess, LocalMesh, wait_until  # noqa: E402
 from fabricnode.dataplane import routing  # noqa: E402
@@ -745,6 +752,8 @@ def main(argv: list[str]) -> int:
         + (f"; agents from {s.source}" if s.source else "")
     )
     print(table(cells))
+    if "shared-prompts" in workloads:
+        print(TRACE_ATTRIBUTION)
     checks = targets(cells, routing.DEFAULT_POLICY)
     if checks:
         print("targets:")
