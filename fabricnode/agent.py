@@ -70,9 +70,8 @@ from fabricnode.dataplane.accounting import RequestLog
 from fabricnode.dataplane.apikeys import ApiKeyStore
 from fabricnode.dataplane.ingress import Ingress
 from fabricnode.elastic.controller import Controller
-from fabricnode.elastic.demand import WANTED_LABEL, Declared, wanted_labels
+from fabricnode.elastic.demand import Declared, wanted_labels
 from fabricnode.elastic.follow import ForecastScaler
-from fabricnode.elastic.leader import CONTROLLER_LABEL
 from fabricnode.elastic.plans import plans_from_text
 from fabricnode.elastic.slurmctl import SlurmControl
 from fabricnode.engine.command import EngineCommand
@@ -82,7 +81,7 @@ from fabricnode.errors import FabricError
 from fabricnode.host import rendezvous
 from fabricnode.host.hardware import default_host
 from fabricnode.host.hardware import discover as discover_gpus
-from fabricnode.host.lease import JOB_END_LABEL, follow_job, lease_label
+from fabricnode.host.lease import follow_job, lease_label
 from fabricnode.host.slurm import SlurmJob, discover_job, query_end_time
 from fabricnode.logs import configure_logging
 from fabricnode.mesh.core import MeshCore
@@ -91,6 +90,13 @@ from fabricnode.mesh.join import JoinTracker
 from fabricnode.mesh.keyring import Keyring
 from fabricnode.mesh.membership import Liveness
 from fabricnode.mesh.registry import Addresses, EngineInfo, EntryBody, Hardware, State
+from fabricnode.mesh.schema import (
+    CONTROLLER_LABEL,
+    JOB_END_LABEL,
+    SLURM_JOB_LABEL,
+    SLURM_PARTITION_LABEL,
+    WANTED_LABEL,
+)
 from fabricnode.mesh.service import GossipService, UdpTcpTransport
 
 log = logging.getLogger("fabricnode.agent")
@@ -193,7 +199,7 @@ class Agent:
         expires = now + min(cfg.mesh.entry_ttl_s, cfg.mesh.registry.max_entry_ttl_s)
         labels = [*cfg.labels, *(self.follower.labels if self.follower else ())]
         if job is not None:
-            labels += [("slurm.job_id", job.job_id), ("slurm.partition", job.partition)]
+            labels += [(SLURM_JOB_LABEL, job.job_id), (SLURM_PARTITION_LABEL, job.partition)]
             if job.end_time is not None and job.end_time > now:
                 # The lease never outlives the job; MeshCore renews it up to this cap.
                 labels.append(lease_label(job.end_time))

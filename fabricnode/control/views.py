@@ -22,13 +22,8 @@ from typing import Any
 
 from fabricnode.mesh.core import MeshCore
 from fabricnode.mesh.membership import Liveness
-from fabricnode.mesh.registry import (
-    SLEEPING_LABEL,
-    EntryBody,
-    SignedEntry,
-    State,
-    model_parents,
-)
+from fabricnode.mesh.registry import EntryBody, SignedEntry, State
+from fabricnode.mesh.schema import SLEEPING_LABEL, model_parents
 
 Json = dict[str, Any]
 

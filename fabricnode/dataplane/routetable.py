@@ -35,13 +35,8 @@ from fabricnode.dataplane.routing import (
 from fabricnode.errors import ConfigError
 from fabricnode.mesh.core import MeshCore
 from fabricnode.mesh.membership import Liveness
-from fabricnode.mesh.registry import (
-    PRIORITY_SCHEDULING_LABEL,
-    SLEEPING_LABEL,
-    SignedEntry,
-    State,
-    model_parents,
-)
+from fabricnode.mesh.registry import SignedEntry, State
+from fabricnode.mesh.schema import PRIORITY_SCHEDULING_LABEL, SLEEPING_LABEL, model_parents
 from fabricnode.mesh.wire import Load
 
 Origin = tuple[str, int]

@@ -37,7 +37,7 @@ from typing import Protocol
 
 import trio
 
-from fabricnode.elastic.leader import CONTROLLER_LABEL, Candidate, acting, candidate_since
+from fabricnode.elastic.leader import Candidate, acting, candidate_since
 from fabricnode.elastic.policy import REASONS as POLICY_REASONS
 from fabricnode.elastic.reconcile import (
     Cancel,
@@ -53,17 +53,19 @@ from fabricnode.elastic.reconcile import (
     reconcile,
 )
 from fabricnode.elastic.slurmctl import Job, SlurmControl, SlurmRefused, Submission
-from fabricnode.engine.service import ERROR_LABEL
 from fabricnode.errors import FabricError
 from fabricnode.mesh.core import MeshCore
 from fabricnode.mesh.membership import Liveness
 from fabricnode.mesh.registry import State
+from fabricnode.mesh.schema import (
+    CONTROLLER_LABEL,
+    ENGINE_ERROR_LABEL,
+    SERVICE_LABEL,
+    SLURM_JOB_LABEL,
+)
 
 log = logging.getLogger("fabricnode.elastic.controller")
 
-SERVICE_LABEL = "fabric.service"
-JOB_LABEL = "slurm.job_id"
-ENGINE_ERROR_LABEL = ERROR_LABEL  # the engine supervisor puts its error there
 MAX_DECISIONS = 200
 
 
@@ -226,7 +228,7 @@ class Controller:
                 Replica(
                     entry.session_id,
                     model,
-                    labels.get(JOB_LABEL, ""),
+                    labels.get(SLURM_JOB_LABEL, ""),
                     entry.body.state.name.lower(),
                     alive,
                     labels.get(ENGINE_ERROR_LABEL, ""),

@@ -39,10 +39,9 @@ from fabricnode.errors import FabricError
 from fabricnode.mesh.core import MeshCore
 from fabricnode.mesh.membership import Liveness
 from fabricnode.mesh.registry import MAX_LABEL_VALUE, State
+from fabricnode.mesh.schema import WANTED_LABEL
 
 log = logging.getLogger("fabricnode.elastic.demand")
-
-WANTED_LABEL = "fabric.wanted"
 
 # agent HTTP URL, window (s) -> requests per model over the window; raises on failure
 AskWorkload = Callable[[str, float], Mapping[str, float]]

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field, replace
 import trio
 
 from fabricnode.elastic.capacity import DEFAULT_CAPACITY, catalog_capacity
-from fabricnode.elastic.controller import SERVICE_LABEL, Fleet, ModelPlan
+from fabricnode.elastic.controller import Fleet, ModelPlan
 from fabricnode.elastic.demand import DemandScaler
 from fabricnode.elastic.policy import (
     Decision,
@@ -47,6 +47,7 @@ from fabricnode.elastic.policy import (
 from fabricnode.elastic.signals import TtftWindow, WorkloadPoller, agent_urls, load_sample
 from fabricnode.mesh.core import MeshCore
 from fabricnode.mesh.registry import State
+from fabricnode.mesh.schema import SERVICE_LABEL
 
 # (model or model path, GPU type, GPUs per replica) -> the planner's capacity, or None
 CapacityOf = Callable[[str, str, int], ReplicaCapacity | None]

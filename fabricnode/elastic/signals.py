@@ -28,12 +28,12 @@ import httpx
 import trio
 
 from fabricnode.dataplane.accounting import CURSOR_END, TTFT_BUCKETS, parse_cursor, ttft_quantile
-from fabricnode.elastic.controller import SERVICE_LABEL
 from fabricnode.elastic.policy import LoadSample
 from fabricnode.errors import FabricError
 from fabricnode.mesh.core import MeshCore
 from fabricnode.mesh.membership import Liveness
 from fabricnode.mesh.registry import State
+from fabricnode.mesh.schema import SERVICE_LABEL
 
 log = logging.getLogger("fabricnode.elastic.signals")
 

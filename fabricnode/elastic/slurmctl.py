@@ -31,6 +31,7 @@ from urllib.parse import quote, unquote
 from fabricnode.errors import FabricError
 from fabricnode.host.hostcmd import run_full
 from fabricnode.host.slurm import parse_sbatch_job_id, parse_slurm_time, parse_time_limit
+from fabricnode.mesh.schema import SERVICE_LABEL
 
 TAG = "fabric-elastic"
 SQUEUE_FIELDS = (
@@ -226,7 +227,7 @@ class SlurmControl:
         ):
             if value:
                 argv.append(f"{flag}={value}")
-        agent = [*s.agent_args, "--label", f"fabric.service={s.model}"]
+        agent = [*s.agent_args, "--label", f"{SERVICE_LABEL}={s.model}"]
         if s.engine.strip() == "sim":
             argv.append("--export=ALL,FABRIC_ENGINE=sim")
         else:  # the job's agent renders the template for the model (fabric start --serve)

@@ -60,6 +60,7 @@ from fabricnode.mesh.registry import (
     SignedEntry,
     State,
 )
+from fabricnode.mesh.schema import JOB_END_LABEL
 from fabricnode.mesh.servicedoc import ServicesRegister, SignedServices
 from fabricnode.mesh.wire import (
     DEAD,
@@ -1062,7 +1063,7 @@ def _live_key(row: SyncRow) -> tuple[int, int]:
 
 def _lease_cap(labels: tuple[tuple[str, str], ...]) -> float:
     """The end of the Slurm job an entry belongs to (its lease never goes past it)."""
-    cap = dict(labels).get("fabric.job_end")
+    cap = dict(labels).get(JOB_END_LABEL)
     try:
         return float(cap) if cap else math.inf
     except ValueError:

@@ -10,12 +10,12 @@ from pathlib import Path
 import trio
 
 from fabricnode.elastic.controller import Controller, ModelPlan, ServicePlans
-from fabricnode.elastic.leader import CONTROLLER_LABEL
 from fabricnode.elastic.slurmctl import SlurmControl, comment_for, mesh_tag
 from fabricnode.errors import ConfigError
 from fabricnode.mesh.core import MeshConfig
 from fabricnode.mesh.identity import Identity, OperatorKey
 from fabricnode.mesh.registry import State
+from fabricnode.mesh.schema import CONTROLLER_LABEL
 from fabricnode.mesh.servicedoc import ServicesBody
 from fabricnode.testing.simnet import SimNetwork, SimNode
 

@@ -13,7 +13,6 @@ import trio
 from fabricnode.elastic.controller import ModelPlan
 from fabricnode.elastic.demand import (
     MAX_WANTED_LABELS,
-    WANTED_LABEL,
     Declared,
     DemandScaler,
     wanted_labels,
@@ -22,6 +21,7 @@ from fabricnode.elastic.demand import (
 from fabricnode.mesh.core import MeshConfig
 from fabricnode.mesh.identity import Identity, OperatorKey
 from fabricnode.mesh.registry import MAX_LABEL_VALUE
+from fabricnode.mesh.schema import WANTED_LABEL
 from fabricnode.mesh.servicedoc import ServicesBody
 from fabricnode.testing.simnet import SimNetwork
 

@@ -14,7 +14,7 @@ import pytest
 import trio
 
 from fabricnode.elastic.controller import Controller, Fleet, ModelPlan, ServicePlans
-from fabricnode.elastic.demand import WANTED_LABEL, DemandScaler
+from fabricnode.elastic.demand import DemandScaler
 from fabricnode.elastic.follow import ForecastScaler, follows_demand
 from fabricnode.elastic.policy import ReplicaCapacity
 from fabricnode.elastic.reconcile import Held
@@ -23,6 +23,7 @@ from fabricnode.elastic.slurmctl import SlurmControl
 from fabricnode.mesh.core import MeshConfig
 from fabricnode.mesh.identity import Identity, OperatorKey
 from fabricnode.mesh.registry import State
+from fabricnode.mesh.schema import WANTED_LABEL
 from fabricnode.mesh.wire import Load
 from fabricnode.testing.simnet import SimNetwork
 from tests.unit.elastic.test_controller import MESH, FakeSlurm, announce, apply
