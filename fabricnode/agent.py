@@ -88,7 +88,6 @@ from fabricnode.mesh.core import MeshCore
 from fabricnode.mesh.identity import Identity, ProviderKey
 from fabricnode.mesh.join import JoinTracker
 from fabricnode.mesh.keyring import Keyring
-from fabricnode.mesh.membership import Liveness
 from fabricnode.mesh.registry import Addresses, EngineInfo, EntryBody, Hardware, State
 from fabricnode.mesh.schema import (
     CONTROLLER_LABEL,
@@ -96,6 +95,7 @@ from fabricnode.mesh.schema import (
     SLURM_JOB_LABEL,
     SLURM_PARTITION_LABEL,
     WANTED_LABEL,
+    Standing,
 )
 from fabricnode.mesh.service import GossipService, UdpTcpTransport
 
@@ -250,11 +250,7 @@ class Agent:
             if not tracker.is_ready():
                 return False
             entry = core.registry.get(holder)
-            if entry is None:
-                return False
-            if entry.body.state in (State.DOWN, State.LEFT):
-                return True
-            return core.members.status(holder) is Liveness.DEAD
+            return entry is not None and core.standing_of(entry) <= Standing.LEAVING
 
         def known_model(model: str) -> bool:
             table = ingress.table

@@ -200,6 +200,7 @@ from fabricnode.logs import ThrottledErrors
 from fabricnode.mesh.core import MeshCore
 from fabricnode.mesh.membership import Liveness
 from fabricnode.mesh.registry import State
+from fabricnode.mesh.schema import Standing
 
 log = logging.getLogger("fabricnode.dataplane.ingress")
 
@@ -1762,12 +1763,10 @@ class Ingress:
         core = self.core
 
         def still_ok() -> bool:
-            # DOWN or dead: the answer will never come, fail over now. LEFT is fine: a leaving
-            # node finishes what it accepted before it stops its engine.
+            # GONE (DOWN or dead): the answer will never come, fail over now. LEAVING is fine:
+            # a leaving node finishes what it accepted before it stops its engine.
             entry = core.registry.get(sid)
-            if entry is None or entry.body.state == State.DOWN:
-                return False
-            return core.members.status(sid) is not Liveness.DEAD
+            return entry is not None and core.standing_of(entry) is not Standing.GONE
 
         return still_ok
 

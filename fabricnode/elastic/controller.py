@@ -9,8 +9,9 @@ standby only keeps its status current ("standby; acting: <id>"). The acting one:
    that does not parse changes nothing: the error is the status, the jobs keep serving);
 2. lists the mesh's jobs from Slurm (``SlurmControl.list_jobs`` in a worker thread) and the
    replicas from the registry (entries labelled ``fabric.service``, matched to jobs by their
-   ``slurm.job_id`` label; an entry's DOWN state or this agent's dead verdict makes it not
-   alive; the engine's error from the ``fabric.engine_error`` label);
+   ``slurm.job_id`` label; it is alive while its standing is at least ``CONTROL_COUNTS``
+   (``mesh.schema``: not DOWN, LEFT or dead in this agent's view); the engine's error from the
+   ``fabric.engine_error`` label);
 3. tells the scaler what it holds of each model (``Fleet``: serving and starting units as the
    pass counts them, the learned cold start), asks it for each model's target
    (``Scaler.target``: the demand rules and the scaling policy, clamped to the service's min
@@ -55,9 +56,8 @@ from fabricnode.elastic.reconcile import (
 from fabricnode.elastic.slurmctl import Job, SlurmControl, SlurmRefused, Submission
 from fabricnode.errors import FabricError
 from fabricnode.mesh.core import MeshCore
-from fabricnode.mesh.membership import Liveness
-from fabricnode.mesh.registry import State
 from fabricnode.mesh.schema import (
+    CONTROL_COUNTS,
     CONTROLLER_LABEL,
     ENGINE_ERROR_LABEL,
     SERVICE_LABEL,
@@ -222,8 +222,7 @@ class Controller:
             model = labels.get(SERVICE_LABEL)
             if not model:
                 continue
-            live = self.core.liveness(entry.session_id)
-            alive = live not in (Liveness.DEAD, Liveness.LEFT) and entry.body.state < State.DOWN
+            alive = self.core.standing_of(entry) >= CONTROL_COUNTS
             out.append(
                 Replica(
                     entry.session_id,
@@ -441,8 +440,7 @@ def acting_controller(core: MeshCore) -> Candidate | None:
         since = candidate_since(entry.body.labels)
         if since is None:
             continue
-        live = core.liveness(entry.session_id)
-        dead = entry.body.state >= State.DOWN or live in (Liveness.DEAD, Liveness.LEFT)
+        dead = core.standing_of(entry) < CONTROL_COUNTS
         out.append(Candidate(entry.session_id, since, dead, entry.body.addresses.http))
     return acting(out)
 

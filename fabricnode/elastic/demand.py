@@ -37,9 +37,8 @@ from fabricnode.elastic.servicefile import ServiceSpec, parse
 from fabricnode.elastic.signals import WORKLOAD_PATH, agent_urls
 from fabricnode.errors import FabricError
 from fabricnode.mesh.core import MeshCore
-from fabricnode.mesh.membership import Liveness
-from fabricnode.mesh.registry import MAX_LABEL_VALUE, State
-from fabricnode.mesh.schema import WANTED_LABEL
+from fabricnode.mesh.registry import MAX_LABEL_VALUE
+from fabricnode.mesh.schema import CONTROL_COUNTS, WANTED_LABEL
 
 log = logging.getLogger("fabricnode.elastic.demand")
 
@@ -73,14 +72,11 @@ def wanted_labels(models: Iterable[str]) -> tuple[tuple[str, str], ...]:
 
 
 def wanted_models(core: MeshCore) -> set[str]:
-    """Models some alive agent holds requests for (its ``fabric.wanted*`` labels)."""
+    """Models some agent the control plane counts (``CONTROL_COUNTS``) holds requests for (its
+    ``fabric.wanted*`` labels)."""
     out: set[str] = set()
-    for entry in core.registry:
-        if entry.body.state >= State.DOWN:
-            continue
+    for entry in core.entries(CONTROL_COUNTS):
         values = [v for k, v in entry.body.labels if k.startswith(WANTED_LABEL)]
-        if not values or core.liveness(entry.session_id) in (Liveness.DEAD, Liveness.LEFT):
-            continue
         for value in values:
             out.update(value.split())
     return out

@@ -31,9 +31,8 @@ from fabricnode.dataplane.accounting import CURSOR_END, TTFT_BUCKETS, parse_curs
 from fabricnode.elastic.policy import LoadSample
 from fabricnode.errors import FabricError
 from fabricnode.mesh.core import MeshCore
-from fabricnode.mesh.membership import Liveness
 from fabricnode.mesh.registry import State
-from fabricnode.mesh.schema import SERVICE_LABEL
+from fabricnode.mesh.schema import CONTROL_COUNTS, SERVICE_LABEL
 
 log = logging.getLogger("fabricnode.elastic.signals")
 
@@ -123,15 +122,13 @@ def ask_after(url: str, cursor: str) -> tuple[str, dict[str, ModelSums]]:
 
 
 def agent_urls(core: MeshCore) -> list[tuple[str, str]]:
-    """(session id, HTTP URL) of every agent not known to be down, dead or gone."""
+    """(session id, HTTP URL) of every agent the control plane counts (``CONTROL_COUNTS``:
+    not known to be down, dead or gone)."""
     out = []
-    for entry in core.registry:
+    for entry in core.entries(CONTROL_COUNTS):
         url = entry.body.addresses.http
-        if not url or entry.body.state >= State.DOWN:
-            continue
-        if core.liveness(entry.session_id) in (Liveness.DEAD, Liveness.LEFT):
-            continue
-        out.append((entry.session_id, url))
+        if url:
+            out.append((entry.session_id, url))
     return out
 
 
@@ -189,10 +186,8 @@ def load_sample(core: MeshCore, model: str, now: float, max_age_s: float) -> Loa
     label), those with a report at most ``max_age_s`` old; None when there is none."""
     kv: list[float] = []
     waiting: list[int] = []
-    for entry in core.registry:
+    for entry in core.entries(CONTROL_COUNTS):
         if entry.body.state != State.SERVING or (SERVICE_LABEL, model) not in entry.body.labels:
-            continue
-        if core.liveness(entry.session_id) in (Liveness.DEAD, Liveness.LEFT):
             continue
         load = core.loads.get(entry.session_id)
         if load is None or now - load.at > max_age_s:

@@ -1,4 +1,5 @@
-"""The registry's schema: every label key the packages exchange through it.
+"""The registry's schema: every label key the packages exchange through it, and the one verdict
+on whether a node counts.
 
 The registry is the bus between packages: the engine supervisor, the elastic controller, the
 ingress and the host layer each write labels on their own node's signed entry, and other
@@ -49,12 +50,41 @@ key (value)                    written by                      read by
                                (``fabric start --label``)      demo
 =============================  ==============================  ================================
 
+Standing
+--------
+Whether a node counts is joined from two things that live apart on purpose: its signed entry's
+lifecycle state (what the owner says) and this node's local liveness view of the owner (SWIM:
+a crashed node cannot sign its own death). ``standing`` is the one function that joins them;
+``MeshCore.standing`` feeds it and ``MeshCore.entries(at_least)`` lists the entries of at least
+a standing. The levels are ordered, each implies the ones below it:
+
+* ``GONE``: signed DOWN (its engine stopped), or DEAD in this node's view. Nothing it accepted
+  will be answered.
+* ``LEAVING``: signed LEFT (or LEFT in the view): it takes nothing new but finishes what it
+  accepted (the ingress does not fail over a request in flight to it).
+* ``UNVOUCHED``: not known gone, but no probe vouches for it: its owner is not a member with a
+  gossip address (not yet learned, or an entry no one can probe). The data plane never routes
+  to it (an unprobed entry would count as alive for ever: a cluster-key holder could flood the
+  registry with phantoms, commit 4778514); the control plane still counts it
+  (``CONTROL_COUNTS``).
+* ``LIVE``: a probed member, alive or suspect, whose entry is not SERVING (JOIN).
+* ``SUSPECT``: SERVING, probed, suspected: routed to only when no ``ROUTABLE`` node is left.
+* ``ROUTABLE``: SERVING, probed and alive.
+
+Who asks for what: the data plane routes to ``>= SUSPECT`` (``ROUTABLE`` first) and lists
+models of ``>= SUSPECT`` nodes; the control plane (the elastic controller and its signals, the
+admin views) counts ``>= CONTROL_COUNTS``; a request in flight is failed over only from a
+``GONE`` node; a batch shard's holder is gone at ``<= LEAVING``.
+
 The module is pure: no I/O, no clock, nothing but the mesh's own enums.
 """
 
 from __future__ import annotations
 
-from fabricnode.mesh.registry import EntryBody, ModelInfo
+import enum
+
+from fabricnode.mesh.membership import Liveness
+from fabricnode.mesh.registry import EntryBody, ModelInfo, State
 
 # -- label keys (the table above) ------------------------------------------------------------
 
@@ -127,3 +157,43 @@ def model_parents(body: EntryBody) -> dict[str, str]:
             if p < len(models) and p != i:
                 out[models[i].id] = models[p].id
     return out
+
+
+# -- standing ---------------------------------------------------------------------------------
+
+
+class Standing(enum.IntEnum):
+    """How far this node may rely on another (module docstring, "Standing"); ordered."""
+
+    GONE = 0
+    LEAVING = 1
+    UNVOUCHED = 2
+    LIVE = 3
+    SUSPECT = 4
+    ROUTABLE = 5
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+# What the control plane (elastic controller, demand, signals, admin views) counts today: every
+# node not known gone, vouched for by a probe or not. Issue #38 item 2 makes it trust only live
+# members: that is this line, set to Standing.LIVE.
+CONTROL_COUNTS = Standing.UNVOUCHED
+
+
+def standing(state: State, liveness: Liveness | None, *, probed: bool) -> Standing:
+    """The standing of a node whose entry is in ``state``, given this node's view of its owner:
+    ``liveness`` (None: not a member) and ``probed`` (a member with a gossip address, so SWIM
+    probes it; ignored when ``liveness`` is None). What ends a node's usefulness wins: DOWN or
+    DEAD over LEFT, LEFT over the rest."""
+    if state is State.DOWN or liveness is Liveness.DEAD:
+        return Standing.GONE
+    if state is State.LEFT or liveness is Liveness.LEFT:
+        return Standing.LEAVING
+    if liveness is None or not probed:
+        return Standing.UNVOUCHED
+    if state is not State.SERVING:
+        return Standing.LIVE
+    return Standing.SUSPECT if liveness is Liveness.SUSPECT else Standing.ROUTABLE
