@@ -197,6 +197,7 @@ from fabricnode.dataplane.tiers import (
 )
 from fabricnode.dataplane.upstream import BrokenResponse, Exchange, UpstreamError, UpstreamPool
 from fabricnode.logs import ThrottledErrors
+from fabricnode.mesh.assignment import ASSIGNMENTS_PATH
 from fabricnode.mesh.core import MeshCore
 from fabricnode.mesh.membership import Liveness
 from fabricnode.mesh.registry import State
@@ -2196,7 +2197,7 @@ class Ingress:
 OPEN_CONTROL_PATHS = (b"/health", b"/ready", b"/ping", b"/version")
 # The dashboard's question before it reads anything: are keys on, and is this one good?
 UI_SESSION_PATH = b"/ui/session"
-ASSIGNMENTS_PATH = b"/fabric/v1/assignments"
+ASSIGNMENTS_PATH_BYTES = ASSIGNMENTS_PATH.encode()
 
 
 def _open_control(req: Request) -> bool:
@@ -2205,7 +2206,7 @@ def _open_control(req: Request) -> bool:
     path = req.path
     return (
         path in OPEN_CONTROL_PATHS
-        or (path == ASSIGNMENTS_PATH and req.method == b"POST")
+        or (path == ASSIGNMENTS_PATH_BYTES and req.method == b"POST")
         or path == b"/"
         or path == b"/favicon.ico"
         or path == b"/ui"

@@ -15,7 +15,8 @@ import trio
 
 from fabricnode.batch import records
 from fabricnode.batch.store import BatchStore
-from fabricnode.batch.worker import OWNER_HEADER, BatchConfig, BatchWorker
+from fabricnode.batch.worker import BatchConfig, BatchWorker
+from fabricnode.dataplane.tiers import OWNER_HEADER
 
 
 class FakeIngress:
@@ -29,7 +30,7 @@ class FakeIngress:
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         body = json.loads(request.content)
-        self.owners.add(request.headers[OWNER_HEADER])
+        self.owners.add(request.headers[OWNER_HEADER.decode()])
         assert "stream" not in body
         if self.busy > 0:
             self.busy -= 1
