@@ -183,9 +183,10 @@ class RouteTable:
         return self._by_session.get(sid)
 
     def listing(self) -> list[ModelListing]:
-        """Models with at least one SERVING node that is not known dead (``/v1/models``), each
-        with the number of such nodes, sleeping ones included (a request wakes one; liveness
-        is not part of the cached table: count now)."""
+        """Models with at least one routable node (standing ``SUSPECT`` or better: a probed
+        member not known dead or left; ``/v1/models``), each with the number of such nodes,
+        sleeping ones included (a request wakes one; standing is not part of the cached table:
+        count now)."""
         self._refresh()
         core = self.core
         out = []
