@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from cli.localmesh import LocalMesh, wait_until  # noqa: E402
-from fabricnode.mesh.registry import SLEEPING_LABEL  # noqa: E402
+from fabricnode.mesh.schema import SLEEPING_LABEL  # noqa: E402
 from tests.support.meshview import entry, free_port  # noqa: E402
 from tests.support.vllm_cpu import VLLM_CPU_ENV, VLLM_VENV  # noqa: E402
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from fabricnode.agent import AgentAddresses, parse_ready_lines
 from fabricnode.errors import FabricError
 from fabricnode.mesh.keyring import Keyring, new_cluster_key
+from fabricnode.mesh.schema import NAME_LABEL
 
 # Environment variables that would make a spawned agent (or a client command run with
 # ``LocalMesh.env()``) depend on the caller's set-up: the FABRIC_* variables that
@@ -195,7 +196,7 @@ class LocalMesh:
             "--provider",
             self.provider,
             "--label",
-            f"fabric.name={name}",
+            f"{NAME_LABEL}={name}",
             "--log-level",
             self.log_level,
             *args,

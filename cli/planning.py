@@ -24,6 +24,7 @@ from fabricnode.control.client import AdminClient
 from fabricnode.errors import AgentApiError, ConfigError
 from fabricnode.mesh.assignment import AssignmentBody, SignedAssignment
 from fabricnode.mesh.identity import OperatorKey
+from fabricnode.mesh.schema import PLAN_LABEL, PLAN_STATUS_LABEL
 from fabricnode.requestlog.sums import merge_workload_sums
 from scheduler.catalog import Catalog, is_local_path
 from scheduler.errors import CatalogError, WorkloadError
@@ -195,9 +196,9 @@ def target_status(entry: Json | None, plan_id: str) -> str:
     if entry is None or entry.get("state") == "left":
         return GONE
     labels = entry.get("labels") or {}
-    if labels.get("fabric.plan") != plan_id:
+    if labels.get(PLAN_LABEL) != plan_id:
         return "pending"
-    status = str(labels.get("fabric.plan_status", ""))
+    status = str(labels.get(PLAN_STATUS_LABEL, ""))
     if entry.get("state") == "serving":
         return SERVING
     if entry.get("state") == "down" or entry.get("liveness") == "dead":

@@ -22,7 +22,7 @@ from cli.common import (
     print_json,
     usage_error,
 )
-from fabricnode.mesh.registry import SLEEPING_LABEL
+from fabricnode.mesh.schema import SLEEPING_LABEL
 
 commands = command_group()
 

@@ -22,10 +22,11 @@ from rich.table import Table
 from cli.common import JsonOption, agent_client, console, handled, print_json, state
 from fabricnode.config import default_operator_key_path
 from fabricnode.control.client import AdminClient
-from fabricnode.elastic.leader import CONTROLLER_LABEL, Candidate, acting
+from fabricnode.elastic.leader import Candidate, acting
 from fabricnode.elastic.servicefile import ServiceSpec, parse
 from fabricnode.errors import AgentApiError, ConfigError
 from fabricnode.mesh.identity import OperatorKey
+from fabricnode.mesh.schema import CONTROLLER_LABEL, SERVICE_LABEL
 from fabricnode.mesh.servicedoc import ServicesBody
 
 services_app = typer.Typer(
@@ -102,7 +103,7 @@ def status_doc(held: Json, nodes: list[Json], controller: Json | None) -> Json:
     by_model = {m["model"]: m for m in (controller or {}).get("models", [])}
     models = []
     for m in spec.models if spec is not None else ():
-        running = [n for n in nodes if _label(n, "fabric.service") == m.name]
+        running = [n for n in nodes if _label(n, SERVICE_LABEL) == m.name]
         live = [n for n in running if n.get("liveness") == "alive"]
         st = by_model.get(m.name, {})
         models.append(

@@ -28,6 +28,7 @@ from fabricnode.host.slurm import (
     pick_ports,
     sbatch_argv,
 )
+from fabricnode.mesh.schema import SLURM_JOB_LABEL
 
 slurm_app = typer.Typer(
     help="Serve a model from a Slurm job (submit the fabric-serve.sbatch wrapper).",
@@ -209,7 +210,7 @@ def submit(
     where = f" on partition {partition}" if partition else ""
     print(f"submitted job {job_id}: {request.model} on {gpus} GPU{'s' * (gpus != 1)}{where}")
     print(f"logs:  {job_logs}/ (agent.log, engine.log); batch output {output}")
-    print(f"watch: squeue -j {job_id}    fabric nodes --label slurm.job_id={job_id}")
+    print(f"watch: squeue -j {job_id}    fabric nodes --label {SLURM_JOB_LABEL}={job_id}")
     print(f"stop:  scancel {job_id}  (the node leaves the mesh gracefully)")
 
 

@@ -71,10 +71,8 @@ from fabricnode.dataplane.ingress import Ingress
 from fabricnode.elastic.controller import Controller
 from fabricnode.elastic.demand import Declared, wanted_labels
 from fabricnode.elastic.follow import ForecastScaler
-from fabricnode.elastic.leader import CONTROLLER_LABEL
 from fabricnode.elastic.plans import plans_from_text
 from fabricnode.elastic.slurmctl import SlurmControl
-from fabricnode.elastic.vocab import WANTED_LABEL
 from fabricnode.engine.command import EngineCommand
 from fabricnode.engine.follower import AssignmentFollower
 from fabricnode.engine.service import EngineService, EngineStatistics
@@ -82,15 +80,22 @@ from fabricnode.errors import FabricError
 from fabricnode.host import rendezvous
 from fabricnode.host.hardware import default_host
 from fabricnode.host.hardware import discover as discover_gpus
-from fabricnode.host.lease import JOB_END_LABEL, follow_job, lease_label
+from fabricnode.host.lease import follow_job, lease_label
 from fabricnode.host.slurm import SlurmJob, discover_job, query_end_time
 from fabricnode.logs import configure_logging
 from fabricnode.mesh.core import MeshCore
 from fabricnode.mesh.identity import Identity, ProviderKey
 from fabricnode.mesh.join import JoinTracker
 from fabricnode.mesh.keyring import Keyring
-from fabricnode.mesh.membership import Liveness
 from fabricnode.mesh.registry import Addresses, EngineInfo, EntryBody, Hardware, State
+from fabricnode.mesh.schema import (
+    CONTROLLER_LABEL,
+    JOB_END_LABEL,
+    SLURM_JOB_LABEL,
+    SLURM_PARTITION_LABEL,
+    WANTED_LABEL,
+    Standing,
+)
 from fabricnode.mesh.service import GossipService, UdpTcpTransport
 from fabricnode.requestlog.writer import RequestLog
 
@@ -194,7 +199,7 @@ class Agent:
         expires = now + min(cfg.mesh.entry_ttl_s, cfg.mesh.registry.max_entry_ttl_s)
         labels = [*cfg.labels, *(self.follower.labels if self.follower else ())]
         if job is not None:
-            labels += [("slurm.job_id", job.job_id), ("slurm.partition", job.partition)]
+            labels += [(SLURM_JOB_LABEL, job.job_id), (SLURM_PARTITION_LABEL, job.partition)]
             if job.end_time is not None and job.end_time > now:
                 # The lease never outlives the job; MeshCore renews it up to this cap.
                 labels.append(lease_label(job.end_time))
@@ -245,11 +250,7 @@ class Agent:
             if not tracker.is_ready():
                 return False
             entry = core.registry.get(holder)
-            if entry is None:
-                return False
-            if entry.body.state in (State.DOWN, State.LEFT):
-                return True
-            return core.members.status(holder) is Liveness.DEAD
+            return entry is not None and core.standing_of(entry) <= Standing.LEAVING
 
         def known_model(model: str) -> bool:
             table = ingress.table

@@ -49,11 +49,11 @@ from fabricnode.batch import records
 from fabricnode.batch.store import BatchStore, Plan, ShardCounts, result_failed
 from fabricnode.batch.validate import request_line, validate_input
 from fabricnode.batch.worker_config import BatchConfig
+from fabricnode.dataplane.tiers import OWNER_HEADER
 
 log = logging.getLogger("fabricnode.batch.worker")
 
 TRANSIENT_STATUS = frozenset({429, 502, 503, 504})
-OWNER_HEADER = "x-fabric-batch-owner"
 
 
 @dataclass(frozen=True)
@@ -436,7 +436,7 @@ class BatchWorker:
         url = self.ingress_url() + batch.endpoint
         headers = {
             "content-type": "application/json",
-            OWNER_HEADER: f"{self.owner_token()} {batch.owner}",
+            OWNER_HEADER.decode(): f"{self.owner_token()} {batch.owner}",
         }
         backoff = cfg.backoff_min_s
         server_errors = 0

@@ -88,11 +88,11 @@ from fabricnode.elastic.controller import Controller, summarise
 from fabricnode.engine.models import DROP_REASONS
 from fabricnode.engine.service import EngineStatistics
 from fabricnode.errors import DecodeError, FabricError
-from fabricnode.mesh.assignment import Offer, SignedAssignment
+from fabricnode.mesh.assignment import ASSIGNMENTS_PATH, Offer, SignedAssignment
 from fabricnode.mesh.core import MeshCore
 from fabricnode.mesh.registry import SignedEntry, State
 from fabricnode.mesh.service import TransportStatistics
-from fabricnode.mesh.servicedoc import MAX_SERVICES_BYTES, SignedServices
+from fabricnode.mesh.servicedoc import MAX_SERVICES_BYTES, SERVICES_PATH, SignedServices
 from fabricnode.metricfamilies import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from fabricnode.metricfamilies import (
     counter,
@@ -111,8 +111,6 @@ log = logging.getLogger("fabricnode.control.app")
 Scope = Mapping[str, Any]
 
 NODES_PREFIX = "/fabric/v1/nodes/"
-ASSIGNMENTS_PATH = "/fabric/v1/assignments"
-SERVICES_PATH = "/fabric/v1/services"
 CONTROLLER_PATH = "/fabric/v1/controller"
 WORKLOAD_PATH = "/fabric/v1/workload"
 STATS_PATH = "/fabric/v1/stats"

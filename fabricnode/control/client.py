@@ -22,6 +22,8 @@ from urllib.parse import quote, urlsplit, urlunsplit
 import httpx
 
 from fabricnode.errors import AgentApiError, ConfigError
+from fabricnode.mesh.assignment import ASSIGNMENTS_PATH
+from fabricnode.mesh.servicedoc import SERVICES_PATH
 
 Json = dict[str, Any]
 
@@ -239,20 +241,20 @@ class AdminClient(_AgentClient):
         return self._request("/metrics").text
 
     def assignments(self) -> Json:
-        return self.get_json("/fabric/v1/assignments")
+        return self.get_json(ASSIGNMENTS_PATH)
 
     def post_assignments(self, assignments: list[Json]) -> list[Json]:
         """Hand operator-signed assignments to the agent; each one's outcome."""
-        doc = self.post_json("/fabric/v1/assignments", {"assignments": assignments})
+        doc = self.post_json(ASSIGNMENTS_PATH, {"assignments": assignments})
         results: list[Json] = doc.get("results", [])
         return results
 
     def services(self) -> Json:
-        return self.get_json("/fabric/v1/services")
+        return self.get_json(SERVICES_PATH)
 
     def post_services(self, signed: Json) -> Json:
         """Hand an operator-signed service file to the agent; its outcome."""
-        return self.post_json("/fabric/v1/services", signed)
+        return self.post_json(SERVICES_PATH, signed)
 
     def workload(self, window_s: float) -> Json:
         return self.get_json("/fabric/v1/workload", [("window", f"{window_s:g}")])

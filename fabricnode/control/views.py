@@ -22,13 +22,8 @@ from typing import Any
 
 from fabricnode.mesh.core import MeshCore
 from fabricnode.mesh.membership import Liveness
-from fabricnode.mesh.registry import (
-    SLEEPING_LABEL,
-    EntryBody,
-    SignedEntry,
-    State,
-    model_parents,
-)
+from fabricnode.mesh.registry import EntryBody, SignedEntry, State
+from fabricnode.mesh.schema import CONTROL_COUNTS, SLEEPING_LABEL, model_parents
 
 Json = dict[str, Any]
 
@@ -129,9 +124,10 @@ def match_sessions(core: MeshCore, prefix: str) -> list[SignedEntry]:
 def models_view(core: MeshCore, now: float) -> list[Json]:
     """Per model announced by a JOIN or SERVING entry: where it runs and its aggregate load.
 
-    ``nodes`` counts the SERVING entries this agent does not know dead or left, as
-    ``/v1/models`` does (``routetable.RouteTable.listing``); ``serving`` only those it sees
-    alive (not suspect: the ones a request goes to first); ``asleep`` those of the ``nodes``
+    ``nodes`` counts the SERVING entries the control plane counts (standing at least
+    ``schema.CONTROL_COUNTS``: not known down, dead or left; unlike ``/v1/models``, also those
+    no probe vouches for yet); ``serving`` only those it sees alive (not suspect: the ones a
+    request goes to first); ``asleep`` those of the ``nodes``
     whose engine sleeps (``fabric.sleeping``: woken by a request). ``gpu_types``, ``gpus`` and
     the load (the latest reports summed; ``kv_usage`` their mean) are of the ``nodes`` nodes, so a
     crashed node's hardware and last report drop out. ``max_model_len``, ``quantizations`` and
@@ -144,7 +140,7 @@ def models_view(core: MeshCore, now: float) -> list[Json]:
         if body.state not in (State.JOIN, State.SERVING):
             continue
         live = liveness_of(core, entry)
-        counted = body.state == State.SERVING and live not in (Liveness.DEAD, Liveness.LEFT)
+        counted = body.state == State.SERVING and core.standing_of(entry) >= CONTROL_COUNTS
         asleep = any(key == SLEEPING_LABEL for key, _ in body.labels)
         load = core.loads.get(entry.session_id)
         parents = model_parents(body)

@@ -193,9 +193,11 @@ from fabricnode.dataplane.tiers import (
 from fabricnode.dataplane.upstream import BrokenResponse, Exchange, UpstreamError, UpstreamPool
 from fabricnode.dataplane.usage import StreamUsage, UsageLedger
 from fabricnode.logs import ThrottledErrors
+from fabricnode.mesh.assignment import ASSIGNMENTS_PATH
 from fabricnode.mesh.core import MeshCore
 from fabricnode.mesh.membership import Liveness
 from fabricnode.mesh.registry import State
+from fabricnode.mesh.schema import Standing
 from fabricnode.requestlog.writer import RequestLog
 
 log = logging.getLogger("fabricnode.dataplane.ingress")
@@ -1759,12 +1761,10 @@ class Ingress:
         core = self.core
 
         def still_ok() -> bool:
-            # DOWN or dead: the answer will never come, fail over now. LEFT is fine: a leaving
-            # node finishes what it accepted before it stops its engine.
+            # GONE (DOWN or dead): the answer will never come, fail over now. LEAVING is fine:
+            # a leaving node finishes what it accepted before it stops its engine.
             entry = core.registry.get(sid)
-            if entry is None or entry.body.state == State.DOWN:
-                return False
-            return core.members.status(sid) is not Liveness.DEAD
+            return entry is not None and core.standing_of(entry) is not Standing.GONE
 
         return still_ok
 
@@ -2194,7 +2194,7 @@ class Ingress:
 OPEN_CONTROL_PATHS = (b"/health", b"/ready", b"/ping", b"/version")
 # The dashboard's question before it reads anything: are keys on, and is this one good?
 UI_SESSION_PATH = b"/ui/session"
-ASSIGNMENTS_PATH = b"/fabric/v1/assignments"
+ASSIGNMENTS_PATH_BYTES = ASSIGNMENTS_PATH.encode()
 
 
 def _open_control(req: Request) -> bool:
@@ -2203,7 +2203,7 @@ def _open_control(req: Request) -> bool:
     path = req.path
     return (
         path in OPEN_CONTROL_PATHS
-        or (path == ASSIGNMENTS_PATH and req.method == b"POST")
+        or (path == ASSIGNMENTS_PATH_BYTES and req.method == b"POST")
         or path == b"/"
         or path == b"/favicon.ico"
         or path == b"/ui"

@@ -12,7 +12,8 @@ says whether its node's engine schedules by priority (``fabric.priority_scheduli
 requests sent there carry the batch priority (``tiers``).
 
 Filter order (issue: filters before the policy): model served → SERVING, lease not expired,
-locally alive (DEAD/LEFT never; SUSPECT only when no ALIVE node is left) → provider allowlist
+routable by ``schema.standing`` (a probed member, never DEAD/LEFT, nor an entry whose owner no
+probe vouches for; SUSPECT only when no ROUTABLE node is left) → provider allowlist
 against the *verified* provider → ``X-Fabric-Require`` constraints → not ejected by the circuit
 breaker (unless every remaining node is: then they are tried anyway, a breaker must not turn a
 brief blip into an outage).
@@ -34,12 +35,11 @@ from fabricnode.dataplane.routing import (
 )
 from fabricnode.errors import ConfigError
 from fabricnode.mesh.core import MeshCore
-from fabricnode.mesh.membership import Liveness
-from fabricnode.mesh.registry import (
+from fabricnode.mesh.registry import SignedEntry, State
+from fabricnode.mesh.schema import (
     PRIORITY_SCHEDULING_LABEL,
     SLEEPING_LABEL,
-    SignedEntry,
-    State,
+    Standing,
     model_parents,
 )
 from fabricnode.mesh.wire import Load
@@ -183,9 +183,10 @@ class RouteTable:
         return self._by_session.get(sid)
 
     def listing(self) -> list[ModelListing]:
-        """Models with at least one SERVING node that is not known dead (``/v1/models``), each
-        with the number of such nodes, sleeping ones included (a request wakes one; liveness
-        is not part of the cached table: count now)."""
+        """Models with at least one routable node (standing ``SUSPECT`` or better: a probed
+        member not known dead or left; ``/v1/models``), each with the number of such nodes,
+        sleeping ones included (a request wakes one; standing is not part of the cached table:
+        count now)."""
         self._refresh()
         core = self.core
         out = []
@@ -233,13 +234,8 @@ class RouteTable:
             sid = info.session_id
             if r.expires_at <= wall_now or sid == exclude:
                 continue
-            if r.is_self:
-                if core.left:
-                    continue
-                status: Liveness | None = Liveness.ALIVE
-            else:
-                status = _probed_status(core, sid)
-            if status is None or status is Liveness.DEAD or status is Liveness.LEFT:
+            standing = core.standing(sid, State.SERVING)  # the table holds SERVING entries only
+            if standing < Standing.SUSPECT:
                 continue
             if providers and not provider_allowed(info, providers):
                 continue
@@ -248,7 +244,7 @@ class RouteTable:
             cand = Candidate(info, self.load_of(sid), inflight.get(sid, 0))
             if breaker.ejected(sid, now):
                 ejected.append(cand)
-            elif status is Liveness.SUSPECT:
+            elif standing is Standing.SUSPECT:
                 suspect.append(cand)
             else:
                 alive.append(cand)
@@ -267,20 +263,8 @@ def _merged(a: Mapping[str, list[Route]], b: Mapping[str, list[Route]]) -> dict[
 
 
 def _usable(core: MeshCore, r: Route) -> bool:
-    if r.is_self:
-        return not core.left
-    status = _probed_status(core, r.info.session_id)
-    return status is not None and status is not Liveness.DEAD and status is not Liveness.LEFT
-
-
-def _probed_status(core: MeshCore, sid: str) -> Liveness | None:
-    """The member's liveness, or None when nothing can vouch for it: an entry whose owner is
-    not a member with a gossip address is never probed, so it would count as alive for ever
-    (a key holder could flood the registry with such phantoms and exhaust every failover)."""
-    member = core.members.get(sid)
-    if member is None or not member.addr:
-        return None
-    return member.status
+    """Whether a route counts in ``/v1/models``: routable, as ``eligible`` sees it."""
+    return core.standing(r.info.session_id, State.SERVING) >= Standing.SUSPECT
 
 
 def _listing(

@@ -8,7 +8,8 @@ standby only keeps its status current ("standby; acting: <id>"). The acting one:
 1. reads the mesh's service file (``core.services``), parses it (``vocab.ServicePlans``; a
    file that does not parse changes nothing: the error is the status, the jobs keep serving);
 2. lists the mesh's jobs from Slurm and the replicas from the registry (``observe``:
-   ``SlurmCalls.jobs``, ``replicas``);
+   ``SlurmCalls.jobs``, ``replicas``: entries labelled ``fabric.service``, alive while their
+   standing is at least ``mesh.schema.CONTROL_COUNTS``);
 3. tells the scaler what it holds of each model (``vocab.Fleet``: serving and starting units
    as the pass counts them, the learned cold start), asks it for each model's target
    (``Scaler.target``: the demand rules and the scaling policy, clamped to the service's min
@@ -36,7 +37,6 @@ from dataclasses import dataclass, field
 
 import trio
 
-from fabricnode.elastic.leader import CONTROLLER_LABEL
 from fabricnode.elastic.observe import SlurmCalls, acting_controller, replicas
 from fabricnode.elastic.reconcile import Memory, ModelStatus, holdings, reconcile
 from fabricnode.elastic.slurmctl import SlurmControl, SlurmRefused
@@ -54,6 +54,7 @@ from fabricnode.elastic.vocab import (
 )
 from fabricnode.errors import FabricError
 from fabricnode.mesh.core import MeshCore
+from fabricnode.mesh.schema import CONTROLLER_LABEL
 
 log = logging.getLogger("fabricnode.elastic.controller")
 

@@ -6,7 +6,9 @@ Rules
   labels its own entry ``fabric.wanted=<model> [<model> ...]`` (``WANTED_LABEL``; set and
   cleared as the first request starts and the last stops waiting; ``wanted_labels`` spreads
   many models over ``fabric.wanted.1`` ... so that every value fits the registry's label
-  limit). A model wanted by any alive agent gets a target of at least one replica, at once.
+  limit). A model wanted by any agent the control plane counts (``observe.wanted_models``:
+  standing at least ``mesh.schema.CONTROL_COUNTS``) gets a target of at least one replica, at
+  once.
 * **Idle to zero.** A model whose service allows zero replicas (``min_replicas = 0``) stays
   at one or more while it was active within its ``idle_to_zero`` time: a request wanted it, or
   the agents' request logs (``GET /fabric/v1/workload?window=...`` on every alive agent, the
@@ -37,10 +39,11 @@ from fabricnode.elastic.observe import (
     wanted_models,
 )
 from fabricnode.elastic.servicefile import ServiceSpec, parse
-from fabricnode.elastic.vocab import MIN_REPLICAS, WANTED_LABEL, Fleet, ModelPlan, Reason, Why
+from fabricnode.elastic.vocab import MIN_REPLICAS, Fleet, ModelPlan, Reason, Why
 from fabricnode.errors import FabricError
 from fabricnode.mesh.core import MeshCore
 from fabricnode.mesh.registry import MAX_LABEL_VALUE
+from fabricnode.mesh.schema import WANTED_LABEL
 
 MAX_WANTED_LABELS = 8
 

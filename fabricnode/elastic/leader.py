@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-CONTROLLER_LABEL = "fabric.controller"
+from fabricnode.mesh.schema import CONTROLLER_LABEL
 
 
 @dataclass(frozen=True)

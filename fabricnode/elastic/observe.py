@@ -24,7 +24,10 @@ only from here; ``reconcile`` and ``policy`` are pure).
 * **The registry.** The agents to ask (``agent_urls``), the models some ingress wants
   (``wanted_models``, the ``fabric.wanted*`` labels), the replicas of the controller's jobs
   (``replicas``), their gossiped load (``load_sample``), the GPU type a model is served on
-  (``serving_gpu_type``) and the acting controller (``acting_controller``).
+  (``serving_gpu_type``) and the acting controller (``acting_controller``). The label keys
+  are the registry's (``mesh.schema``); which nodes count is its one verdict, at the control
+  plane's level: ``MeshCore.entries(CONTROL_COUNTS)``, ``standing_of(entry) >=
+  CONTROL_COUNTS``.
 * **Slurm.** ``SlurmCalls`` runs ``slurmctl.SlurmControl`` in worker threads: the mesh's jobs
   (with the one extra question of whether a served job that ended was preempted), ``sbatch``
   and ``scancel``.
@@ -50,18 +53,22 @@ from fabricnode.elastic.leader import Candidate, acting, candidate_since
 from fabricnode.elastic.policy import LoadSample, ReplicaCapacity
 from fabricnode.elastic.reconcile import Replica
 from fabricnode.elastic.slurmctl import Job, SlurmControl, SlurmRefused
-from fabricnode.elastic.vocab import JOB_LABEL, SERVICE_LABEL, WANTED_LABEL, Submit
-from fabricnode.engine.service import ERROR_LABEL
+from fabricnode.elastic.vocab import Submit
 from fabricnode.errors import FabricError
 from fabricnode.mesh.core import MeshCore
-from fabricnode.mesh.membership import Liveness
 from fabricnode.mesh.registry import State
+from fabricnode.mesh.schema import (
+    CONTROL_COUNTS,
+    ENGINE_ERROR_LABEL,
+    SERVICE_LABEL,
+    SLURM_JOB_LABEL,
+    WANTED_LABEL,
+)
 from fabricnode.requestlog.cursor import CURSOR_END, parse_cursor
 from fabricnode.requestlog.ttft import TTFT_BUCKETS
 
 log = logging.getLogger("fabricnode.elastic.observe")
 
-ENGINE_ERROR_LABEL = ERROR_LABEL  # the engine supervisor puts its error there
 WORKLOAD_PATH = "/fabric/v1/workload"
 MAX_COUNT = 2**53  # counts and token sums a JSON number holds exactly
 
@@ -242,27 +249,22 @@ class WorkloadPoller:
 
 
 def agent_urls(core: MeshCore) -> list[tuple[str, str]]:
-    """(session id, HTTP URL) of every agent not known to be down, dead or gone."""
+    """(session id, HTTP URL) of every agent the control plane counts (``CONTROL_COUNTS``:
+    not known to be down, dead or gone)."""
     out = []
-    for entry in core.registry:
+    for entry in core.entries(CONTROL_COUNTS):
         url = entry.body.addresses.http
-        if not url or entry.body.state >= State.DOWN:
-            continue
-        if core.liveness(entry.session_id) in (Liveness.DEAD, Liveness.LEFT):
-            continue
-        out.append((entry.session_id, url))
+        if url:
+            out.append((entry.session_id, url))
     return out
 
 
 def wanted_models(core: MeshCore) -> set[str]:
-    """Models some alive agent holds requests for (its ``fabric.wanted*`` labels)."""
+    """Models some agent the control plane counts (``CONTROL_COUNTS``) holds requests for (its
+    ``fabric.wanted*`` labels)."""
     out: set[str] = set()
-    for entry in core.registry:
-        if entry.body.state >= State.DOWN:
-            continue
+    for entry in core.entries(CONTROL_COUNTS):
         values = [v for k, v in entry.body.labels if k.startswith(WANTED_LABEL)]
-        if not values or core.liveness(entry.session_id) in (Liveness.DEAD, Liveness.LEFT):
-            continue
         for value in values:
             out.update(value.split())
     return out
@@ -270,21 +272,21 @@ def wanted_models(core: MeshCore) -> set[str]:
 
 def replicas(core: MeshCore) -> list[Replica]:
     """The controller's replicas as the registry shows them (entries labelled
-    ``fabric.service``): an entry's DOWN state or this agent's dead verdict makes one not
-    alive; the engine's error from the ``fabric.engine_error`` label."""
+    ``fabric.service``, matched to jobs by their ``slurm.job_id`` label): one is alive while
+    its standing is at least ``CONTROL_COUNTS`` (``mesh.schema``: not DOWN, LEFT or dead in
+    this agent's view); the engine's error from the ``fabric.engine_error`` label."""
     out = []
     for entry in core.registry:
         labels = dict(entry.body.labels)
         model = labels.get(SERVICE_LABEL)
         if not model:
             continue
-        live = core.liveness(entry.session_id)
-        alive = live not in (Liveness.DEAD, Liveness.LEFT) and entry.body.state < State.DOWN
+        alive = core.standing_of(entry) >= CONTROL_COUNTS
         out.append(
             Replica(
                 entry.session_id,
                 model,
-                labels.get(JOB_LABEL, ""),
+                labels.get(SLURM_JOB_LABEL, ""),
                 entry.body.state.name.lower(),
                 alive,
                 labels.get(ENGINE_ERROR_LABEL, ""),
@@ -298,10 +300,8 @@ def load_sample(core: MeshCore, model: str, now: float, max_age_s: float) -> Loa
     label), those with a report at most ``max_age_s`` old; None when there is none."""
     kv: list[float] = []
     waiting: list[int] = []
-    for entry in core.registry:
+    for entry in core.entries(CONTROL_COUNTS):
         if entry.body.state != State.SERVING or (SERVICE_LABEL, model) not in entry.body.labels:
-            continue
-        if core.liveness(entry.session_id) in (Liveness.DEAD, Liveness.LEFT):
             continue
         load = core.loads.get(entry.session_id)
         if load is None or now - load.at > max_age_s:
@@ -329,8 +329,7 @@ def acting_controller(core: MeshCore) -> Candidate | None:
         since = candidate_since(entry.body.labels)
         if since is None:
             continue
-        live = core.liveness(entry.session_id)
-        dead = entry.body.state >= State.DOWN or live in (Liveness.DEAD, Liveness.LEFT)
+        dead = core.standing_of(entry) < CONTROL_COUNTS
         out.append(Candidate(entry.session_id, since, dead, entry.body.addresses.http))
     return acting(out)
 

@@ -35,6 +35,7 @@ from fabricnode.elastic.vocab import Submit
 from fabricnode.errors import FabricError
 from fabricnode.host.hostcmd import run_full
 from fabricnode.host.slurm import parse_sbatch_job_id, parse_slurm_time, parse_time_limit
+from fabricnode.mesh.schema import SERVICE_LABEL
 
 TAG = "fabric-elastic"
 SQUEUE_FIELDS = (
@@ -199,7 +200,7 @@ class SlurmControl:
         ):
             if value:
                 argv.append(f"{flag}={value}")
-        agent = [*agent_args(service), "--label", f"fabric.service={service.name}"]
+        agent = [*agent_args(service), "--label", f"{SERVICE_LABEL}={service.name}"]
         if service.engine.strip() == "sim":
             argv.append("--export=ALL,FABRIC_ENGINE=sim")
         else:  # the job's agent renders the template for the model (fabric start --serve)

@@ -5,7 +5,10 @@ This module sits at the bottom of ``fabricnode.elastic`` (above only the service
 policy and the leader rule; the ``elastic-layers`` contract in pyproject.toml): the records
 here are what the loop (``controller``), the scalers (``demand``, ``follow``), the I/O
 (``observe``, ``slurmctl``) and the pure pass (``reconcile``) hand each other, so none of them
-needs to import the loop that drives them.
+needs to import the loop that drives them. The registry labels they read and write
+(``fabric.service``, ``slurm.job_id``, ``fabric.wanted``, ``fabric.controller``) are not
+elastic's words but the registry's: they are spelled once, in ``mesh.schema``, and each module
+imports the key it needs from there.
 
 Records, and why each one exists
 --------------------------------
@@ -39,11 +42,6 @@ from typing import Protocol
 
 from fabricnode.elastic.servicefile import Limits as Limits  # the one Limits: the file's
 from fabricnode.elastic.servicefile import ModelService
-
-# The registry labels the elastic fabric reads and writes
-SERVICE_LABEL = "fabric.service"  # a job's agent: the model it serves
-JOB_LABEL = "slurm.job_id"  # a job's agent: its Slurm job
-WANTED_LABEL = "fabric.wanted"  # an ingress holding requests for models without a replica
 
 
 class Reason(enum.Enum):

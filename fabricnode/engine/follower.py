@@ -20,11 +20,11 @@ from fabricnode.engine.template import EngineTemplate
 from fabricnode.errors import ConfigError
 from fabricnode.mesh.assignment import SignedAssignment
 from fabricnode.mesh.registry import Hardware
+from fabricnode.mesh.schema import PLAN_LABEL, PLAN_STATUS_LABEL
 from fabricnode.mesh.service import GossipService
 
 log = logging.getLogger("fabricnode.engine.follower")
 
-PLAN_LABEL_PREFIX = "fabric.plan"
 POLL_S = 0.25  # how fast a JOIN-only node notices an assignment for it
 
 
@@ -82,5 +82,5 @@ class AssignmentFollower:
         return command
 
     def _publish(self, plan_id: str, status: str) -> None:
-        self.labels = (("fabric.plan", plan_id), ("fabric.plan_status", status))
-        self.gossip.relabel(PLAN_LABEL_PREFIX, self.labels)
+        self.labels = ((PLAN_LABEL, plan_id), (PLAN_STATUS_LABEL, status))
+        self.gossip.relabel(PLAN_LABEL, self.labels)  # the prefix of both

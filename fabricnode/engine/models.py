@@ -20,7 +20,7 @@ signed bytes in all). ``publishable`` keeps what fits and says what it dropped, 
 
 Base models are kept before adapters, each in the engine's order, and the kept ones are
 published in the engine's order. Which model is an adapter of which rides in the entry's
-``fabric.parents`` label (``registry.parents_labels``).
+``fabric.parents`` label (``schema.parents_labels``).
 """
 
 from __future__ import annotations
@@ -29,15 +29,8 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Any
 
-from fabricnode.mesh.registry import (
-    MAX_ENTRY_BYTES,
-    MAX_MODEL_ID,
-    MAX_MODELS,
-    PARENTS_LABEL,
-    EntryBody,
-    ModelInfo,
-    parents_labels,
-)
+from fabricnode.mesh.registry import MAX_ENTRY_BYTES, MAX_MODEL_ID, MAX_MODELS, EntryBody, ModelInfo
+from fabricnode.mesh.schema import PARENTS_LABEL, parents_labels
 
 # A model list larger than this is not read (vLLM's, with 64 adapters, is about 40 KB).
 MAX_LISTING_BYTES = 1 << 20

@@ -51,17 +51,14 @@ from fabricnode.engine.models import (
 )
 from fabricnode.engine.process import EngineError, EngineProcess, wait_ready
 from fabricnode.engine.sleep import EngineSleep
-from fabricnode.mesh.registry import (
-    MAX_LABEL_VALUE,
+from fabricnode.mesh.registry import MAX_LABEL_VALUE, EngineInfo, State
+from fabricnode.mesh.schema import (
+    ENGINE_ERROR_LABEL,
     PARENTS_LABEL,
     PRIORITY_SCHEDULING_LABEL,
     SLEEPING_LABEL,
-    EngineInfo,
-    State,
 )
 from fabricnode.mesh.service import GossipService
-
-ERROR_LABEL = "fabric.engine_error"
 
 log = logging.getLogger("fabricnode.engine.service")
 
@@ -379,7 +376,7 @@ class EngineService:
         labels = [
             (k, v)
             for k, v in self.gossip.core.self_entry.body.labels
-            if k not in (ERROR_LABEL, SLEEPING_LABEL)
+            if k not in (ENGINE_ERROR_LABEL, SLEEPING_LABEL)
         ]
-        labels.append((ERROR_LABEL, error[:MAX_LABEL_VALUE]))  # what every peer decodes
+        labels.append((ENGINE_ERROR_LABEL, error[:MAX_LABEL_VALUE]))  # what every peer decodes
         self.gossip.update_self(state=State.DOWN, labels=tuple(sorted(labels)))

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import httpx
 import trio
 
-from fabricnode.mesh.registry import SLEEPING_LABEL
+from fabricnode.mesh.schema import SLEEPING_LABEL
 from fabricnode.mesh.service import GossipService
 
 log = logging.getLogger("fabricnode.engine.sleep")

@@ -25,10 +25,9 @@ from collections.abc import Awaitable, Callable
 import trio
 
 from fabricnode.host.slurm import LeavePlan, move_leave, plan_leave
+from fabricnode.mesh.schema import JOB_END_LABEL
 
 log = logging.getLogger("fabricnode.host.lease")
-
-JOB_END_LABEL = "fabric.job_end"
 
 
 def lease_label(end_time: float) -> tuple[str, str]:

@@ -20,6 +20,8 @@ Modules, in reading order:
 * ``codec``       strict, bounded msgpack decoding shared by every wire-facing module.
 * ``wire``        the versioned packet and message formats; the replay guard.
 * ``registry``    the CRDT of owner-signed entries: rank, merge, leases, tombstones.
+* ``schema``      the registry's label keys (what each means, who writes and reads it) and
+                  ``standing``: the one verdict on whether a node is routable, alive or gone.
 * ``membership``  SWIM + Lifeguard: each node's local liveness view (alive, suspect, dead).
 * ``broadcast``   the transmit-limited queue of piggybacked gossip.
 * ``assignment``  operator-signed engine assignments, a second CRDT beside the registry.

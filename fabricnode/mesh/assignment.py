@@ -25,8 +25,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 from fabricnode.errors import DecodeError
 from fabricnode.mesh import codec
@@ -35,9 +34,8 @@ from fabricnode.mesh.identity import (
     OperatorKey,
     Verifier,
     canonical,
-    record_digest,
 )
-from fabricnode.mesh.signed import OperatorSigned, take_signed
+from fabricnode.mesh.signed import OperatorSigned
 
 ASSIGNMENT_DOMAIN = b"fabric/assignment/v1"
 MAX_ASSIGNMENT_BYTES = 1024
@@ -45,6 +43,8 @@ MAX_PLAN_ID = 32
 MAX_MODEL_ID = 256
 MAX_PARALLEL = 1024
 DEFAULT_ASSIGNMENT_TTL_S = 1800.0
+# Where an agent takes assignments over HTTP (their ``to_json`` form; ``fabric plan --apply``).
+ASSIGNMENTS_PATH = "/fabric/v1/assignments"
 
 
 @dataclass(frozen=True)
@@ -97,14 +97,13 @@ def _check_body(body: AssignmentBody) -> None:
 
 
 @dataclass(frozen=True)
-class SignedAssignment(OperatorSigned):
-    body: AssignmentBody
-    signed_bytes: bytes
-    signature: bytes
-    digest: bytes = field(init=False, repr=False, compare=False)
+class SignedAssignment(OperatorSigned[AssignmentBody]):
+    MAX_BYTES = MAX_ASSIGNMENT_BYTES
+    WHAT = "assignment"
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "digest", record_digest(self.signed_bytes, self.signature))
+    @classmethod
+    def parse_signed_body(cls, signed_bytes: bytes) -> AssignmentBody:
+        return parse_body(signed_bytes)
 
     @property
     def target(self) -> str:
@@ -113,16 +112,6 @@ class SignedAssignment(OperatorSigned):
     @property
     def rank(self) -> tuple[float, bytes]:
         return (self.body.issued_at, self.digest)
-
-    @classmethod
-    def from_wire(cls, obj: Any) -> SignedAssignment:
-        """Parse (not verify) an assignment from the network; DecodeError if malformed."""
-        signed, signature = take_signed(obj, MAX_ASSIGNMENT_BYTES, "assignment")
-        return cls(parse_body(signed), signed, signature)
-
-    @classmethod
-    def from_json(cls, doc: Any) -> SignedAssignment:
-        return cls.from_wire(codec.signed_from_json(doc, "assignment"))
 
     def describe(self) -> dict[str, object]:
         b = self.body

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from fabricnode.errors import WireError
@@ -60,6 +60,7 @@ from fabricnode.mesh.registry import (
     SignedEntry,
     State,
 )
+from fabricnode.mesh.schema import JOB_END_LABEL, Standing, standing
 from fabricnode.mesh.servicedoc import ServicesRegister, SignedServices
 from fabricnode.mesh.wire import (
     DEAD,
@@ -405,6 +406,26 @@ class MeshCore:
         if sid == self.self_id:
             return Liveness.LEFT if self.left else Liveness.ALIVE
         return self.members.status(sid)
+
+    def standing(self, sid: str, state: State) -> Standing:
+        """The standing (``schema.standing``) of session ``sid`` whose entry is in ``state``,
+        by this node's liveness view. Our own session counts as a probed member, alive until
+        we leave; another is probed while it is a member with a gossip address."""
+        if sid == self.self_id:
+            return standing(state, Liveness.LEFT if self.left else Liveness.ALIVE, probed=True)
+        m = self.members.get(sid)
+        if m is None:
+            return standing(state, None, probed=False)
+        return standing(state, m.status, probed=bool(m.addr))
+
+    def standing_of(self, entry: SignedEntry) -> Standing:
+        return self.standing(entry.session_id, entry.body.state)
+
+    def entries(self, at_least: Standing) -> Iterator[SignedEntry]:
+        """The registry's entries whose standing is ``at_least`` or higher, in its order."""
+        for entry in self.registry:
+            if self.standing(entry.session_id, entry.body.state) >= at_least:
+                yield entry
 
     def take_outbound(self) -> list[Outbound]:
         out, self._out = self._out, []
@@ -1062,7 +1083,7 @@ def _live_key(row: SyncRow) -> tuple[int, int]:
 
 def _lease_cap(labels: tuple[tuple[str, str], ...]) -> float:
     """The end of the Slurm job an entry belongs to (its lease never goes past it)."""
-    cap = dict(labels).get("fabric.job_end")
+    cap = dict(labels).get(JOB_END_LABEL)
     try:
         return float(cap) if cap else math.inf
     except ValueError:

@@ -62,20 +62,6 @@ MAX_MODEL_ID = 256  # characters, as every peer decodes a model id
 MAX_LABELS = 64
 MAX_LABEL_KEY = 64
 MAX_LABEL_VALUE = 256  # characters; what every peer decodes (a longer one drops the entry)
-# A SERVING node whose engine sleeps (value: the sleep level): not routed to while there is an
-# awake replica of its models; a request for a model with none goes to it and wakes it.
-SLEEPING_LABEL = "fabric.sleeping"
-# A SERVING node whose engine serves waiting requests by their ``priority`` field (vLLM's
-# ``--scheduling-policy priority``; value "1"): batch-tier requests routed to it carry a
-# priority below the interactive ones', so under pressure the engine lets them wait first.
-PRIORITY_SCHEDULING_LABEL = "fabric.priority_scheduling"
-# Which models are adapters (LoRA) of which others on this entry: the model row has no room
-# for a parent (every peer decodes exactly three fields), and a label is what older peers
-# carry unchanged. Value: one item per model, in the entry's order, separated by commas: the
-# index of the model's parent among the entry's models, or empty for a base model; so
-# ``",0,0"`` says models 1 and 2 are adapters of model 0. At most 64 models of two digits each:
-# never more than 191 characters. Set only on an entry that lists an adapter.
-PARENTS_LABEL = "fabric.parents"
 
 
 class State(enum.IntEnum):
@@ -315,39 +301,6 @@ def parse_body(signed_bytes: bytes) -> EntryBody:
         expires_at=codec.take_float(f[13], what="expires_at"),
         provider_cert=cert,
     )
-
-
-def parents_labels(
-    models: tuple[ModelInfo, ...], parents: dict[str, str]
-) -> tuple[tuple[str, str], ...]:
-    """The ``fabric.parents`` label saying which of ``models`` are adapters of which (from
-    ``parents``: model id -> parent id); none when no model has a parent among ``models``."""
-    index = {m.id: i for i, m in enumerate(models)}
-    items = []
-    for i, m in enumerate(models):
-        p = index.get(parents.get(m.id, ""))
-        items.append("" if p is None or p == i else str(p))
-    return ((PARENTS_LABEL, ",".join(items)),) if any(items) else ()
-
-
-def model_parents(body: EntryBody) -> dict[str, str]:
-    """Model id -> the id of the model it is an adapter of, from the entry's
-    ``fabric.parents`` label; an entry without one (or with one that does not match its
-    models) has none."""
-    value = next((v for k, v in body.labels if k == PARENTS_LABEL), None)
-    if not value:
-        return {}
-    items = value.split(",")
-    models = body.models
-    if len(items) != len(models):
-        return {}
-    out = {}
-    for i, item in enumerate(items):
-        if 0 < len(item) <= 2 and item.isascii() and item.isdigit():
-            p = int(item)
-            if p < len(models) and p != i:
-                out[models[i].id] = models[p].id
-    return out
 
 
 def join(a: SignedEntry, b: SignedEntry) -> SignedEntry:

@@ -26,8 +26,7 @@ Rules
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 from fabricnode.errors import DecodeError
 from fabricnode.mesh import codec
@@ -37,14 +36,15 @@ from fabricnode.mesh.identity import (
     OperatorKey,
     Verifier,
     canonical,
-    record_digest,
 )
-from fabricnode.mesh.signed import OperatorSigned, take_signed
+from fabricnode.mesh.signed import OperatorSigned
 
 SERVICES_DOMAIN = b"fabric/services/v1"
 MAX_SERVICES_TEXT = 64 * 1024
 MAX_SERVICES_BYTES = MAX_SERVICES_TEXT + 256
 DIGEST_PREFIX = 8  # bytes of the digest a rank carries
+# Where an agent takes the service file over HTTP (its ``to_json`` form; ``fabric services``).
+SERVICES_PATH = "/fabric/v1/services"
 
 Rank = tuple[float, bytes]  # (issued_at, digest prefix)
 
@@ -68,28 +68,17 @@ class ServicesBody:
 
 
 @dataclass(frozen=True)
-class SignedServices(OperatorSigned):
-    body: ServicesBody
-    signed_bytes: bytes
-    signature: bytes
-    digest: bytes = field(init=False, repr=False, compare=False)
+class SignedServices(OperatorSigned[ServicesBody]):
+    MAX_BYTES = MAX_SERVICES_BYTES
+    WHAT = "services"
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "digest", record_digest(self.signed_bytes, self.signature))
+    @classmethod
+    def parse_signed_body(cls, signed_bytes: bytes) -> ServicesBody:
+        return parse_body(signed_bytes)
 
     @property
     def rank(self) -> Rank:
         return (self.body.issued_at, self.digest[:DIGEST_PREFIX])
-
-    @classmethod
-    def from_wire(cls, obj: Any) -> SignedServices:
-        """Parse (not verify) a document from the network; DecodeError if malformed."""
-        signed, signature = take_signed(obj, MAX_SERVICES_BYTES, "services")
-        return cls(parse_body(signed), signed, signature)
-
-    @classmethod
-    def from_json(cls, doc: Any) -> SignedServices:
-        return cls.from_wire(codec.signed_from_json(doc, "services"))
 
     def describe(self) -> dict[str, object]:
         return {

@@ -1,17 +1,20 @@
 """What the mesh's operator-signed records share (engine assignments, the service file).
 
-Each is a frozen dataclass with its parsed ``body`` (which carries the operator's public key),
-the ``signed_bytes`` the signature covers and the ``signature``; this mixin gives them the same
-fingerprint, verification, wire form and HTTP form. The mesh checks who signed, never what a
-record means: that is each record's own module.
+Each is a frozen dataclass derived from ``OperatorSigned[Body]``: its parsed ``body`` (which
+carries the operator's public key), the ``signed_bytes`` the signature covers, the
+``signature`` and their ``digest``. The base gives them the same fingerprint, verification,
+wire form and HTTP form, and parses both forms with the record's own bound (``MAX_BYTES``),
+name (``WHAT``) and body parser (``parse_signed_body``). The mesh checks who signed, never what
+a record means: that is each record's own module.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Generic, Protocol, Self, TypeVar
 
 from fabricnode.mesh import codec
-from fabricnode.mesh.identity import SIGNATURE_BYTES, Verifier, key_fingerprint
+from fabricnode.mesh.identity import SIGNATURE_BYTES, Verifier, key_fingerprint, record_digest
 
 
 class _OperatorBody(Protocol):
@@ -19,10 +22,36 @@ class _OperatorBody(Protocol):
     def operator_key(self) -> bytes: ...
 
 
-class OperatorSigned:
-    body: Any  # an _OperatorBody
+B = TypeVar("B", bound=_OperatorBody)
+
+
+@dataclass(frozen=True)
+class OperatorSigned(Generic[B]):
+    body: B
     signed_bytes: bytes
     signature: bytes
+    digest: bytes = field(init=False, repr=False, compare=False)
+
+    MAX_BYTES: ClassVar[int]  # the bound on the signed bytes from the network
+    WHAT: ClassVar[str]  # the record's name in decoding errors and its HTTP form
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "digest", record_digest(self.signed_bytes, self.signature))
+
+    @classmethod
+    def parse_signed_body(cls, signed_bytes: bytes) -> B:
+        """The record's body from its signed bytes; DecodeError if malformed."""
+        raise NotImplementedError
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> Self:
+        """Parse (not verify) a record from the network; DecodeError if malformed."""
+        signed, signature = take_signed(obj, cls.MAX_BYTES, cls.WHAT)
+        return cls(cls.parse_signed_body(signed), signed, signature)
+
+    @classmethod
+    def from_json(cls, doc: Any) -> Self:
+        return cls.from_wire(codec.signed_from_json(doc, cls.WHAT))
 
     @property
     def operator(self) -> str:

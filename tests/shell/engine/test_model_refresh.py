@@ -18,7 +18,8 @@ from fabricnode.engine.service import EngineService
 from fabricnode.mesh.core import MeshCore
 from fabricnode.mesh.identity import Identity
 from fabricnode.mesh.keyring import Keyring
-from fabricnode.mesh.registry import MAX_MODELS, PARENTS_LABEL, SLEEPING_LABEL, State
+from fabricnode.mesh.registry import MAX_MODELS, State
+from fabricnode.mesh.schema import PARENTS_LABEL, SLEEPING_LABEL
 from fabricnode.mesh.service import GossipService
 from fabricnode.testing.simnet import make_body
 from tests.support.notransport import NoTransport

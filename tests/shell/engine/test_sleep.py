@@ -15,7 +15,7 @@ from fabricnode.engine.sleep import EngineSleep
 from fabricnode.mesh.core import MeshCore
 from fabricnode.mesh.identity import Identity
 from fabricnode.mesh.keyring import Keyring
-from fabricnode.mesh.registry import SLEEPING_LABEL
+from fabricnode.mesh.schema import SLEEPING_LABEL
 from fabricnode.mesh.service import GossipService
 from fabricnode.testing.simnet import make_body
 from tests.support.notransport import NoTransport

@@ -31,12 +31,8 @@ from fabricnode.dataplane.ingress_config import IngressConfig
 from fabricnode.mesh.core import MeshCore
 from fabricnode.mesh.identity import Identity
 from fabricnode.mesh.keyring import Keyring
-from fabricnode.mesh.registry import (
-    PRIORITY_SCHEDULING_LABEL,
-    Addresses,
-    ModelInfo,
-    State,
-)
+from fabricnode.mesh.registry import Addresses, ModelInfo, State
+from fabricnode.mesh.schema import PRIORITY_SCHEDULING_LABEL
 from fabricnode.mesh.wire import Alive, EntryMsg, Load
 from fabricnode.testing.simnet import make_body
 

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from cli.localmesh import AgentProcess, LocalMesh, wait_until
-from fabricnode.mesh.registry import SLEEPING_LABEL
+from fabricnode.mesh.schema import SLEEPING_LABEL
 from tests.support import SUPPORT
 from tests.support.meshview import entry, fabric, free_port, metrics, state_is
 

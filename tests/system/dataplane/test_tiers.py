@@ -22,7 +22,7 @@ import pytest
 
 from cli.localmesh import AgentProcess, LocalMesh, wait_until
 from fabricnode.dataplane.apikeys import ApiKeyStore
-from fabricnode.mesh.registry import PRIORITY_SCHEDULING_LABEL
+from fabricnode.mesh.schema import PRIORITY_SCHEDULING_LABEL
 from tests.support.meshload import closed_loop, sim_engine_args
 from tests.support.meshview import entry, metrics
 

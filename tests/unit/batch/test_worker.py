@@ -15,8 +15,9 @@ import trio
 
 from fabricnode.batch import records
 from fabricnode.batch.store import BatchStore
-from fabricnode.batch.worker import OWNER_HEADER, BatchWorker
+from fabricnode.batch.worker import BatchWorker
 from fabricnode.batch.worker_config import BatchConfig
+from fabricnode.dataplane.tiers import OWNER_HEADER
 
 
 class FakeIngress:
@@ -30,7 +31,7 @@ class FakeIngress:
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         body = json.loads(request.content)
-        self.owners.add(request.headers[OWNER_HEADER])
+        self.owners.add(request.headers[OWNER_HEADER.decode()])
         assert "stream" not in body
         if self.busy > 0:
             self.busy -= 1

@@ -7,7 +7,8 @@ from dataclasses import replace
 from fabricnode.dataplane.routetable import CircuitBreaker, RouteTable
 from fabricnode.mesh.identity import Identity
 from fabricnode.mesh.membership import Liveness
-from fabricnode.mesh.registry import Addresses, ModelInfo, State, parents_labels
+from fabricnode.mesh.registry import Addresses, ModelInfo, State
+from fabricnode.mesh.schema import parents_labels
 from fabricnode.mesh.wire import EntryMsg
 from fabricnode.testing.simnet import SimNetwork, make_body
 

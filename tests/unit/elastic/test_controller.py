@@ -10,13 +10,13 @@ from pathlib import Path
 import trio
 
 from fabricnode.elastic.controller import Controller
-from fabricnode.elastic.leader import CONTROLLER_LABEL
 from fabricnode.elastic.slurmctl import SlurmControl, comment_for, mesh_tag
 from fabricnode.elastic.vocab import ServicePlans
 from fabricnode.errors import ConfigError
 from fabricnode.mesh.core import MeshConfig
 from fabricnode.mesh.identity import Identity, OperatorKey
 from fabricnode.mesh.registry import State
+from fabricnode.mesh.schema import CONTROLLER_LABEL
 from fabricnode.mesh.servicedoc import ServicesBody
 from fabricnode.testing.simnet import SimNetwork, SimNode
 from tests.unit.elastic.plans import plan

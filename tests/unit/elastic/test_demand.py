@@ -12,10 +12,11 @@ import trio
 
 from fabricnode.elastic.demand import MAX_WANTED_LABELS, Declared, DemandScaler, wanted_labels
 from fabricnode.elastic.observe import ModelSums, wanted_models
-from fabricnode.elastic.vocab import MIN_REPLICAS, WANTED_LABEL, Reason
+from fabricnode.elastic.vocab import MIN_REPLICAS, Reason
 from fabricnode.mesh.core import MeshConfig
 from fabricnode.mesh.identity import Identity, OperatorKey
 from fabricnode.mesh.registry import MAX_LABEL_VALUE
+from fabricnode.mesh.schema import WANTED_LABEL
 from fabricnode.mesh.servicedoc import ServicesBody
 from fabricnode.testing.simnet import SimNetwork
 from tests.unit.elastic.plans import plan

@@ -19,10 +19,11 @@ from fabricnode.elastic.follow import ForecastScaler, TtftWindow, follows_demand
 from fabricnode.elastic.observe import ModelSums
 from fabricnode.elastic.policy import REASONS, ReplicaCapacity
 from fabricnode.elastic.slurmctl import SlurmControl
-from fabricnode.elastic.vocab import WANTED_LABEL, Fleet, Held, ModelPlan, Reason, ServicePlans
+from fabricnode.elastic.vocab import Fleet, Held, ModelPlan, Reason, ServicePlans
 from fabricnode.mesh.core import MeshConfig
 from fabricnode.mesh.identity import Identity, OperatorKey
 from fabricnode.mesh.registry import State
+from fabricnode.mesh.schema import WANTED_LABEL
 from fabricnode.mesh.wire import Load
 from fabricnode.testing.simnet import SimNetwork
 from tests.unit.elastic.plans import plan as model_plan

@@ -22,11 +22,10 @@ from fabricnode.mesh.registry import (
     MAX_ENTRY_BYTES,
     MAX_MODEL_ID,
     MAX_MODELS,
-    PARENTS_LABEL,
     ModelInfo,
     SignedEntry,
-    model_parents,
 )
+from fabricnode.mesh.schema import ENGINE_ERROR_LABEL, PARENTS_LABEL, model_parents
 from fabricnode.testing.simnet import make_body
 
 ROOM = 10_000
@@ -136,7 +135,7 @@ def test_the_largest_list_the_limits_allow_fits_a_signed_entry_with_room_for_a_d
     signed = body.successor(models=pub.models, labels=pub.labels).sign(me)
     # what is left is at least the headroom the engine's error label and the rest need
     assert len(signed.signed_bytes) <= MAX_ENTRY_BYTES - ENTRY_HEADROOM_BYTES + 64
-    error = ("fabric.engine_error", "e" * 256)
+    error = (ENGINE_ERROR_LABEL, "e" * 256)
     body.successor(models=pub.models, labels=(*pub.labels, error)).sign(me)  # no ValueError
     again = SignedEntry.from_wire(signed.to_wire())
     assert model_parents(again.body) == {m.id: "b" * MAX_MODEL_ID for m in pub.models[1:]}

@@ -23,7 +23,6 @@ from hypothesis.stateful import (
 from fabricnode.mesh.identity import Identity, Verifier
 from fabricnode.mesh.registry import (
     MAX_LABEL_VALUE,
-    PARENTS_LABEL,
     Hardware,
     MergeOutcome,
     ModelInfo,
@@ -32,9 +31,8 @@ from fabricnode.mesh.registry import (
     SignedEntry,
     State,
     join,
-    model_parents,
-    parents_labels,
 )
+from fabricnode.mesh.schema import PARENTS_LABEL, model_parents, parents_labels
 from fabricnode.testing.simnet import make_body
 
 T0 = 1_750_000_000.0  # "now" of most tests: every pool entry is live then
