@@ -44,9 +44,9 @@ cache has the same capacity. The engines admit optimistically and preempt under 
 vLLM does. At 30 tree clients (1 to 8 requests in flight each) the KV budget binds: a policy
 that spreads every tree over every node both misses the cache and fills the KV with copies of
 the same prefixes, so requests queue and get preempted. ``--kv-tokens 40000`` (SGLang's larger
-static pool) is the regime where round robin still fits everything; docs/benchmarks.md reports
-both. The token rate through the relays (~0.9k chunks/s) is well within what two shared cores
-carry; the "cpu" and "host%" columns show whether that held.
+static pool) is the regime where round robin still fits everything; docs/benchmarks-history.md
+reports both. The token rate through the relays (~0.9k chunks/s) is well within what two shared
+cores carry; the "cpu" and "host%" columns show whether that held.
 
 Targets (issue 4): on tot, the default policy (``routing.DEFAULT_POLICY``) >= 1.27x round-robin
 throughput and >= 5x lower P90 TTFT; on nosharing, within 5% of least-load throughput.

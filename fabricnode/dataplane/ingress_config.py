@@ -65,11 +65,11 @@ class IngressConfig:
     # carry ``"priority": batch_priority`` (interactive requests: vLLM's default, 0).
     # 0.7: with interactive routing that leaves batch work out of its scores, the batch tier
     # costs the interactive p95 ~2% here and takes ~75% of the idle capacity; 0.6 (SageServe's)
-    # left a third of it idle (docs/benchmarks.md, "Priority tiers").
+    # left a third of it idle (docs/benchmarks-history.md, "Priority tiers").
     batch_kv_threshold: float = 0.7
     batch_max_waiting: int = 0
     # 32: with the prefill clocks pacing batch prompts, the KV threshold is what binds; a
-    # smaller cap only leaves capacity idle (docs/benchmarks.md, "Priority tiers").
+    # smaller cap only leaves capacity idle (docs/benchmarks-history.md, "Priority tiers").
     batch_max_inflight_per_node: int = 32
     max_batch_waiting: int = 4096
     batch_max_wait_s: float = 600.0

@@ -11,8 +11,9 @@ running two that were just sent is not. The ingress does know what it just sent,
 keeps, per node, a *virtual clock* of the prefill work it has sent there: sending a prompt of T
 (estimated) tokens moves the node's clock to ``max(clock, now) + T / rate``, and
 ``backlog(node, now) = max(0, clock - now)`` is the prefill time still ahead of a new request.
-Routing prefers nodes with no backlog; measured on ``bench/tiers.py`` (docs/benchmarks.md), this
-is what keeps interactive requests off the nodes that are prefilling batch work.
+Routing prefers nodes with no backlog; measured on ``bench/tiers.py``
+(docs/benchmarks-history.md), this is what keeps interactive requests off the nodes that are
+prefilling batch work.
 
 The rate is learned per node, in the units the ingress estimates tokens in (prompt bytes / 4),
 so a systematic error of that estimate cancels. A sample is a streamed request sent while the

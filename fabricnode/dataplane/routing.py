@@ -71,29 +71,29 @@ The pending-aware policy (SkyLB's selective pushing, SP-P, §3.3) is the prefix 
 change in step (c): when no node has affinity, the least loaded is chosen among *open* nodes only,
 and the request is HELD (``rank`` returns ``None``) when no node is open. Affinity comes first, even
 to a backlogged node, as long as it passes the load guard: measured on ``bench/routing.py``
-(docs/benchmarks.md), holding or diverting a request whose prefix is cached on a node with a short
-queue costs more (a full prefill elsewhere, and the cache entry on the other node then splits the
-tree's later requests) than waiting in that node's queue. A node is *backlogged* (not open) only on
-a fresh report, when it has more than ``pending_waiting_threshold`` waiting requests (default 1: a
-queue of two or more means the batch is full) or when this ingress already has
+(docs/benchmarks-history.md), holding or diverting a request whose prefix is cached on a node with
+a short queue costs more (a full prefill elsewhere, and the cache entry on the other node then
+splits the tree's later requests) than waiting in that node's queue. A node is *backlogged* (not
+open) only on a fresh report, when it has more than ``pending_waiting_threshold`` waiting requests
+(default 1: a queue of two or more means the batch is full) or when this ingress already has
 ``max(pending_min_local_inflight, pending_local_per_running * running)`` requests in flight to it
 (the report cannot see what we pushed since it was taken; the cap doubles per report while the node
 keeps admitting, so it follows an unknown batch size without a fixed limit). A node whose load is
 unknown or stale is always open, so a HOLD always resolves: a fresh report showing room, one of our
 requests finishing, or the reports ageing out within ``load_stale_after_s``. The ingress must still
-bound how long it holds one request: under overload sustained from elsewhere, fresh reports may keep
-showing queues; it then asks again with ``allow_hold=False`` and pushes to the policy's least-loaded
-pick.
+bound how long it holds one request: under overload sustained from elsewhere, fresh reports may
+keep showing queues; it then asks again with ``allow_hold=False`` and pushes to the policy's
+least-loaded pick.
 
 Why a queue of one does not close a node: an engine counts a request as waiting from its arrival
 until the next step admits it, so a snapshot often shows one waiting request on a node with room
 (the request that came during the step in progress). A report is taken every half second and
 stands until the next one, so with a threshold of 0 such a snapshot on every node held requests
 at the ingress for up to half a second while the engines had room. Measured on ``bench/tiers.py``
-(docs/benchmarks.md, with ``bench/tiers_model.py``): with a batch beside the interactive
-requests, such snapshots on both nodes were common, held requests were about a third of the
-slowest 5%, and the batch tier's cost to the interactive p95 fell from ~1.1x to ~1.02x with the
-threshold at 1.
+(docs/benchmarks-history.md, "Priority tiers", with ``bench/tiers_model.py``): with a batch beside
+the interactive requests, such snapshots on both nodes were common, held requests were about a
+third of the slowest 5%, and the batch tier's cost to the interactive p95 fell from ~1.1x to ~1.02x
+with the threshold at 1.
 """
 
 from __future__ import annotations

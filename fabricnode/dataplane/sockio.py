@@ -16,12 +16,12 @@ set to become readable and wakes the tasks whose sockets are ready. That pays un
 one wakeup serves many sockets, and costs a second task step per wait when requests come one at
 a time, so the owner turns ``batching`` on only while requests overlap (see ``Reactor``).
 Against trio's waits it lowers the agent's CPU per request under load and changes nothing at
-c=1 (docs/benchmarks.md, "2026-11-24: the data plane's own reactor"). Edge-triggered means
+c=1 (docs/benchmarks-history.md, "2026-11-24: the data plane's own reactor"). Edge-triggered means
 "wake me when something new arrives", so a wait must follow a read that drained the socket: the
-reactor remembers an edge that came while nobody waited, a read that filled its whole buffer
-(more may be queued), and a peer's close (data and FIN can arrive in one edge: the read returns
-the data, and the EOF behind it would get no edge of its own), and such a wait returns at once
-(after a checkpoint).
+reactor remembers an edge that came while nobody waited, a read that filled its whole buffer (more
+may be queued), and a peer's close (data and FIN can arrive in one edge: the read returns the data,
+and the EOF behind it would get no edge of its own), and such a wait returns at once (after a
+checkpoint).
 
 System calls per proxied JSON request on a pooled upstream connection, batching: ``recv``
 client, ``send`` upstream, ``recv`` upstream, ``send`` client, plus ``epoll_wait`` calls shared by
@@ -186,14 +186,14 @@ class Reactor:
 
     Batching pays only under load: with one request at a time, every wait through the reactor
     is one trio wait (on the epoll set) plus a second task step to wake the waiter, where
-    trio's own wait is one (more CPU per request at c=1: docs/benchmarks.md, "2026-11-24: the
-    data plane's own reactor"). So the owner brackets each request it answers with
-    ``request_started``/``request_ended``, which turn ``batching`` on while requests overlap,
-    and the waits go straight to trio's ``wait_readable``/``wait_writable`` otherwise; sockets
-    stay registered either way (edges meanwhile only leave flags, which cost at most one empty
-    ``recv`` later). The reactor's
-    task listens only while some task waits through it. Until ``run`` starts (tests that drive
-    an ``Exchange`` on its own), and for sockets never registered, waits use trio's.
+    trio's own wait is one (more CPU per request at c=1: docs/benchmarks-history.md,
+    "2026-11-24: the data plane's own reactor"). So the owner brackets each request it answers
+    with ``request_started``/``request_ended``, which turn ``batching`` on while requests
+    overlap, and the waits go straight to trio's ``wait_readable``/``wait_writable`` otherwise;
+    sockets stay registered either way (edges meanwhile only leave flags, which cost at most one
+    empty ``recv`` later). The reactor's task listens only while some task waits through it.
+    Until ``run`` starts (tests that drive an ``Exchange`` on its own), and for sockets never
+    registered, waits use trio's.
     """
 
     def __init__(self) -> None:

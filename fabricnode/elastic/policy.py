@@ -44,7 +44,8 @@ constants rather than a fitted model: 90 s ahead on the Azure conversation trace
 Holt-Winters and ETS, refitted every bin (4-17 ms a fit), were no more accurate than a plain
 EWMA or a damped Holt with fixed constants. The undamped trend here is less accurate on average
 than either (it overshoots after a turn); it is what lets the policy scale a cold start ahead of
-a sustained ramp, and it bought attainment in the autoscaling bench (docs/benchmarks.md).
+a sustained ramp, and it bought attainment in the autoscaling bench
+(docs/benchmarks-history.md).
 
 Work: a replica sustains ``prefill_tokens_per_s`` doing only prefill, or ``decode_tokens_per_s``
 doing only decode (``ReplicaCapacity``). It time-shares between the two, so a demand of ``p``
