@@ -24,6 +24,14 @@ Modules, in reading order (pure first, then the shell that uses them):
 * ``routetable``      the registry reduced to the candidates of each model, and the filters.
 * ``tiers``           priority tiers: the interactive/batch headers, when a node has room for
                       batch work, fair queueing of waiting batch requests between API keys.
+* ``gate``          the batch gate as a sans-IO machine: offer, scan, expire, pressure and its
+                      deadline; the ingress only waits (``BatchGate``).
+* ``coldstart``     waiting for a replica of a declared model (scale from zero): routes or the
+                      refusal, and the wait's deadline (``ReplicaWait``, ``ReplicaRoom``).
+* ``responses``     Responses pinning: the node a stored response's follow-up goes to, or why
+                      not.
+* ``hold``          the pending-aware hold: when a request the policy holds goes, and when to
+                      ask the policy again.
 * ``forward_auth``    the HMAC header that proves an agent-to-agent forward holds the cluster key.
 * ``apikeys``         API keys of the ingress: lookup, the keys file, rate limits.
 * ``accounting``      token usage per request, totals per key and model, the request log.
