@@ -20,8 +20,10 @@ routed by a model (chat's, the other OpenAI-style ones, Anthropic's Messages, an
 serves outside ``/v1`` such as ``/rerank`` and ``/tokenize``); then the rest of ``/v1``
 (``/v1/models``, the stateful Responses paths routed by the response id, else 404); any other
 path goes to the agent's ASGI control app (``control.app.AdminApp``, handed in by the agent)
-through a small inline adapter (``asgi_call``), so one public port serves both. With
-``--admin`` that app is also served on its own port by hypercorn.
+through a small inline adapter (``asgi_call``), so one public port serves both; the scope says
+whether API keys are on and which key the caller named, and the app decides which paths need
+an admin key (``control.access``). With ``--admin`` that app is also served on its own port by
+hypercorn.
 
 What is not here: the checks before routing and the header grammars (``request``), the client
 connection, its sends and its lingering close (``clientconn``), a request's record (``job``),
@@ -108,7 +110,7 @@ from fabricnode.dataplane.accounting import (
     UsageLedger,
 )
 from fabricnode.dataplane.apikeys import ApiKeyStore, RateLimiter
-from fabricnode.dataplane.asgi_call import AsgiApp, call_asgi
+from fabricnode.dataplane.asgi_call import KEY_SCOPE, KEYS_SCOPE, AsgiApp, call_asgi
 from fabricnode.dataplane.clientconn import (
     ClientConn,
     ClientGone,
@@ -672,46 +674,17 @@ class Ingress:
         return self._handle_control(conn, req)
 
     async def _handle_control(self, conn: ClientConn, req: Request) -> bool:
-        if req.path == UI_SESSION_PATH and req.method in (b"GET", b"HEAD"):
-            return await self._answer(conn, self._ui_session(req), head_only=req.method == b"HEAD")
+        """Any other path: the agent's control app, told whether API keys are on and which key
+        the caller named (``asgi_call.KEYS_SCOPE``): it decides which paths need an admin key
+        and answers the dashboard's ``/ui/session`` (``control.access``)."""
         if self.control_app is None:
             await self._send_error(conn, 404, "no such endpoint", "not_found")
             return True
         keys = self.api_keys
-        if keys is not None and keys.enabled and not _open_control(req):
-            # With keys on, the registry views and /metrics (every node, engine addresses)
-            # need an admin key; probes stay open, and posted assignments carry signatures.
-            key = key_of(req.headers, keys)
-            if key is None:
-                await self._send_error(
-                    conn, KEY_REJECTION.status, KEY_REJECTION.message, KEY_REJECTION.code
-                )
-                return True
-            if not key.admin:
-                await self._send_error(
-                    conn,
-                    403,
-                    "this API key may not read the agent's registry or metrics (an operator "
-                    "makes one that may: fabric keys api-new NAME --admin)",
-                    "insufficient_permissions",
-                )
-                return True
-        return await self._answer_asgi(conn, req, self.control_app, None)
-
-    def _ui_session(self, req: Request) -> bytes:
-        """What the dashboard may read with the key it sends (``UI_SESSION_PATH``, open): so
-        the page asks for a key before it reads anything, instead of collecting 401s."""
-        keys = self.api_keys
-        if keys is None or not keys.enabled:
-            doc: dict[str, Any] = {"keys_required": False, "key": None, "admin": True}
-        else:
-            key = key_of(req.headers, keys)
-            doc = {
-                "keys_required": True,
-                "key": None if key is None else key.name,
-                "admin": key is not None and key.admin,
-            }
-        return orjson.dumps(doc)
+        on = keys is not None and keys.enabled
+        key = key_of(req.headers, keys) if keys is not None and on else None
+        scope = {KEYS_SCOPE: on, KEY_SCOPE: key}
+        return await self._answer_asgi(conn, req, self.control_app, scope)
 
     def _handle_v1(self, conn: ClientConn, req: Request, path: bytes) -> Coroutine[Any, Any, bool]:
         """``/v1`` paths that are not in ``ENDPOINTS``: the model list, the stateful Responses
@@ -758,7 +731,7 @@ class Ingress:
         return await self._answer_asgi(conn, req, app, {"fabric.owner": owner})
 
     async def _answer_asgi(
-        self, conn: ClientConn, req: Request, app: AsgiApp, extra: dict[str, str] | None
+        self, conn: ClientConn, req: Request, app: AsgiApp, extra: Mapping[str, object] | None
     ) -> bool:
         """Answer ``req`` with an ASGI app (the control app, the Batch API) in this task."""
         status, headers, body = await call_asgi(app, req, extra)
@@ -1977,25 +1950,3 @@ class Ingress:
         while True:
             await trio.sleep(SETTLE_INTERVAL_S)
             self.settle()
-
-
-# == helpers =================================================================================
-
-OPEN_CONTROL_PATHS = (b"/health", b"/ready", b"/ping", b"/version")
-# The dashboard's question before it reads anything: are keys on, and is this one good?
-UI_SESSION_PATH = b"/ui/session"
-ASSIGNMENTS_PATH = b"/fabric/v1/assignments"
-
-
-def _open_control(req: Request) -> bool:
-    """Control endpoints anyone may call while API keys are on. The dashboard's files hold no
-    data (the page asks for a key and reads the guarded APIs with it)."""
-    path = req.path
-    return (
-        path in OPEN_CONTROL_PATHS
-        or (path == ASSIGNMENTS_PATH and req.method == b"POST")
-        or path == b"/"
-        or path == b"/favicon.ico"
-        or path == b"/ui"
-        or path.startswith(b"/ui/")
-    )
