@@ -31,7 +31,8 @@ its bookkeeping once answered (``settle``), what resuming a broken stream needs 
 (``resume``), and the waiting rooms an interactive request on a served model never enters, each
 a sans-IO machine with its policy inside that takes the time and returns what to do: the batch
 gate (``gate``), the wait for a replica (``coldstart``), Responses pinning (``responses``) and
-the pending-aware hold (``hold``). The shell waits for them in one way: on events (a request
+the pending-aware hold (``hold``); the batch gate's waiting tasks and loop are its own shell
+(``gatewait``). The shell waits for them in one way: on events (a request
 ending, a batch request queued, the mesh changing: ``mesh_changed``) or until the machine's
 ``next_deadline()``, never on a fixed period; the only periodic look left is at the sockets of
 waiting clients, for a hang-up.
@@ -136,14 +137,8 @@ from fabricnode.dataplane.endpoints import (
 )
 from fabricnode.dataplane.forward_auth import HEADER as FORWARD_HEADER
 from fabricnode.dataplane.forward_auth import ForwardRejected, ForwardVerifier, sign_forward
-from fabricnode.dataplane.gate import (
-    GATE_GONE,
-    GRANTED,
-    NO_NODE,
-    QUEUED,
-    BatchGate,
-    BatchWaiter,
-)
+from fabricnode.dataplane.gate import BatchGate, BatchWaiter
+from fabricnode.dataplane.gatewait import PREEMPTED, GateWaits
 from fabricnode.dataplane.hold import Hold
 from fabricnode.dataplane.http1 import (
     CONTINUE_RESPONSE,
@@ -226,8 +221,6 @@ RETRYABLE_STATUS = (502, 503, 504)
 REPLICA_PEEK_S = 0.25
 # An attempt's outcome when its stream broke and a continuation is ready (``_prepare_resume``).
 RESUME = "resume"
-# A batch attempt taken back by the gate (``Ingress._preempt_batch``): the request waits again.
-PREEMPTED = "preempted"
 # Kinds whose requests need more than the table lookup (``Ingress._prepare``).
 PREPARED_KINDS = frozenset((RESPONSES, *FORM_KINDS))
 # Request headers passed on to the upstream (anything else stays at the ingress).
@@ -237,8 +230,6 @@ JSON = b"application/json"
 SSE = b"text/event-stream"
 CONNECT_REFUSED = "cannot connect"  # how UpstreamError names a refused connection
 MAX_REFUSED_SKIPS = 8  # refused connections per request that do not count as attempts
-# While batch requests wait in the gate, their clients are checked for a hang-up this often.
-GATE_PEEK_S = 0.5
 
 
 @dataclass
@@ -361,9 +352,14 @@ class Ingress:
         self.batch_inflight = self.gate.inflight
         self.batch_hidden = self.gate.hidden
         self.batch_preemptible = self.gate.preemptible
-        self._gate_waits: dict[BatchWaiter, tuple[ClientConn, trio.Event]] = {}
-        self._preempt_scopes: dict[Job, trio.CancelScope] = {}
-        self._gate_wake = trio.Event()  # the gate's loop looks again (``_gate_loop``)
+        # Its trio side: the waiting tasks, the attempts it may take back, its one loop.
+        self.gate_waits = GateWaits(
+            self.gate,
+            clock=self.clock,
+            wall_clock=wall_clock,
+            breaker=self.breaker,
+            metrics=self.metrics,
+        )
         self._mesh_changed = trio.Event()  # set and replaced by ``mesh_changed``
         self._batch_waiting = LabelCache(self.metrics.batch_waiting)
         self._waiting_labels: set[str] = set()  # batch_waiting labels set so far
@@ -439,7 +435,7 @@ class Ingress:
             await nursery.start(self.reactor.run)
             await nursery.start(self.watchdog.run)
             nursery.start_soon(self._settle_loop)
-            nursery.start_soon(self._gate_loop)
+            nursery.start_soon(self.gate_waits.run)
             async with trio.open_nursery() as conn_nursery:
                 accept_scope = trio.CancelScope()
                 conn_nursery.start_soon(self._accept_loop, sock, conn_nursery, accept_scope)
@@ -1052,7 +1048,7 @@ class Ingress:
                 ranked: list[routing.Candidate] | None
                 if job.batch:
                     # Only to a node with room for batch work, else held in the gate.
-                    admitted = await self._admit_batch(
+                    admitted = await self.gate_waits.admit(
                         conn, job, rreq, providers, requirements, tried
                     )
                     if isinstance(admitted, str):
@@ -1089,19 +1085,19 @@ class Ingress:
                     if isinstance(attempt, str):
                         outcome = attempt
                     elif job.batch and job.preemptions < cfg.batch_max_preemptions:
-                        outcome = await self._preemptible(job, pick, attempt)
+                        outcome = await self.gate_waits.preemptible(job, pick, attempt)
                     else:
                         outcome = await attempt
                 finally:
                     # Metrics only: counted once the attempt is over, off the request's path.
                     self.metrics.decision(policy.name, "first" if len(tried) == 1 else "retry")
                     if job.batch_node is not None:
-                        self._batch_done(job)  # its slot on that node is free again
+                        self.gate_waits.done(job)  # its slot on that node is free again
                 if outcome is None:
                     self.breaker.succeeded(pick)
                     answered = True
                     break
-                if outcome is PREEMPTED:
+                if outcome == PREEMPTED:
                     # Taken back under pressure: not the node's failure, and no attempt used.
                     tried.discard(pick)
                     continue
@@ -1177,7 +1173,7 @@ class Ingress:
             if job.transcript is not None:
                 job.transcript.release()
             if job.batch_node is not None:  # left between its admission and its attempt
-                self._batch_done(job)
+                self.gate_waits.done(job)
         if fallback is not None:
             log.info("no node answered for %s: waiting for a replica", job.model)
             return await self._wait_for_replica(
@@ -1283,44 +1279,6 @@ class Ingress:
 
     # == the batch gate (``gate``) ==========================================================
 
-    async def _admit_batch(
-        self,
-        conn: ClientConn,
-        job: Job,
-        rreq: routing.RouteRequest,
-        providers: frozenset[str],
-        requirements: Requirements | None,
-        tried: set[str],
-    ) -> tuple[list[routing.Candidate], list[Route]] | str | None:
-        """A batch request's way to a node with room for batch work (``gate.BatchGate``): the
-        candidates to try (the first holds a batch slot on its node, ``job.batch_node``) with
-        their routes; ``GATE_FULL`` or ``GATE_TIMEOUT`` when the gate sends it away; None when
-        no node is eligible any more. ClientGone if its client hangs up while it waits."""
-        w = BatchWaiter(job, rreq, providers, requirements, tried)
-        gate = self.gate
-        if gate.offer(w, self.clock.now(), self.wall_clock()) == QUEUED and not w.outcome:
-            event = trio.Event()
-            self._gate_waits[w] = (conn, event)
-            self._gate_wake.set()  # the gate's loop watches its deadline and its client
-            try:
-                await event.wait()
-            finally:
-                del self._gate_waits[w]
-                gate.leave(w, "")  # a no-op once its wait ended (else: shutdown)
-        self._gate_ended()
-        outcome = w.outcome
-        if outcome == GRANTED:
-            if w.first:  # metrics of a batch request sent on (not of its failovers)
-                self.metrics.batch_wait.observe((), self.clock.now() - job.started)
-                self.metrics.batch_admitted.labels(w.label or gate.key_label(job)).inc()
-            return w.ranked, w.routes
-        if outcome == GATE_GONE:
-            self.metrics.client_disconnects.labels("gate").inc()
-            raise ClientGone
-        if outcome == NO_NODE:
-            return None
-        return outcome
-
     def _gate_lookup(
         self, w: BatchWaiter, now: float, wall: float
     ) -> tuple[list[Route], list[routing.Candidate]] | None:
@@ -1337,91 +1295,14 @@ class Ingress:
             return None
         return routes, self._candidates(routes, w.providers, w.requirements, w.tried, now, wall)
 
-    def _gate_ended(self) -> None:
-        """Wake the waiters whose wait in the gate ended."""
-        waits = self._gate_waits
-        for w in self.gate.take_ended():
-            waiting = waits.get(w)
-            if waiting is not None:
-                waiting[1].set()
-
-    def _batch_done(self, job: Job) -> None:
-        """The attempt that held a batch slot ended: free the slot, and let a waiter have it."""
-        gate = self.gate
-        gate.done(job)
-        if len(gate):
-            gate.scan(self.clock.now(), self.wall_clock())
-            self._gate_ended()
-
-    async def _preemptible(
-        self, job: Job, sid: str, attempt: Coroutine[Any, Any, str | None]
-    ) -> str | None:
-        """A batch attempt the gate may take back until its answer's head is in (``_relay``
-        calls ``_unpreemptible`` then): the attempt's outcome, or ``PREEMPTED``."""
-        self.gate.running(job, sid, self.clock.now())
-        with trio.CancelScope() as scope:
-            self._preempt_scopes[job] = scope
-            self._gate_wake.set()  # the gate's loop watches for pressure while batch work runs
-            try:
-                return await attempt
-            finally:
-                self._unpreemptible(job, sid)
-        job.preemptions += 1
-        self.metrics.batch_preempted.inc()
-        return PREEMPTED
-
-    def _unpreemptible(self, job: Job, sid: str) -> None:
-        self.gate.answered(job, sid)
-        self._preempt_scopes.pop(job, None)
-
     def mesh_changed(self) -> None:
         """The mesh's view may have changed (the agent's gossip service received or timed
         something: a load report, a node joining or going): what waits for it looks again."""
-        if self.gate.busy():
-            self._gate_wake.set()
+        self.gate_waits.wake()
         self._release()  # held requests look again
         if self.waiting_for_replica:
             changed, self._mesh_changed = self._mesh_changed, trio.Event()
             changed.set()
-
-    async def _gate_loop(self) -> None:
-        """The gate's one way of waiting: until an event (a batch request queued or sent, a
-        mesh change: ``mesh_changed``) or the gate's deadline (``BatchGate.next_deadline``: a
-        wait's end, a pacing or prefill clock running out, a load report going stale), and
-        every ``GATE_PEEK_S`` while requests wait, for clients that hung up (``client_gone``),
-        and when a node's ejection by the circuit breaker ends.
-        Then: end the waits past their deadline, take back batch work from nodes under
-        pressure, and release the waiters that have room. Asleep while the gate is idle."""
-        gate = self.gate
-        next_peek = 0.0
-        while True:
-            wake = self._gate_wake = trio.Event()
-            if not gate.busy():
-                await wake.wait()
-                continue
-            deadline = gate.next_deadline()
-            if len(gate):
-                # Its clients, and a node back from ejection (a waiter may see it then).
-                now = self.clock.now()
-                deadline = min(deadline, next_peek, self.breaker.next_readmission(now))
-            if deadline > self.clock.now():
-                with trio.move_on_at(deadline):
-                    await wake.wait()
-            else:
-                await trio.lowlevel.checkpoint()
-            now, wall = self.clock.now(), self.wall_clock()
-            if len(gate) and now >= next_peek:
-                next_peek = now + GATE_PEEK_S
-                for w, (conn, _) in list(self._gate_waits.items()):
-                    if client_gone(conn.sock):
-                        gate.leave(w, GATE_GONE)
-            gate.expire(now)
-            for job in gate.pressure(wall):
-                scope = self._preempt_scopes.get(job)
-                if scope is not None:
-                    scope.cancel()
-            gate.scan(now, wall)
-            self._gate_ended()
 
     # == one attempt =========================================================================
 
@@ -1614,7 +1495,7 @@ class Ingress:
                 self.metrics.client_disconnects.labels("waiting").inc()
                 raise
             if job.batch:
-                self._unpreemptible(job, sid)  # its answer is coming: it runs to the end
+                self.gate_waits.answered(job, sid)  # its answer is coming: it runs to the end
             try:
                 status = ex.status
                 if status in RETRYABLE_STATUS:
