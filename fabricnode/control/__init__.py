@@ -18,6 +18,8 @@ Modules, in reading order:
 * ``views``   JSON views of registry entries and models (stable keys, in the order of
               docs/admin-guide.md's JSON reference).
 * ``app``     ``AdminApp``: the endpoints; start reading here.
+* ``access``  which control paths need an admin key when the ingress serves the app with API
+              keys on (it passes the caller's key in the scope), and ``/ui/session``.
 * ``client``  ``AdminClient`` (httpx, synchronous): the admin API for the CLI, the demo
               and the tests.
 * ``memberlog`` the agent's log of member joins and state/liveness changes.
