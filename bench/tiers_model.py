@@ -47,7 +47,11 @@ for _path in (str(REPO), str(BENCH_DIR)):
 
 from tiers import ATTRIBUTION, TRACE, VOCAB, Request, load_trace  # noqa: E402
 
-from fabricnode.dataplane.ingress import GATE_TICK_S  # noqa: E402
+# How often the modelled gate looks for room. The ingress's gate wakes on events (a load
+# report arriving, a batch request ending) and on its own deadlines (dataplane/gate.py); it
+# ticked every 0.1 s before, and the model keeps that tick: at most as late as the ingress.
+GATE_TICK_S = 0.1
+
 from fabricnode.dataplane.ingress_config import IngressConfig  # noqa: E402
 from fabricnode.dataplane.prefill import PrefillClocks  # noqa: E402
 from fabricnode.dataplane.routing import (  # noqa: E402

@@ -388,6 +388,7 @@ class Agent:
             batch_token=secrets.token_hex(16),
         )
         self.ingress = ingress
+        gossip.on_change = ingress.mesh_changed  # load reports and nodes reach its waiters
 
         def on_sleep_change(asleep: bool) -> None:
             ingress.local_asleep = asleep

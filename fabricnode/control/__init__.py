@@ -6,7 +6,9 @@ public port, or by hypercorn's trio worker on its own port with ``--admin``; the
 registry entries that the API and ``fabric --json`` show; the Prometheus families read from
 live objects at scrape time; and the synchronous httpx client the CLI and the tests use.
 
-May import: ``fabricnode.mesh``, ``fabricnode.dataplane`` (the request log it summarises),
+May import: ``fabricnode.mesh``, ``fabricnode.requestlog`` (the request log it summarises),
+``fabricnode.dataplane`` (error bodies, the dashboard's recent figures, and the key record and
+scope names ``access`` decides with), ``fabricnode.elastic`` (the controller it reports on),
 the shared top-level modules (``errors``, ``addr``, ``asgi``, ``metricfamilies``) and itself.
 Not ``engine``, ``host``, ``config`` or ``agent``: the agent builds the app and passes in what
 it reads. Serving it with hypercorn
@@ -18,6 +20,8 @@ Modules, in reading order:
 * ``views``   JSON views of registry entries and models (stable keys, in the order of
               docs/admin-guide.md's JSON reference).
 * ``app``     ``AdminApp``: the endpoints; start reading here.
+* ``access``  which control paths need an admin key when the ingress serves the app with API
+              keys on (it passes the caller's key in the scope), and ``/ui/session``.
 * ``client``  ``AdminClient`` (httpx, synchronous): the admin API for the CLI, the demo
               and the tests.
 * ``memberlog`` the agent's log of member joins and state/liveness changes.

@@ -78,6 +78,7 @@ from prometheus_client.registry import Collector
 
 from fabricnode import __version__, ui
 from fabricnode.asgi import Receive, Send, header, lifespan
+from fabricnode.control import access
 from fabricnode.control.enginecmd import SELF_ENGINE_PATH, node_engine, own_engine
 from fabricnode.control.fleet import fleet_view
 from fabricnode.control.loadhistory import LoadHistory
@@ -163,6 +164,35 @@ def error_response(status: int, message: str, code: str) -> Response:
     return Response(status, error_body(status, message, code))
 
 
+def _access(scope: Scope, method: str, path: str) -> Response | None:
+    """Through the ingress: the dashboard's session question, or the refusal of a request its
+    key may not make (``access``); None: the app answers. No cache-control: as the ingress
+    answered these itself."""
+    if path == access.UI_SESSION_PATH and method in ("GET", "HEAD"):
+        return Response(200, json_response(access.ui_session(scope)).body, cache_control=b"")
+    denied = access.refusal(scope)
+    if denied is None:
+        return None
+    status, message, code = denied
+    return Response(status, error_body(status, message, code), cache_control=b"")
+
+
+async def _send(
+    send: Send, method: str, response: Response, extra: tuple[tuple[bytes, bytes], ...]
+) -> None:
+    headers = [
+        (b"content-type", response.content_type.encode()),
+        (b"content-length", str(len(response.body)).encode()),
+    ]
+    if response.cache_control:
+        headers.append((b"cache-control", response.cache_control))
+    headers.extend(response.headers)
+    headers.extend(extra)
+    await send({"type": "http.response.start", "status": response.status, "headers": headers})
+    body = b"" if method == "HEAD" else response.body
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
 class AdminApp:
     """ASGI callable over one ``MeshCore`` plus the agent facts the core does not know.
 
@@ -214,9 +244,14 @@ class AdminApp:
             return
         if scope["type"] != "http":
             return  # websockets are not served; hypercorn closes the connection
-        self.requests += 1
         method = scope["method"]
         path = scope["path"]
+        if access.KEYS_SCOPE in scope:  # through the ingress: its API keys rule (``access``)
+            early = _access(scope, method, path)
+            if early is not None:
+                await _send(send, method, early, ())
+                return
+        self.requests += 1
         posting = self.agent_endpoints and path in (ASSIGNMENTS_PATH, SERVICES_PATH)
         try:
             if method == "POST" and path == "/ping":
@@ -260,17 +295,10 @@ class AdminApp:
         except Exception:
             log.exception("admin request %s %s failed", method, scope.get("path"))
             response = error_response(500, "internal error", "internal_error")
-        headers = [
-            (b"content-type", response.content_type.encode()),
-            (b"content-length", str(len(response.body)).encode()),
-            (b"cache-control", response.cache_control),
-            *response.headers,
-        ]
+        allow: tuple[tuple[bytes, bytes], ...] = ()
         if response.status == 405:
-            headers.append((b"allow", b"GET, HEAD, POST" if posting else b"GET, HEAD"))
-        await send({"type": "http.response.start", "status": response.status, "headers": headers})
-        body = b"" if method == "HEAD" else response.body
-        await send({"type": "http.response.body", "body": body, "more_body": False})
+            allow = ((b"allow", b"GET, HEAD, POST" if posting else b"GET, HEAD"),)
+        await _send(send, method, response, allow)
 
     # -- routing ----------------------------------------------------------------------------
 
@@ -441,9 +469,9 @@ class AdminApp:
         else:
             raise HttpError(404, f"no such endpoint: {path}", "not_found")
         if name == "session":
-            # Where the data plane's ingress does not answer it first (the --admin port): no
-            # API keys are checked here.
-            return json_response({"keys_required": False, "key": None, "admin": True})
+            # On the --admin port (through the ingress it is answered first): no API keys are
+            # checked here.
+            return json_response(access.ui_session(scope))
         found = ui.asset(name)
         if found is None:
             raise HttpError(404, f"no such file: {path}", "not_found")

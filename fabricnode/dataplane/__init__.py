@@ -30,6 +30,14 @@ Modules, in reading order (pure first, then the shell that uses them):
 * ``routetable``      the registry reduced to the candidates of each model, and the filters.
 * ``tiers``           priority tiers: the interactive/batch headers, when a node has room for
                       batch work, fair queueing of waiting batch requests between API keys.
+* ``gate``            the batch gate as a sans-IO machine: offer, scan, expire, pressure, and
+                      its deadline (``BatchGate``).
+* ``coldstart``       waiting for a replica of a declared model (scale from zero): routes or the
+                      refusal, and the wait's deadline (``ReplicaWait``, ``ReplicaRoom``).
+* ``responses``       Responses pinning: the node a stored response's follow-up goes to, or why
+                      not.
+* ``hold``            the pending-aware hold: when a request the policy holds goes, and when to
+                      ask the policy again.
 * ``forward_auth``    the HMAC header that proves an agent-to-agent forward holds the cluster key.
 * ``apikeys``         API keys of the ingress: lookup, the keys file, rate limits.
 * ``sse``             server-sent events as read from engines: a ``data:`` line, an event's data.
@@ -43,6 +51,8 @@ Modules, in reading order (pure first, then the shell that uses them):
 * ``job``             ``Job``: what the data plane knows of one routed request.
 * ``clientconn``      a client connection and how response pieces are sent on it.
 * ``settle``          the bookkeeping of answered requests, deferred off the client's path.
+* ``gatewait``        the gate's trio side: its waiting tasks, the batch attempts it may take
+                      back, and the one loop that wakes on events or at the gate's deadline.
 * ``asgi_call``       paths outside ``/v1/`` through the agent's ASGI control app, inline.
 * ``ingress``         ``Ingress``: one task per client connection, dispatch by the endpoint
                       table, routing, failover and relay; start reading here for the flow.

@@ -16,6 +16,10 @@ import trio
 from fabricnode.dataplane.http1 import Request
 
 AsgiApp = Callable[[Mapping[str, Any], Any, Any], Awaitable[None]]
+# What the ingress tells the control app in the scope (``control.access`` decides with it):
+# whether it checks API keys (a bool), and the key the caller named (an ``ApiKey``, or None).
+KEYS_SCOPE = "fabric.api_keys"
+KEY_SCOPE = "fabric.api_key"
 
 
 async def call_asgi(

@@ -20,16 +20,28 @@ routed by a model (chat's, the other OpenAI-style ones, Anthropic's Messages, an
 serves outside ``/v1`` such as ``/rerank`` and ``/tokenize``); then the rest of ``/v1``
 (``/v1/models``, the stateful Responses paths routed by the response id, else 404); any other
 path goes to the agent's ASGI control app (``control.app.AdminApp``, handed in by the agent)
-through a small inline adapter (``asgi_call``), so one public port serves both. With
-``--admin`` that app is also served on its own port by hypercorn.
+through a small inline adapter (``asgi_call``), so one public port serves both; the scope says
+whether API keys are on and which key the caller named, and the app decides which paths need
+an admin key (``control.access``). With ``--admin`` that app is also served on its own port by
+hypercorn.
 
 What is not here: the checks before routing and the header grammars (``request``), the client
 connection, its sends and its lingering close (``clientconn``), a request's record (``job``),
-its bookkeeping once answered (``settle``) and what resuming a broken stream needs to know
-(``resume``). What stays, about 1,000 lines, is the shell that owns the per-request state of the
-hot path: the accept and connection loops, dispatch, hold, failover and resume, the relay of an
-attempt and forwarded requests. Splitting those further would pass that state between modules
-on every request, and every level of ``await`` between them costs twice per wait.
+its bookkeeping once answered (``settle``), what resuming a broken stream needs to know
+(``resume``), and the waiting rooms an interactive request on a served model never enters, each
+a sans-IO machine with its policy inside that takes the time and returns what to do: the batch
+gate (``gate``), the wait for a replica (``coldstart``), Responses pinning (``responses``) and
+the pending-aware hold (``hold``); the batch gate's waiting tasks and loop are its own shell
+(``gatewait``). The shell waits for them in one way: on events (a request
+ending, a batch request queued, the mesh changing: ``mesh_changed``) or until the machine's
+``next_deadline()``, never on a fixed period; the only periodic look left is at the sockets of
+waiting clients, for a hang-up.
+
+What stays is the shell that owns the per-request state of the hot path: the accept and
+connection loops, dispatch, failover and resume, the relay of an attempt and forwarded
+requests. Splitting those further would pass that state between modules on every request, and
+every level of ``await`` between them costs twice per wait: that argument holds for dispatch
+and relay, not for the rooms above.
 
 Request outcomes (OpenAI error shape ``{"error": {"message", "type", "code"}}``; on the
 Anthropic paths, ``/v1/messages*``, Anthropic's ``{"type": "error", "error": {"type",
@@ -58,8 +70,9 @@ Anthropic paths, ``/v1/messages*``, Anthropic's ``{"type": "error", "error": {"t
   (a fresh load report without a queue and with KV usage under ``batch_kv_threshold``, and
   fewer than ``batch_max_inflight_per_node`` of our batch requests on it, and no prompt of
   ours still ahead on its prefill clock: one batch prefill at a time), else waits in the
-  gate (``_admit_batch``), released in weighted fair order between API keys when a batch
-  request ends or the gate's tick finds room (it also wakes when a prefill clock runs out);
+  gate (``gate.BatchGate``), released in weighted fair order between API keys when a batch
+  request ends, a load report or a node arrives (``mesh_changed``), or the gate's deadline
+  comes (a pacing or prefill clock running out, a report going stale);
   503 ``batch_queue_full`` past ``max_batch_waiting`` waiters and ``batch_wait_timeout``
   past ``batch_max_wait_s``. Then
   it is routed by the policy among the nodes with room, with failover. To a node labelled
@@ -84,16 +97,16 @@ import math
 import os
 import random
 import socket
-from collections.abc import Awaitable, Callable, Coroutine, Hashable, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 import trio
 
-from fabricnode.dataplane import routing
+from fabricnode.dataplane import responses, routing
 from fabricnode.dataplane.apikeys import ApiKeyStore, RateLimiter
-from fabricnode.dataplane.asgi_call import AsgiApp, call_asgi
+from fabricnode.dataplane.asgi_call import KEY_SCOPE, KEYS_SCOPE, AsgiApp, call_asgi
 from fabricnode.dataplane.clientconn import (
     ClientConn,
     ClientGone,
@@ -102,6 +115,7 @@ from fabricnode.dataplane.clientconn import (
     send_now,
     send_rest,
 )
+from fabricnode.dataplane.coldstart import STREAM_HEAD, ReplicaRoom, ReplicaWait
 from fabricnode.dataplane.endpoints import (
     ENDPOINT_DOCS,
     ENDPOINTS,
@@ -112,13 +126,15 @@ from fabricnode.dataplane.endpoints import (
     RESPONSES,
     RESUMABLE_KINDS,
     last_sequence_number,
-    node_of_response,
     response_follow_up,
     response_id,
     stream_error_events,
 )
 from fabricnode.dataplane.forward_auth import HEADER as FORWARD_HEADER
 from fabricnode.dataplane.forward_auth import ForwardRejected, ForwardVerifier, sign_forward
+from fabricnode.dataplane.gate import BatchGate, BatchWaiter
+from fabricnode.dataplane.gatewait import PREEMPTED, GateWaits
+from fabricnode.dataplane.hold import Hold
 from fabricnode.dataplane.http1 import (
     CONTINUE_RESPONSE,
     HOP_RESPONSE_HEADERS,
@@ -149,6 +165,7 @@ from fabricnode.dataplane.request import (
     prompt_text,
     route_headers,
 )
+from fabricnode.dataplane.responses import PinnedNode
 from fabricnode.dataplane.resume import (
     RESUME_HEADER,
     Delivered,
@@ -182,20 +199,14 @@ from fabricnode.dataplane.tiers import (
     OWNER_HEADER,
     PRIORITY_HEADER,
     PRIORITY_KINDS,
-    FairQueue,
     RoomRules,
-    Ticket,
-    has_room,
-    next_paced,
     owner_of,
     tier_of,
 )
 from fabricnode.dataplane.upstream import BrokenResponse, Exchange, UpstreamError, UpstreamPool
 from fabricnode.dataplane.usage import StreamUsage, UsageLedger
 from fabricnode.logs import ThrottledErrors
-from fabricnode.mesh.assignment import ASSIGNMENTS_PATH
 from fabricnode.mesh.core import MeshCore
-from fabricnode.mesh.membership import Liveness
 from fabricnode.mesh.registry import State
 from fabricnode.mesh.schema import Standing
 from fabricnode.requestlog.writer import RequestLog
@@ -203,12 +214,10 @@ from fabricnode.requestlog.writer import RequestLog
 log = logging.getLogger("fabricnode.dataplane.ingress")
 
 RETRYABLE_STATUS = (502, 503, 504)
-# A request waiting for a replica after every node failed tries those nodes again after this.
-RETRY_FAILED_AFTER_S = 5.0
+# A request waiting for a replica looks at its client for a hang-up this often.
+REPLICA_PEEK_S = 0.25
 # An attempt's outcome when its stream broke and a continuation is ready (``_prepare_resume``).
 RESUME = "resume"
-# A batch attempt taken back by the gate (``Ingress._preempt_batch``): the request waits again.
-PREEMPTED = "preempted"
 # Kinds whose requests need more than the table lookup (``Ingress._prepare``).
 PREPARED_KINDS = frozenset((RESPONSES, *FORM_KINDS))
 # Request headers passed on to the upstream (anything else stays at the ingress).
@@ -218,62 +227,6 @@ JSON = b"application/json"
 SSE = b"text/event-stream"
 CONNECT_REFUSED = "cannot connect"  # how UpstreamError names a refused connection
 MAX_REFUSED_SKIPS = 8  # refused connections per request that do not count as attempts
-# The batch gate (``tiers``): while batch requests wait, room is looked for this often (besides
-# whenever a batch request ends), and their clients are checked for a hang-up this often.
-GATE_TICK_S = 0.1
-GATE_PEEK_S = 0.5
-BATCH_RETRY_AFTER_S = 5  # Retry-After of a batch request refused (gate full, waited too long)
-MAX_KEY_LABELS = 256  # distinct ``key`` labels of the batch metrics (tenants without a key)
-# How a batch request's wait in the gate ended.
-GRANTED = "granted"
-GATE_FULL = "batch_queue_full"
-GATE_TIMEOUT = "batch_wait_timeout"
-GATE_GONE = "gone"
-NO_NODE = "no_node"
-
-
-class BatchWaiter:
-    """A batch request in the gate (``Ingress._admit_batch``), and how its wait ended."""
-
-    __slots__ = (
-        "conn",
-        "deadline",
-        "event",
-        "job",
-        "label",
-        "outcome",
-        "pinned",
-        "providers",
-        "ranked",
-        "requirements",
-        "routes",
-        "rreq",
-        "tried",
-    )
-
-    def __init__(
-        self,
-        conn: ClientConn,
-        job: Job,
-        rreq: routing.RouteRequest,
-        providers: frozenset[str],
-        requirements: Requirements | None,
-        tried: set[str],
-        pinned: str | None,
-    ) -> None:
-        self.conn = conn
-        self.job = job
-        self.rreq = rreq
-        self.providers = providers
-        self.requirements = requirements
-        self.tried = tried  # nodes this request tried already (a failover)
-        self.pinned = pinned  # the only node it may go to (a stored response's)
-        self.deadline = math.inf
-        self.label = ""  # its ``key`` label in the metrics
-        self.event: trio.Event | None = None  # made when it has to wait
-        self.outcome = ""  # GRANTED, GATE_FULL, ... once its wait is over
-        self.ranked: list[routing.Candidate] = []  # granted: the nodes to try, in order
-        self.routes: list[Route] = []  # ... and the routes they come from
 
 
 @dataclass
@@ -323,8 +276,9 @@ class Ingress:
         self.declared = declared
         self.declared_models = declared_models
         self.on_waiting = on_waiting
-        self.waiting_for_replica: dict[str, int] = {}
         self.config = cfg = config or IngressConfig()
+        self.replica_room = ReplicaRoom(cfg.max_waiting_for_replica)
+        self.waiting_for_replica = self.replica_room.waiting  # models -> requests waiting
         self.wall_clock = wall_clock
         # Our own engine's URL while it is serving (None otherwise): one call per request.
         self.serving_engine_url = serving_engine_url
@@ -370,31 +324,40 @@ class Ingress:
         self.local_inflight = 0  # requests in flight to our own engine
         self.local_served = 0  # requests sent to our own engine, ever (its idle clock)
         self.leaving = False  # refuse forwards (503) so ingresses fail over
-        # The batch tier (``tiers``): waiting requests in fair order, our batch requests in
-        # flight per node (a slot is taken when one is admitted, given back when its attempt
-        # ends), and when a node has room for one more.
-        self.gate: FairQueue[BatchWaiter] = FairQueue(cfg.max_batch_waiting)
-        self.batch_inflight: dict[str, int] = {}
-        # Of those, the ones that carry vLLM's priority field where the node schedules by it
-        # (``tiers.PRIORITY_KINDS``): hidden from an interactive request's routing score.
-        self.batch_hidden: dict[str, int] = {}
         # What this ingress sent each node to prefill, and how fast each prefills (routing).
         self.prefill = PrefillClocks()
-        # Pacing (``batch_prefill_tokens_per_s``): when each node may take its next batch request.
-        self.batch_paced_until: dict[str, float] = {}
-        self._room = RoomRules(
-            kv_threshold=cfg.batch_kv_threshold,
-            max_waiting=cfg.batch_max_waiting,
-            max_inflight=cfg.batch_max_inflight_per_node,
-            stale_after_s=routing.DEFAULT_CONFIG.load_stale_after_s,
+        # The batch tier (``gate``, ``tiers``): the machine decides, the shell waits. Its
+        # counts are shared: our batch requests in flight per node, those hidden from an
+        # interactive request's routing score, and the attempts it may take back.
+        self.gate = BatchGate(
+            max_waiting=cfg.max_batch_waiting,
+            max_wait_s=cfg.batch_max_wait_s,
+            rules=RoomRules(
+                kv_threshold=cfg.batch_kv_threshold,
+                max_waiting=cfg.batch_max_waiting,
+                max_inflight=cfg.batch_max_inflight_per_node,
+                stale_after_s=routing.DEFAULT_CONFIG.load_stale_after_s,
+            ),
+            prefill_tokens_per_s=cfg.batch_prefill_tokens_per_s,
+            preempt_kv_threshold=cfg.batch_preempt_kv_threshold,
+            preempt_per_report=cfg.batch_preempt_per_report,
+            policy=self.policy,
+            prefill=self.prefill,
+            lookup=self._gate_lookup,
+            load_of=self.table.load_of,
         )
-        self._gate_idle: trio.Event | None = None  # set when the first request waits
-        # Batch attempts that may be taken back, by node: job -> (when sent, its cancel scope);
-        # an attempt leaves once its answer's head is in. And the load report (its time) that
-        # each node's last preemption answered, so that the next waits for a newer report.
-        self.batch_preemptible: dict[str, dict[Job, tuple[float, trio.CancelScope]]] = {}
-        self._preempted_report: dict[str, float] = {}
-        self._key_labels: set[str] = set()
+        self.batch_inflight = self.gate.inflight
+        self.batch_hidden = self.gate.hidden
+        self.batch_preemptible = self.gate.preemptible
+        # Its trio side: the waiting tasks, the attempts it may take back, its one loop.
+        self.gate_waits = GateWaits(
+            self.gate,
+            clock=self.clock,
+            wall_clock=wall_clock,
+            breaker=self.breaker,
+            metrics=self.metrics,
+        )
+        self._mesh_changed = trio.Event()  # set and replaced by ``mesh_changed``
         self._batch_waiting = LabelCache(self.metrics.batch_waiting)
         self._waiting_labels: set[str] = set()  # batch_waiting labels set so far
         self.connections = 0
@@ -439,9 +402,7 @@ class Ingress:
         m.inflight.labels("local").set(self.local_inflight)
         m.connections.set(self.connections)
         waiting = dict.fromkeys(self._waiting_labels, 0)
-        for ticket in self.gate:
-            label = ticket.item.label
-            waiting[label] = waiting.get(label, 0) + 1
+        waiting.update(self.gate.waiting_by_label())
         for label, n in waiting.items():
             self._batch_waiting(label).set(n)
         self._waiting_labels.update(waiting)
@@ -471,7 +432,7 @@ class Ingress:
             await nursery.start(self.reactor.run)
             await nursery.start(self.watchdog.run)
             nursery.start_soon(self._settle_loop)
-            nursery.start_soon(self._gate_loop)
+            nursery.start_soon(self.gate_waits.run)
             async with trio.open_nursery() as conn_nursery:
                 accept_scope = trio.CancelScope()
                 conn_nursery.start_soon(self._accept_loop, sock, conn_nursery, accept_scope)
@@ -706,46 +667,17 @@ class Ingress:
         return self._handle_control(conn, req)
 
     async def _handle_control(self, conn: ClientConn, req: Request) -> bool:
-        if req.path == UI_SESSION_PATH and req.method in (b"GET", b"HEAD"):
-            return await self._answer(conn, self._ui_session(req), head_only=req.method == b"HEAD")
+        """Any other path: the agent's control app, told whether API keys are on and which key
+        the caller named (``asgi_call.KEYS_SCOPE``): it decides which paths need an admin key
+        and answers the dashboard's ``/ui/session`` (``control.access``)."""
         if self.control_app is None:
             await self._send_error(conn, 404, "no such endpoint", "not_found")
             return True
         keys = self.api_keys
-        if keys is not None and keys.enabled and not _open_control(req):
-            # With keys on, the registry views and /metrics (every node, engine addresses)
-            # need an admin key; probes stay open, and posted assignments carry signatures.
-            key = key_of(req.headers, keys)
-            if key is None:
-                await self._send_error(
-                    conn, KEY_REJECTION.status, KEY_REJECTION.message, KEY_REJECTION.code
-                )
-                return True
-            if not key.admin:
-                await self._send_error(
-                    conn,
-                    403,
-                    "this API key may not read the agent's registry or metrics (an operator "
-                    "makes one that may: fabric keys api-new NAME --admin)",
-                    "insufficient_permissions",
-                )
-                return True
-        return await self._answer_asgi(conn, req, self.control_app, None)
-
-    def _ui_session(self, req: Request) -> bytes:
-        """What the dashboard may read with the key it sends (``UI_SESSION_PATH``, open): so
-        the page asks for a key before it reads anything, instead of collecting 401s."""
-        keys = self.api_keys
-        if keys is None or not keys.enabled:
-            doc: dict[str, Any] = {"keys_required": False, "key": None, "admin": True}
-        else:
-            key = key_of(req.headers, keys)
-            doc = {
-                "keys_required": True,
-                "key": None if key is None else key.name,
-                "admin": key is not None and key.admin,
-            }
-        return orjson.dumps(doc)
+        on = keys is not None and keys.enabled
+        key = key_of(req.headers, keys) if keys is not None and on else None
+        scope = {KEYS_SCOPE: on, KEY_SCOPE: key}
+        return await self._answer_asgi(conn, req, self.control_app, scope)
 
     def _handle_v1(self, conn: ClientConn, req: Request, path: bytes) -> Coroutine[Any, Any, bool]:
         """``/v1`` paths that are not in ``ENDPOINTS``: the model list, the stateful Responses
@@ -792,7 +724,7 @@ class Ingress:
         return await self._answer_asgi(conn, req, app, {"fabric.owner": owner})
 
     async def _answer_asgi(
-        self, conn: ClientConn, req: Request, app: AsgiApp, extra: dict[str, str] | None
+        self, conn: ClientConn, req: Request, app: AsgiApp, extra: Mapping[str, object] | None
     ) -> bool:
         """Answer ``req`` with an ASGI app (the control app, the Batch API) in this task."""
         status, headers, body = await call_asgi(app, req, extra)
@@ -886,7 +818,7 @@ class Ingress:
             waking = routes is not None
         doc = decoded.doc
         if kind == RESPONSES:
-            pinned = self._pinned(model, doc, routes)
+            pinned = responses.pin(model, doc, routes, self._pinned_node)
             if isinstance(pinned, Rejection):
                 return self._reject(conn, pinned, path)
             routes = pinned
@@ -927,38 +859,12 @@ class Ingress:
         )
         return self._dispatch(conn, job, rreq, routes, decoded.providers, decoded.requirements)
 
-    def _pinned(
-        self, model: str, doc: dict[str, Any], routes: list[Route] | None
-    ) -> list[Route] | Rejection | None:
-        """The routes of a ``POST /v1/responses``: if it continues a stored response
-        (``previous_response_id``), only the node that stored it (named in its id:
-        ``endpoints.node_of_response``), 404 once that node is gone; else ``routes``."""
-        previous = doc.get("previous_response_id")
-        sid = node_of_response(previous) if isinstance(previous, str) else None
-        if sid is None:
-            return routes
-        pinned = [r for r in routes if r.info.session_id == sid] if routes else []
-        if pinned:
-            return pinned
-        return Rejection(404, self._gone_message(str(previous), sid, model), "response_node_gone")
-
-    def _gone_message(self, rid: str, sid: str, model: str | None) -> str:
-        """Why the node that stored response ``rid`` cannot take its follow-up."""
+    def _pinned_node(self, sid: str) -> PinnedNode:
+        """What the mesh says of node ``sid`` (its registry state and ``schema.standing``
+        verdict), for a Responses refusal's reason."""
         entry = self.core.registry.get(sid)
         state = entry.body.state if entry is not None else State.LEFT
-        if state == State.LEFT:
-            why = "has left the mesh: its stored responses went with it"
-        elif state == State.DOWN:
-            why = "is down (its engine stopped): its stored responses went with it"
-        elif state != State.SERVING:
-            why = "does not serve"
-        elif self.core.members.status(sid) is Liveness.DEAD:
-            why = "is dead (it stopped answering the mesh)"
-        elif model is not None and self.table.node(sid) is not None:
-            why = f"does not serve {model!r}"
-        else:
-            why = "cannot take requests from you (your key or X-Fabric-* headers exclude it)"
-        return f"response {rid!r} was stored by node {sid[:8]}, which {why}"
+        return PinnedNode(state, self.core.standing(sid, state), self.table.node(sid) is not None)
 
     def _route_follow_up(
         self, conn: ClientConn, req: Request, kind: str, rid: str
@@ -977,26 +883,17 @@ class Ingress:
         if isinstance(filters, Rejection):
             return self._reject(conn, filters, path)
         providers, requirements = filters
-        sid = node_of_response(rid)
-        if sid is None:
-            return self._reject(
-                conn,
-                Rejection(
-                    404,
-                    f"response {rid!r} was not created through this mesh: its id names no node "
-                    "(ids the mesh hands out are resp_<node session id><16 hex digits>)",
-                    "response_not_found",
-                ),
-                path,
-            )
-        route = self.table.node(sid)
+        route = responses.follow_up(
+            rid,
+            self.table.node,
+            lambda r: bool(
+                self._candidates([r], providers, requirements, set(), started, self.wall_clock())
+            ),
+            self._pinned_node,
+        )
         self._forget_removed()
-        if route is None or not self._candidates(
-            [route], providers, requirements, set(), started, self.wall_clock()
-        ):
-            return self._reject(
-                conn, Rejection(404, self._gone_message(rid, sid, None), "response_node_gone"), path
-            )
+        if isinstance(route, Rejection):
+            return self._reject(conn, route, path)
         stream = kind != RESPONSE_CANCEL and b"stream=true" in req.target.partition(b"?")[2]
         # The query (``stream``, ``starting_after``) goes with it: the target is what is sent.
         job = Job(kind, "-", stream, b"", req.target, headers, checked, started, None)
@@ -1017,95 +914,81 @@ class Ingress:
         failed: frozenset[str],
     ) -> bool:
         """Scale from zero: hold a request for a declared model while a replica starts, then
-        route it. A stream gets its 200 SSE head at once and a comment every
-        ``replica_keepalive_s``; past ``hold_s`` (from the request's arrival) the answer is 503
-        (Retry-After) or, for a stream, the error event. Also where a request whose every node
-        failed before answering (``failed``: replicas leaving, preempted) waits for another.
-        The cold path: no cost to requests for served models."""
+        route it (``coldstart``: the machine decides, this waits). A stream gets its 200 SSE
+        head at once and a comment every ``replica_keepalive_s``; past ``hold_s`` (from the
+        request's arrival) the answer is 503 (Retry-After) or, for a stream, the error event.
+        Also where a request whose every node failed before answering (``failed``) waits for
+        another. It wakes when the mesh changes (``mesh_changed``: a replica joins), at the
+        wait's deadline, and every ``REPLICA_PEEK_S`` to notice a client that hung up. The
+        cold path: no cost to requests for served models."""
         cfg = self.config
         model = job.model
-        if sum(self.waiting_for_replica.values()) >= cfg.max_waiting_for_replica:
+        full = self.replica_room.enter(model)
+        if full is not None:
             await self._send_error(
-                conn, 503, f"too many requests are waiting for replicas to start; {model!r} "
-                "has none now", "replica_starting", extra=[(b"retry-after", b"%d" % 30)],
-                path=job.path,
-            )  # fmt: skip
+                conn, 503, full.message, full.code, extra=full.headers, path=job.path
+            )
             return True
         self._waiting(model, +1)
-        routes: list[Route] | None = None
-        tried = set(failed)
+        holds_head = job.held_head or (job.stream and not job.http10)
+        wait = ReplicaWait(
+            model,
+            job.started,
+            hold_s,
+            failed,
+            keepalive_s=cfg.replica_keepalive_s,
+            holds_head=holds_head,
+        )
+
+        def lookup(tried: set[str]) -> list[Route] | None:
+            routes = self.table.routes(model)
+            if not routes:
+                routes = self.table.sleeping(model)
+                job.waking = routes is not None
+            if routes and self._candidates(
+                routes, providers, requirements, tried, self.clock.now(), self.wall_clock()
+            ):
+                return routes
+            return None
+
         try:
-            deadline = job.started + hold_s
-            note = b": waiting for a replica of " + model.encode() + b" to start\n\n"
-            next_note = 0.0
-            if job.stream and not job.http10 and not job.held_head:
+            if holds_head and not job.held_head:
                 job.held_head = True
                 job.status = 200
-                head = (
-                    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-                    b"cache-control: no-cache\r\ntransfer-encoding: chunked\r\n\r\n"
-                )
-                await client_send(conn, head, cfg.stream_idle_timeout_s)
-            retry_failed_at = job.started + RETRY_FAILED_AFTER_S
+                await client_send(conn, STREAM_HEAD, cfg.stream_idle_timeout_s)
             while True:
-                routes = self.table.routes(model)
-                if not routes:
-                    routes = self.table.sleeping(model)
-                    job.waking = routes is not None
                 now = self.clock.now()
-                if tried and now >= retry_failed_at:
-                    tried.clear()  # nodes that failed may answer now (the breaker still ejects)
-                if routes and self._candidates(
-                    routes, providers, requirements, tried, now, self.wall_clock()
-                ):
-                    break
-                routes = None
-                if now >= deadline:
+                got = wait.poll(now, lookup)
+                if got is not None:
                     break
                 if client_gone(conn.sock):
                     raise ClientGone
-                if job.held_head and now >= next_note:
-                    next_note = now + cfg.replica_keepalive_s
-                    await client_send(conn, frame([note], True), cfg.stream_idle_timeout_s)
-                await trio.sleep(min(0.25, max(0.01, deadline - now)))
+                if wait.note_due(now):
+                    await client_send(conn, frame([wait.note()], True), cfg.stream_idle_timeout_s)
+                changed = self._mesh_changed
+                with trio.move_on_at(min(wait.next_deadline(), now + REPLICA_PEEK_S)):
+                    await changed.wait()
         except ClientGone:
             job.status = 499
             self._account(job, 0)
             raise
         finally:
             self._waiting(model, -1)
-        if not routes:
-            message = (
-                f"a replica of {model!r} is starting: no replica served within "
-                f"{hold_s:g} s; retry shortly"
-            )
+        if isinstance(got, Rejection):
+            job.status = 503
             if job.held_head:
-                job.status = 503
-                await self._end_stream(conn, job, message, "replica_starting")
+                await self._end_stream(conn, job, got.message, got.code)
             else:
-                job.status = 503
                 await self._send_error(
-                    conn,
-                    503,
-                    message,
-                    "replica_starting",
-                    extra=[(b"retry-after", b"%d" % 30)],
-                    path=job.path,
+                    conn, 503, got.message, got.code, extra=got.headers, path=job.path
                 )
             self._account(job, 0)
             return not conn.closing
-        return await self._dispatch(conn, job, rreq, routes, providers, requirements)
+        return await self._dispatch(conn, job, rreq, got, providers, requirements)
 
     def _waiting(self, model: str, delta: int) -> None:
-        waiting = self.waiting_for_replica
-        before = len(waiting)
-        n = waiting.get(model, 0) + delta
-        if n > 0:
-            waiting[model] = n
-        else:
-            waiting.pop(model, None)
-        if len(waiting) != before and self.on_waiting is not None:
-            self.on_waiting(dict(waiting))  # only when a model starts or stops waiting
+        if self.replica_room.add(model, delta) and self.on_waiting is not None:
+            self.on_waiting(self.replica_room.snapshot())  # a model starts or stops waiting
 
     def _prefix_blocks(self, doc: dict[str, Any], kind: str) -> tuple[int, ...]:
         if not self.policy.name.startswith("prefix"):
@@ -1119,8 +1002,7 @@ class Ingress:
             self.policy.on_removed(sid)
             self.breaker.forget(sid)
             self.remote_inflight.pop(sid, None)
-            self.batch_paced_until.pop(sid, None)
-            self._preempted_report.pop(sid, None)
+            self.gate.forget(sid)
             self.prefill.forget(sid)
 
     async def _dispatch(
@@ -1163,7 +1045,7 @@ class Ingress:
                 ranked: list[routing.Candidate] | None
                 if job.batch:
                     # Only to a node with room for batch work, else held in the gate.
-                    admitted = await self._admit_batch(
+                    admitted = await self.gate_waits.admit(
                         conn, job, rreq, providers, requirements, tried
                     )
                     if isinstance(admitted, str):
@@ -1183,7 +1065,9 @@ class Ingress:
                 else:
                     ranked = policy.rank(rreq, candidates, wall)
                 if ranked is None:
-                    ranked = await self._hold(rreq, routes, providers, requirements, tried)
+                    ranked = await self._hold(
+                        rreq, routes, providers, requirements, tried, candidates
+                    )
                     if not ranked:
                         break
                 pick = ranked[0].node.session_id
@@ -1198,19 +1082,19 @@ class Ingress:
                     if isinstance(attempt, str):
                         outcome = attempt
                     elif job.batch and job.preemptions < cfg.batch_max_preemptions:
-                        outcome = await self._preemptible(job, pick, attempt)
+                        outcome = await self.gate_waits.preemptible(job, pick, attempt)
                     else:
                         outcome = await attempt
                 finally:
                     # Metrics only: counted once the attempt is over, off the request's path.
                     self.metrics.decision(policy.name, "first" if len(tried) == 1 else "retry")
                     if job.batch_node is not None:
-                        self._batch_done(job)  # its slot on that node is free again
+                        self.gate_waits.done(job)  # its slot on that node is free again
                 if outcome is None:
                     self.breaker.succeeded(pick)
                     answered = True
                     break
-                if outcome is PREEMPTED:
+                if outcome == PREEMPTED:
                     # Taken back under pressure: not the node's failure, and no attempt used.
                     tried.discard(pick)
                     continue
@@ -1240,26 +1124,12 @@ class Ingress:
                 keep = job.status != 0 and not job.close
             elif refusal:
                 job.status = 503
-                if refusal == GATE_FULL:
-                    message = (
-                        f"{len(self.gate)} batch requests wait at this ingress, its most: "
-                        "retry later"
-                    )
-                else:
-                    message = (
-                        f"no node had room for batch work within {cfg.batch_max_wait_s:g} s: "
-                        "retry later"
-                    )
+                why = self.gate.refusal(refusal)
                 if job.held_head:
-                    await self._end_stream(conn, job, message, refusal)
+                    await self._end_stream(conn, job, why.message, why.code)
                 else:
                     await self._send_error(
-                        conn,
-                        503,
-                        message,
-                        refusal,
-                        extra=[(b"retry-after", b"%d" % BATCH_RETRY_AFTER_S)],
-                        path=job.path,
+                        conn, 503, why.message, why.code, extra=why.headers, path=job.path
                     )
                 keep = not job.close
             elif job.splice is not None:
@@ -1300,7 +1170,7 @@ class Ingress:
             if job.transcript is not None:
                 job.transcript.release()
             if job.batch_node is not None:  # left between its admission and its attempt
-                self._batch_done(job)
+                self.gate_waits.done(job)
         if fallback is not None:
             log.info("no node answered for %s: waiting for a replica", job.model)
             return await self._wait_for_replica(
@@ -1364,16 +1234,27 @@ class Ingress:
         providers: frozenset[str],
         requirements: Requirements | None,
         tried: set[str],
+        held: list[routing.Candidate],
     ) -> list[routing.Candidate] | None:
-        """Pending-aware pushing: wait (bounded) until some node has room, then rank again."""
-        cfg = self.config
-        give_up = self.clock.now() + cfg.hold_max_s
+        """Pending-aware pushing (``hold``): wait (bounded) until some node has room, then rank
+        again. It wakes when one of our requests ends or the mesh changes (``_release``), or
+        at the hold's deadline (its end, or a report that kept it going stale)."""
+        now = self.clock.now()
+        hold = Hold(
+            self.policy,
+            rreq,
+            now,
+            hold_max_s=self.config.hold_max_s,
+            stale_after_s=routing.DEFAULT_CONFIG.load_stale_after_s,
+        )
+        hold.held(held, now, self.wall_clock())
         self.metrics.decision(self.policy.name, "hold")
         self._holders += 1
         try:
             while True:
-                now = self.clock.now()
-                with trio.move_on_after(min(0.05, max(0.0, give_up - now))):
+                # A node back from ejection may be open: also look again then.
+                wake = min(hold.next_deadline(), self.breaker.next_readmission(now))
+                with trio.move_on_at(wake):
                     await self._released.wait()
                 now = self.clock.now()
                 wall = self.wall_clock()
@@ -1382,8 +1263,7 @@ class Ingress:
                 )
                 if not cands:
                     return None
-                # Held long enough: the policy's best push (affinity kept) rather than wait on.
-                ranked = self.policy.rank(rreq, cands, wall, allow_hold=now < give_up)
+                ranked = hold.rank(cands, now, wall)
                 if ranked is not None:
                     return ranked
         finally:
@@ -1394,273 +1274,32 @@ class Ingress:
             released, self._released = self._released, trio.Event()
             released.set()
 
-    # == the batch gate (``tiers``) ==========================================================
+    # == the batch gate (``gate``) ==========================================================
 
-    async def _admit_batch(
-        self,
-        conn: ClientConn,
-        job: Job,
-        rreq: routing.RouteRequest,
-        providers: frozenset[str],
-        requirements: Requirements | None,
-        tried: set[str],
-    ) -> tuple[list[routing.Candidate], list[Route]] | str | None:
-        """A batch request's way to a node with room for batch work: the candidates to try
-        (the first holds a batch slot on its node, ``job.batch_node``) with their routes;
-        ``GATE_FULL`` or ``GATE_TIMEOUT`` when the gate sends it away; None when no node is
-        eligible any more. ClientGone if its client hangs up while it waits.
-
-        It goes on at once if a node has room and no batch request waits (or it is a failover:
-        an admitted request keeps its turn); else it waits in the gate, in its tenant's queue,
-        until ``_scan_gate`` releases it in fair order (a batch request ending, or the gate's
-        tick: load reports come and age), for at most ``batch_max_wait_s`` from its arrival.
-        """
-        pinned: str | None = None
-        if job.kind == RESPONSES and job.doc is not None:
-            previous = job.doc.get("previous_response_id")
-            pinned = node_of_response(previous) if isinstance(previous, str) else None
-        w = BatchWaiter(conn, job, rreq, providers, requirements, tried, pinned)
-        first = not tried
-        gate = self.gate
-        if not first or not len(gate):
-            got = self._batch_try(w, self.clock.now(), self.wall_clock())
-            if got is None:
-                return None
-            if got:
-                self._batch_admitted(w, first)
-                return w.ranked, w.routes
-        w.label = self._key_label(job)
-        key = job.key
-        group: Hashable = (job.model, providers, requirements, pinned)
-        ticket, pushed_out = gate.push(job.tenant, key.weight if key else 1.0, group, w)
-        if pushed_out is not None:  # a longer queue's newest made room for this tenant
-            self._batch_wake(pushed_out.item, GATE_FULL)
-        if ticket is None:
-            return GATE_FULL
-        now = self.clock.now()
-        w.deadline = (job.started if first else now) + self.config.batch_max_wait_s
-        self._scan_gate()  # its turn may be now (another tenant's, or no room elsewhere)
-        if not w.outcome:
-            w.event = trio.Event()
-            idle = self._gate_idle
-            if idle is not None:
-                idle.set()  # the gate's tick runs while anyone waits
-            try:
-                await w.event.wait()
-            finally:
-                gate.cancel(ticket)  # a no-op once released (cancelled here: shutdown)
-        outcome = w.outcome
-        if outcome == GRANTED:
-            self._batch_admitted(w, first)
-            return w.ranked, w.routes
-        if outcome == GATE_GONE:
-            self.metrics.client_disconnects.labels("gate").inc()
-            raise ClientGone
-        if outcome == NO_NODE:
-            return None
-        return outcome
-
-    def _batch_try(self, w: BatchWaiter, now: float, wall: float) -> bool | None:
-        """Admit ``w`` if an eligible node has room for batch work (``tiers.has_room``): rank
-        those nodes with the policy (no hold), take a batch slot on the first. True if
-        admitted, False if no node has room, None if no node is eligible at all."""
+    def _gate_lookup(
+        self, w: BatchWaiter, now: float, wall: float
+    ) -> tuple[list[Route], list[routing.Candidate]] | None:
+        """What the gate sees of a waiter's nodes: its routes (only sleeping replicas: one is
+        woken; a stored response's node only) and the eligible ones it has not tried."""
         job = w.job
         routes = self.table.routes(job.model)
         if not routes:
-            routes = self.table.sleeping(job.model)  # only sleeping replicas: one is woken
+            routes = self.table.sleeping(job.model)
             job.waking = routes is not None
         if routes and w.pinned is not None:
             routes = [r for r in routes if r.info.session_id == w.pinned]
         if not routes:
             return None
-        cands = self._candidates(routes, w.providers, w.requirements, w.tried, now, wall)
-        if not cands:
-            return None
-        inflight = self.batch_inflight
-        rules = self._room
-        paced = self.batch_paced_until
-        # One prompt at a time: a node whose prefill clock shows prompts still ahead takes no
-        # batch request, so batch prompts never pile into one long engine step (``prefill``).
-        roomy = [
-            c
-            for c in cands
-            if has_room(c.load, inflight.get(c.node.session_id, 0), wall, rules)
-            and paced.get(c.node.session_id, 0.0) <= now
-            and c.prefill_s <= 0.0
-        ]
-        if not roomy:
-            return False
-        ranked: list[routing.Candidate] | None = None
-        if len(roomy) > 1 and not job.waking:
-            ranked = self.policy.rank(w.rreq, roomy, wall, allow_hold=False)
-        w.ranked = ranked or roomy
-        w.routes = routes
-        sid = w.ranked[0].node.session_id
-        inflight[sid] = inflight.get(sid, 0) + 1
-        if job.kind in PRIORITY_KINDS:
-            self.batch_hidden[sid] = self.batch_hidden.get(sid, 0) + 1
-        job.batch_node = sid
-        if job.prefill_tokens:
-            # On the clock now, not when its task gets to send it: the same walk of the gate
-            # must see this node busy, or it sends it several batch prompts at once.
-            self.prefill.sent(sid, job.prefill_tokens, now, True)
-            job.prefill_booked = sid
-        rate = self.config.batch_prefill_tokens_per_s
-        if rate > 0:
-            paced[sid] = next_paced(paced.get(sid, now), now, w.rreq.prompt_tokens_est, rate)
-        return True
+        return routes, self._candidates(routes, w.providers, w.requirements, w.tried, now, wall)
 
-    def _scan_gate(self) -> None:
-        """Release the waiting batch requests that can go now, in fair order (``tiers``): each
-        that has room is admitted; once one finds none, the others of its group (the same
-        filters: the same nodes) are passed over, and the walk ends when no group has room."""
-        gate = self.gate
-        if not len(gate):
-            return
-        now, wall = self.clock.now(), self.wall_clock()
-        groups = gate.groups()
-        blocked: set[Hashable] = set()
-        ended: list[tuple[Ticket[BatchWaiter], str]] = []
-        for ticket in gate.ordered():
-            group = ticket.group
-            if group in blocked:
-                continue
-            w = ticket.item
-            got = self._batch_try(w, now, wall)
-            if got is None:
-                ended.append((ticket, NO_NODE))
-            elif got:
-                ended.append((ticket, GRANTED))
-            elif not w.tried:  # a failover sees fewer nodes than its group: it proves nothing
-                blocked.add(group)
-                if len(blocked) >= groups:
-                    break
-        for ticket, outcome in ended:  # the queue changes only after the walk
-            if outcome == GRANTED:
-                gate.grant(ticket)
-            else:
-                gate.cancel(ticket)
-            self._batch_wake(ticket.item, outcome)
-
-    def _batch_wake(self, w: BatchWaiter, outcome: str) -> None:
-        w.outcome = outcome
-        if w.event is not None:
-            w.event.set()
-
-    def _batch_done(self, job: Job) -> None:
-        """The attempt that held a batch slot ended: free the slot, and let a waiter have it."""
-        sid = job.batch_node
-        job.batch_node = None
-        if sid is None:
-            return
-        _take_one(self.batch_inflight, sid)
-        if job.kind in PRIORITY_KINDS:
-            _take_one(self.batch_hidden, sid)
-        if len(self.gate):
-            self._scan_gate()
-
-    async def _preemptible(
-        self, job: Job, sid: str, attempt: Coroutine[Any, Any, str | None]
-    ) -> str | None:
-        """A batch attempt the gate may take back until its answer's head is in (``_relay``
-        calls ``_unpreemptible`` then): the attempt's outcome, or ``PREEMPTED``."""
-        running = self.batch_preemptible.setdefault(sid, {})
-        with trio.CancelScope() as scope:
-            running[job] = (self.clock.now(), scope)
-            idle = self._gate_idle
-            if idle is not None:
-                idle.set()  # the gate's tick watches for pressure while batch work runs
-            try:
-                return await attempt
-            finally:
-                self._unpreemptible(job, sid)
-        job.preemptions += 1
-        self.metrics.batch_preempted.inc()
-        return PREEMPTED
-
-    def _unpreemptible(self, job: Job, sid: str) -> None:
-        running = self.batch_preemptible.get(sid)
-        if running is not None and running.pop(job, None) is not None and not running:
-            del self.batch_preemptible[sid]
-
-    def _preempt_batch(self, wall: float) -> None:
-        """Yield under pressure: on each node whose fresh load report (newer than the one its
-        last preemption answered) shows requests queued with the KV cache at
-        ``batch_preempt_kv_threshold`` or more, take back our newest batch attempts with no
-        answer yet, one per queued request, at most ``batch_preempt_per_report``. Their
-        connections close, so the engine aborts them and frees their KV at once; an engine
-        admits a waiting request only when its KV fits, whatever its priority, so without this
-        a queued interactive request waits for batch requests to finish."""
-        cfg = self.config
-        threshold = cfg.batch_preempt_kv_threshold
-        if threshold >= 1.0 or not self.batch_preemptible:
-            return
-        rules = self._room
-        for sid, running in list(self.batch_preemptible.items()):
-            load = self.table.load_of(sid)
-            if load is None or not abs(wall - load.at) <= rules.stale_after_s:
-                continue
-            if load.waiting <= rules.max_waiting or not load.kv_usage >= threshold:
-                continue
-            if load.at <= self._preempted_report.get(sid, -math.inf):
-                continue  # the report the last preemption answered: wait for a newer one
-            self._preempted_report[sid] = load.at
-            n = min(load.waiting, cfg.batch_preempt_per_report)
-            newest = sorted(running.values(), key=lambda v: v[0], reverse=True)[:n]
-            for _, scope in newest:
-                scope.cancel()
-
-    def _batch_admitted(self, w: BatchWaiter, first: bool) -> None:
-        """Metrics of a batch request sent on (the first time only: not its failovers)."""
-        if not first:
-            return
-        job = w.job
-        self.metrics.batch_wait.observe((), self.clock.now() - job.started)
-        self.metrics.batch_admitted.labels(w.label or self._key_label(job)).inc()
-
-    def _key_label(self, job: Job) -> str:
-        """The ``key`` label of a batch request: its key's name, else its tenant (at most
-        ``MAX_KEY_LABELS`` tenants without a key get their own)."""
-        key = job.key
-        label = key.name if key is not None else job.tenant
-        labels = self._key_labels
-        if label not in labels:
-            if len(labels) >= MAX_KEY_LABELS:
-                return "other"
-            labels.add(label)
-        return label
-
-    async def _gate_loop(self) -> None:
-        """While batch requests wait or batch attempts may be taken back: every ``GATE_TICK_S``
-        (and when a node's prefill clock runs out) end the waits past their deadline, every
-        ``GATE_PEEK_S`` notice clients that hung up (``client_gone``), take back batch work
-        from nodes under pressure (``_preempt_batch``), and look for room (load reports arrive
-        and age, nodes join, prefills end). Asleep otherwise."""
-        next_peek = 0.0
-        while True:
-            if not len(self.gate) and not self.batch_preemptible:
-                self._gate_idle = idle = trio.Event()
-                await idle.wait()
-            # Sooner when a node's prefill clock runs out: it has room for the next prompt then.
-            now = self.clock.now()
-            wake = self.prefill.soonest_end(now)
-            await trio.sleep(GATE_TICK_S if wake is None else min(GATE_TICK_S, wake - now))
-            now = self.clock.now()
-            peek = now >= next_peek
-            if peek:
-                next_peek = now + GATE_PEEK_S
-            ended: list[tuple[Ticket[BatchWaiter], str]] = []
-            for ticket in self.gate:
-                w = ticket.item
-                if now >= w.deadline:
-                    ended.append((ticket, GATE_TIMEOUT))
-                elif peek and client_gone(w.conn.sock):
-                    ended.append((ticket, GATE_GONE))
-            for ticket, outcome in ended:
-                self.gate.cancel(ticket)
-                self._batch_wake(ticket.item, outcome)
-            self._preempt_batch(self.wall_clock())
-            self._scan_gate()
+    def mesh_changed(self) -> None:
+        """The mesh's view may have changed (the agent's gossip service received or timed
+        something: a load report, a node joining or going): what waits for it looks again."""
+        self.gate_waits.wake()
+        self._release()  # held requests look again
+        if self.waiting_for_replica:
+            changed, self._mesh_changed = self._mesh_changed, trio.Event()
+            changed.set()
 
     # == one attempt =========================================================================
 
@@ -1851,7 +1490,7 @@ class Ingress:
                 self.metrics.client_disconnects.labels("waiting").inc()
                 raise
             if job.batch:
-                self._unpreemptible(job, sid)  # its answer is coming: it runs to the end
+                self.gate_waits.answered(job, sid)  # its answer is coming: it runs to the end
             try:
                 status = ex.status
                 if status in RETRYABLE_STATUS:
@@ -2187,34 +1826,3 @@ class Ingress:
         while True:
             await trio.sleep(SETTLE_INTERVAL_S)
             self.settle()
-
-
-# == helpers =================================================================================
-
-OPEN_CONTROL_PATHS = (b"/health", b"/ready", b"/ping", b"/version")
-# The dashboard's question before it reads anything: are keys on, and is this one good?
-UI_SESSION_PATH = b"/ui/session"
-ASSIGNMENTS_PATH_BYTES = ASSIGNMENTS_PATH.encode()
-
-
-def _open_control(req: Request) -> bool:
-    """Control endpoints anyone may call while API keys are on. The dashboard's files hold no
-    data (the page asks for a key and reads the guarded APIs with it)."""
-    path = req.path
-    return (
-        path in OPEN_CONTROL_PATHS
-        or (path == ASSIGNMENTS_PATH_BYTES and req.method == b"POST")
-        or path == b"/"
-        or path == b"/favicon.ico"
-        or path == b"/ui"
-        or path.startswith(b"/ui/")
-    )
-
-
-def _take_one(counts: dict[str, int], key: str) -> None:
-    """One fewer for ``key``, whose entry goes at zero (the dict holds only non-zero counts)."""
-    n = counts.get(key, 1) - 1
-    if n > 0:
-        counts[key] = n
-    else:
-        counts.pop(key, None)

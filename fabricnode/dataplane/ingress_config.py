@@ -78,7 +78,7 @@ class IngressConfig:
     # request at a time (a request of T tokens holds the next one back T / rate seconds), so
     # batch prefills do not pile into one engine step while interactive requests arrive.
     batch_prefill_tokens_per_s: float = 0.0
-    # Yielding (``Ingress._preempt_batch``): when a fresh report shows a node's engine queueing
+    # Yielding (``gate.BatchGate.pressure``): when a fresh report shows a node's engine queueing
     # requests with its KV usage at ``batch_preempt_kv_threshold`` or more, this ingress takes
     # back its newest batch requests there that have no answer yet (the engine aborts them and
     # frees their KV), at most ``batch_preempt_per_report`` per report, and they wait in the

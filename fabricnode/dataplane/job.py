@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from fabricnode.dataplane.apikeys import ApiKey
+from fabricnode.dataplane.keytable import ApiKey
 from fabricnode.dataplane.resume import Splicer, Transcript
 
 

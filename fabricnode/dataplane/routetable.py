@@ -21,6 +21,7 @@ brief blip into an outage).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
@@ -81,6 +82,10 @@ class CircuitBreaker:
     def ejected(self, sid: str, now: float) -> bool:
         until = self._until.get(sid)
         return until is not None and until > now
+
+    def next_readmission(self, now: float) -> float:
+        """When the soonest ejection ends (a waiter may then see that node), else inf."""
+        return min((u for u in self._until.values() if u > now), default=math.inf)
 
     def failed(self, sid: str, now: float) -> None:
         n = self._failures.get(sid, 0) + 1

@@ -256,6 +256,9 @@ class GossipService:
         )
         self.keyring_reloads = 0
         self.keyring_errors = 0
+        # Told after each packet and each run of the core's timers (the view may have changed:
+        # a load report, a node joining or going); the agent hands in the ingress's.
+        self.on_change: Callable[[], None] | None = None
 
     def poke(self) -> None:
         """Re-evaluate timers now. The methods below call it themselves; call it directly only
@@ -322,6 +325,8 @@ class GossipService:
         while True:
             self.core.tick(self.wall_clock())
             await self.flush()
+            if self.on_change is not None:
+                self.on_change()
             delay = self.core.next_deadline() - self.wall_clock()
             if delay > 0:
                 with trio.move_on_after(delay):
@@ -341,6 +346,8 @@ class GossipService:
                 self.core.count_dropped("internal_error")
                 self._internal_errors.exception(time.monotonic())
             await self.flush()
+            if self.on_change is not None:
+                self.on_change()
             self._wake.set()
 
     async def _watch_keyring(self, path: Path) -> None:

@@ -208,7 +208,23 @@ CONTRACT_BREACHES = (
             ("multipart", "import asyncio", "asyncio"),
             ("http1", "import socket", "socket"),
             ("forward_auth", "import time", "time"),
+            # the admission machines: the ingress's waiting rooms, time passed in
+            ("gate", "import trio", "trio"),
+            ("coldstart", "import time", "time"),
+            (
+                "responses",
+                "from fabricnode.dataplane import ingress",
+                "fabricnode.dataplane.ingress",
+            ),
+            ("hold", "from time import monotonic", "time"),
         )
+    ),
+    # indirectly: the batch gate importing its trio side (gatewait) reaches trio
+    Breach(
+        "dataplane-pure",
+        "fabricnode/dataplane/gate.py",
+        "from fabricnode.dataplane import gatewait",
+        "fabricnode.dataplane.gate -> fabricnode.dataplane.gatewait",
     ),
     # indirectly: the decoder importing the ingress's connection module reaches trio
     Breach(

@@ -1,0 +1,115 @@
+"""Responses pinning: where a request about a stored response may go, or why it may not.
+
+vLLM keeps a Responses API response in the store of the engine that made it, and the ids this
+mesh hands out name that node (``endpoints.response_id``: ``resp_<session id><16 hex>``). So:
+
+* a ``POST /v1/responses`` that continues one (``previous_response_id``) may go only to the
+  node that stored it (``pin``), and is a 404 ``response_node_gone`` once that node no longer
+  takes its model's requests;
+* ``GET /v1/responses/{id}`` and ``POST /v1/responses/{id}/cancel`` go to that node, with no
+  policy and no failover (no other node holds the response; ``follow_up``): a 404
+  ``response_not_found`` for an id that names no node, ``response_node_gone`` for a node that
+  cannot take it.
+
+The refusal says why, from what the shell knows of the node (``PinnedNode``: the mesh's
+``schema.standing`` verdict with the registry state behind it): it left, it is down, it does
+not serve, it is dead, it does not serve that model, or the caller's key or ``X-Fabric-*``
+headers exclude it.
+
+Pure: no I/O, no clock, no trio; the shell hands in its route table's answers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from fabricnode.dataplane.endpoints import node_of_response
+from fabricnode.dataplane.request import Rejection
+from fabricnode.dataplane.routetable import Route
+from fabricnode.mesh.registry import State
+from fabricnode.mesh.schema import Standing
+
+
+class PinnedNode:
+    """What the shell knows of a node that stored a response, for the refusal's reason: the
+    mesh's verdict on it (``schema.standing``) and the finer facts the message needs (which
+    registry state made it GONE or LEAVING; whether the route table still has it)."""
+
+    __slots__ = ("routable", "standing", "state")
+
+    def __init__(self, state: State, standing: Standing, routable: bool) -> None:
+        self.state = state  # its registry state (LEFT when the registry forgot it)
+        self.standing = standing  # schema.standing of that state under this node's liveness view
+        self.routable = routable  # the route table has it (for some model)
+
+
+def pinned_node(doc: dict[str, Any] | None) -> str | None:
+    """The node a ``POST /v1/responses`` body is pinned to (its ``previous_response_id``'s),
+    None when it continues no response of this mesh."""
+    if doc is None:
+        return None
+    previous = doc.get("previous_response_id")
+    return node_of_response(previous) if isinstance(previous, str) else None
+
+
+def pin(
+    model: str,
+    doc: dict[str, Any],
+    routes: list[Route] | None,
+    node_facts: Callable[[str], PinnedNode],
+) -> list[Route] | Rejection | None:
+    """The routes of a ``POST /v1/responses``: if it continues a stored response, only the
+    node that stored it, 404 once that node is gone; else ``routes`` as they are."""
+    previous = doc.get("previous_response_id")
+    sid = node_of_response(previous) if isinstance(previous, str) else None
+    if sid is None:
+        return routes
+    pinned = [r for r in routes if r.info.session_id == sid] if routes else []
+    if pinned:
+        return pinned
+    why = gone_message(str(previous), sid, model, node_facts(sid))
+    return Rejection(404, why, "response_node_gone")
+
+
+def follow_up(
+    rid: str,
+    node: Callable[[str], Route | None],
+    eligible: Callable[[Route], bool],
+    node_facts: Callable[[str], PinnedNode],
+) -> Route | Rejection:
+    """The route of ``GET /v1/responses/{rid}`` or its cancel: the node its id names, if the
+    route table has it and the caller may use it (``eligible``: the same filters as a routed
+    request), else why not."""
+    sid = node_of_response(rid)
+    if sid is None:
+        return Rejection(
+            404,
+            f"response {rid!r} was not created through this mesh: its id names no node "
+            "(ids the mesh hands out are resp_<node session id><16 hex digits>)",
+            "response_not_found",
+        )
+    route = node(sid)
+    if route is None or not eligible(route):
+        return Rejection(404, gone_message(rid, sid, None, node_facts(sid)), "response_node_gone")
+    return route
+
+
+def gone_message(rid: str, sid: str, model: str | None, node: PinnedNode) -> str:
+    """Why the node that stored response ``rid`` cannot take its follow-up. The registry
+    state comes first (DOWN and LEFT say more than the verdict's GONE and LEAVING); a SERVING
+    node whose verdict is GONE is one whose owner the mesh holds dead."""
+    state = node.state
+    if state == State.LEFT:
+        why = "has left the mesh: its stored responses went with it"
+    elif state == State.DOWN:
+        why = "is down (its engine stopped): its stored responses went with it"
+    elif state != State.SERVING:
+        why = "does not serve"
+    elif node.standing is Standing.GONE:
+        why = "is dead (it stopped answering the mesh)"
+    elif model is not None and node.routable:
+        why = f"does not serve {model!r}"
+    else:
+        why = "cannot take requests from you (your key or X-Fabric-* headers exclude it)"
+    return f"response {rid!r} was stored by node {sid[:8]}, which {why}"

@@ -1,0 +1,128 @@
+"""Responses pinning (``fabricnode.dataplane.responses``): where a request about a stored
+response may go, and the reason a client gets when it may not. No sockets, no mesh."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from fabricnode.dataplane.endpoints import response_id
+from fabricnode.dataplane.request import Rejection
+from fabricnode.dataplane.responses import (
+    PinnedNode,
+    follow_up,
+    gone_message,
+    pin,
+    pinned_node,
+)
+from fabricnode.dataplane.routetable import Route
+from fabricnode.dataplane.routing import NodeInfo
+from fabricnode.mesh.membership import Liveness
+from fabricnode.mesh.registry import State
+from fabricnode.mesh.schema import standing
+
+A = "a" * 32
+B = "b" * 32
+
+
+def route(sid: str) -> Route:
+    info = NodeInfo(sid, f"http://{sid[:4]}", "p", None, None, "L4", 1, 4096, None)
+    return Route(info, ("127.0.0.1", 1), math.inf, False)
+
+
+def node(state: State, liveness: Liveness | None, routable: bool) -> PinnedNode:
+    """A node's facts as the ingress builds them: its state and the mesh's verdict on it."""
+    return PinnedNode(state, standing(state, liveness, probed=True), routable)
+
+
+def serving(sid: str) -> PinnedNode:
+    return node(State.SERVING, Liveness.ALIVE, True)
+
+
+STORED = response_id(B, b"\x00" * 8)
+
+
+def test_a_response_id_names_the_node_that_stored_it() -> None:
+    assert pinned_node({"previous_response_id": STORED}) == B
+    assert pinned_node({"previous_response_id": "resp_nothex"}) is None
+    assert pinned_node({"input": "x"}) is None
+    assert pinned_node(None) is None
+
+
+def test_a_request_that_continues_no_response_keeps_its_routes() -> None:
+    routes = [route(A), route(B)]
+    assert pin("m1", {"input": "x"}, routes, serving) is routes
+    assert pin("m1", {"input": "x"}, None, serving) is None
+
+
+def test_a_continuation_goes_only_to_the_node_that_stored_the_response() -> None:
+    pinned = pin("m1", {"previous_response_id": STORED}, [route(A), route(B)], serving)
+    assert isinstance(pinned, list) and [r.info.session_id for r in pinned] == [B]
+
+
+@pytest.mark.parametrize(
+    ("facts", "why"),
+    [
+        (node(State.LEFT, None, False), "has left the mesh: its stored responses went"),
+        (node(State.LEFT, Liveness.DEAD, False), "has left the mesh: its stored responses went"),
+        (node(State.DOWN, Liveness.ALIVE, False), "is down (its engine stopped)"),
+        (node(State.DOWN, Liveness.DEAD, False), "is down (its engine stopped)"),
+        (node(State.JOIN, Liveness.ALIVE, False), "does not serve"),
+        (node(State.SERVING, Liveness.DEAD, True), "is dead (it stopped answering the mesh)"),
+        (node(State.SERVING, Liveness.ALIVE, True), "does not serve 'm1'"),
+        (node(State.SERVING, Liveness.LEFT, True), "does not serve 'm1'"),
+        (node(State.SERVING, None, True), "does not serve 'm1'"),
+        (node(State.SERVING, Liveness.ALIVE, False), "your key or X-Fabric-* headers exclude it"),
+    ],
+    ids=[
+        "left",
+        "left-dead",
+        "down",
+        "down-dead",
+        "joining",
+        "dead",
+        "other-model",
+        "member-leaving",
+        "unvouched",
+        "excluded",
+    ],
+)
+def test_a_continuation_whose_node_is_gone_is_a_404_that_says_why(
+    facts: PinnedNode, why: str
+) -> None:
+    refused = pin("m1", {"previous_response_id": STORED}, [route(A)], lambda sid: facts)
+    assert isinstance(refused, Rejection)
+    assert (refused.status, refused.code) == (404, "response_node_gone")
+    assert refused.message.startswith(f"response {STORED!r} was stored by node {B[:8]}, which ")
+    assert why in refused.message
+
+
+def test_a_follow_up_goes_to_the_node_its_id_names() -> None:
+    routes = {B: route(B)}
+    got = follow_up(STORED, routes.get, lambda r: True, serving)
+    assert isinstance(got, Route) and got.info.session_id == B
+
+
+def test_a_follow_up_whose_id_names_no_node_is_response_not_found() -> None:
+    got = follow_up("resp_123", {}.get, lambda r: True, serving)
+    assert isinstance(got, Rejection)
+    assert (got.status, got.code) == (404, "response_not_found")
+    assert "its id names no node" in got.message
+
+
+def test_a_follow_up_to_a_node_the_caller_may_not_use_or_that_went_is_response_node_gone() -> None:
+    routes = {B: route(B)}
+    excluded = follow_up(STORED, routes.get, lambda r: False, serving)
+    assert isinstance(excluded, Rejection) and excluded.code == "response_node_gone"
+    # A follow-up names no model: a routable node that is excluded is the caller's filters.
+    assert "exclude it" in excluded.message
+    gone = node(State.LEFT, None, False)
+    left = follow_up(STORED, {}.get, lambda r: True, lambda sid: gone)
+    assert isinstance(left, Rejection) and "has left the mesh" in left.message
+
+
+def test_the_reason_names_the_model_only_for_a_continuation() -> None:
+    facts = serving(B)
+    assert "does not serve 'm1'" in gone_message("r", B, "m1", facts)
+    assert "exclude it" in gone_message("r", B, None, facts)
