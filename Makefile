@@ -43,13 +43,12 @@ lint: $(STAMP)
 types: $(STAMP)
 	$(BIN)/mypy fabricnode scheduler cli
 
-# The data plane's own tests (every tests/<kind>/dataplane folder) once more on the interpreted sources (FABRIC_NATIVE=0): that is
-# what runs where the build is missing or stale, so it must stay correct too.
-DATAPLANE_TESTS := $(wildcard tests/*/dataplane)
-
+# The suite in two lanes side by side (tests/slurm, which mostly waits on a real Slurm, beside
+# everything else), then the data plane's own tests (every tests/<kind>/dataplane folder) once
+# more on the interpreted sources (FABRIC_NATIVE=0): that is what runs where the build is missing
+# or stale, so it must stay correct too. scripts/test-lanes.sh says why and how.
 unit: native vllm-env
-	$(BIN)/pytest -q
-	FABRIC_NATIVE=0 $(BIN)/pytest -q $(DATAPLANE_TESTS)
+	BIN=$(BIN) scripts/test-lanes.sh
 
 # The CPU build of vLLM for tests/slurm/test_real_vllm.py, in a venv cached outside the clone
 # (FABRIC_VLLM_VENV; ~7 min and ~3.5 GB the first time). If it cannot be built the test

@@ -10,7 +10,7 @@ Endpoints (OpenAI's paths, bodies and object shapes, so the official SDK works u
   "metadata"?}`` → the batch, ``validating``; ``GET /v1/batches?limit=&after=`` → the caller's
   batches, newest first; ``GET /v1/batches/{id}``; ``POST /v1/batches/{id}/cancel``.
 
-Ownership: the data plane passes the caller's API key id as ``scope["fabric.owner"]`` (``-``
+Ownership: the data plane passes the caller's API key id as ``scope[OWNER_SCOPE]`` (``fabric.owner``) (``-``
 when the ingress runs open). Files and batches belong to the key that created them; any other
 key gets 404 for them, as if they did not exist, and never sees them listed.
 
@@ -34,6 +34,7 @@ from fabricnode.batch import records
 from fabricnode.batch.store import BatchStore, new_batch_id, new_file_id
 from fabricnode.batch.upload import form_parts
 from fabricnode.batch.validate import ENDPOINTS
+from fabricnode.dataplane.asgi_call import OWNER_SCOPE
 from fabricnode.dataplane.request import error_body
 
 log = logging.getLogger("fabricnode.batch.api")
@@ -66,7 +67,7 @@ class BatchApi:
         self.poke_worker = poke_worker
 
     async def __call__(self, scope: Mapping[str, Any], receive: Any, send: Any) -> None:
-        owner = str(scope.get("fabric.owner", "-"))
+        owner = str(scope.get(OWNER_SCOPE, "-"))
         method = scope["method"]
         parts = [p for p in scope["path"].split("/") if p]  # ["v1", "files", ...]
         query = dict(parse_qsl(scope.get("query_string", b"").decode("latin-1")))

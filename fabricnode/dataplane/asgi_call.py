@@ -20,6 +20,8 @@ AsgiApp = Callable[[Mapping[str, Any], Any, Any], Awaitable[None]]
 # whether it checks API keys (a bool), and the key the caller named (an ``ApiKey``, or None).
 KEYS_SCOPE = "fabric.api_keys"
 KEY_SCOPE = "fabric.api_key"
+# What the ingress tells the Batch API (``batch.api``): the caller's API key id, "-" without keys.
+OWNER_SCOPE = "fabric.owner"
 
 
 async def call_asgi(

@@ -106,7 +106,7 @@ import trio
 
 from fabricnode.dataplane import responses, routing
 from fabricnode.dataplane.apikeys import ApiKeyStore, RateLimiter
-from fabricnode.dataplane.asgi_call import KEY_SCOPE, KEYS_SCOPE, AsgiApp, call_asgi
+from fabricnode.dataplane.asgi_call import KEY_SCOPE, KEYS_SCOPE, OWNER_SCOPE, AsgiApp, call_asgi
 from fabricnode.dataplane.clientconn import (
     ClientConn,
     ClientGone,
@@ -721,7 +721,7 @@ class Ingress:
         if isinstance(checked, Rejection):
             return await self._reject(conn, checked, path)
         owner = checked.key_id if checked is not None else "-"
-        return await self._answer_asgi(conn, req, app, {"fabric.owner": owner})
+        return await self._answer_asgi(conn, req, app, {OWNER_SCOPE: owner})
 
     async def _answer_asgi(
         self, conn: ClientConn, req: Request, app: AsgiApp, extra: Mapping[str, object] | None
