@@ -10,9 +10,10 @@ Endpoints (OpenAI's paths, bodies and object shapes, so the official SDK works u
   "metadata"?}`` → the batch, ``validating``; ``GET /v1/batches?limit=&after=`` → the caller's
   batches, newest first; ``GET /v1/batches/{id}``; ``POST /v1/batches/{id}/cancel``.
 
-Ownership: the data plane passes the caller's API key id as ``scope[OWNER_SCOPE]`` (``fabric.owner``) (``-``
-when the ingress runs open). Files and batches belong to the key that created them; any other
-key gets 404 for them, as if they did not exist, and never sees them listed.
+Ownership: the data plane passes the caller's API key id as ``scope[OWNER_SCOPE]``
+(``fabric.owner``; ``-`` when the ingress runs open). Files and batches belong to the key that
+created them; any other key gets 404 for them, as if they did not exist, and never sees them
+listed.
 
 Errors are OpenAI-shaped: 400 a bad body or parameter (the message names it), 404 unknown or not
 yours, 405 wrong method, 413 a file over the limit. Validation problems of an input file are not
