@@ -62,21 +62,6 @@ def mesh_tag(seed: bytes) -> str:
     return hashlib.sha256(b"fabric/elastic/mesh/v1\0" + seed).hexdigest()[:12]
 
 
-# squeue's final states, as the reason of a replacement says them
-END_CAUSES = {
-    "PREEMPTED": "preempted",
-    "TIMEOUT": "time limit reached",
-    "FAILED": "failed",
-    "NODE_FAIL": "node failure",
-    "BOOT_FAIL": "node failure",
-    "OUT_OF_MEMORY": "out of memory",
-    "CANCELLED": "cancelled outside the fabric",
-    "COMPLETED": "ended",
-    "COMPLETING": "ended",
-    "DEADLINE": "deadline reached",
-}
-
-
 # The jobs' agents take any free ports (they announce them in the registry): several jobs
 # starting at once on one node must not race for the wrapper's preferred 8080/7946.
 JOB_AGENT_ARGS = ("--http", "0.0.0.0:0", "--gossip", "0.0.0.0:0")

@@ -105,7 +105,7 @@ class Why:
 MIN_REPLICAS = Why(Reason.MIN_REPLICAS, "min replicas")
 
 # squeue's final states -> the reason of the replacement of a served job that ended so
-# (slurmctl.END_CAUSES says them in words); any other final state is Reason.ENDED
+# (jobs.END_CAUSES says them in words); any other final state is Reason.ENDED
 END_REASONS: Mapping[str, Reason] = {
     "PREEMPTED": Reason.PREEMPTED,
     "TIMEOUT": Reason.TIME_LIMIT,

@@ -9,8 +9,8 @@ from dataclasses import replace
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fabricnode.elastic.jobs import Job
 from fabricnode.elastic.reconcile import Memory, Replica, Tuning, holdings, reconcile
-from fabricnode.elastic.slurmctl import Job
 from fabricnode.elastic.vocab import (
     MIN_REPLICAS,
     Cancel,

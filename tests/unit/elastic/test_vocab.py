@@ -4,7 +4,7 @@ decides"; docs/operators.md)."""
 
 from __future__ import annotations
 
-from fabricnode.elastic.slurmctl import END_CAUSES
+from fabricnode.elastic.jobs import END_CAUSES
 from fabricnode.elastic.vocab import END_REASONS, Decision, Reason, Why
 
 # fabric_controller_decisions_total{action_reason} as docs/services.md lists them
