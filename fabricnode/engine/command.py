@@ -26,6 +26,7 @@ Whether the engine orders its queue by the requests' ``priority`` field
 from __future__ import annotations
 
 import os
+import random
 import re
 import socket
 import sys
@@ -235,10 +236,46 @@ def inspect_engine_cmd(argv: Sequence[str], engine_url: str | None = None) -> En
     return EngineCommand(tuple(argv), kind, model, served, url)
 
 
-def free_port(host: str = CONNECT_HOST) -> int:
-    """A TCP port free on ``host`` now, for an engine we launch to bind a moment later (another
-    process may take it meanwhile: engines that can inherit a socket get ``bind_listener``)."""
-    with socket.socket() as s:
+# Linux hands out ports in this range for bind(port 0) and for outgoing connections; a port
+# picked below it cannot be taken by either in the moment before the engine binds it.
+EPHEMERAL_RANGE_PATH = "/proc/sys/net/ipv4/ip_local_port_range"
+LOW_PORTS_FROM = 10_000  # below this: well-known and registered services' fixed ports
+FREE_PORT_TRIES = 64
+
+
+def ephemeral_low(path: str = EPHEMERAL_RANGE_PATH) -> int | None:
+    """The first port of the kernel's ephemeral range, None where it cannot be read."""
+    try:
+        with open(path, encoding="ascii") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def free_port(host: str = CONNECT_HOST, *, ephemeral_from: int | None = None) -> int:
+    """A TCP port free on ``host`` now, for an engine we launch to bind a moment later (engines
+    that can inherit a socket get ``bind_listener`` instead).
+
+    vLLM binds its port only after it has started (16 s in the test suite's runs), and every
+    port-0 bind and outgoing connection on the node in the meantime gets a port of the
+    ephemeral range: a port picked there by bind(0) was taken by another process's listener
+    once in a busy test run ("Address already in use"), and can be on a shared compute node.
+    So the port comes from below that range (``LOW_PORTS_FROM`` up to its start), where only
+    a process binding that very port could take it; bind(0) when the range is unknown or no
+    low port is free."""
+    low = ephemeral_low() if ephemeral_from is None else ephemeral_from
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    if low is not None and low > LOW_PORTS_FROM:
+        rng = random.Random()
+        for _ in range(FREE_PORT_TRIES):
+            port = rng.randrange(LOW_PORTS_FROM, low)
+            with socket.socket(family) as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue
+                return port
+    with socket.socket(family) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
 

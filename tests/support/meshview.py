@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import re
-import socket
 import subprocess
 import sys
 from typing import Any
@@ -13,6 +12,7 @@ import httpx
 
 from cli.localmesh import AgentProcess, LocalMesh
 from fabricnode.control.client import AdminClient
+from fabricnode.engine.command import free_port as engine_free_port
 from fabricnode.errors import AgentApiError
 
 # An entry's fields in the order of docs/admin-guide.md's JSON reference, as the admin API and
@@ -37,9 +37,9 @@ ENTRY_KEYS = [
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port on 127.0.0.1 for a process a test starts, from below the ephemeral range (see
+    ``fabricnode.engine.command.free_port``)."""
+    return engine_free_port("127.0.0.1")
 
 
 def entry(watcher: AgentProcess, sid: str) -> dict[str, Any] | None:

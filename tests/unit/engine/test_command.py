@@ -7,11 +7,14 @@ import socket
 import pytest
 
 from fabricnode.engine.command import (
+    LOW_PORTS_FROM,
     OPENAI,
     SGLANG,
     VLLM,
     EngineCommand,
     detect_kind,
+    ephemeral_low,
+    free_port,
     inspect_engine_cmd,
     option_values,
     sim_engine_command,
@@ -271,3 +274,25 @@ def test_the_simulated_engine_schedules_by_priority_when_its_flags_say_so() -> N
             "m", "H100", "--scheduling-policy", "priority", listener=listener
         )
         assert not plain.priority_scheduling and priority.priority_scheduling
+
+
+def test_free_port_comes_from_below_the_ephemeral_range_where_no_port_0_bind_lands() -> None:
+    """A port picked for an engine that binds it later is one that bind(0) and outgoing
+    connections never get: below the kernel's ephemeral range."""
+    low = ephemeral_low()
+    assert low is not None and low > LOW_PORTS_FROM  # Linux: 32768 by default
+    for _ in range(20):
+        port = free_port("127.0.0.1")
+        assert LOW_PORTS_FROM <= port < low
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))  # and it is free
+
+
+def test_free_port_skips_a_taken_low_port_and_falls_back_to_port_0_without_a_range() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", LOW_PORTS_FROM))
+        # The only low port there is is taken: past its tries it binds port 0.
+        port = free_port("127.0.0.1", ephemeral_from=LOW_PORTS_FROM + 1)
+        assert port != LOW_PORTS_FROM and port > 0
+    assert free_port("127.0.0.1", ephemeral_from=0) > 0  # no usable range: port 0
+    assert ephemeral_low("/nonexistent/ip_local_port_range") is None
