@@ -46,13 +46,11 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Hashable
 
-from fabricnode.dataplane.endpoints import RESPONSES
 from fabricnode.dataplane.job import Job
 from fabricnode.dataplane.prefill import PrefillClocks
-from fabricnode.dataplane.request import Rejection, Requirements
-from fabricnode.dataplane.responses import pinned_node
+from fabricnode.dataplane.request import Rejection, Routed
 from fabricnode.dataplane.routetable import Route
-from fabricnode.dataplane.routing import Candidate, LoadSnapshot, Policy, RouteRequest
+from fabricnode.dataplane.routing import Candidate, LoadSnapshot, Policy
 from fabricnode.dataplane.tiers import (
     PRIORITY_KINDS,
     FairQueue,
@@ -90,12 +88,9 @@ class BatchWaiter:
         "job",
         "label",
         "outcome",
-        "pinned",
-        "providers",
         "ranked",
-        "requirements",
+        "routed",
         "routes",
-        "rreq",
         "ticket",
         "tried",
     )
@@ -103,19 +98,13 @@ class BatchWaiter:
     def __init__(
         self,
         job: Job,
-        rreq: RouteRequest,
-        providers: frozenset[str],
-        requirements: Requirements | None,
+        routed: Routed,
         tried: set[str],
     ) -> None:
         self.job = job
-        self.rreq = rreq
-        self.providers = providers
-        self.requirements = requirements
+        self.routed = routed  # the request as decoded: its filters and its pin
         self.tried = tried  # nodes this request tried already (a failover)
         self.first = not tried  # its first admission (not a failover): counted in the metrics
-        # The only node it may go to (a stored response's).
-        self.pinned = pinned_node(job.doc) if job.kind == RESPONSES else None
         self.deadline = math.inf
         self.label = ""  # its ``key`` label in the metrics
         self.outcome = ""  # GRANTED, GATE_FULL, ... once its wait is over
@@ -125,7 +114,8 @@ class BatchWaiter:
 
     def group(self) -> Hashable:
         """Waiters with the same filters see the same nodes (``tiers``' groups)."""
-        return (self.job.model, self.providers, self.requirements, self.pinned)
+        r = self.routed
+        return (r.model, r.providers, r.requirements, r.pinned)
 
 
 class BatchGate:
@@ -307,7 +297,7 @@ class BatchGate:
         job = w.job
         ranked: list[Candidate] | None = None
         if len(roomy) > 1 and not job.waking:
-            ranked = self.policy.rank(w.rreq, roomy, wall, allow_hold=False)
+            ranked = self.policy.rank(w.routed, roomy, wall, allow_hold=False)
         w.ranked = ranked or roomy
         w.routes = routes
         sid = w.ranked[0].node.session_id
@@ -347,7 +337,7 @@ class BatchGate:
         rate = self.prefill_tokens_per_s
         if rate > 0:
             paced = self.paced_until
-            paced[sid] = next_paced(paced.get(sid, now), now, w.rreq.prompt_tokens_est, rate)
+            paced[sid] = next_paced(paced.get(sid, now), now, w.routed.prompt_tokens_est, rate)
 
     def done(self, job: Job) -> None:
         """The attempt that held a batch slot ended: its slot is free (rule 3)."""

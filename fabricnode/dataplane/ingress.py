@@ -154,7 +154,7 @@ from fabricnode.dataplane.prefill import PrefillClocks
 from fabricnode.dataplane.request import (
     KEY_REJECTION,
     Rejection,
-    Requirements,
+    Routed,
     authorize,
     decode,
     decode_as,
@@ -194,14 +194,10 @@ from fabricnode.dataplane.sockio import (
     close,
 )
 from fabricnode.dataplane.tiers import (
-    BATCH,
-    NO_TENANT,
     OWNER_HEADER,
-    PRIORITY_HEADER,
     PRIORITY_KINDS,
     RoomRules,
     owner_of,
-    tier_of,
 )
 from fabricnode.dataplane.upstream import BrokenResponse, Exchange, UpstreamError, UpstreamPool
 from fabricnode.dataplane.usage import StreamUsage, UsageLedger
@@ -789,25 +785,16 @@ class Ingress:
         body = req.body
         headers = req.headers
         owner = headers.get(OWNER_HEADER)
-        tenant = NO_TENANT
         if owner is None:
-            decoded = decode(kind, headers, body, self.api_keys, self.rate_limiter, started)
+            routed = decode(kind, headers, body, self.api_keys, self.rate_limiter, started)
         else:  # our Batch API worker, for a tenant: batch tier, no rate limit (the gate governs)
             owned = owner_of(owner, self.batch_token, self.api_keys)
             if isinstance(owned, Rejection):
                 return self._reject(conn, owned, path)
-            tenant = owned[1]
-            decoded = decode_as(kind, headers, body, owned[0])
-        if isinstance(decoded, Rejection):
-            return self._reject(conn, decoded, path)
-        batch = owner is not None
-        tier = headers.get(PRIORITY_HEADER)
-        if tier is not None:
-            try:
-                batch = tier_of(tier) == BATCH or batch
-            except ValueError as exc:
-                return self._reject(conn, Rejection(400, str(exc), "invalid_header"), path)
-        model = decoded.model
+            routed = decode_as(kind, headers, body, owned[0], owned[1])
+        if isinstance(routed, Rejection):
+            return self._reject(conn, routed, path)
+        model = routed.model
         routes = self.table.routes(model)
         self._forget_removed()
         hold_s = None
@@ -816,9 +803,9 @@ class Ingress:
             # Only sleeping replicas (if any): one is woken by the request (the cold path).
             routes = self.table.sleeping(model)
             waking = routes is not None
-        doc = decoded.doc
+        doc = routed.doc
         if kind == RESPONSES:
-            pinned = responses.pin(model, doc, routes, self._pinned_node)
+            pinned = responses.pin(model, doc, routed.pinned, routes, self._pinned_node)
             if isinstance(pinned, Rejection):
                 return self._reject(conn, pinned, path)
             routes = pinned
@@ -830,34 +817,27 @@ class Ingress:
                     Rejection(404, f"model {model!r} is not served by any node", "model_not_found"),
                     path,
                 )
-        job = Job(kind, model, decoded.stream, body, path, headers, decoded.key, started, doc)
+        job = Job(kind, model, routed.stream, body, path, headers, routed.key, started, doc)
         if req.http_version == "1.0":
             job.http10 = True
         if waking:
             job.waking = True
-        if batch:
+        if routed.batch:
             job.batch = True
-            job.tenant = decoded.key.key_id if decoded.key is not None else tenant
+            job.tenant = routed.tenant
+        if kind in PREFILL_KINDS:
+            job.prefill_tokens = routed.prompt_tokens_est
         if kind in PREPARED_KINDS:
             if kind == RESPONSES:
                 job.retag = True  # each attempt names its node in the response id
             else:  # a form goes on with its boundary
                 job.content_type = req.headers.get(b"content-type", job.content_type)
-        if kind in PREFILL_KINDS:
-            job.prefill_tokens = len(body) // 4
         if not routes:
             assert hold_s is not None
-            rreq = routing.RouteRequest(model, (), decoded.session, len(body) // 4)
-            return self._wait_for_replica(
-                conn, job, rreq, decoded.providers, decoded.requirements, hold_s, frozenset()
-            )
-        rreq = routing.RouteRequest(
-            model,
-            self._prefix_blocks(doc, kind) if len(routes) > 1 else (),
-            decoded.session,
-            len(body) // 4,
-        )
-        return self._dispatch(conn, job, rreq, routes, decoded.providers, decoded.requirements)
+            return self._wait_for_replica(conn, job, routed, hold_s, frozenset())
+        if len(routes) > 1 and self.policy.name.startswith("prefix"):
+            routed.prefix_blocks = routing.prompt_blocks(prompt_text(doc, kind))
+        return self._dispatch(conn, job, routed, routes)
 
     def _pinned_node(self, sid: str) -> PinnedNode:
         """What the mesh says of node ``sid`` (its registry state and ``schema.standing``
@@ -882,34 +862,30 @@ class Ingress:
         filters = route_headers(headers, checked)
         if isinstance(filters, Rejection):
             return self._reject(conn, filters, path)
+        stream = kind != RESPONSE_CANCEL and b"stream=true" in req.target.partition(b"?")[2]
         providers, requirements = filters
+        routed = Routed(kind, "-", stream, {}, checked, providers, requirements, None, 0)
         route = responses.follow_up(
             rid,
             self.table.node,
-            lambda r: bool(
-                self._candidates([r], providers, requirements, set(), started, self.wall_clock())
-            ),
+            lambda r: bool(self._candidates([r], routed, set(), started, self.wall_clock())),
             self._pinned_node,
         )
         self._forget_removed()
         if isinstance(route, Rejection):
             return self._reject(conn, route, path)
-        stream = kind != RESPONSE_CANCEL and b"stream=true" in req.target.partition(b"?")[2]
         # The query (``stream``, ``starting_after``) goes with it: the target is what is sent.
         job = Job(kind, "-", stream, b"", req.target, headers, checked, started, None)
         job.method = req.method
         if req.http_version == "1.0":
             job.http10 = True
-        rreq = routing.RouteRequest("-", (), None, 0)
-        return self._dispatch(conn, job, rreq, [route], providers, requirements)
+        return self._dispatch(conn, job, routed, [route])
 
     async def _wait_for_replica(
         self,
         conn: ClientConn,
         job: Job,
-        rreq: routing.RouteRequest,
-        providers: frozenset[str],
-        requirements: Requirements | None,
+        routed: Routed,
         hold_s: float,
         failed: frozenset[str],
     ) -> bool:
@@ -946,7 +922,7 @@ class Ingress:
                 routes = self.table.sleeping(model)
                 job.waking = routes is not None
             if routes and self._candidates(
-                routes, providers, requirements, tried, self.clock.now(), self.wall_clock()
+                routes, routed, tried, self.clock.now(), self.wall_clock()
             ):
                 return routes
             return None
@@ -984,16 +960,11 @@ class Ingress:
                 )
             self._account(job, 0)
             return not conn.closing
-        return await self._dispatch(conn, job, rreq, got, providers, requirements)
+        return await self._dispatch(conn, job, routed, got)
 
     def _waiting(self, model: str, delta: int) -> None:
         if self.replica_room.add(model, delta) and self.on_waiting is not None:
             self.on_waiting(self.replica_room.snapshot())  # a model starts or stops waiting
-
-    def _prefix_blocks(self, doc: dict[str, Any], kind: str) -> tuple[int, ...]:
-        if not self.policy.name.startswith("prefix"):
-            return ()
-        return routing.prompt_blocks(prompt_text(doc, kind))
 
     def _forget_removed(self) -> None:
         if not self.table.removed:
@@ -1009,10 +980,8 @@ class Ingress:
         self,
         conn: ClientConn,
         job: Job,
-        rreq: routing.RouteRequest,
+        routed: Routed,
         routes: list[Route],
-        providers: frozenset[str],
-        requirements: Requirements | None,
     ) -> bool:
         """Try the candidates in turn until one answers (else 503), then account the request.
 
@@ -1036,7 +1005,7 @@ class Ingress:
                     break
                 wall = self.wall_clock()  # load reports carry wall-clock times
                 candidates = self._candidates(
-                    routes, providers, requirements, tried, now, wall, interactive=not job.batch
+                    routes, routed, tried, now, wall, interactive=not job.batch
                 )
                 if not tried:
                     observed = len(candidates)
@@ -1045,9 +1014,7 @@ class Ingress:
                 ranked: list[routing.Candidate] | None
                 if job.batch:
                     # Only to a node with room for batch work, else held in the gate.
-                    admitted = await self.gate_waits.admit(
-                        conn, job, rreq, providers, requirements, tried
-                    )
+                    admitted = await self.gate_waits.admit(conn, job, routed, tried)
                     if isinstance(admitted, str):
                         refusal = admitted
                         break
@@ -1063,11 +1030,9 @@ class Ingress:
                     # hashing was.
                     ranked = candidates
                 else:
-                    ranked = policy.rank(rreq, candidates, wall)
+                    ranked = policy.rank(routed, candidates, wall)
                 if ranked is None:
-                    ranked = await self._hold(
-                        rreq, routes, providers, requirements, tried, candidates
-                    )
+                    ranked = await self._hold(routed, routes, tried, candidates)
                     if not ranked:
                         break
                 pick = ranked[0].node.session_id
@@ -1075,7 +1040,7 @@ class Ingress:
                 tried.add(pick)
                 if job.splice is not None:
                     log.info("stream continuation %d goes to %s", job.resumes, pick[:8])
-                policy.on_routed(rreq, pick, wall)
+                policy.on_routed(routed, pick, wall)
                 attempt = self._attempt(conn, job, route, now)
                 outcome: str | None
                 try:
@@ -1173,9 +1138,7 @@ class Ingress:
                 self.gate_waits.done(job)
         if fallback is not None:
             log.info("no node answered for %s: waiting for a replica", job.model)
-            return await self._wait_for_replica(
-                conn, job, rreq, providers, requirements, fallback, frozenset(tried)
-            )
+            return await self._wait_for_replica(conn, job, routed, fallback, frozenset(tried))
         self._account(job, observed)
         return keep and not conn.closing
 
@@ -1192,8 +1155,7 @@ class Ingress:
     def _candidates(
         self,
         routes: list[Route],
-        providers: frozenset[str],
-        requirements: Requirements | None,
+        routed: Routed,
         tried: set[str],
         now: float,
         wall_now: float,
@@ -1209,8 +1171,8 @@ class Ingress:
             wall_now=wall_now,
             inflight=self.remote_inflight,
             breaker=self.breaker,
-            providers=providers,
-            requirements=requirements,
+            providers=routed.providers,
+            requirements=routed.requirements,
         )
         if tried:
             eligible = [c for c in eligible if c.node.session_id not in tried]
@@ -1229,10 +1191,8 @@ class Ingress:
 
     async def _hold(
         self,
-        rreq: routing.RouteRequest,
+        routed: Routed,
         routes: list[Route],
-        providers: frozenset[str],
-        requirements: Requirements | None,
         tried: set[str],
         held: list[routing.Candidate],
     ) -> list[routing.Candidate] | None:
@@ -1242,7 +1202,7 @@ class Ingress:
         now = self.clock.now()
         hold = Hold(
             self.policy,
-            rreq,
+            routed,
             now,
             hold_max_s=self.config.hold_max_s,
             stale_after_s=routing.DEFAULT_CONFIG.load_stale_after_s,
@@ -1258,9 +1218,7 @@ class Ingress:
                     await self._released.wait()
                 now = self.clock.now()
                 wall = self.wall_clock()
-                cands = self._candidates(
-                    routes, providers, requirements, tried, now, wall, interactive=True
-                )
+                cands = self._candidates(routes, routed, tried, now, wall, interactive=True)
                 if not cands:
                     return None
                 ranked = hold.rank(cands, now, wall)
@@ -1286,11 +1244,12 @@ class Ingress:
         if not routes:
             routes = self.table.sleeping(job.model)
             job.waking = routes is not None
-        if routes and w.pinned is not None:
-            routes = [r for r in routes if r.info.session_id == w.pinned]
+        if routes and w.routed.pinned is not None:
+            pinned = w.routed.pinned
+            routes = [r for r in routes if r.info.session_id == pinned]
         if not routes:
             return None
-        return routes, self._candidates(routes, w.providers, w.requirements, w.tried, now, wall)
+        return routes, self._candidates(routes, w.routed, w.tried, now, wall)
 
     def mesh_changed(self) -> None:
         """The mesh's view may have changed (the agent's gossip service received or timed

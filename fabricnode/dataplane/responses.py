@@ -26,6 +26,7 @@ from typing import Any
 
 from fabricnode.dataplane.endpoints import node_of_response
 from fabricnode.dataplane.request import Rejection
+from fabricnode.dataplane.request import pinned_node as pinned_node
 from fabricnode.dataplane.routetable import Route
 from fabricnode.mesh.registry import State
 from fabricnode.mesh.schema import Standing
@@ -44,31 +45,22 @@ class PinnedNode:
         self.routable = routable  # the route table has it (for some model)
 
 
-def pinned_node(doc: dict[str, Any] | None) -> str | None:
-    """The node a ``POST /v1/responses`` body is pinned to (its ``previous_response_id``'s),
-    None when it continues no response of this mesh."""
-    if doc is None:
-        return None
-    previous = doc.get("previous_response_id")
-    return node_of_response(previous) if isinstance(previous, str) else None
-
-
 def pin(
     model: str,
     doc: dict[str, Any],
+    sid: str | None,
     routes: list[Route] | None,
     node_facts: Callable[[str], PinnedNode],
 ) -> list[Route] | Rejection | None:
-    """The routes of a ``POST /v1/responses``: if it continues a stored response, only the
-    node that stored it, 404 once that node is gone; else ``routes`` as they are."""
-    previous = doc.get("previous_response_id")
-    sid = node_of_response(previous) if isinstance(previous, str) else None
+    """The routes of a ``POST /v1/responses``: if it continues a stored response (on node
+    ``sid``, the decoder's ``Routed.pinned``), only the node that stored it, 404 once that node
+    is gone; else ``routes`` as they are."""
     if sid is None:
         return routes
     pinned = [r for r in routes if r.info.session_id == sid] if routes else []
     if pinned:
         return pinned
-    why = gone_message(str(previous), sid, model, node_facts(sid))
+    why = gone_message(str(doc.get("previous_response_id")), sid, model, node_facts(sid))
     return Rejection(404, why, "response_node_gone")
 
 

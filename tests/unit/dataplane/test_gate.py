@@ -33,12 +33,12 @@ from fabricnode.dataplane.gate import (
 )
 from fabricnode.dataplane.job import Job
 from fabricnode.dataplane.prefill import PrefillClocks
+from fabricnode.dataplane.request import Routed
 from fabricnode.dataplane.routetable import Route
 from fabricnode.dataplane.routing import (
     Candidate,
     LoadSnapshot,
     NodeInfo,
-    RouteRequest,
     make_policy,
 )
 from fabricnode.dataplane.tiers import RoomRules
@@ -74,8 +74,9 @@ class World:
         self, w: BatchWaiter, now: float, wall: float
     ) -> tuple[list[Route], list[Candidate]] | None:
         routes = [self.routes[s] for s in self.sids if s not in self.gone]
-        if w.pinned is not None:
-            routes = [r for r in routes if r.info.session_id == w.pinned]
+        pinned = w.routed.pinned
+        if pinned is not None:
+            routes = [r for r in routes if r.info.session_id == pinned]
         if not routes:
             return None
         cands = [
@@ -126,8 +127,8 @@ def waiter(
     job.batch = True
     job.tenant = tenant
     job.prefill_tokens = tokens
-    rreq = RouteRequest("m1", (), name, tokens)
-    return BatchWaiter(job, rreq, frozenset(), None, tried if tried is not None else set())
+    routed = Routed(kind, "m1", False, doc or {}, None, frozenset(), None, name, tokens)
+    return BatchWaiter(job, routed, tried if tried is not None else set())
 
 
 def granted(gate: BatchGate) -> list[BatchWaiter]:
@@ -217,7 +218,7 @@ def test_a_full_gate_pushes_out_the_longest_queues_newest_for_another_tenant() -
     b1 = waiter("b1", tenant="b")
     assert gate.offer(b1, 0.0, WALL) == QUEUED
     assert gate.take_ended() == [a2] and a2.outcome == GATE_FULL
-    assert {w.rreq.session_key for w in gate.waiters()} == {"a1", "b1"}
+    assert {w.routed.session_key for w in gate.waiters()} == {"a1", "b1"}
 
 
 def test_a_wait_ends_at_its_deadline_counted_from_the_requests_arrival() -> None:
@@ -309,7 +310,7 @@ def test_a_request_pinned_to_a_node_waits_for_that_node_only() -> None:
     world.report(1, kv=0.9)  # no room on the pinned node
     gate = world.gate()
     w = waiter(kind=RESPONSES)
-    w.pinned = "node1"
+    w.routed.pinned = "node1"
     assert gate.offer(w, 0.0, WALL) == QUEUED and w.outcome == ""
     world.report(1, kv=0.1)
     gate.scan(1.0, WALL)
