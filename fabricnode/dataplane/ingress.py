@@ -25,17 +25,20 @@ whether API keys are on and which key the caller named, and the app decides whic
 an admin key (``control.access``). With ``--admin`` that app is also served on its own port by
 hypercorn.
 
-What is not here: the checks before routing and the header grammars (``request``), the client
-connection, its sends and its lingering close (``clientconn``), a request's record (``job``),
-its bookkeeping once answered (``settle``), what resuming a broken stream needs to know
-(``resume``), and the waiting rooms an interactive request on a served model never enters, each
-a sans-IO machine with its policy inside that takes the time and returns what to do: the batch
-gate (``gate``), the wait for a replica (``coldstart``), Responses pinning (``responses``) and
-the pending-aware hold (``hold``); the batch gate's waiting tasks and loop are its own shell
-(``gatewait``). The shell waits for them in one way: on events (a request
-ending, a batch request queued, the mesh changing: ``mesh_changed``) or until the machine's
-``next_deadline()``, never on a fixed period; the only periodic look left is at the sockets of
-waiting clients, for a hang-up.
+What is not here: the checks before routing, the header grammars and a request's one routed
+record (``request.Routed``), the client connection, its sends and its lingering close
+(``clientconn``), the state of its attempts (``job``), the ``/v1/models`` body
+(``routetable.models_body``), the bodies an attempt rewrites (``responses.tagged``,
+``tiers.prioritized``), its bookkeeping once answered (``settle``), what resuming a broken
+stream needs to know (``resume``), and the waiting rooms an interactive request on a served
+model never enters, each a sans-IO machine with its policy inside that takes the time and
+returns what to do: the batch gate (``gate``), the wait for a replica (``coldstart``),
+Responses pinning (``responses``) and the pending-aware hold (``hold``); the batch gate's
+waiting tasks and loop (``gatewait``) and the wait for a replica (``coldwait``) are shells of
+their own. The shell waits for them in one way: on events (a request ending, a batch request
+queued, the mesh changing: ``mesh_changed``) or until the machine's ``next_deadline()``, never
+on a fixed period; the only periodic look left is at the sockets of waiting clients, for a
+hang-up.
 
 What stays is the shell that owns the per-request state of the hot path: the accept and
 connection loops, dispatch, failover and resume, the relay of an attempt and forwarded
@@ -101,7 +104,6 @@ from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
 import trio
 
 from fabricnode.dataplane import responses, routing
@@ -115,7 +117,8 @@ from fabricnode.dataplane.clientconn import (
     send_now,
     send_rest,
 )
-from fabricnode.dataplane.coldstart import STREAM_HEAD, ReplicaRoom, ReplicaWait
+from fabricnode.dataplane.coldstart import ReplicaRoom
+from fabricnode.dataplane.coldwait import ReplicaWaits
 from fabricnode.dataplane.endpoints import (
     ENDPOINT_DOCS,
     ENDPOINTS,
@@ -127,7 +130,6 @@ from fabricnode.dataplane.endpoints import (
     RESUMABLE_KINDS,
     last_sequence_number,
     response_follow_up,
-    response_id,
     stream_error_events,
 )
 from fabricnode.dataplane.forward_auth import HEADER as FORWARD_HEADER
@@ -180,6 +182,7 @@ from fabricnode.dataplane.routetable import (
     Origin,
     Route,
     RouteTable,
+    models_body,
     origin_of,
     route_of,
 )
@@ -190,7 +193,6 @@ from fabricnode.dataplane.sockio import (
     SocketClosed,
     Watchdog,
     Watched,
-    client_gone,
     close,
 )
 from fabricnode.dataplane.tiers import (
@@ -198,6 +200,7 @@ from fabricnode.dataplane.tiers import (
     PRIORITY_KINDS,
     RoomRules,
     owner_of,
+    prioritized,
 )
 from fabricnode.dataplane.upstream import BrokenResponse, Exchange, UpstreamError, UpstreamPool
 from fabricnode.dataplane.usage import StreamUsage, UsageLedger
@@ -210,8 +213,6 @@ from fabricnode.requestlog.writer import RequestLog
 log = logging.getLogger("fabricnode.dataplane.ingress")
 
 RETRYABLE_STATUS = (502, 503, 504)
-# A request waiting for a replica looks at its client for a hang-up this often.
-REPLICA_PEEK_S = 0.25
 # An attempt's outcome when its stream broke and a continuation is ready (``_prepare_resume``).
 RESUME = "resume"
 # Kinds whose requests need more than the table lookup (``Ingress._prepare``).
@@ -266,15 +267,11 @@ class Ingress:
         # at start and read by its Batch API worker; None: no request may use the header.
         self.batch_token = batch_token
         # Scale from zero (the elastic controller): how long a request for a model declared in
-        # the mesh's service file may wait for a replica (None: not declared), the declared
-        # models, and who is told which models have requests waiting (the agent labels its
-        # entry, so the acting controller starts a replica).
+        # the mesh's service file may wait for a replica (None: not declared), and the declared
+        # models. Who is told which models have requests waiting: ``replica_waits``.
         self.declared = declared
         self.declared_models = declared_models
-        self.on_waiting = on_waiting
         self.config = cfg = config or IngressConfig()
-        self.replica_room = ReplicaRoom(cfg.max_waiting_for_replica)
-        self.waiting_for_replica = self.replica_room.waiting  # models -> requests waiting
         self.wall_clock = wall_clock
         # Our own engine's URL while it is serving (None otherwise): one call per request.
         self.serving_engine_url = serving_engine_url
@@ -300,6 +297,15 @@ class Ingress:
         self.breaker = CircuitBreaker(base_s=cfg.eject_base_s, max_s=cfg.eject_max_s)
         # Bound to the trio run's clock when serving starts (see LoopClock).
         self.clock = LoopClock()
+        # The wait for a replica (``coldstart``) and its trio side (``coldwait``).
+        self.replica_room = ReplicaRoom(cfg.max_waiting_for_replica)
+        self.replica_waits = ReplicaWaits(
+            self.replica_room,
+            clock=self.clock,
+            keepalive_s=cfg.replica_keepalive_s,
+            send_timeout_s=cfg.stream_idle_timeout_s,
+            on_waiting=on_waiting,
+        )
         # Every data-plane socket (clients, upstreams) waits through this one reactor.
         self.reactor = Reactor()
         self.reactor.batching = False  # until requests overlap (Reactor.request_started)
@@ -353,7 +359,6 @@ class Ingress:
             breaker=self.breaker,
             metrics=self.metrics,
         )
-        self._mesh_changed = trio.Event()  # set and replaced by ``mesh_changed``
         self._batch_waiting = LabelCache(self.metrics.batch_waiting)
         self._waiting_labels: set[str] = set()  # batch_waiting labels set so far
         self.connections = 0
@@ -753,27 +758,8 @@ class Ingress:
         return True
 
     def models_body(self) -> bytes:
-        data = [
-            {
-                "id": m.id,
-                "object": "model",
-                "created": m.created,
-                "owned_by": "fabric",
-                "max_model_len": m.max_model_len,
-                "parent": m.parent,  # an adapter's (LoRA) base model, as vLLM lists it
-                "fabric_nodes": m.nodes,
-            }
-            for m in self.table.listing()
-        ]
-        if self.declared_models is not None:
-            listed = {d["id"] for d in data}
-            for model in self.declared_models():
-                if model not in listed:  # declared, no replica now: the first request starts one
-                    data.append(
-                        {"id": model, "object": "model", "created": 0, "owned_by": "fabric",
-                         "fabric_nodes": 0, "fabric_scaled_to_zero": True}
-                    )  # fmt: skip
-        return orjson.dumps({"object": "list", "data": data})
+        declared = self.declared_models() if self.declared_models is not None else None
+        return models_body(self.table.listing(), declared)
 
     # == routing =============================================================================
 
@@ -890,14 +876,11 @@ class Ingress:
         failed: frozenset[str],
     ) -> bool:
         """Scale from zero: hold a request for a declared model while a replica starts, then
-        route it (``coldstart``: the machine decides, this waits). A stream gets its 200 SSE
-        head at once and a comment every ``replica_keepalive_s``; past ``hold_s`` (from the
+        route it (``coldstart`` decides, ``coldwait`` waits). A stream gets its 200 SSE head
+        at once and a comment every ``replica_keepalive_s``; past ``hold_s`` (from the
         request's arrival) the answer is 503 (Retry-After) or, for a stream, the error event.
         Also where a request whose every node failed before answering (``failed``) waits for
-        another. It wakes when the mesh changes (``mesh_changed``: a replica joins), at the
-        wait's deadline, and every ``REPLICA_PEEK_S`` to notice a client that hung up. The
-        cold path: no cost to requests for served models."""
-        cfg = self.config
+        another. The cold path: no cost to requests for served models."""
         model = job.model
         full = self.replica_room.enter(model)
         if full is not None:
@@ -905,16 +888,6 @@ class Ingress:
                 conn, 503, full.message, full.code, extra=full.headers, path=job.path
             )
             return True
-        self._waiting(model, +1)
-        holds_head = job.held_head or (job.stream and not job.http10)
-        wait = ReplicaWait(
-            model,
-            job.started,
-            hold_s,
-            failed,
-            keepalive_s=cfg.replica_keepalive_s,
-            holds_head=holds_head,
-        )
 
         def lookup(tried: set[str]) -> list[Route] | None:
             routes = self.table.routes(model)
@@ -928,28 +901,11 @@ class Ingress:
             return None
 
         try:
-            if holds_head and not job.held_head:
-                job.held_head = True
-                job.status = 200
-                await client_send(conn, STREAM_HEAD, cfg.stream_idle_timeout_s)
-            while True:
-                now = self.clock.now()
-                got = wait.poll(now, lookup)
-                if got is not None:
-                    break
-                if client_gone(conn.sock):
-                    raise ClientGone
-                if wait.note_due(now):
-                    await client_send(conn, frame([wait.note()], True), cfg.stream_idle_timeout_s)
-                changed = self._mesh_changed
-                with trio.move_on_at(min(wait.next_deadline(), now + REPLICA_PEEK_S)):
-                    await changed.wait()
+            got = await self.replica_waits.wait(conn, job, hold_s, failed, lookup)
         except ClientGone:
             job.status = 499
             self._account(job, 0)
             raise
-        finally:
-            self._waiting(model, -1)
         if isinstance(got, Rejection):
             job.status = 503
             if job.held_head:
@@ -961,10 +917,6 @@ class Ingress:
             self._account(job, 0)
             return not conn.closing
         return await self._dispatch(conn, job, routed, got)
-
-    def _waiting(self, model: str, delta: int) -> None:
-        if self.replica_room.add(model, delta) and self.on_waiting is not None:
-            self.on_waiting(self.replica_room.snapshot())  # a model starts or stops waiting
 
     def _forget_removed(self) -> None:
         if not self.table.removed:
@@ -1256,9 +1208,7 @@ class Ingress:
         something: a load report, a node joining or going): what waits for it looks again."""
         self.gate_waits.wake()
         self._release()  # held requests look again
-        if self.waiting_for_replica:
-            changed, self._mesh_changed = self._mesh_changed, trio.Event()
-            changed.set()
+        self.replica_waits.wake()  # requests waiting for a replica too
 
     # == one attempt =========================================================================
 
@@ -1300,33 +1250,23 @@ class Ingress:
         )
 
     def _tag_response(self, job: Job, sid: str) -> None:
-        """A ``POST /v1/responses`` about to go to node ``sid``: its body's ``request_id``
-        (which vLLM makes the response's id, and its store's key) names that node."""
-        doc = job.doc
-        if doc is None:
-            return
-        rid = response_id(sid, os.urandom(8))
-        tagged = dict(doc)
-        tagged["request_id"] = rid
-        job.body = orjson.dumps(tagged)
-        job.unprioritized = None  # a new body: without the priority field
-        job.response_id = rid
+        """A ``POST /v1/responses`` about to go to node ``sid``: its body names that node
+        (``responses.tagged``), without the priority field."""
+        if job.doc is not None:
+            job.body, job.response_id = responses.tagged(job.doc, sid, os.urandom(8))
+            job.unprioritized = None
 
     def _prioritize(self, job: Job, on: bool) -> None:
         """A batch request about to go to a node: its body carries ``"priority":
         batch_priority`` if that node's engine schedules by priority (``on``), and is as it
-        came otherwise (vLLM refuses a non-zero priority under its default policy). Only batch
-        requests pay for this decode and re-encode, and only JSON bodies of the generation
-        kinds (``tiers.PRIORITY_KINDS``) get here."""
+        came otherwise (vLLM refuses a non-zero priority under its default policy; ``tiers``).
+        """
         if on:
-            if job.unprioritized is not None:
-                return  # it carries the field already
-            doc = orjson.loads(job.body)
-            if not isinstance(doc, dict):
-                return
-            doc["priority"] = self.config.batch_priority
-            job.unprioritized = job.body
-            job.body = orjson.dumps(doc)
+            if job.unprioritized is None:  # else it carries the field already
+                body = prioritized(job.body, self.config.batch_priority)
+                if body is not None:
+                    job.unprioritized = job.body
+                    job.body = body
         elif job.unprioritized is not None:
             job.body = job.unprioritized
             job.unprioritized = None

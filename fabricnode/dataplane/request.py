@@ -1,5 +1,5 @@
-"""The pure request decoder of the ``/v1`` data plane: a request in, a routable request or an
-OpenAI error out.
+"""The pure request decoder of the ``/v1`` data plane: a request in, its routed record
+(``Routed``) or an OpenAI error out.
 
 ``decode`` runs every check the ingress makes before it routes, in this order, each with its own
 status and code: the API key (401 ``invalid_api_key``, only when a keys file exists; named by
@@ -7,14 +7,19 @@ status and code: the API key (401 ``invalid_api_key``, only when a keys file exi
 ``rate_limit_exceeded`` with ``Retry-After``) -- both in ``authorize``, which the stateful
 Responses paths use alone --, the body (400 ``invalid_json`` when it is not JSON or not an
 object; for the audio endpoints 400 ``invalid_form`` when it is not a readable
-``multipart/form-data`` body), ``model`` (400 ``invalid_model``) and the ``X-Fabric-Providers``
-and ``X-Fabric-Require`` headers (400 ``invalid_header``). The header grammars live here too.
+``multipart/form-data`` body), ``model`` (400 ``invalid_model``), the ``X-Fabric-Providers``
+and ``X-Fabric-Require`` headers, then ``X-Fabric-Priority`` (400 ``invalid_header``). The
+header grammars live here too.
 No sockets, no trio, no clock reads: the rate limiter and ``now`` are passed in.
 
-The body is parsed once (orjson) and kept as ``Routed.doc``; the prompt text for cache-aware
-routing (``prompt_text``) is only extracted when a policy asks for it. Per-request objects are
-plain classes with ``__slots__``: this module is compiled with mypyc with the rest of the folder,
-and a plain class's ``__init__`` runs natively there.
+``Routed`` is the one record of a request that routing reads, each field worked out once: the
+policies' part (``RouteRequest``: model, session key, prompt-size estimate, prefix blocks),
+kind, stream, key, providers, requirements, tier and tenant, and the node a Responses request
+is pinned to. The body is parsed once (orjson) and kept as ``Routed.doc``; the prompt text for
+cache-aware routing (``prompt_text``) is only extracted when a policy asks for it (the ingress
+sets ``prefix_blocks`` then: only it knows how many nodes there are to choose from).
+Per-request objects are plain classes with ``__slots__``: this module is compiled with mypyc
+with the rest of the folder, and a plain class's ``__init__`` runs natively there.
 
 ``error_body`` is the one OpenAI error body of the agent's public port: the data plane and the
 control app (``fabricnode.control.app``) both answer with it. ``error_body_for`` picks the

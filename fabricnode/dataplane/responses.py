@@ -24,7 +24,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from fabricnode.dataplane.endpoints import node_of_response
+import orjson
+
+from fabricnode.dataplane.endpoints import node_of_response, response_id
 from fabricnode.dataplane.request import Rejection
 from fabricnode.dataplane.request import pinned_node as pinned_node
 from fabricnode.dataplane.routetable import Route
@@ -105,3 +107,13 @@ def gone_message(rid: str, sid: str, model: str | None, node: PinnedNode) -> str
     else:
         why = "cannot take requests from you (your key or X-Fabric-* headers exclude it)"
     return f"response {rid!r} was stored by node {sid[:8]}, which {why}"
+
+
+def tagged(doc: dict[str, Any], sid: str, nonce: bytes) -> tuple[bytes, str]:
+    """The body of a ``POST /v1/responses`` about to go to node ``sid``, and the response id
+    it names: its ``request_id`` (which vLLM makes the response's id, and its store's key)
+    names that node (``endpoints.response_id``; ``nonce``: the id's 8 random bytes)."""
+    rid = response_id(sid, nonce)
+    body = dict(doc)
+    body["request_id"] = rid
+    return orjson.dumps(body), rid

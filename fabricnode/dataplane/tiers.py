@@ -60,6 +60,8 @@ from dataclasses import dataclass
 from heapq import merge
 from typing import Generic, TypeVar
 
+import orjson
+
 from fabricnode.dataplane.endpoints import CHAT, COMPLETIONS, RESPONSES
 from fabricnode.dataplane.keytable import ApiKey, KeyTable
 from fabricnode.dataplane.request import BATCH as BATCH
@@ -342,3 +344,14 @@ class FairQueue(Generic[T]):
             refused=self._refused,
             pushed_out=self._pushed_out,
         )
+
+
+def prioritized(body: bytes, priority: int) -> bytes | None:
+    """A batch request's JSON body with ``"priority": priority``, for an engine that schedules
+    by priority (None: not a JSON object). Only batch requests pay for this decode and
+    re-encode, and only JSON bodies of the generation kinds (``PRIORITY_KINDS``)."""
+    doc = orjson.loads(body)
+    if not isinstance(doc, dict):
+        return None
+    doc["priority"] = priority
+    return orjson.dumps(doc)
