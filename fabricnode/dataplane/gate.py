@@ -9,7 +9,7 @@ Rules
    once: a node has room (``tiers.has_room``, pacing, no prompt of ours still ahead on the
    node's prefill clock) and nobody waits, or it is a failover (an admitted request keeps its
    turn); its ranked candidates are ``waiter.ranked`` and the first holds a batch slot
-   (``job.batch_node``). ``QUEUED``: it waits in its tenant's queue (``tiers.FairQueue``) and
+   (``job.slot.node``). ``QUEUED``: it waits in its tenant's queue (``tiers.FairQueue``) and
    may already be granted (``waiter.outcome``). ``REFUSED``: ``GATE_FULL`` (the gate is full
    and the tenant's queue is the longest) or ``NO_NODE`` (no eligible node at all).
 2. ``scan(now, wall)`` releases the waiters that can go now in fair order (``tiers``' theory of
@@ -46,12 +46,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Hashable
 
-from fabricnode.dataplane.job import Job
+from fabricnode.dataplane.job import BatchSlot, Job
 from fabricnode.dataplane.prefill import PrefillClocks
 from fabricnode.dataplane.request import Rejection, Routed
 from fabricnode.dataplane.routetable import Route
 from fabricnode.dataplane.routing import Candidate, LoadSnapshot, Policy
 from fabricnode.dataplane.tiers import (
+    NO_TENANT,
     PRIORITY_KINDS,
     FairQueue,
     RoomRules,
@@ -91,6 +92,7 @@ class BatchWaiter:
         "ranked",
         "routed",
         "routes",
+        "slot",
         "ticket",
         "tried",
     )
@@ -102,6 +104,10 @@ class BatchWaiter:
         tried: set[str],
     ) -> None:
         self.job = job
+        slot = job.slot
+        if slot is None:
+            raise ValueError("only a batch request (one with a BatchSlot) waits at the gate")
+        self.slot: BatchSlot = slot
         self.routed = routed  # the request as decoded: its filters and its pin
         self.tried = tried  # nodes this request tried already (a failover)
         self.first = not tried  # its first admission (not a failover): counted in the metrics
@@ -185,7 +191,7 @@ class BatchGate:
                 return GO
         w.label = self.key_label(w.job)
         key = w.job.key
-        ticket, pushed_out = queue.push(w.job.tenant, key.weight if key else 1.0, w.group(), w)
+        ticket, pushed_out = queue.push(w.slot.tenant, key.weight if key else 1.0, w.group(), w)
         if pushed_out is not None:  # a longer queue's newest made room for this tenant
             self._end(pushed_out.item, GATE_FULL)
         if ticket is None:
@@ -328,12 +334,13 @@ class BatchGate:
         inflight[sid] = inflight.get(sid, 0) + 1
         if job.kind in PRIORITY_KINDS:
             self.hidden[sid] = self.hidden.get(sid, 0) + 1
-        job.batch_node = sid
+        slot = w.slot
+        slot.node = sid
         if job.prefill_tokens:
             # On the clock now, not when its task gets to send it: the same walk of the gate
             # must see this node busy, or it sends it several batch prompts at once.
             self.prefill.sent(sid, job.prefill_tokens, now, True)
-            job.prefill_booked = sid
+            slot.booked = sid
         rate = self.prefill_tokens_per_s
         if rate > 0:
             paced = self.paced_until
@@ -341,10 +348,11 @@ class BatchGate:
 
     def done(self, job: Job) -> None:
         """The attempt that held a batch slot ended: its slot is free (rule 3)."""
-        sid = job.batch_node
-        job.batch_node = None
-        if sid is None:
+        slot = job.slot
+        if slot is None or slot.node is None:
             return
+        sid = slot.node
+        slot.node = None
         _take_one(self.inflight, sid)
         if job.kind in PRIORITY_KINDS:
             _take_one(self.hidden, sid)
@@ -394,7 +402,8 @@ class BatchGate:
         """The ``key`` label of a batch request: its key's name, else its tenant (at most
         ``MAX_KEY_LABELS`` tenants without a key get their own, the rest ``other``)."""
         key = job.key
-        label = key.name if key is not None else job.tenant
+        slot = job.slot
+        label = key.name if key is not None else slot.tenant if slot is not None else NO_TENANT
         labels = self._key_labels
         if label not in labels:
             if len(labels) >= MAX_KEY_LABELS:

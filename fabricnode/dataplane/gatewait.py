@@ -77,7 +77,7 @@ class GateWaits:
         tried: set[str],
     ) -> tuple[list[Candidate], list[Route]] | str | None:
         """A batch request's way to a node with room for batch work (``gate.BatchGate``): the
-        candidates to try (the first holds a batch slot on its node, ``job.batch_node``) with
+        candidates to try (the first holds a batch slot on its node, ``job.slot.node``) with
         their routes; ``GATE_FULL`` or ``GATE_TIMEOUT`` when the gate sends it away; None when
         no node is eligible any more. ClientGone if its client hangs up while it waits."""
         w = BatchWaiter(job, routed, tried)
@@ -134,7 +134,8 @@ class GateWaits:
                 return await attempt
             finally:
                 self.answered(job, sid)
-        job.preemptions += 1
+        if job.slot is not None:
+            job.slot.preemptions += 1
         self.metrics.batch_preempted.inc()
         return PREEMPTED
 

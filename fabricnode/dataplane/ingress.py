@@ -150,7 +150,7 @@ from fabricnode.dataplane.http1 import (
 )
 from fabricnode.dataplane.http1 import response_head as build_head
 from fabricnode.dataplane.ingress_config import IngressConfig
-from fabricnode.dataplane.job import Job
+from fabricnode.dataplane.job import BatchSlot, Job
 from fabricnode.dataplane.metrics import IngressMetrics, LabelCache, failure_reason
 from fabricnode.dataplane.prefill import PrefillClocks
 from fabricnode.dataplane.request import (
@@ -809,8 +809,7 @@ class Ingress:
         if waking:
             job.waking = True
         if routed.batch:
-            job.batch = True
-            job.tenant = routed.tenant
+            job.slot = BatchSlot(routed.tenant)
         if kind in PREFILL_KINDS:
             job.prefill_tokens = routed.prompt_tokens_est
         if kind in PREPARED_KINDS:
@@ -950,6 +949,7 @@ class Ingress:
         fallback: float | None = None  # seconds a request no node answered may wait for one
         observed = -1  # candidates for the first attempt, observed when the request is done
         refusal = ""  # why the batch gate sent the request away (GATE_FULL, GATE_TIMEOUT)
+        slot = job.slot  # a batch request's (``tiers``); None for an interactive one
         try:
             while len(tried) < limit:
                 now = self.clock.now() if tried else job.started
@@ -957,14 +957,14 @@ class Ingress:
                     break
                 wall = self.wall_clock()  # load reports carry wall-clock times
                 candidates = self._candidates(
-                    routes, routed, tried, now, wall, interactive=not job.batch
+                    routes, routed, tried, now, wall, interactive=slot is None
                 )
                 if not tried:
                     observed = len(candidates)
                 if not candidates:
                     break
                 ranked: list[routing.Candidate] | None
-                if job.batch:
+                if slot is not None:
                     # Only to a node with room for batch work, else held in the gate.
                     admitted = await self.gate_waits.admit(conn, job, routed, tried)
                     if isinstance(admitted, str):
@@ -998,14 +998,14 @@ class Ingress:
                 try:
                     if isinstance(attempt, str):
                         outcome = attempt
-                    elif job.batch and job.preemptions < cfg.batch_max_preemptions:
+                    elif slot is not None and slot.preemptions < cfg.batch_max_preemptions:
                         outcome = await self.gate_waits.preemptible(job, pick, attempt)
                     else:
                         outcome = await attempt
                 finally:
                     # Metrics only: counted once the attempt is over, off the request's path.
                     self.metrics.decision(policy.name, "first" if len(tried) == 1 else "retry")
-                    if job.batch_node is not None:
+                    if slot is not None and slot.node is not None:
                         self.gate_waits.done(job)  # its slot on that node is free again
                 if outcome is None:
                     self.breaker.succeeded(pick)
@@ -1086,7 +1086,7 @@ class Ingress:
         finally:
             if job.transcript is not None:
                 job.transcript.release()
-            if job.batch_node is not None:  # left between its admission and its attempt
+            if slot is not None and slot.node is not None:  # left between admission and attempt
                 self.gate_waits.done(job)
         if fallback is not None:
             log.info("no node answered for %s: waiting for a replica", job.model)
@@ -1220,8 +1220,9 @@ class Ingress:
         sid = route.info.session_id
         if job.retag:
             self._tag_response(job, sid)
-        if job.batch and job.kind in PRIORITY_KINDS:
-            self._prioritize(job, route.priority)
+        slot = job.slot
+        if slot is not None and job.kind in PRIORITY_KINDS:
+            self._prioritize(job, slot, route.priority)
         if route.is_self:
             url = self.serving_engine_url()
             if url is None:
@@ -1254,22 +1255,23 @@ class Ingress:
         (``responses.tagged``), without the priority field."""
         if job.doc is not None:
             job.body, job.response_id = responses.tagged(job.doc, sid, os.urandom(8))
-            job.unprioritized = None
+            if job.slot is not None:
+                job.slot.unprioritized = None
 
-    def _prioritize(self, job: Job, on: bool) -> None:
+    def _prioritize(self, job: Job, slot: BatchSlot, on: bool) -> None:
         """A batch request about to go to a node: its body carries ``"priority":
         batch_priority`` if that node's engine schedules by priority (``on``), and is as it
         came otherwise (vLLM refuses a non-zero priority under its default policy; ``tiers``).
         """
         if on:
-            if job.unprioritized is None:  # else it carries the field already
+            if slot.unprioritized is None:  # else it carries the field already
                 body = prioritized(job.body, self.config.batch_priority)
                 if body is not None:
-                    job.unprioritized = job.body
+                    slot.unprioritized = job.body
                     job.body = body
-        elif job.unprioritized is not None:
-            job.body = job.unprioritized
-            job.unprioritized = None
+        elif slot.unprioritized is not None:
+            job.body = slot.unprioritized
+            slot.unprioritized = None
 
     async def _wake_then_relay(
         self, conn: ClientConn, job: Job, origin: Origin, request: bytes, sid: str, now: float
@@ -1357,21 +1359,23 @@ class Ingress:
         # On the node's prefill clock. A stream's first token corrects the clock when it comes
         # late; one sent to an idle clock also samples the node's rate.
         tokens = job.prefill_tokens
+        slot = job.slot
         timed = sample = False
         sent_at = due = 0.0
         if tokens:
             prefill = self.prefill
             sent_at = self.clock.now()
-            if job.prefill_booked == sid:  # the batch gate put it on the clock
+            if slot is not None and slot.booked == sid:  # the batch gate put it on the clock
                 was_idle = False
             else:
-                was_idle = prefill.sent(sid, tokens, sent_at, job.batch)
-            job.prefill_booked = None
+                was_idle = prefill.sent(sid, tokens, sent_at, slot is not None)
+            if slot is not None:
+                slot.booked = None
             timed = job.stream and job.ttft_s is None
             if timed:
                 due = prefill.due(sid)
                 # A batch prompt's first token also waits for interactive ones: no sample.
-                sample = was_idle and not job.batch
+                sample = was_idle and slot is None
         try:
             ex = Exchange(self.pool, self.watchdog, origin)
             try:
@@ -1388,7 +1392,7 @@ class Ingress:
             except ClientGone:
                 self.metrics.client_disconnects.labels("waiting").inc()
                 raise
-            if job.batch:
+            if slot is not None:
                 self.gate_waits.answered(job, sid)  # its answer is coming: it runs to the end
             try:
                 status = ex.status
@@ -1626,7 +1630,8 @@ class Ingress:
             log.info("stream from %s not resumed: %s", sid[:8], plan)
             return False
         job.body, job.splice = plan
-        job.unprioritized = None  # the continuation's body: without the priority field
+        if job.slot is not None:  # the continuation's body: without the priority field
+            job.slot.unprioritized = None
         job.resumes += 1
         return True
 

@@ -31,7 +31,7 @@ from fabricnode.dataplane.gate import (
     BatchGate,
     BatchWaiter,
 )
-from fabricnode.dataplane.job import Job
+from fabricnode.dataplane.job import BatchSlot, Job
 from fabricnode.dataplane.prefill import PrefillClocks
 from fabricnode.dataplane.request import Routed
 from fabricnode.dataplane.routetable import Route
@@ -124,8 +124,7 @@ def waiter(
     doc: dict[str, object] | None = None,
 ) -> BatchWaiter:
     job = Job(kind, "m1", False, b"{}", b"/v1/chat/completions", {}, None, started, doc)
-    job.batch = True
-    job.tenant = tenant
+    job.slot = BatchSlot(tenant)
     job.prefill_tokens = tokens
     routed = Routed(kind, "m1", False, doc or {}, None, frozenset(), None, name, tokens)
     return BatchWaiter(job, routed, tried if tried is not None else set())
@@ -143,7 +142,7 @@ def test_batch_requests_wait_while_no_node_has_room_and_go_in_order_as_slots_fre
     gate = world.gate()
     first, second, third = waiter("first"), waiter("second"), waiter("third")
     assert gate.offer(first, 1.0, WALL) == GO
-    assert first.ranked[0].node.session_id == "node0" and first.job.batch_node == "node0"
+    assert first.ranked[0].node.session_id == "node0" and first.job.slot.node == "node0"
     assert gate.offer(second, 1.1, WALL) == QUEUED and not second.outcome
     assert gate.offer(third, 1.2, WALL) == QUEUED
     assert len(gate) == 2 and gate.inflight == {"node0": 1}
@@ -298,7 +297,7 @@ def test_a_failover_goes_at_once_past_waiters_when_a_node_has_room() -> None:
     gate.offer(second, 0.0, WALL)
     assert gate.offer(waiter("waits"), 0.0, WALL) == QUEUED
     gate.done(first.job)  # its node is free; the walk has not run yet
-    failover = waiter("failover", tried={second.job.batch_node or ""})
+    failover = waiter("failover", tried={second.job.slot.node or ""})
     assert gate.offer(failover, 1.0, WALL) == GO
     assert failover.ranked[0].node.session_id == first.ranked[0].node.session_id
 
@@ -328,7 +327,7 @@ def test_generation_kinds_count_as_hidden_batch_work_until_done(kind: str, hidde
     gate.offer(w, 0.0, WALL)
     assert gate.hidden == ({"node0": 1} if hidden else {})
     gate.done(w.job)
-    assert gate.hidden == {} and gate.inflight == {} and w.job.batch_node is None
+    assert gate.hidden == {} and gate.inflight == {} and w.slot.node is None
 
 
 # -- pacing and prefill clocks: deadlines instead of a tick ---------------------------------------
@@ -519,7 +518,7 @@ def test_the_gate_never_grants_past_a_nodes_cap(
             load = world.loads[sid]
             if load is not None and abs(wall - load.at) <= rules.stale_after_s:
                 assert n <= cap
-        assert sum(gate.inflight.values()) == sum(1 for j in running if j.batch_node)
+        assert sum(gate.inflight.values()) == sum(1 for j in running if j.slot and j.slot.node)
         assert len(gate) <= max_waiting
     assert all(n == 1 for n in ended.values())
 
@@ -543,7 +542,7 @@ def test_backlogged_tenants_are_released_alternately_whatever_they_offer(a: int,
         gate.done(job)
         gate.scan(now, WALL)
         (w,) = granted(gate)
-        order.append(w.job.tenant)
+        order.append(w.slot.tenant)
         job = w.job
         now += 1.0
     both = 2 * min(a, b)
