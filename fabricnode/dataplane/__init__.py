@@ -19,9 +19,11 @@ Modules, in reading order (pure first, then the shell that uses them):
 * ``multipart``       the text fields of a ``multipart/form-data`` body, without copying files.
 * ``keytable``        API keys as the pure decoder sees them: the key record, the bearer-token
                       parser, the ``KeyTable`` protocol the keys file implements, rate limits.
-* ``request``         the pure request decoder: a request and the caller's key in, a routed
-                      request or an error (OpenAI's, or Anthropic's on its paths) out; the
-                      ``X-Fabric-Require`` and ``X-Fabric-Providers`` header grammars.
+* ``request``         the pure request decoder: a request and the caller's key in, its one
+                      routed record (``Routed``: what routing reads, each computed once) or an
+                      error (OpenAI's, or Anthropic's on its paths) out; the
+                      ``X-Fabric-Require``, ``X-Fabric-Providers`` and ``X-Fabric-Priority``
+                      header grammars.
 * ``routing``         the pure routing core: load scores, prompt prefix hashing, the policies
                       (``make_policy``: round robin, least load, p2c, prefix, prefix-pending).
 * ``prefill``         ``PrefillClocks``: the prompts sent to each node and not yet answered,
@@ -48,11 +50,14 @@ Modules, in reading order (pure first, then the shell that uses them):
 * ``sockio``          non-blocking sockets, the reactor that waits for them, the deadline watchdog.
 * ``upstream``        pooled keep-alive connections to agents and engines.
 * ``ingress_config``  every limit and timeout of the data plane (``IngressConfig``).
-* ``job``             ``Job``: what the data plane knows of one routed request.
+* ``job``             ``Job``: the state of a routed request's attempts, from routing to
+                      settling.
 * ``clientconn``      a client connection and how response pieces are sent on it.
 * ``settle``          the bookkeeping of answered requests, deferred off the client's path.
 * ``gatewait``        the gate's trio side: its waiting tasks, the batch attempts it may take
                       back, and the one loop that wakes on events or at the gate's deadline.
+* ``coldwait``        the wait for a replica's trio side: the held stream's head and comments,
+                      and one wait on the mesh changing or the wait's deadline.
 * ``asgi_call``       paths outside ``/v1/`` through the agent's ASGI control app, inline.
 * ``ingress``         ``Ingress``: one task per client connection, dispatch by the endpoint
                       table, routing, failover and relay; start reading here for the flow.

@@ -9,7 +9,7 @@ Rules
    once: a node has room (``tiers.has_room``, pacing, no prompt of ours still ahead on the
    node's prefill clock) and nobody waits, or it is a failover (an admitted request keeps its
    turn); its ranked candidates are ``waiter.ranked`` and the first holds a batch slot
-   (``job.batch_node``). ``QUEUED``: it waits in its tenant's queue (``tiers.FairQueue``) and
+   (``job.slot.node``). ``QUEUED``: it waits in its tenant's queue (``tiers.FairQueue``) and
    may already be granted (``waiter.outcome``). ``REFUSED``: ``GATE_FULL`` (the gate is full
    and the tenant's queue is the longest) or ``NO_NODE`` (no eligible node at all).
 2. ``scan(now, wall)`` releases the waiters that can go now in fair order (``tiers``' theory of
@@ -46,14 +46,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Hashable
 
-from fabricnode.dataplane.endpoints import RESPONSES
-from fabricnode.dataplane.job import Job
+from fabricnode.dataplane.job import BatchSlot, Job
 from fabricnode.dataplane.prefill import PrefillClocks
-from fabricnode.dataplane.request import Rejection, Requirements
-from fabricnode.dataplane.responses import pinned_node
+from fabricnode.dataplane.request import Rejection, Routed
 from fabricnode.dataplane.routetable import Route
-from fabricnode.dataplane.routing import Candidate, LoadSnapshot, Policy, RouteRequest
+from fabricnode.dataplane.routing import Candidate, LoadSnapshot, Policy
 from fabricnode.dataplane.tiers import (
+    NO_TENANT,
     PRIORITY_KINDS,
     FairQueue,
     RoomRules,
@@ -90,12 +89,10 @@ class BatchWaiter:
         "job",
         "label",
         "outcome",
-        "pinned",
-        "providers",
         "ranked",
-        "requirements",
+        "routed",
         "routes",
-        "rreq",
+        "slot",
         "ticket",
         "tried",
     )
@@ -103,19 +100,17 @@ class BatchWaiter:
     def __init__(
         self,
         job: Job,
-        rreq: RouteRequest,
-        providers: frozenset[str],
-        requirements: Requirements | None,
+        routed: Routed,
         tried: set[str],
     ) -> None:
         self.job = job
-        self.rreq = rreq
-        self.providers = providers
-        self.requirements = requirements
+        slot = job.slot
+        if slot is None:
+            raise ValueError("only a batch request (one with a BatchSlot) waits at the gate")
+        self.slot: BatchSlot = slot
+        self.routed = routed  # the request as decoded: its filters and its pin
         self.tried = tried  # nodes this request tried already (a failover)
         self.first = not tried  # its first admission (not a failover): counted in the metrics
-        # The only node it may go to (a stored response's).
-        self.pinned = pinned_node(job.doc) if job.kind == RESPONSES else None
         self.deadline = math.inf
         self.label = ""  # its ``key`` label in the metrics
         self.outcome = ""  # GRANTED, GATE_FULL, ... once its wait is over
@@ -125,7 +120,8 @@ class BatchWaiter:
 
     def group(self) -> Hashable:
         """Waiters with the same filters see the same nodes (``tiers``' groups)."""
-        return (self.job.model, self.providers, self.requirements, self.pinned)
+        r = self.routed
+        return (r.model, r.providers, r.requirements, r.pinned)
 
 
 class BatchGate:
@@ -195,7 +191,7 @@ class BatchGate:
                 return GO
         w.label = self.key_label(w.job)
         key = w.job.key
-        ticket, pushed_out = queue.push(w.job.tenant, key.weight if key else 1.0, w.group(), w)
+        ticket, pushed_out = queue.push(w.slot.tenant, key.weight if key else 1.0, w.group(), w)
         if pushed_out is not None:  # a longer queue's newest made room for this tenant
             self._end(pushed_out.item, GATE_FULL)
         if ticket is None:
@@ -307,7 +303,7 @@ class BatchGate:
         job = w.job
         ranked: list[Candidate] | None = None
         if len(roomy) > 1 and not job.waking:
-            ranked = self.policy.rank(w.rreq, roomy, wall, allow_hold=False)
+            ranked = self.policy.rank(w.routed, roomy, wall, allow_hold=False)
         w.ranked = ranked or roomy
         w.routes = routes
         sid = w.ranked[0].node.session_id
@@ -338,23 +334,25 @@ class BatchGate:
         inflight[sid] = inflight.get(sid, 0) + 1
         if job.kind in PRIORITY_KINDS:
             self.hidden[sid] = self.hidden.get(sid, 0) + 1
-        job.batch_node = sid
+        slot = w.slot
+        slot.node = sid
         if job.prefill_tokens:
             # On the clock now, not when its task gets to send it: the same walk of the gate
             # must see this node busy, or it sends it several batch prompts at once.
             self.prefill.sent(sid, job.prefill_tokens, now, True)
-            job.prefill_booked = sid
+            slot.booked = sid
         rate = self.prefill_tokens_per_s
         if rate > 0:
             paced = self.paced_until
-            paced[sid] = next_paced(paced.get(sid, now), now, w.rreq.prompt_tokens_est, rate)
+            paced[sid] = next_paced(paced.get(sid, now), now, w.routed.prompt_tokens_est, rate)
 
     def done(self, job: Job) -> None:
         """The attempt that held a batch slot ended: its slot is free (rule 3)."""
-        sid = job.batch_node
-        job.batch_node = None
-        if sid is None:
+        slot = job.slot
+        if slot is None or slot.node is None:
             return
+        sid = slot.node
+        slot.node = None
         _take_one(self.inflight, sid)
         if job.kind in PRIORITY_KINDS:
             _take_one(self.hidden, sid)
@@ -404,7 +402,8 @@ class BatchGate:
         """The ``key`` label of a batch request: its key's name, else its tenant (at most
         ``MAX_KEY_LABELS`` tenants without a key get their own, the rest ``other``)."""
         key = job.key
-        label = key.name if key is not None else job.tenant
+        slot = job.slot
+        label = key.name if key is not None else slot.tenant if slot is not None else NO_TENANT
         labels = self._key_labels
         if label not in labels:
             if len(labels) >= MAX_KEY_LABELS:

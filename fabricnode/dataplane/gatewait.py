@@ -32,9 +32,9 @@ from fabricnode.dataplane.gate import (
 )
 from fabricnode.dataplane.job import Job
 from fabricnode.dataplane.metrics import IngressMetrics
-from fabricnode.dataplane.request import Requirements
+from fabricnode.dataplane.request import Routed
 from fabricnode.dataplane.routetable import CircuitBreaker, Route
-from fabricnode.dataplane.routing import Candidate, RouteRequest
+from fabricnode.dataplane.routing import Candidate
 from fabricnode.dataplane.sockio import LoopClock, client_gone
 
 # A batch attempt taken back by the gate (``BatchGate.pressure``): the request waits again.
@@ -73,16 +73,14 @@ class GateWaits:
         self,
         conn: ClientConn,
         job: Job,
-        rreq: RouteRequest,
-        providers: frozenset[str],
-        requirements: Requirements | None,
+        routed: Routed,
         tried: set[str],
     ) -> tuple[list[Candidate], list[Route]] | str | None:
         """A batch request's way to a node with room for batch work (``gate.BatchGate``): the
-        candidates to try (the first holds a batch slot on its node, ``job.batch_node``) with
+        candidates to try (the first holds a batch slot on its node, ``job.slot.node``) with
         their routes; ``GATE_FULL`` or ``GATE_TIMEOUT`` when the gate sends it away; None when
         no node is eligible any more. ClientGone if its client hangs up while it waits."""
-        w = BatchWaiter(job, rreq, providers, requirements, tried)
+        w = BatchWaiter(job, routed, tried)
         gate = self.gate
         if gate.offer(w, self.clock.now(), self.wall_clock()) == QUEUED and not w.outcome:
             event = trio.Event()
@@ -136,7 +134,8 @@ class GateWaits:
                 return await attempt
             finally:
                 self.answered(job, sid)
-        job.preemptions += 1
+        if job.slot is not None:
+            job.slot.preemptions += 1
         self.metrics.batch_preempted.inc()
         return PREEMPTED
 

@@ -25,17 +25,20 @@ whether API keys are on and which key the caller named, and the app decides whic
 an admin key (``control.access``). With ``--admin`` that app is also served on its own port by
 hypercorn.
 
-What is not here: the checks before routing and the header grammars (``request``), the client
-connection, its sends and its lingering close (``clientconn``), a request's record (``job``),
-its bookkeeping once answered (``settle``), what resuming a broken stream needs to know
-(``resume``), and the waiting rooms an interactive request on a served model never enters, each
-a sans-IO machine with its policy inside that takes the time and returns what to do: the batch
-gate (``gate``), the wait for a replica (``coldstart``), Responses pinning (``responses``) and
-the pending-aware hold (``hold``); the batch gate's waiting tasks and loop are its own shell
-(``gatewait``). The shell waits for them in one way: on events (a request
-ending, a batch request queued, the mesh changing: ``mesh_changed``) or until the machine's
-``next_deadline()``, never on a fixed period; the only periodic look left is at the sockets of
-waiting clients, for a hang-up.
+What is not here: the checks before routing, the header grammars and a request's one routed
+record (``request.Routed``), the client connection, its sends and its lingering close
+(``clientconn``), the state of its attempts (``job``), the ``/v1/models`` body
+(``routetable.models_body``), the bodies an attempt rewrites (``responses.tagged``,
+``tiers.prioritized``), its bookkeeping once answered (``settle``), what resuming a broken
+stream needs to know (``resume``), and the waiting rooms an interactive request on a served
+model never enters, each a sans-IO machine with its policy inside that takes the time and
+returns what to do: the batch gate (``gate``), the wait for a replica (``coldstart``),
+Responses pinning (``responses``) and the pending-aware hold (``hold``); the batch gate's
+waiting tasks and loop (``gatewait``) and the wait for a replica (``coldwait``) are shells of
+their own. The shell waits for them in one way: on events (a request ending, a batch request
+queued, the mesh changing: ``mesh_changed``) or until the machine's ``next_deadline()``, never
+on a fixed period; the only periodic look left is at the sockets of waiting clients, for a
+hang-up.
 
 What stays is the shell that owns the per-request state of the hot path: the accept and
 connection loops, dispatch, failover and resume, the relay of an attempt and forwarded
@@ -101,7 +104,6 @@ from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
 import trio
 
 from fabricnode.dataplane import responses, routing
@@ -115,7 +117,8 @@ from fabricnode.dataplane.clientconn import (
     send_now,
     send_rest,
 )
-from fabricnode.dataplane.coldstart import STREAM_HEAD, ReplicaRoom, ReplicaWait
+from fabricnode.dataplane.coldstart import ReplicaRoom
+from fabricnode.dataplane.coldwait import ReplicaWaits
 from fabricnode.dataplane.endpoints import (
     ENDPOINT_DOCS,
     ENDPOINTS,
@@ -127,7 +130,6 @@ from fabricnode.dataplane.endpoints import (
     RESUMABLE_KINDS,
     last_sequence_number,
     response_follow_up,
-    response_id,
     stream_error_events,
 )
 from fabricnode.dataplane.forward_auth import HEADER as FORWARD_HEADER
@@ -148,13 +150,13 @@ from fabricnode.dataplane.http1 import (
 )
 from fabricnode.dataplane.http1 import response_head as build_head
 from fabricnode.dataplane.ingress_config import IngressConfig
-from fabricnode.dataplane.job import Job
+from fabricnode.dataplane.job import BatchSlot, Job
 from fabricnode.dataplane.metrics import IngressMetrics, LabelCache, failure_reason
 from fabricnode.dataplane.prefill import PrefillClocks
 from fabricnode.dataplane.request import (
     KEY_REJECTION,
     Rejection,
-    Requirements,
+    Routed,
     authorize,
     decode,
     decode_as,
@@ -180,6 +182,7 @@ from fabricnode.dataplane.routetable import (
     Origin,
     Route,
     RouteTable,
+    models_body,
     origin_of,
     route_of,
 )
@@ -190,18 +193,14 @@ from fabricnode.dataplane.sockio import (
     SocketClosed,
     Watchdog,
     Watched,
-    client_gone,
     close,
 )
 from fabricnode.dataplane.tiers import (
-    BATCH,
-    NO_TENANT,
     OWNER_HEADER,
-    PRIORITY_HEADER,
     PRIORITY_KINDS,
     RoomRules,
     owner_of,
-    tier_of,
+    prioritized,
 )
 from fabricnode.dataplane.upstream import BrokenResponse, Exchange, UpstreamError, UpstreamPool
 from fabricnode.dataplane.usage import StreamUsage, UsageLedger
@@ -214,8 +213,6 @@ from fabricnode.requestlog.writer import RequestLog
 log = logging.getLogger("fabricnode.dataplane.ingress")
 
 RETRYABLE_STATUS = (502, 503, 504)
-# A request waiting for a replica looks at its client for a hang-up this often.
-REPLICA_PEEK_S = 0.25
 # An attempt's outcome when its stream broke and a continuation is ready (``_prepare_resume``).
 RESUME = "resume"
 # Kinds whose requests need more than the table lookup (``Ingress._prepare``).
@@ -270,15 +267,11 @@ class Ingress:
         # at start and read by its Batch API worker; None: no request may use the header.
         self.batch_token = batch_token
         # Scale from zero (the elastic controller): how long a request for a model declared in
-        # the mesh's service file may wait for a replica (None: not declared), the declared
-        # models, and who is told which models have requests waiting (the agent labels its
-        # entry, so the acting controller starts a replica).
+        # the mesh's service file may wait for a replica (None: not declared), and the declared
+        # models. Who is told which models have requests waiting: ``replica_waits``.
         self.declared = declared
         self.declared_models = declared_models
-        self.on_waiting = on_waiting
         self.config = cfg = config or IngressConfig()
-        self.replica_room = ReplicaRoom(cfg.max_waiting_for_replica)
-        self.waiting_for_replica = self.replica_room.waiting  # models -> requests waiting
         self.wall_clock = wall_clock
         # Our own engine's URL while it is serving (None otherwise): one call per request.
         self.serving_engine_url = serving_engine_url
@@ -304,6 +297,15 @@ class Ingress:
         self.breaker = CircuitBreaker(base_s=cfg.eject_base_s, max_s=cfg.eject_max_s)
         # Bound to the trio run's clock when serving starts (see LoopClock).
         self.clock = LoopClock()
+        # The wait for a replica (``coldstart``) and its trio side (``coldwait``).
+        self.replica_room = ReplicaRoom(cfg.max_waiting_for_replica)
+        self.replica_waits = ReplicaWaits(
+            self.replica_room,
+            clock=self.clock,
+            keepalive_s=cfg.replica_keepalive_s,
+            send_timeout_s=cfg.stream_idle_timeout_s,
+            on_waiting=on_waiting,
+        )
         # Every data-plane socket (clients, upstreams) waits through this one reactor.
         self.reactor = Reactor()
         self.reactor.batching = False  # until requests overlap (Reactor.request_started)
@@ -357,7 +359,6 @@ class Ingress:
             breaker=self.breaker,
             metrics=self.metrics,
         )
-        self._mesh_changed = trio.Event()  # set and replaced by ``mesh_changed``
         self._batch_waiting = LabelCache(self.metrics.batch_waiting)
         self._waiting_labels: set[str] = set()  # batch_waiting labels set so far
         self.connections = 0
@@ -757,27 +758,8 @@ class Ingress:
         return True
 
     def models_body(self) -> bytes:
-        data = [
-            {
-                "id": m.id,
-                "object": "model",
-                "created": m.created,
-                "owned_by": "fabric",
-                "max_model_len": m.max_model_len,
-                "parent": m.parent,  # an adapter's (LoRA) base model, as vLLM lists it
-                "fabric_nodes": m.nodes,
-            }
-            for m in self.table.listing()
-        ]
-        if self.declared_models is not None:
-            listed = {d["id"] for d in data}
-            for model in self.declared_models():
-                if model not in listed:  # declared, no replica now: the first request starts one
-                    data.append(
-                        {"id": model, "object": "model", "created": 0, "owned_by": "fabric",
-                         "fabric_nodes": 0, "fabric_scaled_to_zero": True}
-                    )  # fmt: skip
-        return orjson.dumps({"object": "list", "data": data})
+        declared = self.declared_models() if self.declared_models is not None else None
+        return models_body(self.table.listing(), declared)
 
     # == routing =============================================================================
 
@@ -789,25 +771,16 @@ class Ingress:
         body = req.body
         headers = req.headers
         owner = headers.get(OWNER_HEADER)
-        tenant = NO_TENANT
         if owner is None:
-            decoded = decode(kind, headers, body, self.api_keys, self.rate_limiter, started)
+            routed = decode(kind, headers, body, self.api_keys, self.rate_limiter, started)
         else:  # our Batch API worker, for a tenant: batch tier, no rate limit (the gate governs)
             owned = owner_of(owner, self.batch_token, self.api_keys)
             if isinstance(owned, Rejection):
                 return self._reject(conn, owned, path)
-            tenant = owned[1]
-            decoded = decode_as(kind, headers, body, owned[0])
-        if isinstance(decoded, Rejection):
-            return self._reject(conn, decoded, path)
-        batch = owner is not None
-        tier = headers.get(PRIORITY_HEADER)
-        if tier is not None:
-            try:
-                batch = tier_of(tier) == BATCH or batch
-            except ValueError as exc:
-                return self._reject(conn, Rejection(400, str(exc), "invalid_header"), path)
-        model = decoded.model
+            routed = decode_as(kind, headers, body, owned[0], owned[1])
+        if isinstance(routed, Rejection):
+            return self._reject(conn, routed, path)
+        model = routed.model
         routes = self.table.routes(model)
         self._forget_removed()
         hold_s = None
@@ -816,9 +789,9 @@ class Ingress:
             # Only sleeping replicas (if any): one is woken by the request (the cold path).
             routes = self.table.sleeping(model)
             waking = routes is not None
-        doc = decoded.doc
+        doc = routed.doc
         if kind == RESPONSES:
-            pinned = responses.pin(model, doc, routes, self._pinned_node)
+            pinned = responses.pin(model, doc, routed.pinned, routes, self._pinned_node)
             if isinstance(pinned, Rejection):
                 return self._reject(conn, pinned, path)
             routes = pinned
@@ -830,34 +803,26 @@ class Ingress:
                     Rejection(404, f"model {model!r} is not served by any node", "model_not_found"),
                     path,
                 )
-        job = Job(kind, model, decoded.stream, body, path, headers, decoded.key, started, doc)
+        job = Job(kind, model, routed.stream, body, path, headers, routed.key, started, doc)
         if req.http_version == "1.0":
             job.http10 = True
         if waking:
             job.waking = True
-        if batch:
-            job.batch = True
-            job.tenant = decoded.key.key_id if decoded.key is not None else tenant
+        if routed.batch:
+            job.slot = BatchSlot(routed.tenant)
+        if kind in PREFILL_KINDS:
+            job.prefill_tokens = routed.prompt_tokens_est
         if kind in PREPARED_KINDS:
             if kind == RESPONSES:
                 job.retag = True  # each attempt names its node in the response id
             else:  # a form goes on with its boundary
                 job.content_type = req.headers.get(b"content-type", job.content_type)
-        if kind in PREFILL_KINDS:
-            job.prefill_tokens = len(body) // 4
         if not routes:
             assert hold_s is not None
-            rreq = routing.RouteRequest(model, (), decoded.session, len(body) // 4)
-            return self._wait_for_replica(
-                conn, job, rreq, decoded.providers, decoded.requirements, hold_s, frozenset()
-            )
-        rreq = routing.RouteRequest(
-            model,
-            self._prefix_blocks(doc, kind) if len(routes) > 1 else (),
-            decoded.session,
-            len(body) // 4,
-        )
-        return self._dispatch(conn, job, rreq, routes, decoded.providers, decoded.requirements)
+            return self._wait_for_replica(conn, job, routed, hold_s, frozenset())
+        if len(routes) > 1 and self.policy.name.startswith("prefix"):
+            routed.prefix_blocks = routing.prompt_blocks(prompt_text(doc, kind))
+        return self._dispatch(conn, job, routed, routes)
 
     def _pinned_node(self, sid: str) -> PinnedNode:
         """What the mesh says of node ``sid`` (its registry state and ``schema.standing``
@@ -882,46 +847,39 @@ class Ingress:
         filters = route_headers(headers, checked)
         if isinstance(filters, Rejection):
             return self._reject(conn, filters, path)
+        stream = kind != RESPONSE_CANCEL and b"stream=true" in req.target.partition(b"?")[2]
         providers, requirements = filters
+        routed = Routed(kind, "-", stream, {}, checked, providers, requirements, None, 0)
         route = responses.follow_up(
             rid,
             self.table.node,
-            lambda r: bool(
-                self._candidates([r], providers, requirements, set(), started, self.wall_clock())
-            ),
+            lambda r: bool(self._candidates([r], routed, set(), started, self.wall_clock())),
             self._pinned_node,
         )
         self._forget_removed()
         if isinstance(route, Rejection):
             return self._reject(conn, route, path)
-        stream = kind != RESPONSE_CANCEL and b"stream=true" in req.target.partition(b"?")[2]
         # The query (``stream``, ``starting_after``) goes with it: the target is what is sent.
         job = Job(kind, "-", stream, b"", req.target, headers, checked, started, None)
         job.method = req.method
         if req.http_version == "1.0":
             job.http10 = True
-        rreq = routing.RouteRequest("-", (), None, 0)
-        return self._dispatch(conn, job, rreq, [route], providers, requirements)
+        return self._dispatch(conn, job, routed, [route])
 
     async def _wait_for_replica(
         self,
         conn: ClientConn,
         job: Job,
-        rreq: routing.RouteRequest,
-        providers: frozenset[str],
-        requirements: Requirements | None,
+        routed: Routed,
         hold_s: float,
         failed: frozenset[str],
     ) -> bool:
         """Scale from zero: hold a request for a declared model while a replica starts, then
-        route it (``coldstart``: the machine decides, this waits). A stream gets its 200 SSE
-        head at once and a comment every ``replica_keepalive_s``; past ``hold_s`` (from the
+        route it (``coldstart`` decides, ``coldwait`` waits). A stream gets its 200 SSE head
+        at once and a comment every ``replica_keepalive_s``; past ``hold_s`` (from the
         request's arrival) the answer is 503 (Retry-After) or, for a stream, the error event.
         Also where a request whose every node failed before answering (``failed``) waits for
-        another. It wakes when the mesh changes (``mesh_changed``: a replica joins), at the
-        wait's deadline, and every ``REPLICA_PEEK_S`` to notice a client that hung up. The
-        cold path: no cost to requests for served models."""
-        cfg = self.config
+        another. The cold path: no cost to requests for served models."""
         model = job.model
         full = self.replica_room.enter(model)
         if full is not None:
@@ -929,16 +887,6 @@ class Ingress:
                 conn, 503, full.message, full.code, extra=full.headers, path=job.path
             )
             return True
-        self._waiting(model, +1)
-        holds_head = job.held_head or (job.stream and not job.http10)
-        wait = ReplicaWait(
-            model,
-            job.started,
-            hold_s,
-            failed,
-            keepalive_s=cfg.replica_keepalive_s,
-            holds_head=holds_head,
-        )
 
         def lookup(tried: set[str]) -> list[Route] | None:
             routes = self.table.routes(model)
@@ -946,34 +894,17 @@ class Ingress:
                 routes = self.table.sleeping(model)
                 job.waking = routes is not None
             if routes and self._candidates(
-                routes, providers, requirements, tried, self.clock.now(), self.wall_clock()
+                routes, routed, tried, self.clock.now(), self.wall_clock()
             ):
                 return routes
             return None
 
         try:
-            if holds_head and not job.held_head:
-                job.held_head = True
-                job.status = 200
-                await client_send(conn, STREAM_HEAD, cfg.stream_idle_timeout_s)
-            while True:
-                now = self.clock.now()
-                got = wait.poll(now, lookup)
-                if got is not None:
-                    break
-                if client_gone(conn.sock):
-                    raise ClientGone
-                if wait.note_due(now):
-                    await client_send(conn, frame([wait.note()], True), cfg.stream_idle_timeout_s)
-                changed = self._mesh_changed
-                with trio.move_on_at(min(wait.next_deadline(), now + REPLICA_PEEK_S)):
-                    await changed.wait()
+            got = await self.replica_waits.wait(conn, job, hold_s, failed, lookup)
         except ClientGone:
             job.status = 499
             self._account(job, 0)
             raise
-        finally:
-            self._waiting(model, -1)
         if isinstance(got, Rejection):
             job.status = 503
             if job.held_head:
@@ -984,16 +915,7 @@ class Ingress:
                 )
             self._account(job, 0)
             return not conn.closing
-        return await self._dispatch(conn, job, rreq, got, providers, requirements)
-
-    def _waiting(self, model: str, delta: int) -> None:
-        if self.replica_room.add(model, delta) and self.on_waiting is not None:
-            self.on_waiting(self.replica_room.snapshot())  # a model starts or stops waiting
-
-    def _prefix_blocks(self, doc: dict[str, Any], kind: str) -> tuple[int, ...]:
-        if not self.policy.name.startswith("prefix"):
-            return ()
-        return routing.prompt_blocks(prompt_text(doc, kind))
+        return await self._dispatch(conn, job, routed, got)
 
     def _forget_removed(self) -> None:
         if not self.table.removed:
@@ -1009,10 +931,8 @@ class Ingress:
         self,
         conn: ClientConn,
         job: Job,
-        rreq: routing.RouteRequest,
+        routed: Routed,
         routes: list[Route],
-        providers: frozenset[str],
-        requirements: Requirements | None,
     ) -> bool:
         """Try the candidates in turn until one answers (else 503), then account the request.
 
@@ -1029,6 +949,7 @@ class Ingress:
         fallback: float | None = None  # seconds a request no node answered may wait for one
         observed = -1  # candidates for the first attempt, observed when the request is done
         refusal = ""  # why the batch gate sent the request away (GATE_FULL, GATE_TIMEOUT)
+        slot = job.slot  # a batch request's (``tiers``); None for an interactive one
         try:
             while len(tried) < limit:
                 now = self.clock.now() if tried else job.started
@@ -1036,18 +957,16 @@ class Ingress:
                     break
                 wall = self.wall_clock()  # load reports carry wall-clock times
                 candidates = self._candidates(
-                    routes, providers, requirements, tried, now, wall, interactive=not job.batch
+                    routes, routed, tried, now, wall, interactive=slot is None
                 )
                 if not tried:
                     observed = len(candidates)
                 if not candidates:
                     break
                 ranked: list[routing.Candidate] | None
-                if job.batch:
+                if slot is not None:
                     # Only to a node with room for batch work, else held in the gate.
-                    admitted = await self.gate_waits.admit(
-                        conn, job, rreq, providers, requirements, tried
-                    )
+                    admitted = await self.gate_waits.admit(conn, job, routed, tried)
                     if isinstance(admitted, str):
                         refusal = admitted
                         break
@@ -1063,11 +982,9 @@ class Ingress:
                     # hashing was.
                     ranked = candidates
                 else:
-                    ranked = policy.rank(rreq, candidates, wall)
+                    ranked = policy.rank(routed, candidates, wall)
                 if ranked is None:
-                    ranked = await self._hold(
-                        rreq, routes, providers, requirements, tried, candidates
-                    )
+                    ranked = await self._hold(routed, routes, tried, candidates)
                     if not ranked:
                         break
                 pick = ranked[0].node.session_id
@@ -1075,20 +992,20 @@ class Ingress:
                 tried.add(pick)
                 if job.splice is not None:
                     log.info("stream continuation %d goes to %s", job.resumes, pick[:8])
-                policy.on_routed(rreq, pick, wall)
+                policy.on_routed(routed, pick, wall)
                 attempt = self._attempt(conn, job, route, now)
                 outcome: str | None
                 try:
                     if isinstance(attempt, str):
                         outcome = attempt
-                    elif job.batch and job.preemptions < cfg.batch_max_preemptions:
+                    elif slot is not None and slot.preemptions < cfg.batch_max_preemptions:
                         outcome = await self.gate_waits.preemptible(job, pick, attempt)
                     else:
                         outcome = await attempt
                 finally:
                     # Metrics only: counted once the attempt is over, off the request's path.
                     self.metrics.decision(policy.name, "first" if len(tried) == 1 else "retry")
-                    if job.batch_node is not None:
+                    if slot is not None and slot.node is not None:
                         self.gate_waits.done(job)  # its slot on that node is free again
                 if outcome is None:
                     self.breaker.succeeded(pick)
@@ -1169,13 +1086,11 @@ class Ingress:
         finally:
             if job.transcript is not None:
                 job.transcript.release()
-            if job.batch_node is not None:  # left between its admission and its attempt
+            if slot is not None and slot.node is not None:  # left between admission and attempt
                 self.gate_waits.done(job)
         if fallback is not None:
             log.info("no node answered for %s: waiting for a replica", job.model)
-            return await self._wait_for_replica(
-                conn, job, rreq, providers, requirements, fallback, frozenset(tried)
-            )
+            return await self._wait_for_replica(conn, job, routed, fallback, frozenset(tried))
         self._account(job, observed)
         return keep and not conn.closing
 
@@ -1192,8 +1107,7 @@ class Ingress:
     def _candidates(
         self,
         routes: list[Route],
-        providers: frozenset[str],
-        requirements: Requirements | None,
+        routed: Routed,
         tried: set[str],
         now: float,
         wall_now: float,
@@ -1209,8 +1123,8 @@ class Ingress:
             wall_now=wall_now,
             inflight=self.remote_inflight,
             breaker=self.breaker,
-            providers=providers,
-            requirements=requirements,
+            providers=routed.providers,
+            requirements=routed.requirements,
         )
         if tried:
             eligible = [c for c in eligible if c.node.session_id not in tried]
@@ -1229,10 +1143,8 @@ class Ingress:
 
     async def _hold(
         self,
-        rreq: routing.RouteRequest,
+        routed: Routed,
         routes: list[Route],
-        providers: frozenset[str],
-        requirements: Requirements | None,
         tried: set[str],
         held: list[routing.Candidate],
     ) -> list[routing.Candidate] | None:
@@ -1242,7 +1154,7 @@ class Ingress:
         now = self.clock.now()
         hold = Hold(
             self.policy,
-            rreq,
+            routed,
             now,
             hold_max_s=self.config.hold_max_s,
             stale_after_s=routing.DEFAULT_CONFIG.load_stale_after_s,
@@ -1258,9 +1170,7 @@ class Ingress:
                     await self._released.wait()
                 now = self.clock.now()
                 wall = self.wall_clock()
-                cands = self._candidates(
-                    routes, providers, requirements, tried, now, wall, interactive=True
-                )
+                cands = self._candidates(routes, routed, tried, now, wall, interactive=True)
                 if not cands:
                     return None
                 ranked = hold.rank(cands, now, wall)
@@ -1286,20 +1196,19 @@ class Ingress:
         if not routes:
             routes = self.table.sleeping(job.model)
             job.waking = routes is not None
-        if routes and w.pinned is not None:
-            routes = [r for r in routes if r.info.session_id == w.pinned]
+        if routes and w.routed.pinned is not None:
+            pinned = w.routed.pinned
+            routes = [r for r in routes if r.info.session_id == pinned]
         if not routes:
             return None
-        return routes, self._candidates(routes, w.providers, w.requirements, w.tried, now, wall)
+        return routes, self._candidates(routes, w.routed, w.tried, now, wall)
 
     def mesh_changed(self) -> None:
         """The mesh's view may have changed (the agent's gossip service received or timed
         something: a load report, a node joining or going): what waits for it looks again."""
         self.gate_waits.wake()
         self._release()  # held requests look again
-        if self.waiting_for_replica:
-            changed, self._mesh_changed = self._mesh_changed, trio.Event()
-            changed.set()
+        self.replica_waits.wake()  # requests waiting for a replica too
 
     # == one attempt =========================================================================
 
@@ -1311,8 +1220,9 @@ class Ingress:
         sid = route.info.session_id
         if job.retag:
             self._tag_response(job, sid)
-        if job.batch and job.kind in PRIORITY_KINDS:
-            self._prioritize(job, route.priority)
+        slot = job.slot
+        if slot is not None and job.kind in PRIORITY_KINDS:
+            self._prioritize(job, slot, route.priority)
         if route.is_self:
             url = self.serving_engine_url()
             if url is None:
@@ -1341,36 +1251,27 @@ class Ingress:
         )
 
     def _tag_response(self, job: Job, sid: str) -> None:
-        """A ``POST /v1/responses`` about to go to node ``sid``: its body's ``request_id``
-        (which vLLM makes the response's id, and its store's key) names that node."""
-        doc = job.doc
-        if doc is None:
-            return
-        rid = response_id(sid, os.urandom(8))
-        tagged = dict(doc)
-        tagged["request_id"] = rid
-        job.body = orjson.dumps(tagged)
-        job.unprioritized = None  # a new body: without the priority field
-        job.response_id = rid
+        """A ``POST /v1/responses`` about to go to node ``sid``: its body names that node
+        (``responses.tagged``), without the priority field."""
+        if job.doc is not None:
+            job.body, job.response_id = responses.tagged(job.doc, sid, os.urandom(8))
+            if job.slot is not None:
+                job.slot.unprioritized = None
 
-    def _prioritize(self, job: Job, on: bool) -> None:
+    def _prioritize(self, job: Job, slot: BatchSlot, on: bool) -> None:
         """A batch request about to go to a node: its body carries ``"priority":
         batch_priority`` if that node's engine schedules by priority (``on``), and is as it
-        came otherwise (vLLM refuses a non-zero priority under its default policy). Only batch
-        requests pay for this decode and re-encode, and only JSON bodies of the generation
-        kinds (``tiers.PRIORITY_KINDS``) get here."""
+        came otherwise (vLLM refuses a non-zero priority under its default policy; ``tiers``).
+        """
         if on:
-            if job.unprioritized is not None:
-                return  # it carries the field already
-            doc = orjson.loads(job.body)
-            if not isinstance(doc, dict):
-                return
-            doc["priority"] = self.config.batch_priority
-            job.unprioritized = job.body
-            job.body = orjson.dumps(doc)
-        elif job.unprioritized is not None:
-            job.body = job.unprioritized
-            job.unprioritized = None
+            if slot.unprioritized is None:  # else it carries the field already
+                body = prioritized(job.body, self.config.batch_priority)
+                if body is not None:
+                    slot.unprioritized = job.body
+                    job.body = body
+        elif slot.unprioritized is not None:
+            job.body = slot.unprioritized
+            slot.unprioritized = None
 
     async def _wake_then_relay(
         self, conn: ClientConn, job: Job, origin: Origin, request: bytes, sid: str, now: float
@@ -1458,21 +1359,23 @@ class Ingress:
         # On the node's prefill clock. A stream's first token corrects the clock when it comes
         # late; one sent to an idle clock also samples the node's rate.
         tokens = job.prefill_tokens
+        slot = job.slot
         timed = sample = False
         sent_at = due = 0.0
         if tokens:
             prefill = self.prefill
             sent_at = self.clock.now()
-            if job.prefill_booked == sid:  # the batch gate put it on the clock
+            if slot is not None and slot.booked == sid:  # the batch gate put it on the clock
                 was_idle = False
             else:
-                was_idle = prefill.sent(sid, tokens, sent_at, job.batch)
-            job.prefill_booked = None
+                was_idle = prefill.sent(sid, tokens, sent_at, slot is not None)
+            if slot is not None:
+                slot.booked = None
             timed = job.stream and job.ttft_s is None
             if timed:
                 due = prefill.due(sid)
                 # A batch prompt's first token also waits for interactive ones: no sample.
-                sample = was_idle and not job.batch
+                sample = was_idle and slot is None
         try:
             ex = Exchange(self.pool, self.watchdog, origin)
             try:
@@ -1489,7 +1392,7 @@ class Ingress:
             except ClientGone:
                 self.metrics.client_disconnects.labels("waiting").inc()
                 raise
-            if job.batch:
+            if slot is not None:
                 self.gate_waits.answered(job, sid)  # its answer is coming: it runs to the end
             try:
                 status = ex.status
@@ -1727,7 +1630,8 @@ class Ingress:
             log.info("stream from %s not resumed: %s", sid[:8], plan)
             return False
         job.body, job.splice = plan
-        job.unprioritized = None  # the continuation's body: without the priority field
+        if job.slot is not None:  # the continuation's body: without the priority field
+            job.slot.unprioritized = None
         job.resumes += 1
         return True
 

@@ -1,4 +1,5 @@
-"""``Job``: what the data plane knows of one routed request, from decoding to settling."""
+"""``Job``: the state of a routed request's attempts, from routing to settling; and
+``BatchSlot``, the part only a batch-tier request has."""
 
 from __future__ import annotations
 
@@ -9,8 +10,27 @@ from fabricnode.dataplane.keytable import ApiKey
 from fabricnode.dataplane.resume import Splicer, Transcript
 
 
+class BatchSlot:
+    """A batch-tier request's state (``tiers``, ``gate``): made for batch requests only, so an
+    interactive request carries none of it (``Job.slot`` is None)."""
+
+    __slots__ = ("booked", "node", "preemptions", "tenant", "unprioritized")
+
+    def __init__(self, tenant: str) -> None:
+        # Queued under ``tenant``: its key's id, "-" without one, or the owner header's.
+        self.tenant = tenant
+        # The node its current attempt holds a batch slot on (None: none).
+        self.node: str | None = None
+        # The node whose prefill clock the batch gate already moved for it when it admitted it
+        # there (None: not booked); its first attempt there does not count it again.
+        self.booked: str | None = None
+        self.preemptions = 0  # times the batch gate took it back from a node
+        # While an attempt's body carries the engine priority, the body without it.
+        self.unprioritized: bytes | None = None
+
+
 class Job:
-    """What the data plane knows of one routed request.
+    """The state of one routed request's attempts.
 
     A plain class, not a dataclass: one is made per request, and the compiled data plane
     runs a plain class's ``__init__`` natively (a dataclass's generated one stays interpreted).
@@ -18,8 +38,6 @@ class Job:
 
     __slots__ = (
         "audio_s",
-        "batch",
-        "batch_node",
         "body",
         "candidates",
         "close",
@@ -36,8 +54,6 @@ class Job:
         "method",
         "model",
         "path",
-        "preemptions",
-        "prefill_booked",
         "prefill_tokens",
         "prompt_tokens",
         "response",
@@ -46,14 +62,13 @@ class Job:
         "resumes",
         "retag",
         "served_by",
+        "slot",
         "splice",
         "started",
         "status",
         "stream",
-        "tenant",
         "transcript",
         "ttft_s",
-        "unprioritized",
         "waking",
     )
 
@@ -90,10 +105,6 @@ class Job:
         # Its prompt's estimated tokens, counted on the prefill clock of each node it goes to
         # (``prefill``); 0 for kinds without a prompt to prefill.
         self.prefill_tokens = 0
-        # The node whose prefill clock the batch gate already moved for it when it admitted it
-        # there (None: not booked); its first attempt there does not count it again.
-        self.prefill_booked: str | None = None
-        self.preemptions = 0  # times the batch gate took it back from a node (``tiers``)
         self.prompt_tokens = 0
         self.completion_tokens = 0
         self.audio_s = 0.0  # seconds of audio a transcription or translation reported
@@ -120,11 +131,6 @@ class Job:
         self.response_id: str | None = None
         # The data of the last event relayed of a stream that broke (its error event follows).
         self.last_event: bytes | None = None
-        # The batch tier (``tiers``): held at the ingress until a node has room, queued under
-        # ``tenant`` (its key's id, "-" without one, or the tenant an owner header names); the
-        # node its current attempt holds a batch slot on; and, while an attempt's body carries
-        # the engine priority, the body without it.
-        self.batch = False
-        self.tenant = "-"
-        self.batch_node: str | None = None
-        self.unprioritized: bytes | None = None
+        # The batch tier (``tiers``): held at the ingress until a node has room (None: an
+        # interactive request).
+        self.slot: BatchSlot | None = None

@@ -1,5 +1,5 @@
-"""The pure request decoder of the ``/v1`` data plane: a request in, a routable request or an
-OpenAI error out.
+"""The pure request decoder of the ``/v1`` data plane: a request in, its routed record
+(``Routed``) or an OpenAI error out.
 
 ``decode`` runs every check the ingress makes before it routes, in this order, each with its own
 status and code: the API key (401 ``invalid_api_key``, only when a keys file exists; named by
@@ -7,14 +7,19 @@ status and code: the API key (401 ``invalid_api_key``, only when a keys file exi
 ``rate_limit_exceeded`` with ``Retry-After``) -- both in ``authorize``, which the stateful
 Responses paths use alone --, the body (400 ``invalid_json`` when it is not JSON or not an
 object; for the audio endpoints 400 ``invalid_form`` when it is not a readable
-``multipart/form-data`` body), ``model`` (400 ``invalid_model``) and the ``X-Fabric-Providers``
-and ``X-Fabric-Require`` headers (400 ``invalid_header``). The header grammars live here too.
+``multipart/form-data`` body), ``model`` (400 ``invalid_model``), the ``X-Fabric-Providers``
+and ``X-Fabric-Require`` headers, then ``X-Fabric-Priority`` (400 ``invalid_header``). The
+header grammars live here too.
 No sockets, no trio, no clock reads: the rate limiter and ``now`` are passed in.
 
-The body is parsed once (orjson) and kept as ``Decoded.doc``; the prompt text for cache-aware
-routing (``prompt_text``) is only extracted when a policy asks for it. Per-request objects are
-plain classes with ``__slots__``: this module is compiled with mypyc with the rest of the folder,
-and a plain class's ``__init__`` runs natively there.
+``Routed`` is the one record of a request that routing reads, each field worked out once: the
+policies' part (``RouteRequest``: model, session key, prompt-size estimate, prefix blocks),
+kind, stream, key, providers, requirements, tier and tenant, and the node a Responses request
+is pinned to. The body is parsed once (orjson) and kept as ``Routed.doc``; the prompt text for
+cache-aware routing (``prompt_text``) is only extracted when a policy asks for it (the ingress
+sets ``prefix_blocks`` then: only it knows how many nodes there are to choose from).
+Per-request objects are plain classes with ``__slots__``: this module is compiled with mypyc
+with the rest of the folder, and a plain class's ``__init__`` runs natively there.
 
 ``error_body`` is the one OpenAI error body of the agent's public port: the data plane and the
 control app (``fabricnode.control.app``) both answer with it. ``error_body_for`` picks the
@@ -41,6 +46,7 @@ from fabricnode.dataplane.endpoints import (
     STREAMING_KINDS,
     anthropic_error_body,
     anthropic_path,
+    node_of_response,
 )
 from fabricnode.dataplane.keytable import ApiKey, KeyTable, RateLimiter, bearer_token
 from fabricnode.dataplane.multipart import form_fields
@@ -105,10 +111,57 @@ class Rejection:
         return f"Rejection({self.status}, {self.message!r}, {self.code!r})"
 
 
-class Decoded:
-    """A request that passed every check: what routing needs to know of it."""
+# Priority tiers (``tiers``): ``X-Fabric-Priority``'s values.
+INTERACTIVE = "interactive"
+BATCH = "batch"
+TIERS = (INTERACTIVE, BATCH)
+PRIORITY_HEADER = b"x-fabric-priority"
+NO_TENANT = "-"  # the tenant of batch requests without an API key
 
-    __slots__ = ("doc", "key", "kind", "model", "providers", "requirements", "session", "stream")
+
+class RouteRequest:
+    """What the policies know of a request."""
+
+    __slots__ = ("model", "prefix_blocks", "prompt_tokens_est", "session_key")
+
+    def __init__(
+        self,
+        model: str,
+        prefix_blocks: tuple[int, ...],
+        session_key: str | None,
+        prompt_tokens_est: int,
+    ) -> None:
+        self.model = model
+        # Cumulative block hashes of the prompt (``prompt_blocks``).
+        self.prefix_blocks = prefix_blocks
+        # Sticky-session key (X-Session-ID, or the body's "user").
+        self.session_key = session_key
+        self.prompt_tokens_est = prompt_tokens_est
+
+    def __repr__(self) -> str:
+        return (
+            f"RouteRequest({self.model!r}, {len(self.prefix_blocks)} blocks, "
+            f"{self.session_key!r}, {self.prompt_tokens_est})"
+        )
+
+
+class Routed(RouteRequest):
+    """A request that passed every check: the one record of it that routing reads, with what
+    is worked out once per request (the policies' part is ``RouteRequest``'s: model, session,
+    prompt-size estimate, and the prefix blocks the ingress sets when a policy ranks by them).
+    """
+
+    __slots__ = (
+        "batch",
+        "doc",
+        "key",
+        "kind",
+        "pinned",
+        "providers",
+        "requirements",
+        "stream",
+        "tenant",
+    )
 
     def __init__(
         self,
@@ -120,15 +173,24 @@ class Decoded:
         providers: frozenset[str],
         requirements: Requirements | None,
         session: str | None,
+        prompt_tokens_est: int,
+        batch: bool = False,
+        tenant: str = NO_TENANT,
     ) -> None:
+        super().__init__(model, (), session, prompt_tokens_est)
         self.kind = kind  # the endpoint's kind (``endpoints.ENDPOINTS``)
-        self.model = model
         self.stream = stream  # an SSE answer was asked for (never for embeddings)
         self.doc = doc  # the parsed body, read again for the request log
         self.key = key  # the caller's API key; None when the ingress runs open
         self.providers = providers  # allowed providers; empty = any
         self.requirements = requirements  # X-Fabric-Require; None = no constraint
-        self.session = session  # sticky-session key: X-Session-Id, else the body's ``user``
+        # The batch tier (``X-Fabric-Priority: batch``, or the batch owner header), and the
+        # tenant it is queued under: its key's id, else the owner header's, else "-".
+        self.batch = batch
+        self.tenant = tenant
+        # The node a ``POST /v1/responses`` continuing a stored response must go to (the one
+        # its ``previous_response_id`` names), None for any other request.
+        self.pinned = pinned_node(doc) if kind == RESPONSES else None
 
 
 KEY_REJECTION = Rejection(
@@ -185,7 +247,7 @@ def decode(
     keys: KeyTable | None,
     limiter: RateLimiter,
     now: float,
-) -> Decoded | Rejection:
+) -> Routed | Rejection:
     """Check one request of endpoint ``kind`` (see the module docstring for the order).
 
     ``now`` is the monotonic clock the rate limiter counts in.
@@ -200,37 +262,39 @@ def decode(
 
 
 def decode_as(
-    kind: str, headers: Mapping[bytes, bytes], body: bytes, key: ApiKey | None
-) -> Decoded | Rejection:
+    kind: str,
+    headers: Mapping[bytes, bytes],
+    body: bytes,
+    key: ApiKey | None,
+    tenant: str | None = None,
+) -> Routed | Rejection:
     """The checks of ``decode`` after the key, for a request already authenticated as ``key``
-    (the batch owner header's: ``tiers.owner_of``)."""
+    (the batch owner header's, for ``tenant``: ``tiers.owner_of``; such a request is batch)."""
     try:
         doc = orjson.loads(body)
     except orjson.JSONDecodeError:
         if kind in FORM_KINDS:  # a form is never JSON: the JSON kinds pay nothing for forms
-            return decode_form(kind, headers, body, key)
+            return decode_form(kind, headers, body, key, tenant)
         return Rejection(400, "request body is not valid JSON", "invalid_json")
     if not isinstance(doc, dict):
         return Rejection(400, "request body must be a JSON object", "invalid_json")
     model = doc.get("model")
     if not isinstance(model, str) or not model:
         return Rejection(400, "'model' is required and must be a string", "invalid_model")
-    filters = route_headers(headers, key)
-    if isinstance(filters, Rejection):
-        return filters
-    providers, requirements = filters
     stream = doc.get("stream") is True and kind in STREAMING_KINDS
-    return Decoded(
-        kind, model, stream, doc, key, providers, requirements, session_key(headers, doc)
-    )
+    return routed(kind, model, stream, doc, headers, body, key, tenant)
 
 
 FORM_FIELDS = ("model", "stream")
 
 
 def decode_form(
-    kind: str, headers: Mapping[bytes, bytes], body: bytes, key: ApiKey | None
-) -> Decoded | Rejection:
+    kind: str,
+    headers: Mapping[bytes, bytes],
+    body: bytes,
+    key: ApiKey | None,
+    tenant: str | None = None,
+) -> Routed | Rejection:
     """The checks after the key for a ``multipart/form-data`` body (the audio endpoints): its
     ``model`` and ``stream`` fields are read (``multipart.form_fields``) and become ``doc``."""
     fields = form_fields(body, headers.get(b"content-type", b""), FORM_FIELDS)
@@ -239,15 +303,50 @@ def decode_form(
     model = fields.get("model", "").strip()
     if not model:
         return Rejection(400, "the form field 'model' is required", "invalid_model")
+    stream = fields.get("stream", "").strip().lower() == "true"
+    doc: dict[str, Any] = {"model": model, "stream": stream}
+    return routed(kind, model, stream, doc, headers, body, key, tenant)
+
+
+def routed(
+    kind: str,
+    model: str,
+    stream: bool,
+    doc: dict[str, Any],
+    headers: Mapping[bytes, bytes],
+    body: bytes,
+    key: ApiKey | None,
+    tenant: str | None,
+) -> Routed | Rejection:
+    """The routed record of a request whose body passed: its routing headers checked
+    (providers, requirements, then the tier), each value worked out once. The prompt-size
+    estimate is a quarter of the body's bytes."""
     filters = route_headers(headers, key)
     if isinstance(filters, Rejection):
         return filters
     providers, requirements = filters
-    stream = fields.get("stream", "").strip().lower() == "true"
-    doc: dict[str, Any] = {"model": model, "stream": stream}
-    return Decoded(
-        kind, model, stream, doc, key, providers, requirements, session_key(headers, doc)
+    batch = tenant is not None
+    raw = headers.get(PRIORITY_HEADER)
+    if raw is not None:
+        try:
+            batch = tier_of(raw) == BATCH or batch
+        except ValueError as exc:
+            return Rejection(400, str(exc), "invalid_header")
+    r = Routed(
+        kind,
+        model,
+        stream,
+        doc,
+        key,
+        providers,
+        requirements,
+        session_key(headers, doc),
+        len(body) // 4,
     )
+    if batch:
+        r.batch = True
+        r.tenant = key.key_id if key is not None else (tenant or NO_TENANT)
+    return r
 
 
 def route_headers(
@@ -344,6 +443,23 @@ def _content_text(content: list[Any], parts: list[str]) -> None:
 
 
 # -- header grammars ----------------------------------------------------------------------------
+
+
+def tier_of(raw: bytes) -> str:
+    """The tier an ``X-Fabric-Priority`` value names; ValueError (one line) for anything else."""
+    value = raw.decode("latin-1").strip().lower()
+    if value not in TIERS:
+        raise ValueError(f"X-Fabric-Priority {value[:32]!r}: expected interactive or batch")
+    return value
+
+
+def pinned_node(doc: dict[str, Any] | None) -> str | None:
+    """The node a ``POST /v1/responses`` body is pinned to (its ``previous_response_id``'s),
+    None when it continues no response of this mesh."""
+    if doc is None:
+        return None
+    previous = doc.get("previous_response_id")
+    return node_of_response(previous) if isinstance(previous, str) else None
 
 
 @dataclass(frozen=True, slots=True)

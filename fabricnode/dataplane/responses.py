@@ -24,8 +24,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from fabricnode.dataplane.endpoints import node_of_response
+import orjson
+
+from fabricnode.dataplane.endpoints import node_of_response, response_id
 from fabricnode.dataplane.request import Rejection
+from fabricnode.dataplane.request import pinned_node as pinned_node
 from fabricnode.dataplane.routetable import Route
 from fabricnode.mesh.registry import State
 from fabricnode.mesh.schema import Standing
@@ -44,31 +47,22 @@ class PinnedNode:
         self.routable = routable  # the route table has it (for some model)
 
 
-def pinned_node(doc: dict[str, Any] | None) -> str | None:
-    """The node a ``POST /v1/responses`` body is pinned to (its ``previous_response_id``'s),
-    None when it continues no response of this mesh."""
-    if doc is None:
-        return None
-    previous = doc.get("previous_response_id")
-    return node_of_response(previous) if isinstance(previous, str) else None
-
-
 def pin(
     model: str,
     doc: dict[str, Any],
+    sid: str | None,
     routes: list[Route] | None,
     node_facts: Callable[[str], PinnedNode],
 ) -> list[Route] | Rejection | None:
-    """The routes of a ``POST /v1/responses``: if it continues a stored response, only the
-    node that stored it, 404 once that node is gone; else ``routes`` as they are."""
-    previous = doc.get("previous_response_id")
-    sid = node_of_response(previous) if isinstance(previous, str) else None
+    """The routes of a ``POST /v1/responses``: if it continues a stored response (on node
+    ``sid``, the decoder's ``Routed.pinned``), only the node that stored it, 404 once that node
+    is gone; else ``routes`` as they are."""
     if sid is None:
         return routes
     pinned = [r for r in routes if r.info.session_id == sid] if routes else []
     if pinned:
         return pinned
-    why = gone_message(str(previous), sid, model, node_facts(sid))
+    why = gone_message(str(doc.get("previous_response_id")), sid, model, node_facts(sid))
     return Rejection(404, why, "response_node_gone")
 
 
@@ -113,3 +107,13 @@ def gone_message(rid: str, sid: str, model: str | None, node: PinnedNode) -> str
     else:
         why = "cannot take requests from you (your key or X-Fabric-* headers exclude it)"
     return f"response {rid!r} was stored by node {sid[:8]}, which {why}"
+
+
+def tagged(doc: dict[str, Any], sid: str, nonce: bytes) -> tuple[bytes, str]:
+    """The body of a ``POST /v1/responses`` about to go to node ``sid``, and the response id
+    it names: its ``request_id`` (which vLLM makes the response's id, and its store's key)
+    names that node (``endpoints.response_id``; ``nonce``: the id's 8 random bytes)."""
+    rid = response_id(sid, nonce)
+    body = dict(doc)
+    body["request_id"] = rid
+    return orjson.dumps(body), rid

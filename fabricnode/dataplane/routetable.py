@@ -25,6 +25,8 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
+import orjson
+
 from fabricnode.addr import split_hostport
 from fabricnode.dataplane.request import Requirements
 from fabricnode.dataplane.routing import (
@@ -313,3 +315,29 @@ def route_of(routes: list[Route], sid: str) -> Route:
         if route.info.session_id == sid:
             return route
     raise KeyError(sid)  # a policy ranks only the candidates it was given
+
+
+def models_body(listing: list[ModelListing], declared: list[str] | None) -> bytes:
+    """The ``/v1/models`` body: the models of ``listing`` (``RouteTable.listing``), then the
+    ``declared`` ones without a replica now (scale from zero: the first request starts one)."""
+    data = [
+        {
+            "id": m.id,
+            "object": "model",
+            "created": m.created,
+            "owned_by": "fabric",
+            "max_model_len": m.max_model_len,
+            "parent": m.parent,  # an adapter's (LoRA) base model, as vLLM lists it
+            "fabric_nodes": m.nodes,
+        }
+        for m in listing
+    ]
+    if declared is not None:
+        listed = {d["id"] for d in data}
+        for model in declared:
+            if model not in listed:
+                data.append(
+                    {"id": model, "object": "model", "created": 0, "owned_by": "fabric",
+                     "fabric_nodes": 0, "fabric_scaled_to_zero": True}
+                )  # fmt: skip
+    return orjson.dumps({"object": "list", "data": data})

@@ -107,7 +107,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+# What the policies know of a request: the base of the decoder's routed record.
 from fabricnode.dataplane.request import Requirements
+from fabricnode.dataplane.request import RouteRequest as RouteRequest
 
 # -- node facts and requests --------------------------------------------------------------------
 
@@ -169,32 +171,6 @@ class Candidate:
         return (
             f"Candidate({self.node.session_id!r}, {self.load!r}, {self.local_inflight}, "
             f"{self.prefill_s:.3f}, hidden={self.hidden})"
-        )
-
-
-class RouteRequest:
-    """What the policies know of a request."""
-
-    __slots__ = ("model", "prefix_blocks", "prompt_tokens_est", "session_key")
-
-    def __init__(
-        self,
-        model: str,
-        prefix_blocks: tuple[int, ...],
-        session_key: str | None,
-        prompt_tokens_est: int,
-    ) -> None:
-        self.model = model
-        # Cumulative block hashes of the prompt (``prompt_blocks``).
-        self.prefix_blocks = prefix_blocks
-        # Sticky-session key (X-Session-ID, or the body's "user").
-        self.session_key = session_key
-        self.prompt_tokens_est = prompt_tokens_est
-
-    def __repr__(self) -> str:
-        return (
-            f"RouteRequest({self.model!r}, {len(self.prefix_blocks)} blocks, "
-            f"{self.session_key!r}, {self.prompt_tokens_est})"
         )
 
 

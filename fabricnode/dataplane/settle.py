@@ -100,7 +100,8 @@ class Settler:
             self.metrics.first_token(job.model, job.ttft_s)
         self.metrics.count_tokens(job.model, job.prompt_tokens, job.completion_tokens)
         self.metrics.count_endpoint(job.kind, status, job.prompt_tokens, job.completion_tokens)
-        tier = BATCH if job.batch else INTERACTIVE
+        batch = job.slot is not None
+        tier = BATCH if batch else INTERACTIVE
         self.metrics.tier_requests.inc((tier,))
         if job.audio_s:
             self.metrics.audio_seconds.inc((job.model,), job.audio_s)
@@ -112,7 +113,7 @@ class Settler:
             job.ttft_s,
             job.prompt_tokens,
             job.completion_tokens if status == 200 else 0,
-            job.batch,
+            batch,
         )
         name = job.key.name if job.key is not None else "anonymous"
         self.ledger.record(

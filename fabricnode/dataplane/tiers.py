@@ -60,17 +60,21 @@ from dataclasses import dataclass
 from heapq import merge
 from typing import Generic, TypeVar
 
+import orjson
+
 from fabricnode.dataplane.endpoints import CHAT, COMPLETIONS, RESPONSES
 from fabricnode.dataplane.keytable import ApiKey, KeyTable
+from fabricnode.dataplane.request import BATCH as BATCH
+from fabricnode.dataplane.request import INTERACTIVE as INTERACTIVE
+from fabricnode.dataplane.request import NO_TENANT as NO_TENANT
+from fabricnode.dataplane.request import PRIORITY_HEADER as PRIORITY_HEADER
+from fabricnode.dataplane.request import TIERS as TIERS
 from fabricnode.dataplane.request import Rejection
+from fabricnode.dataplane.request import tier_of as tier_of
 from fabricnode.dataplane.routing import LoadSnapshot
 
-INTERACTIVE = "interactive"
-BATCH = "batch"
-TIERS = (INTERACTIVE, BATCH)
-PRIORITY_HEADER = b"x-fabric-priority"
+# The tier header's grammar (``tier_of``) is the decoder's, which reads it once per request.
 OWNER_HEADER = b"x-fabric-batch-owner"
-NO_TENANT = "-"  # the tenant of batch requests without an API key
 MAX_TENANT_CHARS = 64
 # The kinds whose JSON body carries vLLM's ``priority`` field to an engine that schedules by it
 # (``--scheduling-policy priority``): the OpenAI generation requests.
@@ -80,14 +84,6 @@ T = TypeVar("T")
 
 
 # -- the headers --------------------------------------------------------------------------------
-
-
-def tier_of(raw: bytes) -> str:
-    """The tier an ``X-Fabric-Priority`` value names; ValueError (one line) for anything else."""
-    value = raw.decode("latin-1").strip().lower()
-    if value not in TIERS:
-        raise ValueError(f"X-Fabric-Priority {value[:32]!r}: expected interactive or batch")
-    return value
 
 
 def valid_tenant(tenant: str) -> bool:
@@ -348,3 +344,14 @@ class FairQueue(Generic[T]):
             refused=self._refused,
             pushed_out=self._pushed_out,
         )
+
+
+def prioritized(body: bytes, priority: int) -> bytes | None:
+    """A batch request's JSON body with ``"priority": priority``, for an engine that schedules
+    by priority (None: not a JSON object). Only batch requests pay for this decode and
+    re-encode, and only JSON bodies of the generation kinds (``PRIORITY_KINDS``)."""
+    doc = orjson.loads(body)
+    if not isinstance(doc, dict):
+        return None
+    doc["priority"] = priority
+    return orjson.dumps(doc)

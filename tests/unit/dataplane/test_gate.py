@@ -31,14 +31,14 @@ from fabricnode.dataplane.gate import (
     BatchGate,
     BatchWaiter,
 )
-from fabricnode.dataplane.job import Job
+from fabricnode.dataplane.job import BatchSlot, Job
 from fabricnode.dataplane.prefill import PrefillClocks
+from fabricnode.dataplane.request import Routed
 from fabricnode.dataplane.routetable import Route
 from fabricnode.dataplane.routing import (
     Candidate,
     LoadSnapshot,
     NodeInfo,
-    RouteRequest,
     make_policy,
 )
 from fabricnode.dataplane.tiers import RoomRules
@@ -74,8 +74,9 @@ class World:
         self, w: BatchWaiter, now: float, wall: float
     ) -> tuple[list[Route], list[Candidate]] | None:
         routes = [self.routes[s] for s in self.sids if s not in self.gone]
-        if w.pinned is not None:
-            routes = [r for r in routes if r.info.session_id == w.pinned]
+        pinned = w.routed.pinned
+        if pinned is not None:
+            routes = [r for r in routes if r.info.session_id == pinned]
         if not routes:
             return None
         cands = [
@@ -123,11 +124,10 @@ def waiter(
     doc: dict[str, object] | None = None,
 ) -> BatchWaiter:
     job = Job(kind, "m1", False, b"{}", b"/v1/chat/completions", {}, None, started, doc)
-    job.batch = True
-    job.tenant = tenant
+    job.slot = BatchSlot(tenant)
     job.prefill_tokens = tokens
-    rreq = RouteRequest("m1", (), name, tokens)
-    return BatchWaiter(job, rreq, frozenset(), None, tried if tried is not None else set())
+    routed = Routed(kind, "m1", False, doc or {}, None, frozenset(), None, name, tokens)
+    return BatchWaiter(job, routed, tried if tried is not None else set())
 
 
 def granted(gate: BatchGate) -> list[BatchWaiter]:
@@ -142,7 +142,7 @@ def test_batch_requests_wait_while_no_node_has_room_and_go_in_order_as_slots_fre
     gate = world.gate()
     first, second, third = waiter("first"), waiter("second"), waiter("third")
     assert gate.offer(first, 1.0, WALL) == GO
-    assert first.ranked[0].node.session_id == "node0" and first.job.batch_node == "node0"
+    assert first.ranked[0].node.session_id == "node0" and first.job.slot.node == "node0"
     assert gate.offer(second, 1.1, WALL) == QUEUED and not second.outcome
     assert gate.offer(third, 1.2, WALL) == QUEUED
     assert len(gate) == 2 and gate.inflight == {"node0": 1}
@@ -217,7 +217,7 @@ def test_a_full_gate_pushes_out_the_longest_queues_newest_for_another_tenant() -
     b1 = waiter("b1", tenant="b")
     assert gate.offer(b1, 0.0, WALL) == QUEUED
     assert gate.take_ended() == [a2] and a2.outcome == GATE_FULL
-    assert {w.rreq.session_key for w in gate.waiters()} == {"a1", "b1"}
+    assert {w.routed.session_key for w in gate.waiters()} == {"a1", "b1"}
 
 
 def test_a_wait_ends_at_its_deadline_counted_from_the_requests_arrival() -> None:
@@ -297,7 +297,7 @@ def test_a_failover_goes_at_once_past_waiters_when_a_node_has_room() -> None:
     gate.offer(second, 0.0, WALL)
     assert gate.offer(waiter("waits"), 0.0, WALL) == QUEUED
     gate.done(first.job)  # its node is free; the walk has not run yet
-    failover = waiter("failover", tried={second.job.batch_node or ""})
+    failover = waiter("failover", tried={second.job.slot.node or ""})
     assert gate.offer(failover, 1.0, WALL) == GO
     assert failover.ranked[0].node.session_id == first.ranked[0].node.session_id
 
@@ -309,7 +309,7 @@ def test_a_request_pinned_to_a_node_waits_for_that_node_only() -> None:
     world.report(1, kv=0.9)  # no room on the pinned node
     gate = world.gate()
     w = waiter(kind=RESPONSES)
-    w.pinned = "node1"
+    w.routed.pinned = "node1"
     assert gate.offer(w, 0.0, WALL) == QUEUED and w.outcome == ""
     world.report(1, kv=0.1)
     gate.scan(1.0, WALL)
@@ -327,7 +327,7 @@ def test_generation_kinds_count_as_hidden_batch_work_until_done(kind: str, hidde
     gate.offer(w, 0.0, WALL)
     assert gate.hidden == ({"node0": 1} if hidden else {})
     gate.done(w.job)
-    assert gate.hidden == {} and gate.inflight == {} and w.job.batch_node is None
+    assert gate.hidden == {} and gate.inflight == {} and w.slot.node is None
 
 
 # -- pacing and prefill clocks: deadlines instead of a tick ---------------------------------------
@@ -518,7 +518,7 @@ def test_the_gate_never_grants_past_a_nodes_cap(
             load = world.loads[sid]
             if load is not None and abs(wall - load.at) <= rules.stale_after_s:
                 assert n <= cap
-        assert sum(gate.inflight.values()) == sum(1 for j in running if j.batch_node)
+        assert sum(gate.inflight.values()) == sum(1 for j in running if j.slot and j.slot.node)
         assert len(gate) <= max_waiting
     assert all(n == 1 for n in ended.values())
 
@@ -542,7 +542,7 @@ def test_backlogged_tenants_are_released_alternately_whatever_they_offer(a: int,
         gate.done(job)
         gate.scan(now, WALL)
         (w,) = granted(gate)
-        order.append(w.job.tenant)
+        order.append(w.slot.tenant)
         job = w.job
         now += 1.0
     both = 2 * min(a, b)

@@ -14,9 +14,9 @@ from fabricnode.control.app import error_response
 from fabricnode.dataplane.apikeys import ApiKeyStore, RateLimiter
 from fabricnode.dataplane.request import (
     KEY_REJECTION,
-    Decoded,
     Rejection,
     Requirements,
+    Routed,
     authorize,
     decode,
     error_body,
@@ -31,17 +31,17 @@ BODY = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}'
 NOW = 100.0
 
 
-def open_decode(body: bytes = BODY, kind: str = "chat", **headers: str) -> Decoded | Rejection:
+def open_decode(body: bytes = BODY, kind: str = "chat", **headers: str) -> Routed | Rejection:
     raw = {k.replace("_", "-").encode(): v.encode("latin-1") for k, v in headers.items()}
     return decode(kind, raw, body, None, RateLimiter(), NOW)
 
 
-def decoded(result: Decoded | Rejection) -> Decoded:
-    assert isinstance(result, Decoded), result
+def decoded(result: Routed | Rejection) -> Routed:
+    assert isinstance(result, Routed), result
     return result
 
 
-def rejected(result: Decoded | Rejection, status: int, code: str) -> Rejection:
+def rejected(result: Routed | Rejection, status: int, code: str) -> Rejection:
     assert isinstance(result, Rejection), "expected a rejection"
     assert (result.status, result.code) == (status, code), result
     return result
@@ -58,7 +58,7 @@ def store(tmp_path: Path) -> ApiKeyStore:
 def test_an_open_ingress_decodes_model_stream_and_body() -> None:
     d = decoded(open_decode(b'{"model": "llama", "stream": true, "user": "u1"}'))
     assert (d.kind, d.model, d.stream, d.key) == ("chat", "llama", True, None)
-    assert d.doc["user"] == "u1" and d.session == "u1"
+    assert d.doc["user"] == "u1" and d.session_key == "u1"
     assert d.providers == frozenset() and d.requirements is None
 
 
@@ -75,10 +75,10 @@ def test_embeddings_never_stream() -> None:
 
 def test_session_key_comes_from_the_header_before_the_user_field() -> None:
     body = b'{"model": "m", "user": "from-body"}'
-    assert decoded(open_decode(body, x_session_id="from-header")).session == "from-header"
-    assert decoded(open_decode(body)).session == "from-body"
-    assert decoded(open_decode(b'{"model": "m", "user": ""}')).session is None
-    assert decoded(open_decode(body, x_session_id="s" * 1000)).session == "s" * 256
+    assert decoded(open_decode(body, x_session_id="from-header")).session_key == "from-header"
+    assert decoded(open_decode(body)).session_key == "from-body"
+    assert decoded(open_decode(b'{"model": "m", "user": ""}')).session_key is None
+    assert decoded(open_decode(body, x_session_id="s" * 1000)).session_key == "s" * 256
 
 
 def test_headers_narrow_the_nodes() -> None:

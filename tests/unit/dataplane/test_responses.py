@@ -52,12 +52,18 @@ def test_a_response_id_names_the_node_that_stored_it() -> None:
 
 def test_a_request_that_continues_no_response_keeps_its_routes() -> None:
     routes = [route(A), route(B)]
-    assert pin("m1", {"input": "x"}, routes, serving) is routes
-    assert pin("m1", {"input": "x"}, None, serving) is None
+    assert pin("m1", {"input": "x"}, None, routes, serving) is routes
+    assert pin("m1", {"input": "x"}, None, None, serving) is None
 
 
 def test_a_continuation_goes_only_to_the_node_that_stored_the_response() -> None:
-    pinned = pin("m1", {"previous_response_id": STORED}, [route(A), route(B)], serving)
+    pinned = pin(
+        "m1",
+        {"previous_response_id": STORED},
+        pinned_node({"previous_response_id": STORED}),
+        [route(A), route(B)],
+        serving,
+    )
     assert isinstance(pinned, list) and [r.info.session_id for r in pinned] == [B]
 
 
@@ -91,7 +97,13 @@ def test_a_continuation_goes_only_to_the_node_that_stored_the_response() -> None
 def test_a_continuation_whose_node_is_gone_is_a_404_that_says_why(
     facts: PinnedNode, why: str
 ) -> None:
-    refused = pin("m1", {"previous_response_id": STORED}, [route(A)], lambda sid: facts)
+    refused = pin(
+        "m1",
+        {"previous_response_id": STORED},
+        pinned_node({"previous_response_id": STORED}),
+        [route(A)],
+        lambda sid: facts,
+    )
     assert isinstance(refused, Rejection)
     assert (refused.status, refused.code) == (404, "response_node_gone")
     assert refused.message.startswith(f"response {STORED!r} was stored by node {B[:8]}, which ")

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fabricnode.dataplane.apikeys import ApiKeyStore, RateLimiter
-from fabricnode.dataplane.request import Decoded, Rejection, decode, decode_as
+from fabricnode.dataplane.request import Rejection, Routed, decode, decode_as
 from fabricnode.dataplane.routing import LoadSnapshot
 from fabricnode.dataplane.tiers import (
     BATCH,
@@ -129,14 +129,14 @@ def test_the_owner_header_skips_the_keys_rate_limit(
     limiter = RateLimiter()
     body = b'{"model": "m", "messages": []}'
     bearer = {b"authorization": b"Bearer " + ids["alice-token"].encode()}
-    assert isinstance(decode("chat", bearer, body, store, limiter, 0.0), Decoded)
+    assert isinstance(decode("chat", bearer, body, store, limiter, 0.0), Routed)
     limited = decode("chat", bearer, body, store, limiter, 0.1)
     assert isinstance(limited, Rejection) and limited.status == 429
     for _ in range(20):
         owned = owner_of(f"{TOKEN} {ids['alice']}".encode(), TOKEN, store)
         assert not isinstance(owned, Rejection)
         decoded = decode_as("chat", {}, body, owned[0])
-        assert isinstance(decoded, Decoded) and decoded.key is not None
+        assert isinstance(decoded, Routed) and decoded.key is not None
     assert limiter.statistics().allowed == 1
 
 
