@@ -17,8 +17,13 @@ below it, and nothing imports the loop):
 * ``jobs``        ``Job``: one of the controller's Slurm jobs as squeue shows it (pure).
 * ``vocab``       the words the others share: a model's plan, goals, actions, decisions and
   their reasons (``Reason``: the metric's labels), the fleet, the scaler protocol.
-* ``servicefile`` the service file (TOML): its format, the pure parser/validator, canonical
-  bytes, the renderer back to TOML.
+* ``servicefile`` the service file (TOML): ``parse``, ``load``, ``from_canonical``, the engine
+  template a model's jobs render; the names below re-exported. In its parts:
+* ``servicecheck``  a parsed document into a spec, or every problem at its line.
+* ``servicevalues`` one check per kind of value (reaches ``host.slurm`` and ``engine.template``
+  for the time-limit and template parsers: not in ``elastic-pure``).
+* ``servicespec``   the spec, the format's keys and bounds, canonical bytes, JSON and TOML (pure).
+* ``tomllines``     the line of every key of a TOML document, for the problems (pure).
 * ``policy``      the pure scaling policy: per model, how many replicas to run now (a token-demand
   forecast at the cold-start horizon, load and TTFT confirmation, scale-in hysteresis), and the
   static and reactive baselines with the same interface.

@@ -40,8 +40,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from fabricnode.elastic.servicefile import Limits as Limits  # the one Limits: the file's
-from fabricnode.elastic.servicefile import ModelService
+from fabricnode.elastic.servicespec import Limits as Limits  # the one Limits: the file's
+from fabricnode.elastic.servicespec import ModelService
 
 
 class Reason(enum.Enum):

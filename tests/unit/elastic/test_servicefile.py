@@ -20,6 +20,7 @@ from fabricnode.elastic.servicefile import (
     Limits,
     ModelService,
     ServiceSpec,
+    engine_template,
     format_duration,
     format_time_limit,
     from_canonical,
@@ -27,8 +28,10 @@ from fabricnode.elastic.servicefile import (
     load,
     parse,
 )
+from fabricnode.elastic.servicespec import SIM
 from fabricnode.elastic.slurmctl import SlurmControl
 from fabricnode.elastic.vocab import MIN_REPLICAS, Submit
+from fabricnode.engine import template
 from fabricnode.errors import ConfigError, DecodeError, ServiceFileError
 from fabricnode.host.slurm import parse_time_limit
 from scheduler.catalog import builtin_catalog
@@ -117,14 +120,19 @@ def test_full_file_parses_to_the_normalised_spec() -> None:
         sbatch_args=("--constraint=a100",),
     )
     assert qwen.engine == ENGINE_SHORTHANDS["vllm"]
-    assert qwen.engine_template().model_paths == {
+    assert engine_template(qwen).model_paths == {
         "qwen2.5-72b": "/scratch/models/Qwen2.5-72B-Instruct"
     }
     assert qwen.gpus_per_replica is None and qwen.ttft_p95_s == 0.5
     assert qwen.partitions == ("gpu-long",) and qwen.time_limit == "1-00:00:00"
     assert qwen.idle_to_zero_s is None  # it does not scale to zero
-    assert sim.simulated and sim.engine_template().simulated
+    assert sim.simulated and engine_template(sim).simulated
     assert spec.model("LLAMA-3.1-8B") is llama and spec.model("nope") is None
+
+
+def test_the_spec_names_the_simulated_engine_as_engine_templates_do() -> None:
+    # servicespec keeps its own copy of the word so that it imports nothing of the engine
+    assert SIM == template.SIM
 
 
 def test_full_file_round_trips_through_toml_json_and_canonical_bytes() -> None:
