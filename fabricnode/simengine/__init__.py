@@ -22,6 +22,8 @@ Modules, in reading order:
 * ``messages``    Anthropic's ``/v1/messages`` and ``count_tokens``.
 * ``pooling``     rerank, score, pooling, classify, tokenize, detokenize.
 * ``audio``       ``/v1/audio/transcriptions`` and ``translations`` (multipart WAV uploads).
-* ``server``      the trio driver of the scheduler and the raw ASGI app routing vLLM's endpoints.
+* ``driver``      the trio driver of the scheduler: steps it in trio time, tokens to channels;
+                  the step log.
+* ``server``      the raw ASGI app routing vLLM's endpoints, its metrics, sleep and faults.
 * ``__main__``    the command line: flags, the ready line, graceful exit on SIGTERM.
 """

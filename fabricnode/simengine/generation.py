@@ -22,7 +22,7 @@ GENERATION_PROMPT = "\nassistant:"
 
 
 class Driver(Protocol):
-    """What generating needs of ``server.EngineDriver``."""
+    """What generating needs of ``driver.EngineDriver``."""
 
     def submit(
         self, prompt: list[int], max_tokens: int, salt: bytes = b"", priority: int = 0
