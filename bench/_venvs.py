@@ -21,6 +21,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -180,6 +181,31 @@ def ensure(name: str, *, install: bool = True) -> ToolVenv:
             raise
         failed.unlink(missing_ok=True)
         return ready
+
+
+def vllm_router_argv(
+    venv: ToolVenv, port: int, worker_urls: Sequence[str], policy: str, prometheus_port: int
+) -> list[str]:
+    """vllm-router's command line as the benches run it: on 127.0.0.1:``port`` in front of
+    ``worker_urls`` with ``policy``, its Prometheus endpoint on loopback too (``prometheus_port``:
+    its default port would clash between runs), warnings only."""
+    return [
+        str(venv.executable),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--worker-urls",
+        *worker_urls,
+        "--policy",
+        policy,
+        "--prometheus-host",
+        "127.0.0.1",
+        "--prometheus-port",
+        str(prometheus_port),
+        "--log-level",
+        "warning",
+    ]
 
 
 def main(argv: list[str]) -> int:

@@ -510,23 +510,8 @@ class Bench:
         venv = self.venv("vllm-router", target)
         assert self.backend is not None
         target.port = free_port()
-        argv = [
-            str(venv.executable),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(target.port),
-            "--worker-urls",
-            f"http://127.0.0.1:{self.backend.port}",
-            "--policy",
-            "round_robin",
-            "--prometheus-host",
-            "127.0.0.1",
-            "--prometheus-port",
-            str(free_port()),
-            "--log-level",
-            "warning",
-        ]
+        backend = f"http://127.0.0.1:{self.backend.port}"
+        argv = _venvs.vllm_router_argv(venv, target.port, [backend], "round_robin", free_port())
         proc = self.procs.spawn("vllm-router", argv)
         target.router_pids = lambda: descendants(proc.pid)
         self.wait_ready(target, proc, "vllm-router", 60.0)

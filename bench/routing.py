@@ -464,23 +464,7 @@ def start_peer_router(
 
     venv = _venvs.ensure("vllm-router")
     port = free_port()
-    argv = [
-        str(venv.executable),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--worker-urls",
-        *engines.values(),
-        "--policy",
-        policy,
-        "--prometheus-host",
-        "127.0.0.1",
-        "--prometheus-port",
-        str(free_port()),
-        "--log-level",
-        "warning",
-    ]
+    argv = _venvs.vllm_router_argv(venv, port, list(engines.values()), policy, free_port())
     with open(workdir / "vllm-router.log", "wb") as err:
         proc = subprocess.Popen(
             argv, stdin=subprocess.DEVNULL, stdout=err, stderr=err, start_new_session=True
