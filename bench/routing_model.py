@@ -34,12 +34,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import heapq
-import itertools
 import random
 import statistics
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,6 +48,7 @@ for _path in (str(REPO), str(BENCH_DIR)):
         sys.path.insert(0, _path)
 
 import orjson  # noqa: E402
+from _model_core import EngineNode, ModelCore, engine_nodes  # noqa: E402
 from _routing_workloads import (  # noqa: E402
     TRACE_ATTRIBUTION,
     WORKLOADS,
@@ -63,11 +61,10 @@ from fabricnode.dataplane import routing  # noqa: E402
 from fabricnode.dataplane.ingress_config import IngressConfig  # noqa: E402
 from fabricnode.dataplane.prefill import PrefillClocks  # noqa: E402
 from fabricnode.dataplane.request import CHAT, prompt_text  # noqa: E402
-from fabricnode.simengine.model import EngineConfig, Scheduler, gpu_profile, tokenize  # noqa: E402
+from fabricnode.simengine.model import EngineConfig, TokenEvent, gpu_profile, tokenize  # noqa: E402
 
 MODEL = "sim-8b"
 NET_S = 0.002  # one way
-REPORT_DELAY_S = 0.005
 HOLD_RETRY_S = 0.05  # Ingress._hold asks again at least this often
 HOLD_MAX_S = IngressConfig().hold_max_s
 TEMPLATE_TOKENS = 4  # the simulated engine's chat template around the words
@@ -95,14 +92,8 @@ class Req:
     answer: str = ""
 
 
-@dataclass
-class Node:
-    sid: str
-    info: routing.NodeInfo
-    engine: Scheduler
-    stepping: bool = False
-    report: routing.LoadSnapshot | None = None
-    live: dict[int, Req] = field(default_factory=dict)
+class Node(EngineNode[Req]):
+    """A node whose requests are this model's ``Req``."""
 
 
 @dataclass
@@ -126,7 +117,7 @@ class Outcome:
     spread: tuple[float, ...]
 
 
-class Model:
+class Model(ModelCore[Node, Req]):
     """One (workload, config, seed) cell."""
 
     def __init__(
@@ -135,7 +126,6 @@ class Model:
         self.workload = workload
         self.args = args
         self.rng = random.Random(seed)
-        self.end = args.warmup + args.seconds
         engine = EngineConfig(
             model=MODEL,
             gpu=gpu_profile(args.gpu),
@@ -143,15 +133,8 @@ class Model:
             kv_tokens=args.kv_tokens,
             max_num_seqs=args.max_num_seqs,
         )
-        self.nodes = [
-            Node(
-                f"n{i}",
-                routing.NodeInfo(f"n{i}", f"http://n{i}", "p", None, None, args.gpu, 1, 8192, None),
-                Scheduler(engine),
-            )
-            for i in range(args.nodes)
-        ]
-        self.by_sid = {n.sid: n for n in self.nodes}
+        nodes = engine_nodes(args.nodes, args.gpu, engine, Node)
+        super().__init__(nodes, args.warmup + args.seconds, args.report_s)
         self.config = config
         # One ingress (the live bench's ingress agent) or one per serving agent (``--via
         # agents``: client c talks to agent c mod nodes), each with its own policy state.
@@ -159,8 +142,6 @@ class Model:
         self.ingresses = [
             Ingress(routing.make_policy(args.policy, config=config)) for _ in range(count)
         ]
-        self.events: list[tuple[float, int, Callable[..., None], Any]] = []
-        self.seq = itertools.count()
         self.done: list[Req] = []
         self._leaves: dict[tuple[int, int], int] = {}
         self.hits0 = self.queries0 = 0
@@ -171,17 +152,8 @@ class Model:
             self.at(self.rng.uniform(0, args.report_s), self.take_report, n)
         self.at(args.warmup, self.window_opens)
 
-    # -- the event loop --
-
-    def at(self, t: float, what: Callable[..., None], arg: Any = None) -> None:
-        heapq.heappush(self.events, (t, next(self.seq), what, arg))
-
     def run(self) -> Outcome:
-        while self.events:
-            now, _, what, arg = heapq.heappop(self.events)
-            if now > self.end:
-                break
-            what(now, arg)
+        self.run_events()
         a = self.args
         window = [r for r in self.done if r.ended_at is not None and a.warmup <= r.ended_at]
         ttfts = sorted(r.ttft for r in window if r.ttft is not None)
@@ -294,55 +266,30 @@ class Model:
         n.live[r.rid] = r
         self.step(n, now)
 
-    def step(self, n: Node, now: float) -> None:
-        if n.stepping:
-            return
-        step = n.engine.step(now)
-        if step is not None:
-            n.stepping = True
-            self.at(step.ends_at, self.stepped, (n, step))
+    def on_event(self, n: Node, r: Req, ev: TokenEvent, now: float) -> bool:
+        if ev.index == 0:
+            first = now + NET_S
+            r.ttft = first + NET_S - r.sent_at
+            clocks = r.ingress.clocks
+            clocks.first_token(n.sid, r.due, first)
+            if r.sample:
+                clocks.observe(n.sid, r.charged, first - r.routed_at)
+        if ev.finish_reason is None:
+            return False
+        n.engine.release(ev.request_id)
+        del n.live[r.rid]
+        r.ingress.inflight[n.sid] -= 1
+        r.ended_at = now + 2 * NET_S
+        c = r.call
+        r.answer = self.workload.words(c.max_tokens, "answer", c.client, c.program, c.path)
+        return True
 
-    def stepped(self, now: float, arg: Any) -> None:
-        n, step = arg
-        n.stepping = False
-        ended: list[Req] = []
-        for ev in step.events:
-            r = n.live.get(ev.request_id)
-            if r is None:
-                continue
-            if ev.index == 0:
-                first = now + NET_S
-                r.ttft = first + NET_S - r.sent_at
-                clocks = r.ingress.clocks
-                clocks.first_token(n.sid, r.due, first)
-                if r.sample:
-                    clocks.observe(n.sid, r.charged, first - r.routed_at)
-            if ev.finish_reason is not None:
-                n.engine.release(ev.request_id)
-                del n.live[r.rid]
-                r.ingress.inflight[n.sid] -= 1
-                r.ended_at = now + 2 * NET_S
-                c = r.call
-                r.answer = self.workload.words(c.max_tokens, "answer", c.client, c.program, c.path)
-                ended.append(r)
-        self.step(n, now)
+    def after_step(self, n: Node, ended: list[Req], now: float) -> None:
         for r in ended:
             self.at(r.ended_at, self.answered, r)
         for ing in {id(r.ingress): r.ingress for r in ended}.values():
             for r in list(ing.held):
                 self.arrive(now, r)
-
-    def take_report(self, now: float, n: Node) -> None:
-        s = n.engine.statistics()
-        report = routing.LoadSnapshot(
-            s.waiting, s.running, s.kv_cache_usage, s.waiting + s.running, now
-        )
-        self.at(now + REPORT_DELAY_S, self.deliver_report, (n, report))
-        self.at(now + self.args.report_s, self.take_report, n)
-
-    def deliver_report(self, now: float, arg: tuple[Node, routing.LoadSnapshot]) -> None:
-        n, report = arg
-        n.report = report
 
 
 class _Trees:

@@ -28,14 +28,11 @@ phases, the batch lines drawn and the prompts' token ids; figures are medians ov
 from __future__ import annotations
 
 import argparse
-import heapq
-import itertools
 import json
 import random
 import statistics
 import sys
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +42,7 @@ for _path in (str(REPO), str(BENCH_DIR)):
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
+from _model_core import EngineNode, ModelCore, engine_nodes  # noqa: E402
 from tiers import ATTRIBUTION, TRACE, VOCAB, Request, load_trace  # noqa: E402
 
 # How often the modelled gate looks for room. The ingress's gate wakes on events (a load
@@ -57,16 +55,14 @@ from fabricnode.dataplane.prefill import PrefillClocks  # noqa: E402
 from fabricnode.dataplane.routing import (  # noqa: E402
     Candidate,
     LoadSnapshot,
-    NodeInfo,
     RouteRequest,
     RoutingConfig,
     make_policy,
 )
 from fabricnode.dataplane.tiers import RoomRules, has_room  # noqa: E402
-from fabricnode.simengine.model import EngineConfig, Scheduler, gpu_profile  # noqa: E402
+from fabricnode.simengine.model import EngineConfig, TokenEvent, gpu_profile  # noqa: E402
 
 NET_S = 0.002  # one way
-REPORT_DELAY_S = 0.005
 HOLD_RETRY_S = 0.05  # Ingress._hold asks again at least this often
 # The ingress's own defaults, so the model follows them.
 HOLD_MAX_S = IngressConfig().hold_max_s
@@ -104,14 +100,8 @@ class Req:
 
 
 @dataclass
-class Node:
-    sid: str
-    info: NodeInfo
-    engine: Scheduler
-    stepping: bool = False
-    report: LoadSnapshot | None = None
-    preempted_report: float = -1.0
-    live: dict[int, Req] = field(default_factory=dict)
+class Node(EngineNode[Req]):
+    preempted_report: float = -1.0  # the time of the report its last preemption answered
 
 
 @dataclass(frozen=True)
@@ -140,14 +130,13 @@ class Outcome:
     held: int  # interactive requests held at the ingress at least once
 
 
-class Model:
+class Model(ModelCore[Node, Req]):
     """One cell, one seed."""
 
     def __init__(self, cell: Cell, trace: list[Request], args: argparse.Namespace, seed: int):
         self.cell = cell
         self.args = args
         self.rng = random.Random(seed)
-        self.end = args.minutes * 60.0
         config = EngineConfig(
             model="sim-8b",
             gpu=gpu_profile(args.gpu),
@@ -155,23 +144,14 @@ class Model:
             kv_tokens=args.kv_tokens,
             scheduling_policy="priority",
         )
-        self.nodes = [
-            Node(
-                f"n{i}",
-                NodeInfo(f"n{i}", f"http://n{i}", "p", None, None, args.gpu, 1, 8192, None),
-                Scheduler(config),
-            )
-            for i in range(args.nodes)
-        ]
-        self.by_sid = {n.sid: n for n in self.nodes}
+        nodes = engine_nodes(args.nodes, args.gpu, config, Node)
+        super().__init__(nodes, args.minutes * 60.0, args.report_s)
         routing = RoutingConfig(pending_waiting_threshold=args.pending_waiting_threshold)
         self.policy = make_policy("prefix-pending", config=routing)
         self.clocks = PrefillClocks()
         self.rules = RoomRules(kv_threshold=cell.kv, max_inflight=cell.cap)
         self.inflight: dict[str, int] = {}
         self.batch_inflight: dict[str, int] = {}
-        self.events: list[tuple[float, int, Callable[..., None], Any]] = []
-        self.seq = itertools.count()
         self.gate: list[Req] = []
         self.held: list[Req] = []
         self.ever_held: set[int] = set()
@@ -189,22 +169,13 @@ class Model:
         for n in self.nodes:
             self.at(self.rng.uniform(0, args.report_s), self.take_report, n)
 
-    # -- the event loop --
-
-    def at(self, t: float, what: Callable[..., None], arg: Any = None) -> None:
-        heapq.heappush(self.events, (t, next(self.seq), what, arg))
-
     def run(self) -> Outcome:
         if self.cell.mode != "interactive":
             for _ in range(BATCH_CONCURRENCY):
                 self.next_line(0.0)
         if self.cell.mode == "tiered":
             self.at(GATE_TICK_S, self.tick)
-        while self.events:
-            now, _, what, arg = heapq.heappop(self.events)
-            if now > self.end:
-                break
-            what(now, arg)
+        self.run_events()
         window = [
             r.ttft for r in self.answered if r.arrived >= WINDOW_FROM_S and r.ttft is not None
         ]
@@ -297,8 +268,8 @@ class Model:
         self.at(now + GATE_TICK_S, self.tick)
 
     def deliver_report(self, now: float, arg: tuple[Node, LoadSnapshot]) -> None:
+        super().deliver_report(now, arg)
         n, report = arg
-        n.report = report
         if self.cell.mode != "tiered":
             return
         if report.waiting > 0 and report.kv_usage >= PREEMPT_KV and report.at > n.preempted_report:
@@ -325,39 +296,26 @@ class Model:
         n.live[r.rid] = r
         self.step(n, now)
 
-    def step(self, n: Node, now: float) -> None:
-        if n.stepping:
-            return
-        step = n.engine.step(now)
-        if step is not None:
-            n.stepping = True
-            self.at(step.ends_at, self.stepped, (n, step))
+    def on_event(self, n: Node, r: Req, ev: TokenEvent, now: float) -> bool:
+        if ev.index == 0:
+            first = now + NET_S
+            r.ttft = first - r.arrived
+            if not r.batch:  # only streams tell the ingress their first token
+                self.clocks.first_token(n.sid, r.due, first)
+                if r.sample:
+                    self.clocks.observe(n.sid, estimated_tokens(r.words), first - r.sent)
+        if ev.finish_reason is None:
+            return False
+        n.engine.release(ev.request_id)
+        self.ended(n, r)
+        if r.line:
+            self.lines_done.append(now)
+            self.next_line(now)
+        else:
+            self.answered.append(r)
+        return True
 
-    def stepped(self, now: float, arg: Any) -> None:
-        n, step = arg
-        n.stepping = False
-        ended = False
-        for ev in step.events:
-            r = n.live.get(ev.request_id)
-            if r is None:
-                continue
-            if ev.index == 0:
-                first = now + NET_S
-                r.ttft = first - r.arrived
-                if not r.batch:  # only streams tell the ingress their first token
-                    self.clocks.first_token(n.sid, r.due, first)
-                    if r.sample:
-                        self.clocks.observe(n.sid, estimated_tokens(r.words), first - r.sent)
-            if ev.finish_reason is not None:
-                n.engine.release(ev.request_id)
-                self.ended(n, r)
-                ended = True
-                if r.line:
-                    self.lines_done.append(now)
-                    self.next_line(now)
-                else:
-                    self.answered.append(r)
-        self.step(n, now)
+    def after_step(self, n: Node, ended: list[Req], now: float) -> None:
         if ended:
             for r in list(self.held):
                 self.arrive(now, r)
@@ -367,12 +325,6 @@ class Model:
             soonest = self.clocks.soonest_end(now)
             if soonest is not None:
                 self.at(soonest, self.walk_gate)
-
-    def take_report(self, now: float, n: Node) -> None:
-        s = n.engine.statistics()
-        report = LoadSnapshot(s.waiting, s.running, s.kv_cache_usage, s.waiting + s.running, now)
-        self.at(now + REPORT_DELAY_S, self.deliver_report, (n, report))
-        self.at(now + self.args.report_s, self.take_report, n)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
