@@ -152,19 +152,10 @@ class ApiKey:
         }
 
     def to_record(self) -> dict[str, Any]:
-        return {
-            "key_id": self.key_id,
-            "name": self.name,
-            "secret_sha256": self.secret_sha256.hex(),
-            "created_at": self.created_at,
-            "providers": list(self.providers) if self.providers is not None else None,
-            "rate_per_s": self.rate.rate_per_s if self.rate else None,
-            "burst": self.rate.burst if self.rate else None,
-            "disabled": self.disabled,
-            "revoked_at": self.revoked_at,
-            "admin": self.admin,
-            "weight": self.weight,
-        }
+        """The key as the keys file stores it: ``public()`` and the secret's hash, which the
+        file keeps third (after ``key_id`` and ``name``)."""
+        shown = list(self.public().items())
+        return dict([*shown[:2], ("secret_sha256", self.secret_sha256.hex()), *shown[2:]])
 
     @classmethod
     def from_record(cls, doc: Any) -> ApiKey:
