@@ -183,6 +183,16 @@ def _access(scope: Scope, method: str, path: str) -> Response | None:
     return Response(status, error_body(status, message, code), cache_control=b"")
 
 
+def _page_headers(path: str, response: Response) -> tuple[tuple[bytes, bytes], ...]:
+    """The dashboard's security headers (``ui.HEADERS``: CSP, nosniff, no framing) on every
+    answer under its paths, not only on its files: ``/ui/session``, a 404 or a 405 there is
+    read by the same origin's page."""
+    if path not in ("/", FAVICON_PATH, UI_PATH) and not path.startswith(UI_PREFIX):
+        return ()
+    present = {name.lower() for name, _ in response.headers}
+    return tuple(h for h in ui.HEADERS if h[0] not in present)
+
+
 async def _send(
     send: Send, method: str, response: Response, extra: tuple[tuple[bytes, bytes], ...]
 ) -> None:
@@ -259,7 +269,7 @@ class AdminApp:
             scope = self._peer_checked(scope, method)
             early = _access(scope, method, path)
             if early is not None:
-                await _send(send, method, early, ())
+                await _send(send, method, early, _page_headers(path, early))
                 return
         self.requests += 1
         posting = self.agent_endpoints and path in (ASSIGNMENTS_PATH, SERVICES_PATH)
@@ -303,10 +313,10 @@ class AdminApp:
         except Exception:
             log.exception("admin request %s %s failed", method, scope.get("path"))
             response = error_response(500, "internal error", "internal_error")
-        allow: tuple[tuple[bytes, bytes], ...] = ()
+        extra = _page_headers(path, response)
         if response.status == 405:
-            allow = ((b"allow", b"GET, HEAD, POST" if posting else b"GET, HEAD"),)
-        await _send(send, method, response, allow)
+            extra = (*extra, (b"allow", b"GET, HEAD, POST" if posting else b"GET, HEAD"))
+        await _send(send, method, response, extra)
 
     # -- routing ----------------------------------------------------------------------------
 
