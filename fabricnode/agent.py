@@ -441,7 +441,8 @@ class Agent:
 
         # The dashboard's figures: this ingress's counts, the mesh's on demand; each node's
         # recent load, sampled from the gossiped reports.
-        stats = MeshStats(core, ingress.recent_export, self.wall_clock, PeerClient())
+        peers = PeerClient(core.keyring, core.self_entry.session_id, wall_clock=self.wall_clock)
+        stats = MeshStats(core, ingress.recent_export, self.wall_clock, peers)
         load_history = LoadHistory()
 
         def engine_argv() -> tuple[str, ...] | None:

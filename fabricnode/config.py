@@ -23,7 +23,6 @@ else ``127.0.0.1``.
 from __future__ import annotations
 
 import getpass
-import ipaddress
 import math
 import os
 import shlex
@@ -33,7 +32,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from fabricnode.addr import WILDCARD_HOSTS, join_hostport, split_hostport
+from fabricnode.addr import WILDCARD_HOSTS, join_hostport, split_hostport, valid_host
 from fabricnode.batch.worker_config import BatchConfig
 from fabricnode.dataplane.ingress_config import IngressConfig
 from fabricnode.dataplane.routing import POLICY_NAMES
@@ -603,8 +602,13 @@ def _login_name() -> str:
 
 def _advertise_host(flag: str | None, gossip_host: str, http_host: str) -> str:
     if flag:
-        if any(c in flag for c in " /[]") or (":" in flag and not _is_ip(flag)):
-            raise ConfigError(f"--advertise {flag!r}: expected a host name or IP address")
+        # Peers drop an entry whose addresses name a host no lookup can encode (``addr``): one
+        # advertised so would start an agent no peer ever lists. Refused here, with the rule.
+        if flag in WILDCARD_HOSTS or not valid_host(flag):
+            raise ConfigError(
+                f"--advertise {flag!r}: expected an IP address or a host name (dot-separated "
+                "labels of letters, digits, hyphens and underscores), not a wildcard"
+            )
         return flag
     for host in (gossip_host, http_host):
         if host not in WILDCARD_HOSTS:
@@ -624,11 +628,3 @@ def primary_address() -> str:
         except OSError:
             return "127.0.0.1"
     return addr if addr and addr != "0.0.0.0" else "127.0.0.1"
-
-
-def _is_ip(text: str) -> bool:
-    try:
-        ipaddress.ip_address(text)
-    except ValueError:
-        return False
-    return True

@@ -31,6 +31,9 @@ Modules, in reading order:
 * ``enginecmd`` a node's engine command, for the dashboard's node view.
 * ``fleet``   what the elastic controller is doing, from any agent (``GET /fabric/v1/fleet``).
 * ``peers``   asking other agents' read-only JSON APIs on behalf of a dashboard.
+* ``peerauth`` how one agent proves to another that it holds the cluster key when it asks
+              (a signed header bound to the agent asked, the path and the time): a client's
+              key never travels between agents.
 
 docs/admin-guide.md and docs/operators.md describe the endpoints and metrics.
 """

@@ -13,7 +13,12 @@ passes the Batch API its caller's key id. The decision is made here:
   assignment (it carries its operator's signature), and the dashboard's files (they hold no
   data: the page asks for a key and reads the guarded APIs with it);
 * ``/ui/session`` (open) tells the dashboard what the key it sends may read, so that the page
-  asks for a key before it reads anything instead of collecting 401s.
+  asks for a key before it reads anything instead of collecting 401s;
+* another agent asking on its dashboard's behalf (a verified ``X-Fabric-Peer`` header:
+  ``PEER_SCOPE``, set by the app, ``peerauth``) may GET the few read-only paths agents ask
+  each other for (``peerauth.PEER_PATHS``) and nothing else; a peer header that does not
+  verify (``PEER_REFUSED_SCOPE``) is refused with 403 and its reason, whatever key came with
+  it. No client's key is ever needed between agents, so none is ever sent.
 
 Served on its own port (``--admin``), the app sees no ``KEYS_SCOPE``: nothing is checked there
 and ``/ui/session`` says so. Pure: decisions from the scope, no I/O.
@@ -24,11 +29,24 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from fabricnode.control.peerauth import PEER_PATHS
 from fabricnode.dataplane.asgi_call import KEY_SCOPE, KEYS_SCOPE
 from fabricnode.dataplane.keytable import ApiKey
 from fabricnode.mesh.assignment import ASSIGNMENTS_PATH
 
-__all__ = ["KEYS_SCOPE", "KEY_SCOPE", "is_open", "refusal", "ui_session"]
+__all__ = [
+    "KEYS_SCOPE",
+    "KEY_SCOPE",
+    "PEER_REFUSED_SCOPE",
+    "PEER_SCOPE",
+    "is_open",
+    "refusal",
+    "ui_session",
+]
+
+PEER_SCOPE = "fabric.peer"  # the session id of the agent whose peer header verified
+PEER_REFUSED_SCOPE = "fabric.peer_refused"  # why a peer header did not verify
+PEER_RAW_PATHS = frozenset(p.encode() for p in PEER_PATHS)
 
 OPEN_PATHS = (b"/health", b"/ready", b"/ping", b"/version")
 UI_SESSION_PATH = "/ui/session"
@@ -38,6 +56,12 @@ MISSING_KEY = (
     401,
     "missing or invalid API key (Authorization: Bearer KEY, or x-api-key: KEY)",
     "invalid_api_key",
+)
+BAD_PEER = "a request from another agent that does not verify: {}"
+NOT_FOR_PEERS = (
+    403,
+    "a request from another agent may only read the paths agents ask each other for",
+    "insufficient_permissions",
 )
 NOT_ADMIN = (
     403,
@@ -71,8 +95,13 @@ def refusal(scope: Mapping[str, Any]) -> tuple[int, str, str] | None:
     raw_path = scope.get("raw_path")
     if not isinstance(raw_path, bytes):
         raw_path = str(scope.get("path", "")).encode()
+    refused = scope.get(PEER_REFUSED_SCOPE)
+    if refused is not None:
+        return 403, BAD_PEER.format(refused), "invalid_peer_request"
     if is_open(raw_path, str(scope.get("method", "GET"))):
         return None
+    if scope.get(PEER_SCOPE) is not None:
+        return None if raw_path in PEER_RAW_PATHS else NOT_FOR_PEERS
     key = _key(scope)
     if key is None:
         return MISSING_KEY

@@ -79,10 +79,18 @@ from prometheus_client.registry import Collector
 from fabricnode import __version__, ui
 from fabricnode.asgi import Receive, Send, header, lifespan
 from fabricnode.control import access
-from fabricnode.control.enginecmd import SELF_ENGINE_PATH, node_engine, own_engine
+from fabricnode.control.enginecmd import node_engine, own_engine
 from fabricnode.control.fleet import fleet_view
 from fabricnode.control.loadhistory import LoadHistory
 from fabricnode.control.meshstats import MeshStats, window_of
+from fabricnode.control.peerauth import (
+    CONTROLLER_PATH,
+    SELF_ENGINE_PATH,
+    STATS_PATH,
+    PeerRejected,
+    PeerVerifier,
+)
+from fabricnode.control.peerauth import HEADER as PEER_HEADER
 from fabricnode.control.views import Json, entry_view, match_sessions, models_view, node_views
 from fabricnode.dataplane.request import error_body
 from fabricnode.elastic.controller import Controller, summarise
@@ -112,9 +120,7 @@ log = logging.getLogger("fabricnode.control.app")
 Scope = Mapping[str, Any]
 
 NODES_PREFIX = "/fabric/v1/nodes/"
-CONTROLLER_PATH = "/fabric/v1/controller"
 WORKLOAD_PATH = "/fabric/v1/workload"
-STATS_PATH = "/fabric/v1/stats"
 FLEET_PATH = "/fabric/v1/fleet"
 LOAD_SUFFIX = "/load"
 ENGINE_SUFFIX = "/engine"
@@ -177,6 +183,16 @@ def _access(scope: Scope, method: str, path: str) -> Response | None:
     return Response(status, error_body(status, message, code), cache_control=b"")
 
 
+def _page_headers(path: str, response: Response) -> tuple[tuple[bytes, bytes], ...]:
+    """The dashboard's security headers (``ui.HEADERS``: CSP, nosniff, no framing) on every
+    answer under its paths, not only on its files: ``/ui/session``, a 404 or a 405 there is
+    read by the same origin's page."""
+    if path not in ("/", FAVICON_PATH, UI_PATH) and not path.startswith(UI_PREFIX):
+        return ()
+    present = {name.lower() for name, _ in response.headers}
+    return tuple(h for h in ui.HEADERS if h[0] not in present)
+
+
 async def _send(
     send: Send, method: str, response: Response, extra: tuple[tuple[bytes, bytes], ...]
 ) -> None:
@@ -237,6 +253,9 @@ class AdminApp:
         self.assignments_refused: Counter[str] = Counter()  # posted but not taken, by outcome
         self.services_refused: Counter[str] = Counter()
         self.metrics_registry = registry_of(AdminMetrics(self))
+        # Other agents asking on a dashboard's behalf (``peerauth``): checked only where API
+        # keys are on, which is the only place their header opens anything.
+        self.peer_requests = PeerVerifier(core.keyring, core.self_entry.session_id)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -247,9 +266,10 @@ class AdminApp:
         method = scope["method"]
         path = scope["path"]
         if access.KEYS_SCOPE in scope:  # through the ingress: its API keys rule (``access``)
+            scope = self._peer_checked(scope, method)
             early = _access(scope, method, path)
             if early is not None:
-                await _send(send, method, early, ())
+                await _send(send, method, early, _page_headers(path, early))
                 return
         self.requests += 1
         posting = self.agent_endpoints and path in (ASSIGNMENTS_PATH, SERVICES_PATH)
@@ -270,7 +290,7 @@ class AdminApp:
             elif self.agent_endpoints and path == WORKLOAD_PATH:
                 response = await self.workload(_query(scope))
             elif self.agent_endpoints and path == STATS_PATH:
-                response = await self.stats_view(_query(scope), header(scope, b"authorization"))
+                response = await self.stats_view(_query(scope))
             elif self.agent_endpoints and path == SELF_ENGINE_PATH:
                 response = json_response(own_engine(self.engine_command()))
             elif (
@@ -280,11 +300,9 @@ class AdminApp:
                 and self.stats is not None
             ):
                 sid = unquote(path[len(NODES_PREFIX) : -len(ENGINE_SUFFIX)])
-                response = await self.node_engine(sid, header(scope, b"authorization"))
+                response = await self.node_engine(sid)
             elif self.agent_endpoints and path == FLEET_PATH and self.stats is not None:
-                doc = await fleet_view(
-                    self.core, self.controller, self.stats.peers, header(scope, b"authorization")
-                )
+                doc = await fleet_view(self.core, self.controller, self.stats.peers)
                 response = json_response(doc)
             elif self.agent_endpoints and (path in ("/", FAVICON_PATH) or path.startswith(UI_PATH)):
                 response = self.dashboard(path, scope)
@@ -295,12 +313,32 @@ class AdminApp:
         except Exception:
             log.exception("admin request %s %s failed", method, scope.get("path"))
             response = error_response(500, "internal error", "internal_error")
-        allow: tuple[tuple[bytes, bytes], ...] = ()
+        extra = _page_headers(path, response)
         if response.status == 405:
-            allow = ((b"allow", b"GET, HEAD, POST" if posting else b"GET, HEAD"),)
-        await _send(send, method, response, allow)
+            extra = (*extra, (b"allow", b"GET, HEAD, POST" if posting else b"GET, HEAD"))
+        await _send(send, method, response, extra)
 
     # -- routing ----------------------------------------------------------------------------
+
+    def _peer_checked(self, scope: Scope, method: str) -> Scope:
+        """``scope`` with what its ``X-Fabric-Peer`` header proves (``access.PEER_SCOPE``: the
+        asking agent's session id) or why it proves nothing (``access.PEER_REFUSED_SCOPE``);
+        unchanged without one."""
+        value = header(scope, PEER_HEADER.encode())
+        if value is None:
+            return scope
+        raw_path = scope.get("raw_path")
+        if not isinstance(raw_path, bytes):
+            raw_path = str(scope.get("path", "")).encode()
+        query = scope.get("query_string") or b""
+        target = raw_path + b"?" + query if query else raw_path
+        try:
+            sender = self.peer_requests.verify(
+                value.encode("latin-1"), method=method, target=target, now=self.wall_clock()
+            )
+        except PeerRejected as exc:
+            return {**scope, access.PEER_REFUSED_SCOPE: str(exc)}
+        return {**scope, access.PEER_SCOPE: sender}
 
     def route(self, path: str) -> Callable[[list[tuple[str, str]]], Response]:
         if path == "/health":
@@ -421,16 +459,16 @@ class AdminApp:
         samples = [] if self.load_history is None else self.load_history.of(entry.session_id)
         return json_response({"session_id": entry.session_id, "samples": samples})
 
-    async def node_engine(self, prefix: str, authorization: str | None) -> Response:
+    async def node_engine(self, prefix: str) -> Response:
         entry = self._one_node(prefix)
         if entry.session_id == self.core.self_entry.session_id:
             doc = own_engine(self.engine_command())
         else:
             assert self.stats is not None
-            doc = await node_engine(self.stats.peers, entry.body.addresses.http, authorization)
+            doc = await node_engine(self.stats.peers, entry.session_id, entry.body.addresses.http)
         return json_response({"session_id": entry.session_id, **doc})
 
-    async def stats_view(self, query: list[tuple[str, str]], authorization: str | None) -> Response:
+    async def stats_view(self, query: list[tuple[str, str]]) -> Response:
         if self.stats is None:
             raise HttpError(404, "this agent has no data plane to count requests", "not_found")
         params = dict(query)
@@ -450,7 +488,7 @@ class AdminApp:
             return json_response(self.stats.local(window_s))
         if scope != "mesh":
             raise HttpError(400, f"scope {scope!r}: expected mesh or self", "invalid_parameter")
-        return json_response(await self.stats.gather(window_s, authorization))
+        return json_response(await self.stats.gather(window_s))
 
     def dashboard(self, path: str, scope: Scope) -> Response:
         """The dashboard's files; ``/`` sends a browser to them."""

@@ -16,9 +16,9 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from fabricnode.control.peerauth import SELF_ENGINE_PATH
 from fabricnode.control.peers import PeerClient
 
-SELF_ENGINE_PATH = "/fabric/v1/self/engine"
 SECRET = re.compile(r"key|token|secret|passw|credential|auth", re.IGNORECASE)
 HIDDEN = "***"
 
@@ -56,11 +56,11 @@ def own_engine(argv: Sequence[str] | None) -> Json:
     return {"command": redact(argv), "reason": None}
 
 
-async def node_engine(peers: PeerClient, http: str, authorization: str | None) -> Json:
-    """What the node's agent at ``http`` says of its engine."""
+async def node_engine(peers: PeerClient, session_id: str, http: str) -> Json:
+    """What the node's agent (``session_id``, at ``http``) says of its engine."""
     if not http:
         return {"command": None, "reason": "the node has no HTTP address"}
-    doc = await peers.get_json(http, SELF_ENGINE_PATH, None, authorization)
+    doc = await peers.get_json(http, session_id, SELF_ENGINE_PATH)
     if doc is None:
         return {"command": None, "reason": "the node's agent did not answer"}
     command = doc.get("command")

@@ -11,19 +11,16 @@ from __future__ import annotations
 
 from typing import Any
 
+from fabricnode.control.peerauth import CONTROLLER_PATH
 from fabricnode.control.peers import PeerClient
 from fabricnode.elastic.controller import Controller, summarise
 from fabricnode.elastic.observe import acting_controller
 from fabricnode.mesh.core import MeshCore
 
-CONTROLLER_PATH = "/fabric/v1/controller"
-
 Json = dict[str, Any]
 
 
-async def fleet_view(
-    core: MeshCore, controller: Controller | None, peers: PeerClient, authorization: str | None
-) -> Json:
+async def fleet_view(core: MeshCore, controller: Controller | None, peers: PeerClient) -> Json:
     current = core.services.current
     leader = acting_controller(core)
     status: Json | None = None
@@ -31,7 +28,7 @@ async def fleet_view(
         if controller is not None and leader.session_id == core.self_entry.session_id:
             status = dict(summarise(controller))
         elif leader.http:
-            status = await peers.get_json(leader.http, CONTROLLER_PATH, None, authorization)
+            status = await peers.get_json(leader.http, leader.session_id, CONTROLLER_PATH)
     return {
         "services": None if current is None else current.describe(),
         "acting": None

@@ -31,7 +31,7 @@ async def log_member_changes(
             sid = entry.session_id
             if sid == core.self_id:
                 continue
-            current[sid] = (entry.body.state.label, liveness_of(core, entry).label)
+            current[sid] = (entry.body.state.label, liveness_of(core, entry))
             if seen.get(sid) != current[sid]:
                 state, liveness = current[sid]
                 log.info("member %s %s: %s, %s", sid[:8], entry.body.provider, state, liveness)

@@ -10,8 +10,9 @@ Bounds: at most ``MAX_AGENTS`` agents asked, ``peers.CONCURRENCY`` at a time, th
 ``peers.PeerClient`` (each answer bounded in time and size); an agent that does not answer, or
 answers something else, is left out and counted (``answered`` < ``asked`` in the answer). One
 gathering is reused for ``CACHE_S`` by every viewer with the same key, so ten open dashboards
-cost the mesh what one does. The page's ``Authorization`` header is passed on (agents sharing an
-API-keys file accept the same admin key); nothing else of the page's request is.
+cost the mesh what one does. Nothing of the page's request is passed on, its key least of all:
+each agent is asked with this agent's own signed header (``peerauth``), so one gathering serves
+every admin who may read it.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 
 import trio
 
+from fabricnode.control.peerauth import STATS_PATH
 from fabricnode.control.peers import CONCURRENCY, PeerClient
 from fabricnode.dataplane.recent import BUCKET_S, BUCKETS, merge, summarize
 from fabricnode.elastic.observe import agent_urls
@@ -30,14 +32,13 @@ from fabricnode.mesh.core import MeshCore
 
 log = logging.getLogger("fabricnode.control.meshstats")
 
-STATS_PATH = "/fabric/v1/stats"
 MAX_AGENTS = 256
 CACHE_S = 2.0
 MAX_CACHED = 8
 
 Json = dict[str, Any]
 LocalExport = Callable[[float, float], list[Json]]
-AskAgent = Callable[[str, float, str | None], Awaitable[list[Json] | None]]
+AskAgent = Callable[[str, str, float], Awaitable[list[Json] | None]]  # (session, url, window)
 
 
 def window_of(raw: str | None) -> float:
@@ -64,7 +65,7 @@ class MeshStats:
         self.wall_clock = wall_clock
         self.peers = peers
         self.ask = ask or self._ask
-        self._cache: dict[tuple[float, str | None], tuple[float, Json]] = {}
+        self._cache: dict[float, tuple[float, Json]] = {}
 
     def local(self, window_s: float) -> Json:
         """This agent's own counts: what ``scope=self`` answers (mergeable rows)."""
@@ -76,34 +77,34 @@ class MeshStats:
             "rows": self.local_export(now, window_s),
         }
 
-    async def gather(self, window_s: float, authorization: str | None) -> Json:
+    async def gather(self, window_s: float) -> Json:
         """The whole mesh's figures (see the module docstring)."""
-        key = (window_s, authorization)
+        key = window_s
         now = self.wall_clock()
         cached = self._cache.get(key)
         if cached is not None and now - cached[0] < CACHE_S:
             return cached[1]
-        urls = self.peer_urls()
+        agents = self.peer_agents()
         answers: list[list[Json]] = [self.local_export(now, window_s)]
         answered = 1
         limiter = trio.CapacityLimiter(CONCURRENCY)
 
-        async def one(url: str) -> None:
+        async def one(sid: str, url: str) -> None:
             nonlocal answered
             async with limiter:
-                rows = await self.ask(url, window_s, authorization)
+                rows = await self.ask(sid, url, window_s)
             if rows is not None:
                 answers.append(rows)
                 answered += 1
 
         async with trio.open_nursery() as nursery:
-            for url in urls:
-                nursery.start_soon(one, url)
+            for sid, url in agents:
+                nursery.start_soon(one, sid, url)
         doc = {
             "scope": "mesh",
             "bucket_s": BUCKET_S,
             "now": now,
-            "agents": {"asked": len(urls) + 1, "answered": answered},
+            "agents": {"asked": len(agents) + 1, "answered": answered},
             "models": summarize(merge(answers), now, window_s),
         }
         if len(self._cache) >= MAX_CACHED:
@@ -111,15 +112,16 @@ class MeshStats:
         self._cache[key] = (now, doc)
         return doc
 
-    def peer_urls(self) -> list[str]:
-        """The HTTP addresses of the other agents this one does not know down, dead or gone
-        (a suspect one may be a slow answer, which the timeout bounds)."""
+    def peer_agents(self) -> list[tuple[str, str]]:
+        """(session id, HTTP address) of the other agents the control plane counts
+        (``agent_urls``: probed members not known down, dead or gone; a suspect one may be a
+        slow answer, which the timeout bounds)."""
         own = self.core.self_entry.session_id
-        urls = sorted((sid, url) for sid, url in agent_urls(self.core) if sid != own)
-        return [url.rstrip("/") for _, url in urls[:MAX_AGENTS]]
+        agents = sorted((sid, url) for sid, url in agent_urls(self.core) if sid != own)
+        return [(sid, url.rstrip("/")) for sid, url in agents[:MAX_AGENTS]]
 
-    async def _ask(self, url: str, window_s: float, authorization: str | None) -> list[Json] | None:
+    async def _ask(self, sid: str, url: str, window_s: float) -> list[Json] | None:
         params = {"scope": "self", "window": f"{window_s:g}"}
-        doc = await self.peers.get_json(url, STATS_PATH, params, authorization)
+        doc = await self.peers.get_json(url, sid, STATS_PATH, params)
         rows = None if doc is None else doc.get("rows")
         return rows if isinstance(rows, list) else None

@@ -23,21 +23,27 @@ from typing import Any
 from fabricnode.mesh.core import MeshCore
 from fabricnode.mesh.membership import Liveness
 from fabricnode.mesh.registry import EntryBody, SignedEntry, State
-from fabricnode.mesh.schema import CONTROL_COUNTS, SLEEPING_LABEL, model_parents
+from fabricnode.mesh.schema import CONTROL_COUNTS, SLEEPING_LABEL, Standing, model_parents
 
 Json = dict[str, Any]
+# The liveness shown for an entry no probe vouches for (``liveness_of``).
+UNVOUCHED = Standing.UNVOUCHED.label
 
 
-def liveness_of(core: MeshCore, entry: SignedEntry) -> Liveness:
-    """This agent's view; a signed LEFT is final whatever the member table says.
-
-    A session known only from its entry (not yet probed, or already forgotten by the member
-    table) counts as alive, exactly as ``membership`` treats it.
+def liveness_of(core: MeshCore, entry: SignedEntry) -> str:
+    """This agent's view, as the admin views show it: ``alive``, ``suspect``, ``dead``,
+    ``left`` (a signed LEFT is final whatever the member table says), or ``unvouched`` for an
+    entry whose owner no probe vouches for (not a member with a gossip address: not yet
+    learned, or an entry no one can probe). The router never sends to an unvouched entry and
+    the control plane does not count it (``schema.Standing.UNVOUCHED``), so no view calls it
+    alive: a cluster-key holder's phantom would otherwise look like a healthy node.
     """
     if entry.body.state == State.LEFT:
-        return Liveness.LEFT
+        return Liveness.LEFT.label
+    if core.standing_of(entry) is Standing.UNVOUCHED:
+        return UNVOUCHED
     status = core.liveness(entry.session_id)
-    return Liveness.ALIVE if status is None else status
+    return Liveness.ALIVE.label if status is None else status.label  # None: this agent
 
 
 def entry_view(core: MeshCore, entry: SignedEntry, now: float) -> Json:
@@ -49,7 +55,7 @@ def entry_view(core: MeshCore, entry: SignedEntry, now: float) -> Json:
         "verified_provider": entry.verified_provider(now, core.verifier),
         "state": body.state.label,
         "version": body.version,
-        "liveness": liveness_of(core, entry).label,
+        "liveness": liveness_of(core, entry),
         "addresses": {"http": body.addresses.http, "gossip": body.addresses.gossip},
         "hardware": {
             "gpu_type": body.hardware.gpu_type,
@@ -125,12 +131,12 @@ def models_view(core: MeshCore, now: float) -> list[Json]:
     """Per model announced by a JOIN or SERVING entry: where it runs and its aggregate load.
 
     ``nodes`` counts the SERVING entries the control plane counts (standing at least
-    ``schema.CONTROL_COUNTS``: not known down, dead or left; unlike ``/v1/models``, also those
-    no probe vouches for yet); ``serving`` only those it sees alive (not suspect: the ones a
-    request goes to first); ``asleep`` those of the ``nodes``
-    whose engine sleeps (``fabric.sleeping``: woken by a request). ``gpu_types``, ``gpus`` and
-    the load (the latest reports summed; ``kv_usage`` their mean) are of the ``nodes`` nodes, so a
-    crashed node's hardware and last report drop out. ``max_model_len``, ``quantizations`` and
+    ``schema.CONTROL_COUNTS``: probed members not known down, dead or left; unlike
+    ``/v1/models``, also suspect ones); ``serving`` only those it sees alive (not suspect: the
+    ones a request goes to first); ``asleep`` those of the ``nodes`` whose engine sleeps
+    (``fabric.sleeping``: woken by a request). ``gpu_types``, ``gpus`` and the load (the latest
+    reports summed; ``kv_usage`` their mean) are of the ``nodes`` nodes, so a crashed node's
+    hardware and last report drop out. ``max_model_len``, ``quantizations`` and
     ``providers`` are of every announcing entry; ``parent`` (an adapter's base model, else
     ``null``) is the first such entry's, by session id.
     """
@@ -171,7 +177,7 @@ def models_view(core: MeshCore, now: float) -> list[Json]:
             if not counted:
                 continue
             row["nodes"] += 1
-            if live == Liveness.ALIVE:
+            if live == Liveness.ALIVE.label:
                 row["serving"] += 1
             if asleep:
                 row["asleep"] += 1

@@ -14,6 +14,10 @@ different prompt. A peer without the cluster key cannot produce the header at al
 still use a node's public ``/v1`` like any client, but only as an ingress that routes (and
 counts, and enforces API keys), never straight into the engine.
 
+The same construction, under another domain string (``domain=``), signs the read-only
+requests agents make of each other on a dashboard's behalf (``control.peerauth``): a MAC made
+for one purpose never verifies for the other.
+
 Pure: no I/O, the time is passed in.
 """
 
@@ -36,6 +40,7 @@ class ForwardRejected(Exception):
 
 
 def _mac(
+    domain: bytes,
     key: bytes,
     kid: bytes,
     ms: bytes,
@@ -47,7 +52,7 @@ def _mac(
     body: bytes,
 ) -> bytes:
     msg = b"|".join(
-        (DOMAIN, kid, ms, nonce, sender, target, method, path, hashlib.sha256(body).digest())
+        (domain, kid, ms, nonce, sender, target, method, path, hashlib.sha256(body).digest())
     )
     return hmac.new(key, msg, hashlib.sha256).digest()
 
@@ -61,6 +66,7 @@ def sign_forward(
     path: bytes,
     body: bytes,
     now: float,
+    domain: bytes = DOMAIN,
 ) -> bytes:
     """The header value for one forward attempt (a fresh nonce every call)."""
     kid = keyring.primary
@@ -69,7 +75,7 @@ def sign_forward(
     ms = b"%d" % int(now * 1000)
     nonce = os.urandom(8).hex().encode()
     sender_b = sender.encode()
-    mac = _mac(key, kid_hex, ms, nonce, sender_b, target.encode(), method, path, body)
+    mac = _mac(domain, key, kid_hex, ms, nonce, sender_b, target.encode(), method, path, body)
     return b" ".join((VERSION, kid_hex, ms, nonce, sender_b, mac.hex().encode()))
 
 
@@ -77,9 +83,15 @@ class ForwardVerifier:
     """Checks forward headers addressed to ``own_session`` (see the module docstring)."""
 
     def __init__(
-        self, keyring: Keyring, *, max_skew_s: float = 30.0, replay_cache: int = 65536
+        self,
+        keyring: Keyring,
+        *,
+        max_skew_s: float = 30.0,
+        replay_cache: int = 65536,
+        domain: bytes = DOMAIN,
     ) -> None:
         self.keyring = keyring
+        self.domain = domain
         self.max_skew_s = max_skew_s
         self.replay_cache = replay_cache
         self._seen: OrderedDict[bytes, float] = OrderedDict()
@@ -115,7 +127,9 @@ class ForwardVerifier:
             raise ForwardRejected("forward signed with a key not in this agent's keyring")
         if abs(now - sent_at) > self.max_skew_s:
             raise ForwardRejected("forward header too old or from the future")
-        expected = _mac(key, kid_hex, ms, nonce, sender, own_session.encode(), method, path, body)
+        expected = _mac(
+            self.domain, key, kid_hex, ms, nonce, sender, own_session.encode(), method, path, body
+        )
         if not hmac.compare_digest(mac, expected):
             raise ForwardRejected("forward header does not verify")
         seen = self._seen

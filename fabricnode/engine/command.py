@@ -33,7 +33,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from fabricnode.addr import WILDCARD_HOSTS
+from fabricnode.addr import WILDCARD_HOSTS, split_hostport
 from fabricnode.errors import ConfigError
 
 VLLM = "vllm"
@@ -195,6 +195,16 @@ def normalise_engine_url(url: str) -> str:
     match = re.fullmatch(r"(https?)://([^/\s?#]+)(/[^\s?#]*)?", url)
     if match is None:
         raise ConfigError(f"--engine-url {url!r}: expected http://HOST:PORT or https://HOST:PORT")
+    # The URL is published in the node's entry and connected to: a host no lookup can encode
+    # or a wildcard is refused here, not found out by the first request.
+    try:
+        host, _ = split_hostport(
+            match.group(2), default_port=443 if match.group(1) == "https" else 80
+        )
+    except ConfigError as exc:
+        raise ConfigError(f"--engine-url {url!r}: {exc}") from None
+    if host in WILDCARD_HOSTS:
+        raise ConfigError(f"--engine-url {url!r}: {host!r} is a wildcard, not an address")
     return url.rstrip("/")
 
 

@@ -66,8 +66,7 @@ a standing. The levels are ordered, each implies the ones below it:
 * ``UNVOUCHED``: not known gone, but no probe vouches for it: its owner is not a member with a
   gossip address (not yet learned, or an entry no one can probe). The data plane never routes
   to it (an unprobed entry would count as alive for ever: a cluster-key holder could flood the
-  registry with phantoms, commit 4778514); the control plane still counts it
-  (``CONTROL_COUNTS``).
+  registry with phantoms), and neither does the control plane (``CONTROL_COUNTS``).
 * ``LIVE``: a probed member, alive or suspect, whose entry is not SERVING (JOIN).
 * ``SUSPECT``: SERVING, probed, suspected: routed to only when no ``ROUTABLE`` node is left.
 * ``ROUTABLE``: SERVING, probed and alive.
@@ -179,10 +178,12 @@ class Standing(enum.IntEnum):
         return self.name.lower()
 
 
-# What the control plane (elastic.observe for the controller and its scalers, the admin views)
-# counts today: every node not known gone, vouched for by a probe or not. Issue #38 item 2 makes
-# it trust only live members: that is this line, set to Standing.LIVE.
-CONTROL_COUNTS = Standing.UNVOUCHED
+# What the control plane (elastic.observe for the controller, its leader election and its
+# scalers; the admin views and their fan-outs) counts: the same members the data plane trusts,
+# probed and alive or suspect. An entry no probe vouches for could be any cluster-key holder's
+# invention (a controller candidate that makes the real one stand by, a workload endpoint that
+# reports invented demand): it counts for nothing until its owner answers probes.
+CONTROL_COUNTS = Standing.LIVE
 
 
 def standing(state: State, liveness: Liveness | None, *, probed: bool) -> Standing:

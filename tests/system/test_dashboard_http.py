@@ -4,10 +4,14 @@ stats add up what every agent answered (asked over HTTP, with the page's key pas
 
 from __future__ import annotations
 
+import socket
+import threading
+
 import httpx
 import pytest
 
 from cli.localmesh import LocalMesh, wait_until
+from fabricnode.addr import split_hostport
 from fabricnode.dataplane.apikeys import ApiKeyStore
 
 pytestmark = pytest.mark.slow
@@ -96,3 +100,80 @@ def test_files_open_data_guarded_and_stats_add_up_across_agents(mesh: LocalMesh)
     # Each agent's own share, as the other asks it.
     own = httpx.get(f"{b.http_url}/fabric/v1/stats?scope=self", headers=as_admin, timeout=5).json()
     assert sum(r["requests"] for r in own["rows"] if r["model"] == MODEL) == 4
+
+
+class Listener:
+    """A TCP server on ``host:port`` that records each request's head and answers an empty
+    stats document: what a member of the mesh controls at its advertised HTTP address."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.sock = socket.create_server((host, port))
+        self.heads: list[bytes] = []
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return  # closed
+            with conn:
+                conn.settimeout(5)
+                head = b""
+                while b"\r\n\r\n" not in head:
+                    chunk = conn.recv(65536)
+                    if not chunk:
+                        break
+                    head += chunk
+                self.heads.append(head)
+                body = b'{"rows": []}'
+                conn.sendall(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                    b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body)
+                )
+
+    def close(self) -> None:
+        self.sock.close()
+        self.thread.join(5)
+
+
+def test_an_admins_key_never_reaches_the_address_another_member_advertises(
+    mesh: LocalMesh,
+) -> None:
+    """A live member (it answers probes) whose advertised HTTP address leads somewhere its
+    owner reads: an admin opening the mesh's stats on another agent sends that agent their
+    key, and the fan-out asks the member with the asking agent's own signed header, bound to
+    that member, never with the admin's key. Before, the page's Authorization went along."""
+    store = ApiKeyStore(mesh.workdir / "api-keys.json", enabled=True)
+    admin = store.new_key("ops", admin=True)[0]
+    store.save()
+    a = mesh.start("a", args=["--sim", MODEL])
+    # Its gossip is reachable at 127.0.0.2, so it is a probed, live member; its HTTP server
+    # listens on 127.0.0.1 while its entry says 127.0.0.2, where the listener reads.
+    member = mesh.start("member", args=["--gossip", "127.0.0.2:0", "--advertise", "127.0.0.2"])
+    host, port = split_hostport(member.http_url.removeprefix("http://"))
+    assert host == "127.0.0.2"
+    listener = Listener(host, port)
+    try:
+        as_admin = {"authorization": f"Bearer {admin}"}
+
+        def member_alive() -> bool:
+            r = httpx.get(f"{a.http_url}/fabric/v1/nodes", headers=as_admin, timeout=5)
+            return any(
+                n["session_id"] == member.session_id and n["liveness"] == "alive"
+                for n in r.json()["nodes"]
+            )
+
+        assert wait_until(member_alive, 30.0), "the member never became a live member"
+        r = httpx.get(f"{a.http_url}/fabric/v1/stats", headers=as_admin, timeout=10)
+        assert r.status_code == 200, r.text
+        assert r.json()["agents"]["asked"] == 2
+        assert listener.heads, "the member was never asked"
+        for head in listener.heads:
+            lowered = head.lower()
+            assert admin.encode() not in head
+            assert b"authorization:" not in lowered and b"x-api-key:" not in lowered
+            assert b"\r\nx-fabric-peer: 1 " in lowered
+    finally:
+        listener.close()

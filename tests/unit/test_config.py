@@ -166,3 +166,26 @@ def test_sleep_after_is_off_by_default_checked_and_opens_vllms_sleep_endpoints(
     assert sim.engine is not None and engine_env(sim, sim.engine) is None
     off = load_config(env=env_in(tmp_path), engine_cmd=vllm)
     assert off.engine is not None and engine_env(off, off.engine) is None
+
+
+@pytest.mark.parametrize(
+    "flag", ["a..b", "-node", "node-", "gpu 17", "0.0.0.0", "*", "x" * 64 + ".org", "a/b", "[::1]"]
+)
+def test_an_advertised_host_peers_would_drop_is_refused_at_start(tmp_path: Path, flag: str) -> None:
+    """Every peer drops an entry naming a host no lookup can encode (``addr``): an agent
+    started with one would serve, unlisted, without a word. It does not start."""
+    with pytest.raises(ConfigError, match="--advertise"):
+        load_config(advertise=flag, env=env_in(tmp_path))
+
+
+@pytest.mark.parametrize("flag", ["gpu017", "gpu_17.cluster.example", "10.1.2.3", "::1"])
+def test_host_names_and_addresses_are_advertised(tmp_path: Path, flag: str) -> None:
+    assert load_config(advertise=flag, env=env_in(tmp_path)).advertise_host == flag
+
+
+@pytest.mark.parametrize(
+    "url", ["http://a..b:8000", "http://0.0.0.0:8000", "http://gpu 1:8000", "http://h:99999"]
+)
+def test_an_engine_url_no_one_can_connect_to_is_refused(tmp_path: Path, url: str) -> None:
+    with pytest.raises(ConfigError, match="--engine-url"):
+        load_config(engine_cmd=["vllm", "serve", "m"], engine_url=url, env=env_in(tmp_path))

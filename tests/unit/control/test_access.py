@@ -134,3 +134,26 @@ async def test_the_app_refuses_through_the_ingress_before_it_routes(
     ) as client:  # the --admin port: no keys scope, the session says so
         r = await client.get("/ui/session")
         assert r.json() == {"keys_required": False, "key": None, "admin": True}
+
+
+@pytest.mark.parametrize("raw_path", [b"/ui/session", b"/ui/%73ession", b"/%75i/session"])
+async def test_any_spelling_of_the_session_path_tells_the_truth_with_the_pages_headers(
+    keys: dict[str, ApiKey], raw_path: bytes
+) -> None:
+    """The ingress decodes the path it hands the app (``asgi_call``): every spelling of
+    ``/ui/session`` is the session question, answered with keys on, and like every answer
+    under the dashboard's paths it carries the page's CSP and nosniff."""
+    me = Identity.from_seed(b"access")
+    core = MeshCore(me, Keyring.with_key(b"k" * 32), make_body(me, "127.0.0.1:1", NOW), NOW)
+    app = AdminApp(core, wall_clock=lambda: NOW)
+    status, headers, body = await call(app, {**scope("/ui/session"), "raw_path": raw_path})
+    assert (status, body) == (200, b'{"keys_required":true,"key":null,"admin":false}')
+    assert b"default-src 'none'" in headers[b"content-security-policy"]
+    assert headers[b"x-content-type-options"] == b"nosniff"
+    for path in ("/ui/no-such-file", "/ui/session/x"):
+        status, headers, _ = await call(app, scope(path))
+        assert status == 404
+        assert headers[b"x-content-type-options"] == b"nosniff"
+        assert b"content-security-policy" in headers
+    status, headers, _ = await call(app, scope("/fabric/v1/nodes", key=keys["admin"]))
+    assert status == 200 and b"content-security-policy" not in headers  # an API, not the page

@@ -208,6 +208,24 @@ async def test_liveness_is_this_agents_local_view(app: AdminApp, mesh: Mesh) -> 
     assert liveness[mesh.sid("gone")] == "left"
 
 
+async def test_an_entry_no_probe_vouches_for_is_shown_unvouched_and_not_counted(
+    app: AdminApp, mesh: Mesh
+) -> None:
+    """A cluster-key holder's SERVING entry with no gossip address: the router never sends to
+    it, so the admin views neither call it alive nor count it as a node of its model."""
+    liar = Identity.from_seed(b"admin-test-phantom")
+    phantom = make_body(
+        liar, "", NOW, state=State.SERVING, models=(ModelInfo("phantom-model", 4096, None),)
+    )
+    assert mesh.core.registry.merge(phantom.sign(liar), NOW).changed
+    nodes = (await get(app, "/fabric/v1/nodes")).json()["nodes"]
+    liveness = {n["session_id"]: n["liveness"] for n in nodes}
+    assert liveness[liar.session_id] == "unvouched"
+    assert liveness[mesh.sid("serving-a100")] == "alive"
+    models = {m["id"]: m for m in (await get(app, "/fabric/v1/models")).json()["models"]}
+    assert (models["phantom-model"]["nodes"], models["phantom-model"]["serving"]) == (0, 0)
+
+
 async def test_load_is_null_without_a_report_and_shown_with_one(app: AdminApp, mesh: Mesh) -> None:
     nodes = (await get(app, "/fabric/v1/nodes")).json()["nodes"]
     load = {n["session_id"]: n["load"] for n in nodes}

@@ -15,10 +15,11 @@ from fabricnode.elastic.vocab import ServicePlans
 from fabricnode.errors import ConfigError
 from fabricnode.mesh.core import MeshConfig
 from fabricnode.mesh.identity import Identity, OperatorKey
-from fabricnode.mesh.registry import State
+from fabricnode.mesh.registry import Addresses, State
 from fabricnode.mesh.schema import CONTROLLER_LABEL
 from fabricnode.mesh.servicedoc import ServicesBody
-from fabricnode.testing.simnet import SimNetwork, SimNode
+from fabricnode.mesh.wire import EntryMsg
+from fabricnode.testing.simnet import SimNetwork, SimNode, make_body
 from tests.unit.elastic.plans import plan
 
 OPERATOR = OperatorKey(Identity.from_seed(b"o" * 32))
@@ -195,3 +196,30 @@ def test_refusals_invalid_files_and_dry_run_change_nothing_and_say_why() -> None
     trio.run(ctl.tick)
     assert dry.submitted == [] and len(ctl.status.commands) == 2
     assert all(c.startswith("sbatch --parsable") for c in ctl.status.commands)
+
+
+def test_a_phantom_controller_candidate_no_probe_vouches_for_leaves_the_real_one_acting() -> None:
+    """A cluster-key holder signs an entry labelled as a controller candidate since long ago,
+    with no gossip address (no member, no probe): the real controller keeps acting. Before the
+    control plane trusted only live members, the phantom was the oldest alive candidate and the
+    real controller stood by for as long as the entry lived."""
+    net = mesh(3)
+    nodes = list(net.nodes.values())
+    slurm = FakeSlurm()
+    real = controller(net, nodes[1], slurm)
+    announce(net, real, nodes[1], 100.0)
+    liar = Identity.from_seed(b"phantom-controller")
+    phantom = make_body(
+        liar,
+        "",
+        net.wall,
+        addresses=Addresses(http="http://10.9.0.1:9000", gossip=""),
+        labels=((CONTROLLER_LABEL, "1.000"),),  # a candidate long before the real one
+    )
+    for node in nodes:
+        node.core.ingest([EntryMsg(phantom.sign(liar))], net.wall)
+    apply(net, nodes[0], "two")
+    assert any(e.session_id == liar.session_id for e in nodes[1].core.registry)
+    trio.run(real.tick)
+    assert real.status.role == "acting"
+    assert len(slurm.submitted) == 2

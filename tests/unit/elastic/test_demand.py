@@ -11,14 +11,15 @@ import httpx
 import trio
 
 from fabricnode.elastic.demand import MAX_WANTED_LABELS, Declared, DemandScaler, wanted_labels
-from fabricnode.elastic.observe import ModelSums, wanted_models
+from fabricnode.elastic.observe import ModelSums, agent_urls, wanted_models
 from fabricnode.elastic.vocab import MIN_REPLICAS, Reason
 from fabricnode.mesh.core import MeshConfig
 from fabricnode.mesh.identity import Identity, OperatorKey
-from fabricnode.mesh.registry import MAX_LABEL_VALUE
+from fabricnode.mesh.registry import MAX_LABEL_VALUE, Addresses
 from fabricnode.mesh.schema import WANTED_LABEL
 from fabricnode.mesh.servicedoc import ServicesBody
-from fabricnode.testing.simnet import SimNetwork
+from fabricnode.mesh.wire import EntryMsg
+from fabricnode.testing.simnet import SimNetwork, make_body
 from tests.unit.elastic.plans import plan
 
 OPERATOR = OperatorKey(Identity.from_seed(b"o" * 32))
@@ -129,3 +130,30 @@ def test_many_wanted_models_spread_over_labels_that_fit_the_registry() -> None:
     first = next(iter(net.nodes.values()))
     assert wanted_models(first.core) == carried
     assert wanted_labels([]) == ()
+
+
+def test_a_phantom_entry_no_probe_vouches_for_brings_no_demand() -> None:
+    """A cluster-key holder signs an entry with no gossip address (no member, no probe) that
+    says it wants the cold model and whose workload endpoint would report invented requests:
+    it is neither read for the wanted label nor asked, so the cold model stays at zero."""
+    net = mesh()
+    nodes = list(net.nodes.values())
+    liar = Identity.from_seed(b"phantom-demand")
+    phantom_url = "http://10.9.0.1:9000"
+    phantom = make_body(
+        liar,
+        "",
+        net.wall,
+        addresses=Addresses(http=phantom_url, gossip=""),
+        labels=((WANTED_LABEL, "cold"),),
+    )
+    nodes[0].core.ingest([EntryMsg(phantom.sign(liar))], net.wall)
+    assert any(e.session_id == liar.session_id for e in nodes[0].core.registry)
+    assert wanted_models(nodes[0].core) == set()
+    assert phantom_url not in {url for _, url in agent_urls(nodes[0].core)}
+    logs = Logs()
+    logs.requests[phantom_url] = 40.0  # what the phantom would report, were it asked
+    scaler = DemandScaler(nodes[0].core, logs, check_interval_s=10.0)
+    trio.run(scaler.observe, [COLD], 0.0)
+    target, why = scaler.target(COLD, 0.0)
+    assert (target, why.reason) == (0, Reason.IDLE)

@@ -30,16 +30,18 @@ class FakePeers:
 
     def __init__(self, answers: dict[str, list[dict[str, Any]] | None]) -> None:
         self.answers = answers
-        self.asked: list[tuple[str, str | None]] = []
+        self.asked: list[tuple[str, str]] = []  # (session id, url)
 
-    async def ask(self, url: str, window_s: float, authorization: str | None) -> Any:
-        self.asked.append((url, authorization))
+    async def ask(self, sid: str, url: str, window_s: float) -> Any:
+        self.asked.append((sid, url))
         return self.answers.get(url)
 
 
 def make_app(mesh: Mesh, ring: RecentStats, peers: FakePeers | None = None) -> AdminApp:
     fake = peers or FakePeers({})
-    stats = MeshStats(mesh.core, ring.export, lambda: NOW + 30, PeerClient(), ask=fake.ask)
+    own = mesh.core.self_entry.session_id
+    client = PeerClient(mesh.core.keyring, own, wall_clock=lambda: NOW + 30)
+    stats = MeshStats(mesh.core, ring.export, lambda: NOW + 30, client, ask=fake.ask)
     history = LoadHistory()
     history.sample(mesh.core)
     return AdminApp(mesh.core, wall_clock=lambda: NOW + 30, stats=stats, load_history=history)
@@ -219,11 +221,12 @@ async def test_stats_of_the_mesh_add_up_every_agent_that_answers(mesh: Mesh) -> 
     doc = r.json()
     assert doc["scope"] == "mesh"
     # Asked: the live peers with an address (not the dead one, not the one that left).
-    assert sorted(url for url, _ in peers.asked) == [
-        "http://10.0.0.11:8080",
-        "http://10.0.0.12:8080",
-    ]
-    assert all(auth == "Bearer sk-admin" for _, auth in peers.asked)
+    assert sorted(peers.asked) == sorted(
+        [
+            (mesh.sid("peer-up"), "http://10.0.0.11:8080"),
+            (mesh.sid("peer-silent"), "http://10.0.0.12:8080"),
+        ]
+    )  # by session id: each request is signed for the agent it goes to, the page's key stays
     assert doc["agents"] == {"asked": 3, "answered": 2}
     summary = doc["models"]["llama-3-8b"]["summary"]
     assert summary["requests_per_s"] == pytest.approx(12 / 60)
