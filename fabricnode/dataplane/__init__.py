@@ -53,6 +53,8 @@ Modules, in reading order (pure first, then the shell that uses them):
 * ``job``             ``Job``: the state of a routed request's attempts, from routing to
                       settling.
 * ``clientconn``      a client connection, how response pieces and error answers are sent on it.
+* ``frontdoor``       the client side of the ingress: accepting within the connection limits, one
+                      task per connection reading its requests, deadlines, early refusals.
 * ``settle``          the bookkeeping of answered requests, deferred off the client's path.
 * ``gatewait``        the gate's trio side: its waiting tasks, the batch attempts it may take
                       back, and the one loop that wakes on events or at the gate's deadline.
@@ -63,9 +65,10 @@ Modules, in reading order (pure first, then the shell that uses them):
 * ``attempt``         the request each node gets (signed forward, or our own engine, woken if
                       asleep; bodies retagged or prioritized per node), and the forwards other
                       ingresses send us.
-* ``asgi_call``       paths outside ``/v1/`` through the agent's ASGI control app, inline.
-* ``ingress``         ``Ingress``: one task per client connection, dispatch by the endpoint
-                      table, routing, failover and relay; start reading here for the flow.
+* ``asgi_call``       paths outside ``/v1/`` through the agent's ASGI control app, and the Batch
+                      API's, answered inline.
+* ``ingress``         ``Ingress``: builds the parts above, dispatch by the endpoint table,
+                      routing and failover; start reading here for the flow.
 
 docs/architecture.md ("The data plane") describes the design; docs/user-guide.md what clients
 see; docs/benchmarks.md the measured costs.

@@ -1,4 +1,4 @@
-"""The ``/v1`` data plane: every agent's OpenAI-compatible ingress, on trio + httptools.
+"""The ``/v1`` data plane's ingress: every agent's OpenAI-compatible front, on trio + httptools.
 
     client ──HTTP/1.1──► Ingress (this agent) ──pooled keep-alive──► serving agent ──► engine
                           parse (httptools), read only          (X-Fabric-Forward: HMAC
@@ -6,45 +6,42 @@
                           policy, fail over before the
                           first byte, relay unbuffered
 
-One task per client connection, none per request; requests on a connection are handled in
-order (pipelined ones queue in the parser). Bodies are forwarded as received, never
-re-encoded: the body is parsed once (orjson) only to read ``model``, ``stream`` and the prompt
-for cache-aware routing (the audio endpoints' forms: their ``model`` field). The exceptions are
-``POST /v1/responses``, whose ``request_id`` each attempt sets so that the response's id names
-the node that stores it (``endpoints``), and batch-tier generation requests to a node whose
-engine schedules by priority, which carry ``"priority"`` (below). Responses are relayed piece
-by piece as they arrive.
+``Ingress`` builds the data plane's parts, dispatches each request by its path and routes it.
+A body is parsed once (orjson) only to read ``model``, ``stream`` and the prompt for
+cache-aware routing (the audio endpoints' forms: their ``model`` field), and goes on as
+received but for the per-node rewrites of ``attempt``.
 
 Dispatch (``_handle``): the path is looked up in ``endpoints.ENDPOINTS`` first, every endpoint
 routed by a model (chat's, the other OpenAI-style ones, Anthropic's Messages, and the ones vLLM
 serves outside ``/v1`` such as ``/rerank`` and ``/tokenize``); then the rest of ``/v1``
-(``/v1/models``, the stateful Responses paths routed by the response id, else 404); any other
-path goes to the agent's ASGI control app (``control.app.AdminApp``, handed in by the agent)
-through a small inline adapter (``asgi_call``), so one public port serves both; the scope says
-whether API keys are on and which key the caller named, and the app decides which paths need
-an admin key (``control.access``). With ``--admin`` that app is also served on its own port by
-hypercorn.
+(``/v1/models``, the Batch API's ``/v1/files`` and ``/v1/batches`` handed to its ASGI app, the
+stateful Responses paths routed by the response id, else 404); any other path goes to the
+agent's ASGI control app (``control.app.AdminApp``, handed in by the agent) through a small
+inline adapter (``asgi_call``), so one public port serves both; the scope says whether API keys
+are on and which key the caller named, and the app decides which paths need an admin key
+(``control.access``). With ``--admin`` that app is also served on its own port by hypercorn.
 
-What is not here: the checks before routing, the header grammars and a request's one routed
-record (``request.Routed``), the client connection, its sends and its lingering close
-(``clientconn``), the state of its attempts (``job``), the ``/v1/models`` body
-(``routetable.models_body``), the bodies an attempt rewrites (``responses.tagged``,
-``tiers.prioritized``), its bookkeeping once answered (``settle``), what resuming a broken
-stream needs to know (``resume``), and the waiting rooms an interactive request on a served
-model never enters, each a sans-IO machine with its policy inside that takes the time and
-returns what to do: the batch gate (``gate``), the wait for a replica (``coldstart``),
-Responses pinning (``responses``) and the pending-aware hold (``hold``); the batch gate's
-waiting tasks and loop (``gatewait``) and the wait for a replica (``coldwait``) are shells of
-their own. The shell waits for them in one way: on events (a request ending, a batch request
-queued, the mesh changing: ``mesh_changed``) or until the machine's ``next_deadline()``, never
-on a fixed period; the only periodic look left is at the sockets of waiting clients, for a
-hang-up.
+Routing and failover (``_route``, ``_dispatch``): the candidates (``routetable``), the policy
+(``routing``), then one attempt after another. A connection error, a timeout before the
+response head, or a 502/503/504 answer is retried on the next candidate, at most
+``max_attempts`` nodes within ``retry_budget_s``, and the failed node is ejected by the circuit
+breaker; a stream that broke mid-answer with its continuation ready (``relay.RESUME``) gets
+attempts and time of its own. They stay here because they hold a request's state across its
+attempts (the nodes tried, the deadline, the batch slot) and the waiting rooms' shells wake
+through the ingress (``mesh_changed``).
 
-What stays is the shell that owns the per-request state of the hot path: the accept and
-connection loops, dispatch, failover and resume, the relay of an attempt and forwarded
-requests. Splitting those further would pass that state between modules on every request, and
-every level of ``await`` between them costs twice per wait: that argument holds for dispatch
-and relay, not for the rooms above.
+Elsewhere: the client connections and what is refused on them (``frontdoor``); the checks
+before routing, the header grammars and a request's one routed record (``request.Routed``);
+the state of its attempts (``job``); the request each node gets and the forwards we serve
+(``attempt``); an attempt's exchange, its relay, and a broken stream resumed or ended
+(``relay``); the ``/v1/models`` body (``routetable.models_body``); the bookkeeping once answered
+(``settle``); and the waiting rooms an interactive request on a served model never enters, each
+a sans-IO machine that takes the time and returns what to do: the batch gate (``gate``; its
+trio side ``gatewait``), the wait for a replica (``coldstart``; ``coldwait``), Responses pinning
+(``responses``) and the pending-aware hold (``hold``, waited for in ``_hold``). They are waited
+for in one way: on events (a request ending, a batch request queued, the mesh changing) or until
+the machine's ``next_deadline()``, never on a fixed period; the only periodic look left is at
+the sockets of waiting clients, for a hang-up.
 
 Request outcomes (OpenAI error shape ``{"error": {"message", "type", "code"}}``; on the
 Anthropic paths, ``/v1/messages*``, Anthropic's ``{"type": "error", "error": {"type",
@@ -52,51 +49,32 @@ Anthropic paths, ``/v1/messages*``, Anthropic's ``{"type": "error", "error": {"t
 
 * 400 malformed HTTP, JSON, form, ``model`` or a bad ``X-Fabric-*`` header; 401 missing/unknown
   API key (only when a keys file exists; ``Authorization: Bearer`` or ``x-api-key``), or a batch
-  owner header that does not verify; 403
-  forward header that does not verify; 404 unknown path, a model no SERVING node announces, or
-  a stored response whose node is gone; 405 wrong method; 413 body over ``max_body_bytes``; 429
-  rate limited (``Retry-After``); 431 header block too large; 503 no eligible node, every
-  attempt failed before the first byte, or a batch request the gate refused or held too long
-  (``Retry-After``).
-* Failover: a connection error, a timeout before the response head, or a 502/503/504 answer is
-  retried on the next candidate, at most ``max_attempts`` nodes within ``retry_budget_s``; the
-  failed node is ejected by the circuit breaker. A chat or completion stream that breaks after
-  its first byte is resumed on another node (``resume``) where that can be faithful; otherwise
-  a stream ends with well-formed error event(s) in its endpoint's format
-  (``endpoints.stream_error_events``) and the terminating chunk, and any other broken body
-  closes the connection. A client that goes away aborts its upstream request.
-* Served locally (this agent's own engine, chosen by the policy or asked by a verified
-  forward): counted in ``local_inflight``, which the engine service publishes as the node's
-  ``inflight`` load. While leaving, forwards are refused with 503 so the ingress fails over.
+  owner header that does not verify; 403 forward header that does not verify; 404 unknown
+  path, a model no SERVING node announces, or a stored response whose node is gone; 405 wrong
+  method; 413 body over ``max_body_bytes``; 429 rate limited (``Retry-After``); 431 header block
+  too large; 503 no eligible node, every attempt failed before the first byte, or a batch
+  request the gate refused or held too long (``Retry-After``). A broken stream: ``relay``.
 * Priority tiers (``tiers``): a batch request (``X-Fabric-Priority: batch``, or this agent's
   Batch API worker with the batch owner header) goes only to a node with room for batch work
-  (a fresh load report without a queue and with KV usage under ``batch_kv_threshold``, and
-  fewer than ``batch_max_inflight_per_node`` of our batch requests on it, and no prompt of
-  ours still ahead on its prefill clock: one batch prefill at a time), else waits in the
-  gate (``gate.BatchGate``), released in weighted fair order between API keys when a batch
-  request ends, a load report or a node arrives (``mesh_changed``), or the gate's deadline
-  comes (a pacing or prefill clock running out, a report going stale);
-  503 ``batch_queue_full`` past ``max_batch_waiting`` waiters and ``batch_wait_timeout``
-  past ``batch_max_wait_s``. Then
-  it is routed by the policy among the nodes with room, with failover. To a node labelled
-  ``fabric.priority_scheduling`` its chat, completion and Responses bodies carry
-  ``"priority": batch_priority``. Interactive requests (the default) pay two header lookups
-  and never wait in the gate.
-* Prefill clocks (``prefill``): each prompt sent to a node (``endpoints.PREFILL_KINDS``)
-  moves that node's clock by its estimated tokens over the node's rate; the policies' load
-  score weighs the backlog (``routing``), the batch gate waits for it to run out, and a stream
-  sent to a node with none ahead teaches the node's rate by its first token.
-* Sleeping engines (``fabric.sleeping``, ``engine.sleep``): a model whose replicas all sleep
-  is routed to them, unranked (ours first, then by session id, so ingresses agree on one),
-  and the serving agent wakes its engine before relaying (``wake_local``); a node that does not
-  wake answers 503 and the ingress fails over. Requests for models with an awake replica never
-  see sleeping ones.
+  (a fresh load report without a queue and with KV usage under ``batch_kv_threshold``, fewer
+  than ``batch_max_inflight_per_node`` of our batch requests on it, and no prompt of ours still
+  ahead on its prefill clock: one batch prefill at a time), else waits in the gate
+  (``gate.BatchGate``), released in weighted fair order between API keys; 503
+  ``batch_queue_full`` past ``max_batch_waiting`` waiters and ``batch_wait_timeout`` past
+  ``batch_max_wait_s``. Then it is routed by the policy among the nodes with room, with
+  failover. Interactive requests (the default) pay two header lookups and never wait in the
+  gate.
+* Prefill clocks (``prefill``): each prompt sent to a node (``endpoints.PREFILL_KINDS``) moves
+  that node's clock (``relay``); the policies' load score weighs the backlog (``routing``) and
+  the batch gate waits for it to run out.
+* Sleeping engines (``fabric.sleeping``): a model whose replicas all sleep is routed to them,
+  unranked (ours first, then by session id, so ingresses agree on one); the serving agent wakes
+  its engine first (``attempt``). Requests for models with an awake replica never see them.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import random
 import socket
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
@@ -107,9 +85,9 @@ import trio
 
 from fabricnode.dataplane import responses, routing
 from fabricnode.dataplane.apikeys import ApiKeyStore, RateLimiter
-from fabricnode.dataplane.asgi_call import KEY_SCOPE, KEYS_SCOPE, OWNER_SCOPE, AsgiApp, call_asgi
+from fabricnode.dataplane.asgi_call import KEY_SCOPE, KEYS_SCOPE, OWNER_SCOPE, AsgiApp, answer_asgi
 from fabricnode.dataplane.attempt import Attempts
-from fabricnode.dataplane.clientconn import ClientConn, ClientGone, linger, send_error
+from fabricnode.dataplane.clientconn import ClientConn, ClientGone, send_error
 from fabricnode.dataplane.coldstart import ReplicaRoom
 from fabricnode.dataplane.coldwait import ReplicaWaits
 from fabricnode.dataplane.endpoints import (
@@ -122,44 +100,33 @@ from fabricnode.dataplane.endpoints import (
     response_follow_up,
 )
 from fabricnode.dataplane.forward_auth import HEADER as FORWARD_HEADER
+from fabricnode.dataplane.frontdoor import FrontDoor
 from fabricnode.dataplane.gate import BatchGate, BatchWaiter
 from fabricnode.dataplane.gatewait import PREEMPTED, GateWaits
 from fabricnode.dataplane.hold import Hold
-from fabricnode.dataplane.http1 import (
-    CONTINUE_RESPONSE,
-    HOP_RESPONSE_HEADERS,
-    BodyBudget,
-    Request,
-    RequestParser,
-    full_response,
-    text_of,
-)
-from fabricnode.dataplane.http1 import response_head as build_head
+from fabricnode.dataplane.http1 import Request, full_response, text_of
 from fabricnode.dataplane.ingress_config import IngressConfig
 from fabricnode.dataplane.job import BatchSlot, Job
 from fabricnode.dataplane.metrics import IngressMetrics, LabelCache, failure_reason
 from fabricnode.dataplane.prefill import PrefillClocks
 from fabricnode.dataplane.relay import RESUME, Relay
 from fabricnode.dataplane.request import (
-    KEY_REJECTION,
     Rejection,
     Routed,
     authorize,
     decode,
     decode_as,
     key_of,
-    malformed_code,
     prompt_text,
     route_headers,
 )
 from fabricnode.dataplane.responses import PinnedNode
 from fabricnode.dataplane.routetable import CircuitBreaker, Route, RouteTable, models_body, route_of
 from fabricnode.dataplane.settle import SETTLE_INTERVAL_S, Settler
-from fabricnode.dataplane.sockio import LoopClock, Reactor, SocketClosed, Watchdog, Watched, close
+from fabricnode.dataplane.sockio import LoopClock, Reactor, Watchdog, close
 from fabricnode.dataplane.tiers import OWNER_HEADER, RoomRules, owner_of
 from fabricnode.dataplane.upstream import UpstreamPool
 from fabricnode.dataplane.usage import UsageLedger
-from fabricnode.logs import ThrottledErrors
 from fabricnode.mesh.core import MeshCore
 from fabricnode.mesh.registry import State
 from fabricnode.requestlog.writer import RequestLog
@@ -191,6 +158,8 @@ class IngressStatistics:
 
 
 class Ingress:
+    """One agent's ``/v1`` ingress (see the module docstring); the agent builds and serves it."""
+
     def __init__(
         self,
         core: MeshCore,
@@ -250,8 +219,6 @@ class Ingress:
         self.settler = Settler(self.metrics, self.ledger, request_log, wall_clock, self.clock)
         self.pool = UpstreamPool(clock=self.clock, reactor=self.reactor)
         self.pool.while_waiting = self.settler.settle
-        # At least one whole request of the largest size allowed must fit.
-        self.body_budget = BodyBudget(max(cfg.max_buffered_body_bytes, cfg.max_body_bytes))
         self.watchdog = Watchdog(cfg.watchdog_interval_s, self.reactor)
         self.watchdog.clock = self.clock
         # What this ingress sent each node to prefill, and how fast each prefills (routing).
@@ -313,17 +280,26 @@ class Ingress:
         )
         self._batch_waiting = LabelCache(self.metrics.batch_waiting)
         self._waiting_labels: set[str] = set()  # batch_waiting labels set so far
-        self.connections = 0
         self.requests = 0
         self.retries = 0
-        self._conns: set[ClientConn] = set()
-        self._per_client: dict[str, int] = {}  # client address -> open connections
-        self._internal_errors = ThrottledErrors(
-            log, "a connection failed on an unexpected error (%d since the last report)"
+        # The client side: accepting within the limits, one task per connection, each
+        # request it reads handed to ``_handle``.
+        self.front = FrontDoor(
+            config=cfg,
+            clock=self.clock,
+            reactor=self.reactor,
+            watchdog=self.watchdog,
+            metrics=self.metrics,
+            api_keys=api_keys,
+            answer=self._handle,
         )
-        self._accepting = True
 
     # == what the agent reads and sets ======================================================
+
+    @property
+    def connections(self) -> int:
+        """Client connections open now."""
+        return self.front.connections
 
     @property
     def local_inflight(self) -> int:
@@ -353,16 +329,16 @@ class Ingress:
     def leaving(self, leaving: bool) -> None:
         self.attempts.leaving = leaving
 
-    def wait_local_idle(self) -> Coroutine[Any, Any, None]:
-        """Return once no request is in flight to our own engine (await it)."""
-        return self.relay.wait_local_idle()
+    async def wait_local_idle(self) -> None:
+        """Return once no request is in flight to our own engine."""
+        await self.relay.wait_local_idle()
 
     # == statistics ==========================================================================
 
     def statistics(self) -> IngressStatistics:
         pool = self.pool.statistics()
         return IngressStatistics(
-            connections=self.connections,
+            connections=self.front.connections,
             requests=self.requests,
             local_inflight=self.relay.local_inflight,
             remote_inflight=sum(self.remote_inflight.values()),
@@ -382,7 +358,7 @@ class Ingress:
         m = self.metrics
         m.inflight.labels("ingress").set(sum(self.remote_inflight.values()))
         m.inflight.labels("local").set(self.relay.local_inflight)
-        m.connections.set(self.connections)
+        m.connections.set(self.front.connections)
         waiting = dict.fromkeys(self._waiting_labels, 0)
         waiting.update(self.gate.waiting_by_label())
         for label, n in waiting.items():
@@ -417,185 +393,28 @@ class Ingress:
             nursery.start_soon(self.gate_waits.run)
             async with trio.open_nursery() as conn_nursery:
                 accept_scope = trio.CancelScope()
-                conn_nursery.start_soon(self._accept_loop, sock, conn_nursery, accept_scope)
+                front = self.front
+                conn_nursery.start_soon(front.accept_loop, sock, conn_nursery, accept_scope)
                 task_status.started()
                 await shutdown.wait()
-                self._accepting = False
                 accept_scope.cancel()
                 close(sock)
-                for conn in list(self._conns):
-                    conn.closing = True  # finish the current request, then close
-                    if conn.watch.deadline != math.inf:  # idle between requests: close now
-                        self.reactor.close(conn.sock)
+                front.close_all()
                 with trio.move_on_after(grace_s):
-                    while self._conns:
+                    while front.conns:
                         await trio.sleep(0.05)
                 conn_nursery.cancel_scope.cancel()
             self.pool.close_all()
             self.settle()
             nursery.cancel_scope.cancel()
 
-    async def _accept_loop(
-        self, sock: socket.socket, nursery: trio.Nursery, scope: trio.CancelScope
-    ) -> None:
-        with scope:
-            while True:
-                try:
-                    client, addr = sock.accept()
-                except BlockingIOError:
-                    await trio.lowlevel.wait_readable(sock)
-                    continue
-                except OSError as exc:  # EMFILE and friends: back off, do not spin
-                    log.warning("accept failed: %s", exc)
-                    await trio.sleep(0.1)
-                    continue
-                cfg = self.config
-                peer = str(addr[0]) if isinstance(addr, tuple) else ""
-                held = self._per_client.get(peer, 0)
-                if self.connections >= cfg.max_connections:
-                    self.metrics.connections_refused.labels("total").inc()
-                    client.close()
-                    continue
-                if held >= cfg.max_connections_per_client:
-                    self.metrics.connections_refused.labels("per_client").inc()
-                    client.close()
-                    continue
-                self._per_client[peer] = held + 1
-                client.setblocking(False)
-                client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                self.reactor.register(client)
-                nursery.start_soon(self._connection, client, peer)
-
-    async def _connection(self, sock: socket.socket, peer: str = "") -> None:
-        cfg = self.config
-        busy = self.connections >= cfg.busy_connections
-        watch = Watched(
-            sock, self.clock.now() + (cfg.busy_keepalive_s if busy else cfg.keepalive_timeout_s)
-        )
-        conn = ClientConn(sock, watch, self.reactor)
-        self._conns.add(conn)
-        self.watchdog.watched.add(watch)
-        self.connections += 1
-        parser = RequestParser(
-            max_head_bytes=cfg.max_head_bytes,
-            max_headers=cfg.max_headers,
-            max_body_bytes=cfg.max_body_bytes,
-            budget=self.body_budget,
-        )
-        reactor = self.reactor
-        sent_continue = False
-        answered = False  # a response just went out: the client's next bytes are not here yet
-        try:
-            while not conn.closing:
-                if parser.ready:
-                    req = parser.ready.popleft()
-                    watch.deadline = math.inf  # our turn: no client timeout while we answer
-                    reactor.request_started()
-                    try:
-                        keep = await self._handle(conn, req)
-                    finally:
-                        reactor.request_ended()
-                        parser.answered(req)
-                    if not keep or not req.keep_alive:
-                        break
-                    sent_continue = False
-                    answered = True
-                    if parser.mid_request:
-                        idle_s = cfg.request_timeout_s
-                    elif self.connections > cfg.busy_connections:
-                        idle_s = cfg.busy_keepalive_s  # many held: idle ones make room sooner
-                    else:
-                        idle_s = cfg.keepalive_timeout_s
-                    watch.deadline = self.clock.now() + idle_s
-                    continue
-                if parser.error is not None:
-                    status, message = parser.error
-                    self.metrics.malformed.labels(str(status)).inc()
-                    code = malformed_code(status)
-                    pending = parser.pending
-                    path = pending.path if pending is not None else b""
-                    await send_error(conn, status, message, code, close=True, path=path)
-                    await linger(conn, cfg.linger_s, cfg.linger_max_bytes)
-                    break
-                if parser.head_complete and not sent_continue:
-                    pending = parser.pending
-                    if pending is not None and self._refused_by_head(pending):
-                        # Checked from the head: a request that will be refused sends no body.
-                        self.metrics.malformed.labels("401").inc()
-                        await send_error(
-                            conn,
-                            KEY_REJECTION.status,
-                            KEY_REJECTION.message,
-                            KEY_REJECTION.code,
-                            close=True,
-                            path=pending.path,
-                        )
-                        await linger(conn, cfg.linger_s, cfg.linger_max_bytes)
-                        break
-                    if pending is not None and pending.expect_continue:
-                        await reactor.send_all(sock, CONTINUE_RESPONSE)
-                    sent_continue = True
-                data: bytes | None = None
-                if answered and not parser.mid_request:
-                    # A closed-loop client sends its next request only after reading our
-                    # answer: wait for it instead of trying a read that would fail.
-                    answered = False
-                    try:
-                        await reactor.wait_readable(sock)
-                    except (trio.ClosedResourceError, OSError):
-                        break  # closed by the watchdog (keep-alive timeout) or at shutdown
-                    data = reactor.try_recv(sock)
-                if data is None:
-                    data = await reactor.recv_some(sock)
-                if not data:
-                    break  # the client closed or half-closed (the same FIN: a hang-up; a
-                    # request it did not finish sending cannot be answered anyway)
-                was_mid = parser.mid_request
-                parser.feed(data)
-                if not was_mid and parser.mid_request and not parser.ready:
-                    # A request started and is incomplete: it has request_timeout_s to arrive
-                    # (a request that came whole is answered at once and needs no deadline).
-                    watch.deadline = self.clock.now() + cfg.request_timeout_s
-        except (SocketClosed, ClientGone):
-            pass
-        except Exception:
-            # The error boundary: whatever a client, a node or an engine sent, one connection
-            # failing must not end the agent (the nursery would cancel every connection).
-            self.metrics.internal_errors.inc()
-            self._internal_errors.exception(self.clock.now())
-        finally:
-            parser.release()
-            self.watchdog.watched.discard(watch)
-            self._conns.discard(conn)
-            self.connections -= 1
-            left = self._per_client.get(peer, 1) - 1
-            if left > 0:
-                self._per_client[peer] = left
-            else:
-                self._per_client.pop(peer, None)
-            reactor.close(sock)
-
-    def _refused_by_head(self, req: Request) -> bool:
-        """A ``/v1`` (or other model-routed) request whose head already shows it will get 401:
-        API keys are on and it names no valid key (a forward is authenticated by its own header
-        instead)."""
-        keys = self.api_keys
-        if keys is None or not keys.enabled:
-            return False
-        path = req.path
-        if not path.startswith(b"/v1/") and path not in ENDPOINTS:
-            return False
-        if FORWARD_HEADER in req.headers or OWNER_HEADER in req.headers:
-            return False  # checked with the body: its own HMAC, or the batch owner's token
-        return key_of(req.headers, keys) is None
+    # == dispatch ============================================================================
 
     async def _reject(self, conn: ClientConn, why: Rejection, path: bytes) -> bool:
         """An error answer to a request that was refused before routing (counted as such)."""
         self.metrics.done("-", why.status, 0.0)
         await send_error(conn, why.status, why.message, why.code, extra=why.headers, path=path)
         return True
-
-    # == dispatch ============================================================================
 
     # The dispatchers below are plain functions that return the coroutine answering the
     # request, not coroutines awaiting it: every level of ``await`` is crossed twice per wait
@@ -633,7 +452,7 @@ class Ingress:
         on = keys is not None and keys.enabled
         key = key_of(req.headers, keys) if keys is not None and on else None
         scope = {KEYS_SCOPE: on, KEY_SCOPE: key}
-        return await self._answer_asgi(conn, req, self.control_app, scope)
+        return await answer_asgi(conn, req, self.control_app, scope)
 
     def _handle_v1(self, conn: ClientConn, req: Request, path: bytes) -> Coroutine[Any, Any, bool]:
         """``/v1`` paths that are not in ``ENDPOINTS``: the model list, the stateful Responses
@@ -677,19 +496,7 @@ class Ingress:
         if isinstance(checked, Rejection):
             return await self._reject(conn, checked, path)
         owner = checked.key_id if checked is not None else "-"
-        return await self._answer_asgi(conn, req, app, {OWNER_SCOPE: owner})
-
-    async def _answer_asgi(
-        self, conn: ClientConn, req: Request, app: AsgiApp, extra: Mapping[str, object] | None
-    ) -> bool:
-        """Answer ``req`` with an ASGI app (the control app, the Batch API) in this task."""
-        status, headers, body = await call_asgi(app, req, extra)
-        # The app's own headers go out (Allow on a 405, caching, content type), framing ours.
-        kept = [(n, v) for n, v in headers if n.lower() not in HOP_RESPONSE_HEADERS]
-        kept.append((b"content-length", b"%d" % len(body)))
-        head = build_head(status, kept)
-        await self.reactor.send_all(conn.sock, head if req.method == b"HEAD" else head + body)
-        return True
+        return await answer_asgi(conn, req, app, {OWNER_SCOPE: owner})
 
     async def _answer(self, conn: ClientConn, body: bytes, *, head_only: bool) -> bool:
         await self.reactor.send_all(conn.sock, full_response(200, body, head_only=head_only))
