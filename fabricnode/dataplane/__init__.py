@@ -52,15 +52,23 @@ Modules, in reading order (pure first, then the shell that uses them):
 * ``ingress_config``  every limit and timeout of the data plane (``IngressConfig``).
 * ``job``             ``Job``: the state of a routed request's attempts, from routing to
                       settling.
-* ``clientconn``      a client connection and how response pieces are sent on it.
+* ``clientconn``      a client connection, how response pieces and error answers are sent on it.
+* ``frontdoor``       the client side of the ingress: accepting within the connection limits, one
+                      task per connection reading its requests, deadlines, early refusals.
 * ``settle``          the bookkeeping of answered requests, deferred off the client's path.
 * ``gatewait``        the gate's trio side: its waiting tasks, the batch attempts it may take
                       back, and the one loop that wakes on events or at the gate's deadline.
 * ``coldwait``        the wait for a replica's trio side: the held stream's head and comments,
                       and one wait on the mesh changing or the wait's deadline.
-* ``asgi_call``       paths outside ``/v1/`` through the agent's ASGI control app, inline.
-* ``ingress``         ``Ingress``: one task per client connection, dispatch by the endpoint
-                      table, routing, failover and relay; start reading here for the flow.
+* ``relay``           one attempt's exchange with a node and its answer relayed to the client:
+                      in-flight counts, prefill clocks, a broken stream resumed or ended.
+* ``attempt``         the request each node gets (signed forward, or our own engine, woken if
+                      asleep; bodies retagged or prioritized per node), and the forwards other
+                      ingresses send us.
+* ``asgi_call``       paths outside ``/v1/`` through the agent's ASGI control app, and the Batch
+                      API's, answered inline.
+* ``ingress``         ``Ingress``: builds the parts above, dispatch by the endpoint table,
+                      routing and failover; start reading here for the flow.
 
 docs/architecture.md ("The data plane") describes the design; docs/user-guide.md what clients
 see; docs/benchmarks.md the measured costs.

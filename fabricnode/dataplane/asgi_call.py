@@ -2,7 +2,8 @@
 
 Paths outside ``/v1/`` on the public port go to ``fabricnode.control.app.AdminApp`` through this
 adapter rather than through hypercorn: one port, one HTTP parser, no second server. The app is
-passed in by the agent, so the data plane never imports the control package.
+passed in by the agent, so the data plane never imports the control package. The Batch API
+(``fabricnode.batch.api``) is answered the same way on ``/v1/files*`` and ``/v1/batches*``.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from urllib.parse import unquote_to_bytes
 
 import trio
 
-from fabricnode.dataplane.http1 import Request
+from fabricnode.dataplane.clientconn import ClientConn
+from fabricnode.dataplane.http1 import HOP_RESPONSE_HEADERS, Request, response_head
 
 AsgiApp = Callable[[Mapping[str, Any], Any, Any], Awaitable[None]]
 # What the ingress tells the control app in the scope (``control.access`` decides with it):
@@ -68,3 +70,16 @@ async def call_asgi(
 
     await app(scope, receive, send)
     return status, headers, b"".join(chunks)
+
+
+async def answer_asgi(
+    conn: ClientConn, req: Request, app: AsgiApp, extra: Mapping[str, object] | None
+) -> bool:
+    """Answer ``req`` with an ASGI app (the control app, the Batch API) in this task."""
+    status, headers, body = await call_asgi(app, req, extra)
+    # The app's own headers go out (Allow on a 405, caching, content type), framing ours.
+    kept = [(n, v) for n, v in headers if n.lower() not in HOP_RESPONSE_HEADERS]
+    kept.append((b"content-length", b"%d" % len(body)))
+    head = response_head(status, kept)
+    await conn.reactor.send_all(conn.sock, head if req.method == b"HEAD" else head + body)
+    return True

@@ -2,7 +2,8 @@
 
 A response piece is sent at once when the socket takes it (most do: no coroutine is created);
 only the rest waits, with the stream's idle deadline, so a client that stops reading cannot
-hold the connection and its upstream for ever (``send_rest``).
+hold the connection and its upstream for ever (``send_rest``). An error answer goes out whole
+(``send_error``), in the dialect of the request's path.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import socket
 
 import trio
 
+from fabricnode.dataplane.http1 import full_response
+from fabricnode.dataplane.request import error_body_for
 from fabricnode.dataplane.sockio import Reactor, SocketClosed, Watched, try_send
 
 
@@ -60,6 +63,30 @@ async def client_send(conn: ClientConn, data: bytes, idle_s: float) -> None:
     sent = send_now(conn, data)
     if sent < len(data):
         await send_rest(conn, data, sent, idle_s)
+
+
+async def send_error(
+    conn: ClientConn,
+    status: int,
+    message: str,
+    code: str,
+    *,
+    close: bool = False,
+    extra: list[tuple[bytes, bytes]] | None = None,
+    head_only: bool = False,
+    path: bytes = b"",
+) -> None:
+    """An error answer, in the dialect of the request's ``path`` (``error_body_for``)."""
+    await conn.reactor.send_all(
+        conn.sock,
+        full_response(
+            status,
+            error_body_for(path, status, message, code),
+            extra=extra,
+            keep_alive=not close,
+            head_only=head_only,
+        ),
+    )
 
 
 async def linger(conn: ClientConn, linger_s: float, max_bytes: int) -> None:

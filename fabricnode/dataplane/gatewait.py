@@ -124,7 +124,7 @@ class GateWaits:
     async def preemptible(
         self, job: Job, sid: str, attempt: Coroutine[Any, Any, str | None]
     ) -> str | None:
-        """A batch attempt the gate may take back until its answer's head is in (``_relay``
+        """A batch attempt the gate may take back until its answer's head is in (``Relay.exchange``
         calls ``answered`` then): the attempt's outcome, or ``PREEMPTED``."""
         self.gate.running(job, sid, self.clock.now())
         with trio.CancelScope() as scope:

@@ -1,4 +1,4 @@
-"""The ``/v1`` data plane: every agent's OpenAI-compatible ingress, on trio + httptools.
+"""The ``/v1`` data plane's ingress: every agent's OpenAI-compatible front, on trio + httptools.
 
     client ──HTTP/1.1──► Ingress (this agent) ──pooled keep-alive──► serving agent ──► engine
                           parse (httptools), read only          (X-Fabric-Forward: HMAC
@@ -6,45 +6,42 @@
                           policy, fail over before the
                           first byte, relay unbuffered
 
-One task per client connection, none per request; requests on a connection are handled in
-order (pipelined ones queue in the parser). Bodies are forwarded as received, never
-re-encoded: the body is parsed once (orjson) only to read ``model``, ``stream`` and the prompt
-for cache-aware routing (the audio endpoints' forms: their ``model`` field). The exceptions are
-``POST /v1/responses``, whose ``request_id`` each attempt sets so that the response's id names
-the node that stores it (``endpoints``), and batch-tier generation requests to a node whose
-engine schedules by priority, which carry ``"priority"`` (below). Responses are relayed piece
-by piece as they arrive.
+``Ingress`` builds the data plane's parts, dispatches each request by its path and routes it.
+A body is parsed once (orjson) only to read ``model``, ``stream`` and the prompt for
+cache-aware routing (the audio endpoints' forms: their ``model`` field), and goes on as
+received but for the per-node rewrites of ``attempt``.
 
 Dispatch (``_handle``): the path is looked up in ``endpoints.ENDPOINTS`` first, every endpoint
 routed by a model (chat's, the other OpenAI-style ones, Anthropic's Messages, and the ones vLLM
 serves outside ``/v1`` such as ``/rerank`` and ``/tokenize``); then the rest of ``/v1``
-(``/v1/models``, the stateful Responses paths routed by the response id, else 404); any other
-path goes to the agent's ASGI control app (``control.app.AdminApp``, handed in by the agent)
-through a small inline adapter (``asgi_call``), so one public port serves both; the scope says
-whether API keys are on and which key the caller named, and the app decides which paths need
-an admin key (``control.access``). With ``--admin`` that app is also served on its own port by
-hypercorn.
+(``/v1/models``, the Batch API's ``/v1/files`` and ``/v1/batches`` handed to its ASGI app, the
+stateful Responses paths routed by the response id, else 404); any other path goes to the
+agent's ASGI control app (``control.app.AdminApp``, handed in by the agent) through a small
+inline adapter (``asgi_call``), so one public port serves both; the scope says whether API keys
+are on and which key the caller named, and the app decides which paths need an admin key
+(``control.access``). With ``--admin`` that app is also served on its own port by hypercorn.
 
-What is not here: the checks before routing, the header grammars and a request's one routed
-record (``request.Routed``), the client connection, its sends and its lingering close
-(``clientconn``), the state of its attempts (``job``), the ``/v1/models`` body
-(``routetable.models_body``), the bodies an attempt rewrites (``responses.tagged``,
-``tiers.prioritized``), its bookkeeping once answered (``settle``), what resuming a broken
-stream needs to know (``resume``), and the waiting rooms an interactive request on a served
-model never enters, each a sans-IO machine with its policy inside that takes the time and
-returns what to do: the batch gate (``gate``), the wait for a replica (``coldstart``),
-Responses pinning (``responses``) and the pending-aware hold (``hold``); the batch gate's
-waiting tasks and loop (``gatewait``) and the wait for a replica (``coldwait``) are shells of
-their own. The shell waits for them in one way: on events (a request ending, a batch request
-queued, the mesh changing: ``mesh_changed``) or until the machine's ``next_deadline()``, never
-on a fixed period; the only periodic look left is at the sockets of waiting clients, for a
-hang-up.
+Routing and failover (``_route``, ``_dispatch``): the candidates (``routetable``), the policy
+(``routing``), then one attempt after another. A connection error, a timeout before the
+response head, or a 502/503/504 answer is retried on the next candidate, at most
+``max_attempts`` nodes within ``retry_budget_s``, and the failed node is ejected by the circuit
+breaker; a stream that broke mid-answer with its continuation ready (``relay.RESUME``) gets
+attempts and time of its own. They stay here because they hold a request's state across its
+attempts (the nodes tried, the deadline, the batch slot) and the waiting rooms' shells wake
+through the ingress (``mesh_changed``).
 
-What stays is the shell that owns the per-request state of the hot path: the accept and
-connection loops, dispatch, failover and resume, the relay of an attempt and forwarded
-requests. Splitting those further would pass that state between modules on every request, and
-every level of ``await`` between them costs twice per wait: that argument holds for dispatch
-and relay, not for the rooms above.
+Elsewhere: the client connections and what is refused on them (``frontdoor``); the checks
+before routing, the header grammars and a request's one routed record (``request.Routed``);
+the state of its attempts (``job``); the request each node gets and the forwards we serve
+(``attempt``); an attempt's exchange, its relay, and a broken stream resumed or ended
+(``relay``); the ``/v1/models`` body (``routetable.models_body``); the bookkeeping once answered
+(``settle``); and the waiting rooms an interactive request on a served model never enters, each
+a sans-IO machine that takes the time and returns what to do: the batch gate (``gate``; its
+trio side ``gatewait``), the wait for a replica (``coldstart``; ``coldwait``), Responses pinning
+(``responses``) and the pending-aware hold (``hold``, waited for in ``_hold``). They are waited
+for in one way: on events (a request ending, a batch request queued, the mesh changing) or until
+the machine's ``next_deadline()``, never on a fixed period; the only periodic look left is at
+the sockets of waiting clients, for a hang-up.
 
 Request outcomes (OpenAI error shape ``{"error": {"message", "type", "code"}}``; on the
 Anthropic paths, ``/v1/messages*``, Anthropic's ``{"type": "error", "error": {"type",
@@ -52,52 +49,32 @@ Anthropic paths, ``/v1/messages*``, Anthropic's ``{"type": "error", "error": {"t
 
 * 400 malformed HTTP, JSON, form, ``model`` or a bad ``X-Fabric-*`` header; 401 missing/unknown
   API key (only when a keys file exists; ``Authorization: Bearer`` or ``x-api-key``), or a batch
-  owner header that does not verify; 403
-  forward header that does not verify; 404 unknown path, a model no SERVING node announces, or
-  a stored response whose node is gone; 405 wrong method; 413 body over ``max_body_bytes``; 429
-  rate limited (``Retry-After``); 431 header block too large; 503 no eligible node, every
-  attempt failed before the first byte, or a batch request the gate refused or held too long
-  (``Retry-After``).
-* Failover: a connection error, a timeout before the response head, or a 502/503/504 answer is
-  retried on the next candidate, at most ``max_attempts`` nodes within ``retry_budget_s``; the
-  failed node is ejected by the circuit breaker. A chat or completion stream that breaks after
-  its first byte is resumed on another node (``resume``) where that can be faithful; otherwise
-  a stream ends with well-formed error event(s) in its endpoint's format
-  (``endpoints.stream_error_events``) and the terminating chunk, and any other broken body
-  closes the connection. A client that goes away aborts its upstream request.
-* Served locally (this agent's own engine, chosen by the policy or asked by a verified
-  forward): counted in ``local_inflight``, which the engine service publishes as the node's
-  ``inflight`` load. While leaving, forwards are refused with 503 so the ingress fails over.
+  owner header that does not verify; 403 forward header that does not verify; 404 unknown
+  path, a model no SERVING node announces, or a stored response whose node is gone; 405 wrong
+  method; 413 body over ``max_body_bytes``; 429 rate limited (``Retry-After``); 431 header block
+  too large; 503 no eligible node, every attempt failed before the first byte, or a batch
+  request the gate refused or held too long (``Retry-After``). A broken stream: ``relay``.
 * Priority tiers (``tiers``): a batch request (``X-Fabric-Priority: batch``, or this agent's
   Batch API worker with the batch owner header) goes only to a node with room for batch work
-  (a fresh load report without a queue and with KV usage under ``batch_kv_threshold``, and
-  fewer than ``batch_max_inflight_per_node`` of our batch requests on it, and no prompt of
-  ours still ahead on its prefill clock: one batch prefill at a time), else waits in the
-  gate (``gate.BatchGate``), released in weighted fair order between API keys when a batch
-  request ends, a load report or a node arrives (``mesh_changed``), or the gate's deadline
-  comes (a pacing or prefill clock running out, a report going stale);
-  503 ``batch_queue_full`` past ``max_batch_waiting`` waiters and ``batch_wait_timeout``
-  past ``batch_max_wait_s``. Then
-  it is routed by the policy among the nodes with room, with failover. To a node labelled
-  ``fabric.priority_scheduling`` its chat, completion and Responses bodies carry
-  ``"priority": batch_priority``. Interactive requests (the default) pay two header lookups
-  and never wait in the gate.
-* Prefill clocks (``prefill``): each prompt sent to a node (``endpoints.PREFILL_KINDS``)
-  moves that node's clock by its estimated tokens over the node's rate; the policies' load
-  score weighs the backlog (``routing``), the batch gate waits for it to run out, and a stream
-  sent to a node with none ahead teaches the node's rate by its first token.
-* Sleeping engines (``fabric.sleeping``, ``engine.sleep``): a model whose replicas all sleep
-  is routed to them, unranked (ours first, then by session id, so ingresses agree on one),
-  and the serving agent wakes its engine before relaying (``wake_local``); a node that does not
-  wake answers 503 and the ingress fails over. Requests for models with an awake replica never
-  see sleeping ones.
+  (a fresh load report without a queue and with KV usage under ``batch_kv_threshold``, fewer
+  than ``batch_max_inflight_per_node`` of our batch requests on it, and no prompt of ours still
+  ahead on its prefill clock: one batch prefill at a time), else waits in the gate
+  (``gate.BatchGate``), released in weighted fair order between API keys; 503
+  ``batch_queue_full`` past ``max_batch_waiting`` waiters and ``batch_wait_timeout`` past
+  ``batch_max_wait_s``. Then it is routed by the policy among the nodes with room, with
+  failover. Interactive requests (the default) pay two header lookups and never wait in the
+  gate.
+* Prefill clocks (``prefill``): each prompt sent to a node (``endpoints.PREFILL_KINDS``) moves
+  that node's clock (``relay``); the policies' load score weighs the backlog (``routing``) and
+  the batch gate waits for it to run out.
+* Sleeping engines (``fabric.sleeping``): a model whose replicas all sleep is routed to them,
+  unranked (ours first, then by session id, so ingresses agree on one); the serving agent wakes
+  its engine first (``attempt``). Requests for models with an awake replica never see them.
 """
 
 from __future__ import annotations
 
 import logging
-import math
-import os
 import random
 import socket
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
@@ -108,15 +85,9 @@ import trio
 
 from fabricnode.dataplane import responses, routing
 from fabricnode.dataplane.apikeys import ApiKeyStore, RateLimiter
-from fabricnode.dataplane.asgi_call import KEY_SCOPE, KEYS_SCOPE, OWNER_SCOPE, AsgiApp, call_asgi
-from fabricnode.dataplane.clientconn import (
-    ClientConn,
-    ClientGone,
-    client_send,
-    linger,
-    send_now,
-    send_rest,
-)
+from fabricnode.dataplane.asgi_call import KEY_SCOPE, KEYS_SCOPE, OWNER_SCOPE, AsgiApp, answer_asgi
+from fabricnode.dataplane.attempt import Attempts
+from fabricnode.dataplane.clientconn import ClientConn, ClientGone, send_error
 from fabricnode.dataplane.coldstart import ReplicaRoom
 from fabricnode.dataplane.coldwait import ReplicaWaits
 from fabricnode.dataplane.endpoints import (
@@ -124,104 +95,47 @@ from fabricnode.dataplane.endpoints import (
     ENDPOINTS,
     FORM_KINDS,
     PREFILL_KINDS,
-    RESENDABLE_KINDS,
     RESPONSE_CANCEL,
     RESPONSES,
-    RESUMABLE_KINDS,
-    last_sequence_number,
     response_follow_up,
-    stream_error_events,
 )
 from fabricnode.dataplane.forward_auth import HEADER as FORWARD_HEADER
-from fabricnode.dataplane.forward_auth import ForwardRejected, ForwardVerifier, sign_forward
+from fabricnode.dataplane.frontdoor import FrontDoor
 from fabricnode.dataplane.gate import BatchGate, BatchWaiter
 from fabricnode.dataplane.gatewait import PREEMPTED, GateWaits
 from fabricnode.dataplane.hold import Hold
-from fabricnode.dataplane.http1 import (
-    CONTINUE_RESPONSE,
-    HOP_RESPONSE_HEADERS,
-    BodyBudget,
-    Request,
-    RequestParser,
-    frame,
-    full_response,
-    status_line,
-    text_of,
-)
-from fabricnode.dataplane.http1 import response_head as build_head
+from fabricnode.dataplane.http1 import Request, full_response, text_of
 from fabricnode.dataplane.ingress_config import IngressConfig
 from fabricnode.dataplane.job import BatchSlot, Job
 from fabricnode.dataplane.metrics import IngressMetrics, LabelCache, failure_reason
 from fabricnode.dataplane.prefill import PrefillClocks
+from fabricnode.dataplane.relay import RESUME, Relay
 from fabricnode.dataplane.request import (
-    KEY_REJECTION,
     Rejection,
     Routed,
     authorize,
     decode,
     decode_as,
-    error_body,
-    error_body_for,
     key_of,
-    malformed_code,
     prompt_text,
     route_headers,
 )
 from fabricnode.dataplane.responses import PinnedNode
-from fabricnode.dataplane.resume import (
-    RESUME_HEADER,
-    Delivered,
-    Splicer,
-    Transcript,
-    TranscriptBudget,
-    plan_continuation,
-    turned_off,
-)
-from fabricnode.dataplane.routetable import (
-    CircuitBreaker,
-    Origin,
-    Route,
-    RouteTable,
-    models_body,
-    origin_of,
-    route_of,
-)
+from fabricnode.dataplane.routetable import CircuitBreaker, Route, RouteTable, models_body, route_of
 from fabricnode.dataplane.settle import SETTLE_INTERVAL_S, Settler
-from fabricnode.dataplane.sockio import (
-    LoopClock,
-    Reactor,
-    SocketClosed,
-    Watchdog,
-    Watched,
-    close,
-)
-from fabricnode.dataplane.tiers import (
-    OWNER_HEADER,
-    PRIORITY_KINDS,
-    RoomRules,
-    owner_of,
-    prioritized,
-)
-from fabricnode.dataplane.upstream import BrokenResponse, Exchange, UpstreamError, UpstreamPool
-from fabricnode.dataplane.usage import StreamUsage, UsageLedger
-from fabricnode.logs import ThrottledErrors
+from fabricnode.dataplane.sockio import LoopClock, Reactor, Watchdog, close
+from fabricnode.dataplane.tiers import OWNER_HEADER, RoomRules, owner_of
+from fabricnode.dataplane.upstream import UpstreamPool
+from fabricnode.dataplane.usage import UsageLedger
 from fabricnode.mesh.core import MeshCore
 from fabricnode.mesh.registry import State
-from fabricnode.mesh.schema import Standing
 from fabricnode.requestlog.writer import RequestLog
 
 log = logging.getLogger("fabricnode.dataplane.ingress")
 
-RETRYABLE_STATUS = (502, 503, 504)
-# An attempt's outcome when its stream broke and a continuation is ready (``_prepare_resume``).
-RESUME = "resume"
-# Kinds whose requests need more than the table lookup (``Ingress._prepare``).
+# Kinds whose requests need more than the table lookup (``Ingress._route``).
 PREPARED_KINDS = frozenset((RESPONSES, *FORM_KINDS))
-# Request headers passed on to the upstream (anything else stays at the ingress).
 BATCH_API_PREFIXES = (b"/v1/files", b"/v1/batches")
-FORWARDED_REQUEST_HEADERS = (b"accept", b"x-request-id", b"openai-organization")
-JSON = b"application/json"
-SSE = b"text/event-stream"
 CONNECT_REFUSED = "cannot connect"  # how UpstreamError names a refused connection
 MAX_REFUSED_SKIPS = 8  # refused connections per request that do not count as attempts
 
@@ -244,6 +158,8 @@ class IngressStatistics:
 
 
 class Ingress:
+    """One agent's ``/v1`` ingress (see the module docstring); the agent builds and serves it."""
+
     def __init__(
         self,
         core: MeshCore,
@@ -273,18 +189,6 @@ class Ingress:
         self.declared_models = declared_models
         self.config = cfg = config or IngressConfig()
         self.wall_clock = wall_clock
-        # Our own engine's URL while it is serving (None otherwise): one call per request.
-        self.serving_engine_url = serving_engine_url
-        # Whether the engine a local relay went to still runs, checked while the relay waits
-        # for the response head: the engine's listening socket outlives the engine (the agent
-        # holds it for the next one), so a request sent as the engine died waits in the
-        # socket's queue rather than failing, and would wait ``first_byte_timeout_s``.
-        self.local_engine_up = local_engine_up
-        # Engine sleep (``engine.sleep``): the agent sets ``local_asleep`` while our engine
-        # sleeps or falls asleep, and a request for it first awaits ``wake_local`` (True once
-        # awake). Only then: a sleeping node is routed to only when its model has no awake one.
-        self.local_asleep = False
-        self.wake_local = wake_local
         self.control_app = control_app
         # The Batch API (``fabricnode.batch.api``), handed in by the agent; None: off.
         self.batch_app: AsgiApp | None = None
@@ -315,17 +219,8 @@ class Ingress:
         self.settler = Settler(self.metrics, self.ledger, request_log, wall_clock, self.clock)
         self.pool = UpstreamPool(clock=self.clock, reactor=self.reactor)
         self.pool.while_waiting = self.settler.settle
-        self.transcripts = TranscriptBudget(cfg.resume_buffer_bytes)
-        # At least one whole request of the largest size allowed must fit.
-        self.body_budget = BodyBudget(max(cfg.max_buffered_body_bytes, cfg.max_body_bytes))
         self.watchdog = Watchdog(cfg.watchdog_interval_s, self.reactor)
         self.watchdog.clock = self.clock
-        self.forwards = ForwardVerifier(core.keyring, max_skew_s=cfg.forward_max_skew_s)
-        self._forwards_served = LabelCache(self.metrics.forwards_served)
-        self.remote_inflight: dict[str, int] = {}  # session id -> our requests in flight to it
-        self.local_inflight = 0  # requests in flight to our own engine
-        self.local_served = 0  # requests sent to our own engine, ever (its idle clock)
-        self.leaving = False  # refuse forwards (503) so ingresses fail over
         # What this ingress sent each node to prefill, and how fast each prefills (routing).
         self.prefill = PrefillClocks()
         # The batch tier (``gate``, ``tiers``): the machine decides, the shell waits. Its
@@ -359,35 +254,97 @@ class Ingress:
             breaker=self.breaker,
             metrics=self.metrics,
         )
+        # One attempt on a node (``attempt``) and its exchange and relay (``relay``), which
+        # counts our requests in flight per node: routing reads the same dict.
+        self.relay = Relay(
+            config=cfg,
+            clock=self.clock,
+            wall_clock=wall_clock,
+            pool=self.pool,
+            watchdog=self.watchdog,
+            metrics=self.metrics,
+            prefill=self.prefill,
+            gate_waits=self.gate_waits,
+        )
+        self.remote_inflight = self.relay.remote_inflight
+        self.attempts = Attempts(
+            core,
+            self.relay,
+            config=cfg,
+            clock=self.clock,
+            wall_clock=wall_clock,
+            metrics=self.metrics,
+            serving_engine_url=serving_engine_url,
+            local_engine_up=local_engine_up,
+            wake_local=wake_local,
+        )
         self._batch_waiting = LabelCache(self.metrics.batch_waiting)
         self._waiting_labels: set[str] = set()  # batch_waiting labels set so far
-        self.connections = 0
         self.requests = 0
         self.retries = 0
-        self.broken_streams = 0
-        self._holders = 0
-        self._released = trio.Event()
-        self._local_idle: trio.Event | None = None  # for wait_local_idle, made on demand
-        self._local_origin_cache: tuple[str, Origin | None] | None = None
-        self._conns: set[ClientConn] = set()
-        self._per_client: dict[str, int] = {}  # client address -> open connections
-        self._internal_errors = ThrottledErrors(
-            log, "a connection failed on an unexpected error (%d since the last report)"
+        # The client side: accepting within the limits, one task per connection, each
+        # request it reads handed to ``_handle``.
+        self.front = FrontDoor(
+            config=cfg,
+            clock=self.clock,
+            reactor=self.reactor,
+            watchdog=self.watchdog,
+            metrics=self.metrics,
+            api_keys=api_keys,
+            answer=self._handle,
         )
-        self._accepting = True
+
+    # == what the agent reads and sets ======================================================
+
+    @property
+    def connections(self) -> int:
+        """Client connections open now."""
+        return self.front.connections
+
+    @property
+    def local_inflight(self) -> int:
+        """Requests in flight to our own engine (the node's ``inflight`` load)."""
+        return self.relay.local_inflight
+
+    @property
+    def local_served(self) -> int:
+        """Requests sent to our own engine, ever (its idle clock)."""
+        return self.relay.local_served
+
+    @property
+    def local_asleep(self) -> bool:
+        """Set by the agent while our engine sleeps: a request for it wakes it first."""
+        return self.attempts.local_asleep
+
+    @local_asleep.setter
+    def local_asleep(self, asleep: bool) -> None:
+        self.attempts.local_asleep = asleep
+
+    @property
+    def leaving(self) -> bool:
+        """Set by the agent as it leaves: forwards are refused (503) so ingresses fail over."""
+        return self.attempts.leaving
+
+    @leaving.setter
+    def leaving(self, leaving: bool) -> None:
+        self.attempts.leaving = leaving
+
+    async def wait_local_idle(self) -> None:
+        """Return once no request is in flight to our own engine."""
+        await self.relay.wait_local_idle()
 
     # == statistics ==========================================================================
 
     def statistics(self) -> IngressStatistics:
         pool = self.pool.statistics()
         return IngressStatistics(
-            connections=self.connections,
+            connections=self.front.connections,
             requests=self.requests,
-            local_inflight=self.local_inflight,
+            local_inflight=self.relay.local_inflight,
             remote_inflight=sum(self.remote_inflight.values()),
             retries=self.retries,
             ejections=self.breaker.ejections,
-            broken_streams=self.broken_streams,
+            broken_streams=self.relay.broken_streams,
             batch_waiting=len(self.gate),
             batch_inflight=sum(self.batch_inflight.values()),
             watchdog_expired=self.watchdog.expired_total,
@@ -400,8 +357,8 @@ class Ingress:
         self.settle()
         m = self.metrics
         m.inflight.labels("ingress").set(sum(self.remote_inflight.values()))
-        m.inflight.labels("local").set(self.local_inflight)
-        m.connections.set(self.connections)
+        m.inflight.labels("local").set(self.relay.local_inflight)
+        m.connections.set(self.front.connections)
         waiting = dict.fromkeys(self._waiting_labels, 0)
         waiting.update(self.gate.waiting_by_label())
         for label, n in waiting.items():
@@ -436,211 +393,28 @@ class Ingress:
             nursery.start_soon(self.gate_waits.run)
             async with trio.open_nursery() as conn_nursery:
                 accept_scope = trio.CancelScope()
-                conn_nursery.start_soon(self._accept_loop, sock, conn_nursery, accept_scope)
+                front = self.front
+                conn_nursery.start_soon(front.accept_loop, sock, conn_nursery, accept_scope)
                 task_status.started()
                 await shutdown.wait()
-                self._accepting = False
                 accept_scope.cancel()
                 close(sock)
-                for conn in list(self._conns):
-                    conn.closing = True  # finish the current request, then close
-                    if conn.watch.deadline != math.inf:  # idle between requests: close now
-                        self.reactor.close(conn.sock)
+                front.close_all()
                 with trio.move_on_after(grace_s):
-                    while self._conns:
+                    while front.conns:
                         await trio.sleep(0.05)
                 conn_nursery.cancel_scope.cancel()
             self.pool.close_all()
             self.settle()
             nursery.cancel_scope.cancel()
 
-    async def _accept_loop(
-        self, sock: socket.socket, nursery: trio.Nursery, scope: trio.CancelScope
-    ) -> None:
-        with scope:
-            while True:
-                try:
-                    client, addr = sock.accept()
-                except BlockingIOError:
-                    await trio.lowlevel.wait_readable(sock)
-                    continue
-                except OSError as exc:  # EMFILE and friends: back off, do not spin
-                    log.warning("accept failed: %s", exc)
-                    await trio.sleep(0.1)
-                    continue
-                cfg = self.config
-                peer = str(addr[0]) if isinstance(addr, tuple) else ""
-                held = self._per_client.get(peer, 0)
-                if self.connections >= cfg.max_connections:
-                    self.metrics.connections_refused.labels("total").inc()
-                    client.close()
-                    continue
-                if held >= cfg.max_connections_per_client:
-                    self.metrics.connections_refused.labels("per_client").inc()
-                    client.close()
-                    continue
-                self._per_client[peer] = held + 1
-                client.setblocking(False)
-                client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                self.reactor.register(client)
-                nursery.start_soon(self._connection, client, peer)
-
-    async def _connection(self, sock: socket.socket, peer: str = "") -> None:
-        cfg = self.config
-        busy = self.connections >= cfg.busy_connections
-        watch = Watched(
-            sock, self.clock.now() + (cfg.busy_keepalive_s if busy else cfg.keepalive_timeout_s)
-        )
-        conn = ClientConn(sock, watch, self.reactor)
-        self._conns.add(conn)
-        self.watchdog.watched.add(watch)
-        self.connections += 1
-        parser = RequestParser(
-            max_head_bytes=cfg.max_head_bytes,
-            max_headers=cfg.max_headers,
-            max_body_bytes=cfg.max_body_bytes,
-            budget=self.body_budget,
-        )
-        reactor = self.reactor
-        sent_continue = False
-        answered = False  # a response just went out: the client's next bytes are not here yet
-        try:
-            while not conn.closing:
-                if parser.ready:
-                    req = parser.ready.popleft()
-                    watch.deadline = math.inf  # our turn: no client timeout while we answer
-                    reactor.request_started()
-                    try:
-                        keep = await self._handle(conn, req)
-                    finally:
-                        reactor.request_ended()
-                        parser.answered(req)
-                    if not keep or not req.keep_alive:
-                        break
-                    sent_continue = False
-                    answered = True
-                    if parser.mid_request:
-                        idle_s = cfg.request_timeout_s
-                    elif self.connections > cfg.busy_connections:
-                        idle_s = cfg.busy_keepalive_s  # many held: idle ones make room sooner
-                    else:
-                        idle_s = cfg.keepalive_timeout_s
-                    watch.deadline = self.clock.now() + idle_s
-                    continue
-                if parser.error is not None:
-                    status, message = parser.error
-                    self.metrics.malformed.labels(str(status)).inc()
-                    code = malformed_code(status)
-                    pending = parser.pending
-                    path = pending.path if pending is not None else b""
-                    await self._send_error(conn, status, message, code, close=True, path=path)
-                    await linger(conn, cfg.linger_s, cfg.linger_max_bytes)
-                    break
-                if parser.head_complete and not sent_continue:
-                    pending = parser.pending
-                    if pending is not None and self._refused_by_head(pending):
-                        # Checked from the head: a request that will be refused sends no body.
-                        self.metrics.malformed.labels("401").inc()
-                        await self._send_error(
-                            conn,
-                            KEY_REJECTION.status,
-                            KEY_REJECTION.message,
-                            KEY_REJECTION.code,
-                            close=True,
-                            path=pending.path,
-                        )
-                        await linger(conn, cfg.linger_s, cfg.linger_max_bytes)
-                        break
-                    if pending is not None and pending.expect_continue:
-                        await reactor.send_all(sock, CONTINUE_RESPONSE)
-                    sent_continue = True
-                data: bytes | None = None
-                if answered and not parser.mid_request:
-                    # A closed-loop client sends its next request only after reading our
-                    # answer: wait for it instead of trying a read that would fail.
-                    answered = False
-                    try:
-                        await reactor.wait_readable(sock)
-                    except (trio.ClosedResourceError, OSError):
-                        break  # closed by the watchdog (keep-alive timeout) or at shutdown
-                    data = reactor.try_recv(sock)
-                if data is None:
-                    data = await reactor.recv_some(sock)
-                if not data:
-                    break  # the client closed or half-closed (the same FIN: a hang-up; a
-                    # request it did not finish sending cannot be answered anyway)
-                was_mid = parser.mid_request
-                parser.feed(data)
-                if not was_mid and parser.mid_request and not parser.ready:
-                    # A request started and is incomplete: it has request_timeout_s to arrive
-                    # (a request that came whole is answered at once and needs no deadline).
-                    watch.deadline = self.clock.now() + cfg.request_timeout_s
-        except (SocketClosed, ClientGone):
-            pass
-        except Exception:
-            # The error boundary: whatever a client, a node or an engine sent, one connection
-            # failing must not end the agent (the nursery would cancel every connection).
-            self.metrics.internal_errors.inc()
-            self._internal_errors.exception(self.clock.now())
-        finally:
-            parser.release()
-            self.watchdog.watched.discard(watch)
-            self._conns.discard(conn)
-            self.connections -= 1
-            left = self._per_client.get(peer, 1) - 1
-            if left > 0:
-                self._per_client[peer] = left
-            else:
-                self._per_client.pop(peer, None)
-            reactor.close(sock)
-
-    def _refused_by_head(self, req: Request) -> bool:
-        """A ``/v1`` (or other model-routed) request whose head already shows it will get 401:
-        API keys are on and it names no valid key (a forward is authenticated by its own header
-        instead)."""
-        keys = self.api_keys
-        if keys is None or not keys.enabled:
-            return False
-        path = req.path
-        if not path.startswith(b"/v1/") and path not in ENDPOINTS:
-            return False
-        if FORWARD_HEADER in req.headers or OWNER_HEADER in req.headers:
-            return False  # checked with the body: its own HMAC, or the batch owner's token
-        return key_of(req.headers, keys) is None
-
-    async def _send_error(
-        self,
-        conn: ClientConn,
-        status: int,
-        message: str,
-        code: str,
-        *,
-        close: bool = False,
-        extra: list[tuple[bytes, bytes]] | None = None,
-        head_only: bool = False,
-        path: bytes = b"",
-    ) -> None:
-        """An error answer, in the dialect of the request's ``path`` (``error_body_for``)."""
-        await self.reactor.send_all(
-            conn.sock,
-            full_response(
-                status,
-                error_body_for(path, status, message, code),
-                extra=extra,
-                keep_alive=not close,
-                head_only=head_only,
-            ),
-        )
+    # == dispatch ============================================================================
 
     async def _reject(self, conn: ClientConn, why: Rejection, path: bytes) -> bool:
         """An error answer to a request that was refused before routing (counted as such)."""
         self.metrics.done("-", why.status, 0.0)
-        await self._send_error(
-            conn, why.status, why.message, why.code, extra=why.headers, path=path
-        )
+        await send_error(conn, why.status, why.message, why.code, extra=why.headers, path=path)
         return True
-
-    # == dispatch ============================================================================
 
     # The dispatchers below are plain functions that return the coroutine answering the
     # request, not coroutines awaiting it: every level of ``await`` is crossed twice per wait
@@ -660,7 +434,7 @@ class Ingress:
             if req.method == b"POST":
                 forward = req.headers.get(FORWARD_HEADER)
                 if forward is not None:
-                    return self._serve_forward(conn, req, forward)
+                    return self.attempts.serve_forward(conn, req, forward)
                 return self._route(conn, req, path, kind)
             return self._method_not_allowed(conn, b"POST", path)
         if path.startswith(b"/v1/"):
@@ -672,13 +446,13 @@ class Ingress:
         the caller named (``asgi_call.KEYS_SCOPE``): it decides which paths need an admin key
         and answers the dashboard's ``/ui/session`` (``control.access``)."""
         if self.control_app is None:
-            await self._send_error(conn, 404, "no such endpoint", "not_found")
+            await send_error(conn, 404, "no such endpoint", "not_found")
             return True
         keys = self.api_keys
         on = keys is not None and keys.enabled
         key = key_of(req.headers, keys) if keys is not None and on else None
         scope = {KEYS_SCOPE: on, KEY_SCOPE: key}
-        return await self._answer_asgi(conn, req, self.control_app, scope)
+        return await answer_asgi(conn, req, self.control_app, scope)
 
     def _handle_v1(self, conn: ClientConn, req: Request, path: bytes) -> Coroutine[Any, Any, bool]:
         """``/v1`` paths that are not in ``ENDPOINTS``: the model list, the stateful Responses
@@ -697,7 +471,7 @@ class Ingress:
                 return self._method_not_allowed(conn, allow, path)
             forward = req.headers.get(FORWARD_HEADER)
             if forward is not None:
-                return self._serve_forward(conn, req, forward)
+                return self.attempts.serve_forward(conn, req, forward)
             return self._route_follow_up(conn, req, kind, rid)
         return self._answer_error(
             conn,
@@ -714,7 +488,7 @@ class Ingress:
         learns the caller's key id (``fabric.owner``), which owns what it creates."""
         app = self.batch_app
         if app is None:
-            await self._send_error(
+            await send_error(
                 conn, 404, "the Batch API is off on this agent", "not_found", path=path
             )
             return True
@@ -722,19 +496,7 @@ class Ingress:
         if isinstance(checked, Rejection):
             return await self._reject(conn, checked, path)
         owner = checked.key_id if checked is not None else "-"
-        return await self._answer_asgi(conn, req, app, {OWNER_SCOPE: owner})
-
-    async def _answer_asgi(
-        self, conn: ClientConn, req: Request, app: AsgiApp, extra: Mapping[str, object] | None
-    ) -> bool:
-        """Answer ``req`` with an ASGI app (the control app, the Batch API) in this task."""
-        status, headers, body = await call_asgi(app, req, extra)
-        # The app's own headers go out (Allow on a 405, caching, content type), framing ours.
-        kept = [(n, v) for n, v in headers if n.lower() not in HOP_RESPONSE_HEADERS]
-        kept.append((b"content-length", b"%d" % len(body)))
-        head = build_head(status, kept)
-        await self.reactor.send_all(conn.sock, head if req.method == b"HEAD" else head + body)
-        return True
+        return await answer_asgi(conn, req, app, {OWNER_SCOPE: owner})
 
     async def _answer(self, conn: ClientConn, body: bytes, *, head_only: bool) -> bool:
         await self.reactor.send_all(conn.sock, full_response(200, body, head_only=head_only))
@@ -743,11 +505,11 @@ class Ingress:
     async def _answer_error(
         self, conn: ClientConn, status: int, message: str, code: str, path: bytes = b""
     ) -> bool:
-        await self._send_error(conn, status, message, code, path=path)
+        await send_error(conn, status, message, code, path=path)
         return True
 
     async def _method_not_allowed(self, conn: ClientConn, allow: bytes, path: bytes) -> bool:
-        await self._send_error(
+        await send_error(
             conn,
             405,
             f"method not allowed; use {allow.decode()}",
@@ -883,9 +645,7 @@ class Ingress:
         model = job.model
         full = self.replica_room.enter(model)
         if full is not None:
-            await self._send_error(
-                conn, 503, full.message, full.code, extra=full.headers, path=job.path
-            )
+            await send_error(conn, 503, full.message, full.code, extra=full.headers, path=job.path)
             return True
 
         def lookup(tried: set[str]) -> list[Route] | None:
@@ -908,11 +668,9 @@ class Ingress:
         if isinstance(got, Rejection):
             job.status = 503
             if job.held_head:
-                await self._end_stream(conn, job, got.message, got.code)
+                await self.relay.end_stream(conn, job, got.message, got.code)
             else:
-                await self._send_error(
-                    conn, 503, got.message, got.code, extra=got.headers, path=job.path
-                )
+                await send_error(conn, 503, got.message, got.code, extra=got.headers, path=job.path)
             self._account(job, 0)
             return not conn.closing
         return await self._dispatch(conn, job, routed, got)
@@ -993,7 +751,7 @@ class Ingress:
                 if job.splice is not None:
                     log.info("stream continuation %d goes to %s", job.resumes, pick[:8])
                 policy.on_routed(routed, pick, wall)
-                attempt = self._attempt(conn, job, route, now)
+                attempt = self.attempts.attempt(conn, job, route, now)
                 outcome: str | None
                 try:
                     if isinstance(attempt, str):
@@ -1043,9 +801,9 @@ class Ingress:
                 job.status = 503
                 why = self.gate.refusal(refusal)
                 if job.held_head:
-                    await self._end_stream(conn, job, why.message, why.code)
+                    await self.relay.end_stream(conn, job, why.message, why.code)
                 else:
-                    await self._send_error(
+                    await send_error(
                         conn, 503, why.message, why.code, extra=why.headers, path=job.path
                     )
                 keep = not job.close
@@ -1054,7 +812,7 @@ class Ingress:
                 # which ends well-formed with the error event.
                 self.metrics.stream_resumes.labels("failed").inc()
                 job.status = 502
-                await self._end_stream(
+                await self.relay.end_stream(
                     conn, job, f"the serving node failed mid-stream: {last_error}"
                 )
                 keep = not job.close
@@ -1065,12 +823,14 @@ class Ingress:
                 keep = True
             elif job.held_head:
                 job.status = 502
-                await self._end_stream(conn, job, f"no node could take the request: {last_error}")
+                await self.relay.end_stream(
+                    conn, job, f"no node could take the request: {last_error}"
+                )
                 keep = not job.close
             else:
                 job.status = 503
                 what = repr(job.model) if job.model != "-" else "the stored response"
-                await self._send_error(
+                await send_error(
                     conn,
                     503,
                     f"no node could take the request for {what}: {last_error}",
@@ -1149,7 +909,7 @@ class Ingress:
         held: list[routing.Candidate],
     ) -> list[routing.Candidate] | None:
         """Pending-aware pushing (``hold``): wait (bounded) until some node has room, then rank
-        again. It wakes when one of our requests ends or the mesh changes (``_release``), or
+        again. It wakes when one of our requests ends or the mesh changes (``Relay.release``), or
         at the hold's deadline (its end, or a report that kept it going stale)."""
         now = self.clock.now()
         hold = Hold(
@@ -1161,13 +921,14 @@ class Ingress:
         )
         hold.held(held, now, self.wall_clock())
         self.metrics.decision(self.policy.name, "hold")
-        self._holders += 1
+        relay = self.relay
+        relay.holders += 1
         try:
             while True:
                 # A node back from ejection may be open: also look again then.
                 wake = min(hold.next_deadline(), self.breaker.next_readmission(now))
                 with trio.move_on_at(wake):
-                    await self._released.wait()
+                    await relay.released.wait()
                 now = self.clock.now()
                 wall = self.wall_clock()
                 cands = self._candidates(routes, routed, tried, now, wall, interactive=True)
@@ -1177,12 +938,7 @@ class Ingress:
                 if ranked is not None:
                     return ranked
         finally:
-            self._holders -= 1
-
-    def _release(self) -> None:
-        if self._holders:
-            released, self._released = self._released, trio.Event()
-            released.set()
+            relay.holders -= 1
 
     # == the batch gate (``gate``) ==========================================================
 
@@ -1207,508 +963,8 @@ class Ingress:
         """The mesh's view may have changed (the agent's gossip service received or timed
         something: a load report, a node joining or going): what waits for it looks again."""
         self.gate_waits.wake()
-        self._release()  # held requests look again
+        self.relay.release()  # held requests look again
         self.replica_waits.wake()  # requests waiting for a replica too
-
-    # == one attempt =========================================================================
-
-    def _attempt(
-        self, conn: ClientConn, job: Job, route: Route, now: float
-    ) -> Coroutine[Any, Any, str | None] | str:
-        """Try one node: await the result, None when the client got an answer (any status),
-        else why not; a str right away when the node cannot be tried."""
-        sid = route.info.session_id
-        if job.retag:
-            self._tag_response(job, sid)
-        slot = job.slot
-        if slot is not None and job.kind in PRIORITY_KINDS:
-            self._prioritize(job, slot, route.priority)
-        if route.is_self:
-            url = self.serving_engine_url()
-            if url is None:
-                return "local engine not serving"
-            origin = self._local_origin(url)
-            if origin is None:
-                return "local engine URL has no HOST:PORT"
-            request = self._upstream_request(job, origin, forward=None)
-            if self.local_asleep:
-                return self._wake_then_relay(conn, job, origin, request, sid, now)
-            return self._relay(
-                conn, job, origin, request, sid, self.local_engine_up, now, local=True
-            )
-        forward = sign_forward(
-            self.core.keyring,
-            sender=self.core.self_id,
-            target=sid,
-            method=job.method,
-            path=job.path,
-            body=job.body,
-            now=self.wall_clock(),
-        )
-        request = self._upstream_request(job, route.origin, forward=forward)
-        return self._relay(
-            conn, job, route.origin, request, sid, self._node_ok(sid), now, local=False
-        )
-
-    def _tag_response(self, job: Job, sid: str) -> None:
-        """A ``POST /v1/responses`` about to go to node ``sid``: its body names that node
-        (``responses.tagged``), without the priority field."""
-        if job.doc is not None:
-            job.body, job.response_id = responses.tagged(job.doc, sid, os.urandom(8))
-            if job.slot is not None:
-                job.slot.unprioritized = None
-
-    def _prioritize(self, job: Job, slot: BatchSlot, on: bool) -> None:
-        """A batch request about to go to a node: its body carries ``"priority":
-        batch_priority`` if that node's engine schedules by priority (``on``), and is as it
-        came otherwise (vLLM refuses a non-zero priority under its default policy; ``tiers``).
-        """
-        if on:
-            if slot.unprioritized is None:  # else it carries the field already
-                body = prioritized(job.body, self.config.batch_priority)
-                if body is not None:
-                    slot.unprioritized = job.body
-                    job.body = body
-        elif slot.unprioritized is not None:
-            job.body = slot.unprioritized
-            slot.unprioritized = None
-
-    async def _wake_then_relay(
-        self, conn: ClientConn, job: Job, origin: Origin, request: bytes, sid: str, now: float
-    ) -> str | None:
-        """Our engine sleeps: wake it (the request waits), then send the request to it."""
-        if not await self._wake_local():
-            return "local engine did not wake up"
-        return await self._relay(
-            conn, job, origin, request, sid, self.local_engine_up, now, local=True
-        )
-
-    async def _wake_local(self) -> bool:
-        wake = self.wake_local
-        if wake is None:
-            return False
-        woke = await wake()
-        self.metrics.wake_ups.labels("woken" if woke else "failed").inc()
-        return woke
-
-    def _local_origin(self, url: str) -> Origin | None:
-        cached = self._local_origin_cache
-        if cached is None or cached[0] != url:
-            self._local_origin_cache = cached = (url, origin_of(url))
-        return cached[1]
-
-    def _node_ok(self, sid: str) -> Callable[[], bool]:
-        core = self.core
-
-        def still_ok() -> bool:
-            # GONE (DOWN or dead): the answer will never come, fail over now. LEAVING is fine:
-            # a leaving node finishes what it accepted before it stops its engine.
-            entry = core.registry.get(sid)
-            return entry is not None and core.standing_of(entry) is not Standing.GONE
-
-        return still_ok
-
-    async def wait_local_idle(self) -> None:
-        """Return once no request is in flight to our own engine."""
-        if self.local_inflight == 0:
-            await trio.lowlevel.checkpoint()
-            return
-        if self._local_idle is None:
-            self._local_idle = trio.Event()  # set by _relay when the last one ends
-        await self._local_idle.wait()
-
-    def _upstream_request(self, job: Job, origin: Origin, *, forward: bytes | None) -> bytes:
-        lines = [
-            b"%s %s HTTP/1.1\r\nhost: %s:%d\r\ncontent-type: %s\r\ncontent-length: %d\r\n"
-            % (job.method, job.path, origin[0].encode(), origin[1], job.content_type, len(job.body))
-        ]
-        headers = job.headers
-        for name in FORWARDED_REQUEST_HEADERS:
-            value = headers.get(name)
-            if value is not None:
-                lines.append(name + b": " + value + b"\r\n")
-        if forward is not None:
-            lines.append(FORWARD_HEADER + b": " + forward + b"\r\n")
-            session = headers.get(b"x-session-id")
-            if session is not None:
-                lines.append(b"x-session-id: " + session + b"\r\n")
-        lines.append(b"\r\n")
-        lines.append(job.body)
-        return b"".join(lines)
-
-    async def _relay(
-        self,
-        conn: ClientConn,
-        job: Job,
-        origin: Origin,
-        request: bytes,
-        sid: str,
-        still_wanted: Callable[[], bool] | None,
-        now: float,
-        *,
-        local: bool,
-    ) -> str | None:
-        """One attempt on ``origin``, counted in flight (``local``: to our own engine)."""
-        cfg = self.config
-        inflight = self.remote_inflight
-        if local:
-            self.local_inflight += 1
-            self.local_served += 1
-        else:
-            inflight[sid] = inflight.get(sid, 0) + 1
-        # On the node's prefill clock. A stream's first token corrects the clock when it comes
-        # late; one sent to an idle clock also samples the node's rate.
-        tokens = job.prefill_tokens
-        slot = job.slot
-        timed = sample = False
-        sent_at = due = 0.0
-        if tokens:
-            prefill = self.prefill
-            sent_at = self.clock.now()
-            if slot is not None and slot.booked == sid:  # the batch gate put it on the clock
-                was_idle = False
-            else:
-                was_idle = prefill.sent(sid, tokens, sent_at, slot is not None)
-            if slot is not None:
-                slot.booked = None
-            timed = job.stream and job.ttft_s is None
-            if timed:
-                due = prefill.due(sid)
-                # A batch prompt's first token also waits for interactive ones: no sample.
-                sample = was_idle and slot is None
-        try:
-            ex = Exchange(self.pool, self.watchdog, origin)
-            try:
-                await ex.start(
-                    request,
-                    connect_timeout_s=cfg.connect_timeout_s,
-                    first_byte_timeout_s=cfg.first_byte_timeout_s,
-                    still_wanted=still_wanted,
-                    now=now,
-                    client=conn.sock,
-                )
-            except UpstreamError as exc:
-                return str(exc)
-            except ClientGone:
-                self.metrics.client_disconnects.labels("waiting").inc()
-                raise
-            if slot is not None:
-                self.gate_waits.answered(job, sid)  # its answer is coming: it runs to the end
-            try:
-                status = ex.status
-                if status in RETRYABLE_STATUS:
-                    return f"node answered {status}"
-                if job.splice is not None or job.held_head:
-                    # A continuation, or a stream held for a replica: the client has its
-                    # response head (and, continuing, part of the stream).
-                    if status != 200 or not ex.content_type.startswith(SSE):
-                        return f"the node answered {status} to a stream whose head is out"
-                    job.served_by = sid
-                    return await self._relay_body(conn, job, ex, sid, b"", True)
-                job.status = status
-                job.served_by = sid
-                head, chunked = self._response_head(conn, job, ex, sid)
-                if not ex.complete:
-                    return await self._relay_body(conn, job, ex, sid, head, chunked)
-                # The whole response came with its head (any short JSON answer): one send, no
-                # coroutine for the body.
-                pieces = ex.take_pieces()
-                if pieces and job.stream:
-                    job.ttft_s = self.clock.now() - job.started
-                out = head + frame(pieces, chunked) if pieces else head
-                if chunked:
-                    out += b"0\r\n\r\n"
-                sent = send_now(conn, out)
-                if sent < len(out):
-                    await send_rest(conn, out, sent, cfg.stream_idle_timeout_s)
-                # Usage is read when the request is settled, off the client's path.
-                job.response = pieces
-                job.response_sse = ex.content_type.startswith(SSE)
-                return None
-            except ClientGone:
-                self.metrics.client_disconnects.labels("relaying").inc()
-                raise
-            finally:
-                ex.finish()  # closes an unfinished exchange: the engine aborts the request
-        finally:
-            if timed and job.ttft_s is not None:
-                first_at = job.started + job.ttft_s
-                self.prefill.first_token(sid, due, first_at)
-                if sample:
-                    self.prefill.observe(sid, tokens, first_at - sent_at)
-            if local:
-                self.local_inflight -= 1
-                idle = self._local_idle
-                if self.local_inflight == 0 and idle is not None:
-                    self._local_idle = None
-                    idle.set()
-            else:
-                n = inflight.get(sid, 1) - 1
-                if n > 0:
-                    inflight[sid] = n
-                else:
-                    inflight.pop(sid, None)
-            self._release()
-
-    def _response_head(
-        self, conn: ClientConn, job: Job, ex: Exchange, sid: str
-    ) -> tuple[bytes, bool]:
-        """Our response head for the upstream's, and whether the body goes out chunked."""
-        length = ex.content_length
-        chunked = length is None
-        if ex.bodiless:
-            chunked = False  # 204 and 304 end with their head: no length, no chunks
-            framing = b""
-        elif length is not None:
-            framing = b"content-length: %d\r\n" % length
-        elif job.http10:
-            # HTTP/1.0 has no chunked coding: send the body as it comes, end it by closing.
-            chunked = False
-            conn.closing = True
-            framing = b""
-        else:
-            framing = b"transfer-encoding: chunked\r\n"
-        if conn.closing:
-            framing += b"connection: close\r\n"
-        parts = (
-            status_line(job.status),
-            ex.end_to_end,
-            b"x-fabric-node: ",
-            sid.encode(),
-            b"\r\n",
-            framing,
-            b"\r\n",
-        )
-        return b"".join(parts), chunked
-
-    async def _relay_body(
-        self, conn: ClientConn, job: Job, ex: Exchange, sid: str, head: bytes, chunked: bool
-    ) -> str | None:
-        """Relay a body that is still coming, piece by piece as it arrives. None when the
-        client got its answer; ``RESUME`` when the stream broke and a continuation is ready."""
-        cfg = self.config
-        sse = ex.content_type.startswith(SSE)
-        pieces = ex.take_pieces()
-        usage = StreamUsage() if sse else None
-        collected: list[bytes] | None = None if sse else []
-        # What the client receives of a stream, kept (bounded) to resume it on another node.
-        transcript = job.transcript
-        # Only chat and completions resume: the other kinds end with their error event.
-        if (
-            transcript is None
-            and sse
-            and chunked
-            and job.stream
-            and cfg.max_resumes > 0
-            and job.kind in RESUMABLE_KINDS
-        ):
-            job.transcript = transcript = Transcript(self.transcripts)
-        splice = job.splice  # set when this is a continuation: its events are rewritten
-        first = True
-        idle_s = cfg.stream_idle_timeout_s
-        while True:
-            if splice is not None:
-                pieces = splice.feed(pieces)
-            if pieces:
-                if first and job.stream and job.ttft_s is None:
-                    job.ttft_s = self.clock.now() - job.started
-                first = False
-                out = frame(pieces, chunked)
-            else:
-                out = b""
-            if head:
-                out = head + out
-                head = b""
-            complete = ex.complete
-            if complete and chunked:
-                out += b"0\r\n\r\n"
-            if out:
-                sent = send_now(conn, out)
-                if sent < len(out):
-                    await send_rest(conn, out, sent, idle_s)
-            # Usage is read after the piece went out, not on its way to the client.
-            if usage is not None:
-                for piece in pieces:
-                    usage.feed(piece)
-                if transcript is not None:
-                    transcript.add(pieces)
-            elif collected is not None:
-                collected.extend(pieces)
-            if complete:
-                break
-            try:
-                await ex.read_more(cfg.stream_idle_timeout_s)
-            except BrokenResponse as exc:
-                self.broken_streams += 1
-                self.metrics.broken_streams.inc()
-                log.warning("response from %s broke mid-stream: %s", sid[:8], exc)
-                if job.kind == "forward":
-                    # We serve another ingress: break its stream too, so that the ingress that
-                    # holds the client resumes it elsewhere or ends it (it knows the client).
-                    job.close = True
-                    conn.closing = True
-                    return None
-                if sse and chunked:
-                    if first and self._resend_whole(job, sid):
-                        return RESUME
-                    if transcript is not None and self._prepare_resume(job, transcript, sid):
-                        return RESUME
-                    if transcript is None and job.stream and job.kind not in RESUMABLE_KINDS:
-                        self.metrics.stream_resumes.labels("not_resumable").inc()
-                    if usage is not None:
-                        job.last_event = usage.last_event  # a Responses event's sequence
-                    job.status = 502 if job.status < 400 else job.status
-                    # The client gets a complete, well-framed response (error event, last
-                    # chunk): the connection stays usable, and the client may already have
-                    # sent its next request on it.
-                    await self._end_stream(conn, job, f"the serving node failed mid-stream: {exc}")
-                    return None
-                job.status = 502 if job.status < 400 else job.status
-                # A body with a length (or no framing) cannot be ended early: close.
-                job.close = True
-                conn.closing = True
-                return None
-            pieces = ex.take_pieces()
-        if usage is not None:
-            prompt, completion = usage.result()
-            if splice is not None and not usage.reported:
-                completion += splice.got.tokens  # counted events: the first node's too
-            job.prompt_tokens, job.completion_tokens = prompt or 0, completion
-        elif collected is not None:
-            job.response = collected
-        return None
-
-    async def _end_stream(
-        self, conn: ClientConn, job: Job, message: str, code: str = "upstream_broken"
-    ) -> None:
-        """End a stream the client holds with the error event(s) of its endpoint's format
-        (``endpoints.stream_error_events``) and the last chunk."""
-        status = 503 if code == "replica_starting" else 502
-        after = last_sequence_number(job.last_event)
-        events = stream_error_events(
-            job.kind,
-            status,
-            message,
-            code,
-            error_body(status, message, code),
-            response_id=job.response_id,
-            model=job.model,
-            sequence_number=0 if after is None else after + 1,
-            created_at=int(self.wall_clock()),
-        )
-        await client_send(
-            conn, frame([events], True) + b"0\r\n\r\n", self.config.stream_idle_timeout_s
-        )
-
-    def _resend_whole(self, job: Job, sid: str) -> bool:
-        """A stream that broke before its first event reached the client (the node sent its
-        head and died): True when the request goes whole to another node, whose events pass
-        as they come, or through the splicer of the continuation this already was."""
-        if (
-            job.kind not in RESENDABLE_KINDS
-            or job.resumes >= self.config.max_resumes
-            or turned_off(job.headers.get(RESUME_HEADER))
-        ):
-            return False
-        got = job.splice.got if job.splice is not None else Delivered()
-        job.splice = Splicer(got, job.kind)  # fresh: nothing half-read of the dead node's bytes
-        job.resumes += 1
-        log.info("stream from %s broke before its first event: sent again whole", sid[:8])
-        return True
-
-    def _prepare_resume(self, job: Job, transcript: Transcript, sid: str) -> bool:
-        """Make the continuation of a broken stream (``resume``): True if there is one."""
-        plan = plan_continuation(
-            job.kind,
-            job.doc,
-            job.headers.get(RESUME_HEADER),
-            transcript,
-            resumes_left=self.config.max_resumes - job.resumes,
-        )
-        if isinstance(plan, str):
-            self.metrics.stream_resumes.labels("not_resumable").inc()
-            log.info("stream from %s not resumed: %s", sid[:8], plan)
-            return False
-        job.body, job.splice = plan
-        if job.slot is not None:  # the continuation's body: without the priority field
-            job.slot.unprioritized = None
-        job.resumes += 1
-        return True
-
-    # == forwarded requests (we are the serving node) ========================================
-
-    async def _serve_forward(self, conn: ClientConn, req: Request, forward: bytes) -> bool:
-        """A request another ingress routed to us, for our own engine: checked (its forward
-        header signs the method, the target with its query, and the body), then relayed as
-        it came."""
-        path = req.path
-        target = req.target  # the path, and the query where the ingress kept one
-        try:
-            self.forwards.verify(
-                forward,
-                own_session=self.core.self_id,
-                method=req.method,
-                path=target,
-                body=req.body,
-                now=self.wall_clock(),
-            )
-        except ForwardRejected as exc:
-            self._forwards_served("refused").inc()
-            await self._send_error(
-                conn, 403, f"forward refused: {exc}", "forward_refused", path=path
-            )
-            return True
-        url = self.serving_engine_url()
-        origin = self._local_origin(url) if url is not None else None
-        if self.leaving or origin is None:
-            self._forwards_served("unavailable").inc()
-            why = "node is leaving" if self.leaving else "no serving engine on this node"
-            await self._send_error(
-                conn,
-                503,
-                why,
-                "node_unavailable",
-                extra=[(b"retry-after", b"%d" % self.config.retry_after_s)],
-                path=path,
-            )
-            return True
-        if self.local_asleep and not await self._wake_local():
-            self._forwards_served("unavailable").inc()
-            await self._send_error(
-                conn,
-                503,
-                "the engine of this node is asleep and did not wake up",
-                "node_unavailable",
-                extra=[(b"retry-after", b"%d" % self.config.retry_after_s)],
-                path=path,
-            )
-            return True
-        started = self.clock.now()
-        job = Job("forward", "", False, req.body, target, req.headers, None, started)
-        job.method = req.method
-        content_type = req.headers.get(b"content-type")
-        if content_type is not None and content_type.startswith(b"multipart/"):
-            job.content_type = content_type  # a form: its boundary
-        request = self._upstream_request(job, origin, forward=None)
-        outcome = await self._relay(
-            conn,
-            job,
-            origin,
-            request,
-            self.core.self_id,
-            self.local_engine_up,
-            started,
-            local=True,
-        )
-        if outcome is not None:
-            # Our own engine failed before answering: tell the ingress to fail over.
-            self._forwards_served("failed").inc()
-            await self._send_error(
-                conn, 502, f"engine failed: {outcome}", "engine_unavailable", path=path
-            )
-            return True
-        self._forwards_served("served").inc()
-        return not job.close
 
     # == accounting ==========================================================================
 

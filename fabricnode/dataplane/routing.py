@@ -1,5 +1,9 @@
 """The routing core: which node serves a request, in what failover order, or HOLD it for now.
 
+One module of about 900 lines on purpose: the policies share the load score and the candidate
+records and are read against the rules and the theory below (a hundred lines of this
+docstring); the prefix policy is a third of the code and makes sense only beside them.
+
 Rules
 -----
 1. Pure: no I/O, no clock reads, no trio. Every call that needs time takes ``now``, the *wall

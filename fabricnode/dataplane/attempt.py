@@ -1,0 +1,251 @@
+"""An attempt on one node, and the attempts other ingresses make on us.
+
+``Attempts.attempt`` turns a routed request and the node picked for it into the request that
+node gets, and hands it to the relay (``relay.Relay.exchange``): the coroutine it returns is
+the relay's, not one awaiting it, so no level of ``await`` is added on the way.
+
+* To another node's agent: the request carries ``X-Fabric-Forward``, an HMAC with the cluster
+  key over the method, the target and the body (``forward_auth``), and fails over as soon as
+  the mesh says that node is gone (DOWN or dead; a LEAVING node finishes what it accepted).
+* To our own engine (chosen by the policy): straight to its URL, and counted in
+  ``local_inflight``, which the engine service publishes as the node's ``inflight`` load.
+* The body as received, but for two rewrites per node: a ``POST /v1/responses`` sets its
+  ``request_id`` so that the response's id names the node that stores it (``responses.tagged``),
+  and a batch-tier chat, completion or Responses request to a node labelled
+  ``fabric.priority_scheduling`` carries ``"priority": batch_priority`` (``tiers.prioritized``).
+* Sleeping engines (``fabric.sleeping``, ``engine.sleep``): a model whose replicas all sleep is
+  routed to them, and the serving agent wakes its engine before relaying (``wake_local``); a
+  node that does not wake answers 503 and the ingress fails over.
+
+Served for another ingress (``serve_forward``): a request whose forward header verifies goes to
+our own engine as it came; while leaving, forwards are refused with 503 so the ingress fails
+over, and an engine that fails before answering is a 502 that tells it to.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
+
+from fabricnode.dataplane import responses
+from fabricnode.dataplane.clientconn import ClientConn, send_error
+from fabricnode.dataplane.forward_auth import ForwardRejected, ForwardVerifier, sign_forward
+from fabricnode.dataplane.http1 import Request
+from fabricnode.dataplane.ingress_config import IngressConfig
+from fabricnode.dataplane.job import BatchSlot, Job
+from fabricnode.dataplane.metrics import IngressMetrics, LabelCache
+from fabricnode.dataplane.relay import Relay, upstream_request
+from fabricnode.dataplane.routetable import Origin, Route, origin_of
+from fabricnode.dataplane.sockio import LoopClock
+from fabricnode.dataplane.tiers import PRIORITY_KINDS, prioritized
+from fabricnode.mesh.core import MeshCore
+from fabricnode.mesh.schema import Standing
+
+
+class Attempts:
+    """Which request each node gets, and our own engine as a target (see the module docstring)."""
+
+    def __init__(
+        self,
+        core: MeshCore,
+        relay: Relay,
+        *,
+        config: IngressConfig,
+        clock: LoopClock,
+        wall_clock: Callable[[], float],
+        metrics: IngressMetrics,
+        serving_engine_url: Callable[[], str | None],
+        local_engine_up: Callable[[], bool],
+        wake_local: Callable[[], Awaitable[bool]] | None,
+    ) -> None:
+        self.core = core
+        self.relay = relay
+        self.config = config
+        self.clock = clock
+        self.wall_clock = wall_clock
+        self.metrics = metrics
+        # Our own engine's URL while it is serving (None otherwise): one call per request.
+        self.serving_engine_url = serving_engine_url
+        # Whether the engine a local relay went to still runs, checked while the relay waits
+        # for the response head: the engine's listening socket outlives the engine (the agent
+        # holds it for the next one), so a request sent as the engine died waits in the
+        # socket's queue rather than failing, and would wait ``first_byte_timeout_s``.
+        self.local_engine_up = local_engine_up
+        # Engine sleep (``engine.sleep``): the agent sets ``local_asleep`` (through the
+        # ingress) while our engine sleeps or falls asleep, and a request for it first awaits
+        # ``wake_local`` (True once awake). Only then: a sleeping node is routed to only when
+        # its model has no awake one.
+        self.local_asleep = False
+        self.wake_local = wake_local
+        self._local_origin_cache: tuple[str, Origin | None] | None = None
+        self.leaving = False  # refuse forwards (503) so ingresses fail over
+        self.forwards = ForwardVerifier(core.keyring, max_skew_s=config.forward_max_skew_s)
+        self._forwards_served = LabelCache(metrics.forwards_served)
+
+    def attempt(
+        self, conn: ClientConn, job: Job, route: Route, now: float
+    ) -> Coroutine[Any, Any, str | None] | str:
+        """Try one node: await the result, None when the client got an answer (any status),
+        else why not; a str right away when the node cannot be tried."""
+        sid = route.info.session_id
+        if job.retag:
+            self._tag_response(job, sid)
+        slot = job.slot
+        if slot is not None and job.kind in PRIORITY_KINDS:
+            self._prioritize(job, slot, route.priority)
+        if route.is_self:
+            url = self.serving_engine_url()
+            if url is None:
+                return "local engine not serving"
+            origin = self._local_origin(url)
+            if origin is None:
+                return "local engine URL has no HOST:PORT"
+            request = upstream_request(job, origin, forward=None)
+            if self.local_asleep:
+                return self._wake_then_relay(conn, job, origin, request, sid, now)
+            return self.relay.exchange(
+                conn, job, origin, request, sid, self.local_engine_up, now, local=True
+            )
+        forward = sign_forward(
+            self.core.keyring,
+            sender=self.core.self_id,
+            target=sid,
+            method=job.method,
+            path=job.path,
+            body=job.body,
+            now=self.wall_clock(),
+        )
+        request = upstream_request(job, route.origin, forward=forward)
+        return self.relay.exchange(
+            conn, job, route.origin, request, sid, self._node_ok(sid), now, local=False
+        )
+
+    def _tag_response(self, job: Job, sid: str) -> None:
+        """A ``POST /v1/responses`` about to go to node ``sid``: its body names that node
+        (``responses.tagged``), without the priority field."""
+        if job.doc is not None:
+            job.body, job.response_id = responses.tagged(job.doc, sid, os.urandom(8))
+            if job.slot is not None:
+                job.slot.unprioritized = None
+
+    def _prioritize(self, job: Job, slot: BatchSlot, on: bool) -> None:
+        """A batch request about to go to a node: its body carries ``"priority":
+        batch_priority`` if that node's engine schedules by priority (``on``), and is as it
+        came otherwise (vLLM refuses a non-zero priority under its default policy; ``tiers``).
+        """
+        if on:
+            if slot.unprioritized is None:  # else it carries the field already
+                body = prioritized(job.body, self.config.batch_priority)
+                if body is not None:
+                    slot.unprioritized = job.body
+                    job.body = body
+        elif slot.unprioritized is not None:
+            job.body = slot.unprioritized
+            slot.unprioritized = None
+
+    async def _wake_then_relay(
+        self, conn: ClientConn, job: Job, origin: Origin, request: bytes, sid: str, now: float
+    ) -> str | None:
+        """Our engine sleeps: wake it (the request waits), then send the request to it."""
+        if not await self._wake_local():
+            return "local engine did not wake up"
+        return await self.relay.exchange(
+            conn, job, origin, request, sid, self.local_engine_up, now, local=True
+        )
+
+    async def _wake_local(self) -> bool:
+        wake = self.wake_local
+        if wake is None:
+            return False
+        woke = await wake()
+        self.metrics.wake_ups.labels("woken" if woke else "failed").inc()
+        return woke
+
+    def _local_origin(self, url: str) -> Origin | None:
+        cached = self._local_origin_cache
+        if cached is None or cached[0] != url:
+            self._local_origin_cache = cached = (url, origin_of(url))
+        return cached[1]
+
+    def _node_ok(self, sid: str) -> Callable[[], bool]:
+        core = self.core
+
+        def still_ok() -> bool:
+            # GONE (DOWN or dead): the answer will never come, fail over now. LEAVING is fine:
+            # a leaving node finishes what it accepted before it stops its engine.
+            entry = core.registry.get(sid)
+            return entry is not None and core.standing_of(entry) is not Standing.GONE
+
+        return still_ok
+
+    async def serve_forward(self, conn: ClientConn, req: Request, forward: bytes) -> bool:
+        """A request another ingress routed to us, for our own engine: checked (its forward
+        header signs the method, the target with its query, and the body), then relayed as
+        it came."""
+        path = req.path
+        target = req.target  # the path, and the query where the ingress kept one
+        try:
+            self.forwards.verify(
+                forward,
+                own_session=self.core.self_id,
+                method=req.method,
+                path=target,
+                body=req.body,
+                now=self.wall_clock(),
+            )
+        except ForwardRejected as exc:
+            self._forwards_served("refused").inc()
+            await send_error(conn, 403, f"forward refused: {exc}", "forward_refused", path=path)
+            return True
+        url = self.serving_engine_url()
+        origin = self._local_origin(url) if url is not None else None
+        if self.leaving or origin is None:
+            self._forwards_served("unavailable").inc()
+            why = "node is leaving" if self.leaving else "no serving engine on this node"
+            await send_error(
+                conn,
+                503,
+                why,
+                "node_unavailable",
+                extra=[(b"retry-after", b"%d" % self.config.retry_after_s)],
+                path=path,
+            )
+            return True
+        if self.local_asleep and not await self._wake_local():
+            self._forwards_served("unavailable").inc()
+            await send_error(
+                conn,
+                503,
+                "the engine of this node is asleep and did not wake up",
+                "node_unavailable",
+                extra=[(b"retry-after", b"%d" % self.config.retry_after_s)],
+                path=path,
+            )
+            return True
+        started = self.clock.now()
+        job = Job("forward", "", False, req.body, target, req.headers, None, started)
+        job.method = req.method
+        content_type = req.headers.get(b"content-type")
+        if content_type is not None and content_type.startswith(b"multipart/"):
+            job.content_type = content_type  # a form: its boundary
+        request = upstream_request(job, origin, forward=None)
+        outcome = await self.relay.exchange(
+            conn,
+            job,
+            origin,
+            request,
+            self.core.self_id,
+            self.local_engine_up,
+            started,
+            local=True,
+        )
+        if outcome is not None:
+            # Our own engine failed before answering: tell the ingress to fail over.
+            self._forwards_served("failed").inc()
+            await send_error(
+                conn, 502, f"engine failed: {outcome}", "engine_unavailable", path=path
+            )
+            return True
+        self._forwards_served("served").inc()
+        return not job.close
