@@ -450,6 +450,8 @@ def parse_labels(items: Iterable[str]) -> tuple[tuple[str, str], ...]:
             raise ConfigError(f"--label {item!r}: key longer than {MAX_LABEL_KEY} characters")
         if len(value) > MAX_LABEL_VALUE:
             raise ConfigError(f"--label {key}: value longer than {MAX_LABEL_VALUE} characters")
+        if not (key + value).isprintable():  # shown in tables and logs on every agent
+            raise ConfigError(f"--label {item!r}: a control, format or line-separator character")
         out[key] = value
     return tuple(sorted(out.items()))
 

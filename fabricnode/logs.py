@@ -2,9 +2,13 @@
 session id, so the lines of several agents (and of one agent's successive sessions) in one job
 log can be told apart. stdout is kept for the ready lines alone.
 
-Messages carry values from clients and peers (model names, ids, addresses): control characters
-in a message are escaped (``\\n`` stays two characters), so nobody can forge a log line or
-rewrite the terminal of whoever reads the log. Tracebacks are the agent's own and keep their
+Messages carry values from clients and peers (model names, ids, addresses): every character
+that is not printable by its Unicode category (``str.isprintable``: the C0 and C1 controls
+such as NEL and CSI, DEL, format characters such as bidirectional overrides, the line and
+paragraph separators U+2028 and U+2029, spaces other than ASCII's) is escaped as ``repr``
+writes it (``\\n`` stays two characters, NEL is ``\\x85``), tab excepted, so nobody can forge a
+log line, for a reader or for a tool that splits on Unicode line breaks, or rewrite the
+terminal of whoever reads the log. Tracebacks are the agent's own and keep their
 lines."""
 
 from __future__ import annotations
@@ -14,15 +18,20 @@ import math
 import sys
 from typing import TextIO
 
-# Every C0 control character but tab, and DEL, as the escape ``repr`` would write.
-_UNSAFE = {c: repr(chr(c))[1:-1] for c in (*range(0x20), 0x7F) if c != 0x09}
+
+def printable(text: str) -> str:
+    """``text`` with every character that is not printable (module docstring) but tab
+    escaped as ``repr`` writes it."""
+    if text.isprintable():  # the common case, in C
+        return text
+    return "".join(c if c.isprintable() or c == "\t" else repr(c)[1:-1] for c in text)
 
 
 class SafeFormatter(logging.Formatter):
     """A ``logging.Formatter`` whose messages cannot contain line breaks or terminal escapes."""
 
     def formatMessage(self, record: logging.LogRecord) -> str:
-        record.message = record.message.translate(_UNSAFE)
+        record.message = printable(record.message)
         return super().formatMessage(record)
 
 

@@ -29,6 +29,8 @@ Modules, in reading order:
               (``GET /fabric/v1/stats``).
 * ``loadhistory`` each node's recent load, for the dashboard's node view.
 * ``enginecmd`` a node's engine command, for the dashboard's node view.
+* ``redact``  hiding the secrets of an engine command by the engines' argument grammar, in
+              JSON values and in URLs.
 * ``fleet``   what the elastic controller is doing, from any agent (``GET /fabric/v1/fleet``).
 * ``peers``   asking other agents' read-only JSON APIs on behalf of a dashboard.
 * ``peerauth`` how one agent proves to another that it holds the cluster key when it asks

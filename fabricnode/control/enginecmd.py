@@ -6,48 +6,20 @@ for itself from its engine (``/fabric/v1/self/engine``) and asks the node's agen
 (``peers``), always answering 200 with ``command`` null and the reason when it cannot tell, so
 a page never logs an error for a node that left.
 
-Values of options that look like secrets (``--api-key X``, ``--hf-token=X``, ``KEY=...``
-arguments naming a key, token, secret, password or credential) are shown as ``***``.
+Secrets are hidden (``redact``: by the engines' own argument grammar, inside JSON values and
+in URLs) by the agent that answers and again by the one that asks.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from typing import Any
 
 from fabricnode.control.peerauth import SELF_ENGINE_PATH
 from fabricnode.control.peers import PeerClient
-
-SECRET = re.compile(r"key|token|secret|passw|credential|auth", re.IGNORECASE)
-HIDDEN = "***"
+from fabricnode.control.redact import redact
 
 Json = dict[str, Any]
-
-
-def redact(argv: Sequence[str]) -> list[str]:
-    """``argv`` with the values of secret-looking options hidden."""
-    out: list[str] = []
-    hide_next = False
-    for arg in argv:
-        if hide_next:
-            out.append(HIDDEN)
-            hide_next = False
-            continue
-        if arg.startswith("-"):
-            name, eq, _ = arg.partition("=")
-            if SECRET.search(name):
-                if eq:
-                    out.append(f"{name}={HIDDEN}")
-                else:
-                    out.append(arg)
-                    hide_next = True
-                continue
-        elif "=" in arg and SECRET.search(arg.partition("=")[0]):
-            out.append(f"{arg.partition('=')[0]}={HIDDEN}")
-            continue
-        out.append(arg)
-    return out
 
 
 def own_engine(argv: Sequence[str] | None) -> Json:

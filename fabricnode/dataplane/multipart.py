@@ -4,10 +4,13 @@ Pure. The audio endpoints (``/v1/audio/transcriptions``, ``/v1/audio/translation
 form with the audio file and text fields, ``model`` among them; the ingress routes by that
 field and forwards the body as it came. ``form_fields`` walks the parts by their delimiters
 (``bytes.find``: no part is copied or decoded but the wanted text fields, each at most
-``MAX_FIELD_BYTES``), in any order (a ``model`` part after the file is found too), and stops as
-soon as it has every wanted field. The body itself is held by the HTTP layer, within the body
-limit and the agent's body budget like any request body (a larger one is refused with 413 while
-it arrives).
+``MAX_FIELD_BYTES``), in any order (a ``model`` part after the file is found too), to the
+closing delimiter: a wanted field named twice is refused, because the engine reads the form
+again with its own parser, which takes the last value where this would take the first (a
+request routed by one ``model`` and served as another). A form of more than ``MAX_PARTS`` parts
+is refused too: an audio form has a file and a handful of fields. The body itself is held by
+the HTTP layer, within the body limit and the agent's body budget like any request body (a
+larger one is refused with 413 while it arrives).
 
 Grammar (RFC 7578 / RFC 2046), as far as it is read here: the boundary comes from the
 ``Content-Type`` parameter (quoted or not, 1-70 characters); the body is an optional preamble,
@@ -23,6 +26,7 @@ import re
 MAX_FIELD_BYTES = 4096  # a wanted text field longer than this is refused
 MAX_PART_HEAD_BYTES = 8192  # one part's header block
 MAX_BOUNDARY_CHARS = 70
+MAX_PARTS = 256  # parts in one audio form (a file and a few fields; the Batch API's has 2)
 
 _BOUNDARY = re.compile(rb'(?i)(?:^|;)\s*boundary\s*=\s*(?:"([^"]{1,70})"|([^\s;"]{1,70}))')
 _NAME = re.compile(rb'(?im)^content-disposition\s*:[^\r\n]*;\s*name\s*=\s*(?:"([^"]*)"|([^\s;]+))')
@@ -78,8 +82,8 @@ def next_part(body: bytes, delim: bytes, pos: int) -> tuple[int, int, int, int] 
 
 
 def form_fields(body: bytes, content_type: bytes, wanted: tuple[str, ...]) -> dict[str, str] | str:
-    """The values of the ``wanted`` text fields present in a form body (the first of each
-    name), or why the body cannot be read (one line, for a 400)."""
+    """The values of the ``wanted`` text fields present in a form body, or why the body cannot
+    be read (one line, for a 400): among the reasons, a wanted field named twice."""
     boundary = boundary_of(content_type)
     if boundary is None:
         return "Content-Type must be multipart/form-data with a boundary"
@@ -89,24 +93,28 @@ def form_fields(body: bytes, content_type: bytes, wanted: tuple[str, ...]) -> di
         return pos
     found: dict[str, str] = {}
     want = frozenset(wanted)
+    parts = 0
     while True:
         part = next_part(body, delim, pos)
         if part is None:
             return found
         if isinstance(part, str):
             return part
+        parts += 1
+        if parts > MAX_PARTS:
+            return f"a form of more than {MAX_PARTS} parts"
         head_start, head_end, content, nxt = part
         m = _NAME.search(body, head_start, head_end)
         if m is not None:
             raw_name = m.group(1) if m.group(1) is not None else m.group(2)
             name = raw_name.decode("utf-8", "replace")
-            if name in want and name not in found:
+            if name in want:
+                if name in found:
+                    return f"form field {name!r} given twice (one form, one {name})"
                 if nxt - content > MAX_FIELD_BYTES:
                     return f"form field {name!r} longer than {MAX_FIELD_BYTES} bytes"
                 try:
                     found[name] = body[content:nxt].decode("utf-8")
                 except UnicodeDecodeError:
                     return f"form field {name!r} is not UTF-8 text"
-                if len(found) == len(want):
-                    return found
         pos = nxt + 2

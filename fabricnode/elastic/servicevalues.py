@@ -49,7 +49,7 @@ from fabricnode.host.slurm import parse_time_limit
 from fabricnode.mesh.assignment import MAX_MODEL_ID, MAX_PARALLEL
 
 # sbatch options the file may not pass in sbatch_args: the ones with a key of their own, and
-# the ones the controller must own to find, size and replace its jobs. Value: what to use.
+# the ones the controller must own to find, size, tag and replace its jobs. Value: what to use.
 _OWNED_SBATCH: Mapping[str, str] = {
     "partition": "the partitions key",
     "time": "the time_limit key",
@@ -62,11 +62,32 @@ _OWNED_SBATCH: Mapping[str, str] = {
     "nodes": "nothing: a replica is one job on one node",
     "array": "nothing: the controller submits one job per replica",
     "job-name": "nothing: the controller names its jobs",
+    "comment": "nothing: the controller tags its jobs with it, to count them",
+    "export": "nothing: the controller sets the job's environment",
+    "export-file": "nothing: the controller sets the job's environment",
+    "signal": "nothing: the controller sets the warning before the time limit",
+    "clusters": "nothing: the controller lists its jobs on this cluster",
+    "wait": "nothing: the controller must not wait for the job to end",
+    "test-only": "nothing: the controller submits the job",
     "parsable": "nothing: the controller adds it",
     "wrap": "nothing: the job runs the fabric-serve wrapper",
 }
+# sbatch's short options (getopt's), by whether they take a value, and the long option each
+# owned one stands for. A cluster such as ``-vp gpu`` is ``-v -p gpu``, as getopt reads it.
 _SHORT_SBATCH = {"p": "partition", "t": "time", "A": "account", "q": "qos", "G": "gpus"}
-_SHORT_SBATCH |= {"N": "nodes", "a": "array", "J": "job-name"}
+_SHORT_SBATCH |= {"N": "nodes", "a": "array", "J": "job-name", "M": "clusters", "W": "wait"}
+_SHORT_WITH_VALUE = frozenset("AaBbCcDdeFGiJLMmNnopqStwx")
+_SHORT_FLAGS = frozenset("HhkOQsuVvW")
+
+
+def _owned_long(name: str) -> str | None:
+    """The owned option a long name stands for, by getopt_long's rule (sbatch parses with
+    it): the exact name, or any prefix of it, since getopt takes an unambiguous prefix for
+    the option (``--ar=`` is ``--array``, ``--qo=`` is ``--qos``); a prefix that several
+    options share is refused here too, as sbatch refuses it as ambiguous. None: not owned."""
+    if name in _OWNED_SBATCH:
+        return name
+    return next((o for o in _OWNED_SBATCH if o.startswith(name)), None) if name else None
 
 
 class Bad(Exception):
@@ -283,27 +304,48 @@ def placeholders(engine: str) -> set[str]:
 
 
 def _sbatch_args(value: object) -> tuple[str, ...]:
+    """sbatch options, read as sbatch's getopt reads them; an option the controller owns, by
+    any spelling sbatch accepts for it, is refused with what to use instead. A long option's
+    value goes after ``=`` (``--constraint=a100``), a short one's may be the next entry
+    (``-C a100``): sbatch takes the first word that is no option's value for its script, so a
+    word this cannot tell is a value is refused rather than passed on."""
     args = _list(lambda v: _text(v, "an sbatch option"), "sbatch options", key_of=str)(value)
     takes_value = False
     for index, arg in enumerate(args):
-        if not arg.startswith("-"):
-            if not takes_value:
-                raise Bad(f"{show(arg)} is not an sbatch option (they start with -)", index)
+        if takes_value:
             takes_value = False
             continue
+        if not arg.startswith("-") or arg == "-":
+            hint = " (a long option's value goes after =, as in --constraint=a100)"
+            after_long = index > 0 and args[index - 1].startswith("--")
+            raise Bad(
+                f"{show(arg)} is not an sbatch option (they start with -)"
+                + (hint if after_long else ""),
+                index,
+            )
+        if arg == "--":
+            raise Bad("-- ends sbatch's options: the controller adds the script after them", index)
         if arg.startswith("--"):
-            name = arg[2:].split("=", 1)[0]
-            owned = [o for o in _OWNED_SBATCH if len(name) >= 3 and o.startswith(name)]
-            owned = [name] if name in _OWNED_SBATCH else owned
-            takes_value = "=" not in arg
+            owned = _owned_long(arg[2:].partition("=")[0])
         else:
-            short = _SHORT_SBATCH.get(arg[1:2])
-            owned = [short] if short else []
-            takes_value = len(arg) == 2
-        if owned:
-            use = _OWNED_SBATCH[owned[0]]
-            raise Bad(f"{arg} is not allowed here: use {use}", index)
+            owned, takes_value = _owned_short(arg, index)
+        if owned is not None:
+            raise Bad(f"{arg} is not allowed here: use {_OWNED_SBATCH[owned]}", index)
+    if takes_value:
+        raise Bad(f"{args[-1]} needs a value", len(args) - 1)
     return args
+
+
+def _owned_short(arg: str, index: int) -> tuple[str | None, bool]:
+    """(the owned option a short cluster names, whether its last option awaits a value)."""
+    for i, c in enumerate(arg[1:], start=1):
+        if c in _SHORT_SBATCH:
+            return _SHORT_SBATCH[c], False
+        if c in _SHORT_WITH_VALUE:
+            return None, i == len(arg) - 1  # the rest of the cluster is its value
+        if c not in _SHORT_FLAGS:
+            raise Bad(f"{arg}: -{c} is not an sbatch option", index)
+    return None, False
 
 
 def field_checks(catalog: Catalog) -> dict[str, Callable[[object], Any]]:

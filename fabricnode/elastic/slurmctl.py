@@ -169,7 +169,12 @@ class SlurmControl:
 
     def sbatch_argv(self, s: Submit) -> list[str]:
         service, place = s.plan.service, s.placement
-        argv = ["sbatch", "--parsable", f"--job-name=fabric-{_slug(service.name)}"]
+        # The service's own options first and the controller's after them: sbatch takes the
+        # last of an option given twice, so the tag, size and environment the controller
+        # counts its jobs by are its own whatever the file says (which is checked for those
+        # options by sbatch's own spelling rules too: ``servicevalues``).
+        argv = ["sbatch", *service.sbatch_args, "--parsable"]
+        argv.append(f"--job-name=fabric-{_slug(service.name)}")
         comment = comment_for(self.mesh, service.name, s.replaces, place.gres_type, place.gpus)
         argv.append(f"--comment={comment}")
         if place.gpus > 0:
@@ -193,8 +198,14 @@ class SlurmControl:
             agent += ["--engine-template", service.engine]
             if service.model_path:
                 agent += ["--model-path", f"{service.name}={service.model_path}"]
-        extra = (*signal_args(service.time_limit_s), *service.sbatch_args)
-        return [*argv, *extra, str(self.script), *agent, "--", service.name]
+        return [
+            *argv,
+            *signal_args(service.time_limit_s),
+            str(self.script),
+            *agent,
+            "--",
+            service.name,
+        ]
 
     def submit(self, s: Submit) -> str:
         """The new job's id; ``SlurmRefused`` with sbatch's message when it says no."""

@@ -13,7 +13,9 @@ signed bytes in all). ``publishable`` keeps what fits and says what it dropped, 
 * ``malformed``     not an object with a non-empty string ``id``;
 * ``name_too_long`` an id longer than the registry takes (cutting it would route requests for
                     the full name nowhere);
-* ``bad_name``      an id with control characters;
+* ``bad_name``      an id with a character that is not printable by its Unicode category
+                    (``str.isprintable``: C0 and C1 controls, format characters, line and
+                    paragraph separators): peers refuse such an id (``registry``);
 * ``duplicate``     an id listed before;
 * ``too_many``      past ``MAX_MODELS``;
 * ``entry_full``    past the room left in the entry (``room_for_models``).
@@ -131,7 +133,7 @@ def publishable(
     for m in listing.models:
         if len(m.id) > MAX_MODEL_ID:
             dropped["name_too_long"] += 1
-        elif any(ord(c) < 32 or ord(c) == 127 for c in m.id):
+        elif not m.id.isprintable():
             dropped["bad_name"] += 1
         elif m.id in seen:
             dropped["duplicate"] += 1

@@ -60,6 +60,16 @@ def take_str(value: Any, *, max_len: int = 256, what: str = "string", empty: boo
     return value
 
 
+def take_printable(value: Any, *, max_len: int = 256, what: str = "string") -> str:
+    """A non-empty string every character of which is printable by its Unicode category
+    (``str.isprintable``): a name that is routed, listed and logged (a model id) never carries
+    a control, format or line-separator character that could forge a log line or a table."""
+    text = take_str(value, max_len=max_len, what=what, empty=False)
+    if not text.isprintable():
+        raise DecodeError(f"{what}: a character that is not printable")
+    return text
+
+
 def take_addr(value: Any, *, max_len: int = 300, what: str = "address", empty: bool = False) -> str:
     """A ``HOST:PORT`` string with a valid host (``fabricnode.addr``); ``""`` if ``empty``."""
     text = take_str(value, max_len=max_len, what=what, empty=empty)

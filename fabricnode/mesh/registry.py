@@ -246,7 +246,7 @@ def parse_body(signed_bytes: bytes) -> EntryBody:
         mid, mlen, quant = codec.take_list(m, min_len=3, max_len=3, what="model")
         models.append(
             ModelInfo(
-                codec.take_str(mid, max_len=MAX_MODEL_ID, what="model id", empty=False),
+                codec.take_printable(mid, max_len=MAX_MODEL_ID, what="model id"),
                 codec.take_opt_int(mlen, hi=2**40, what="max_model_len"),
                 codec.take_opt_str(quant, max_len=64, what="quantization"),
             )

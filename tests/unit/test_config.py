@@ -189,3 +189,9 @@ def test_host_names_and_addresses_are_advertised(tmp_path: Path, flag: str) -> N
 def test_an_engine_url_no_one_can_connect_to_is_refused(tmp_path: Path, url: str) -> None:
     with pytest.raises(ConfigError, match="--engine-url"):
         load_config(engine_cmd=["vllm", "serve", "m"], engine_url=url, env=env_in(tmp_path))
+
+
+@pytest.mark.parametrize("item", ["team=a\nb", "team=a\x85b", "te\u2028am=x", "team=\x1b[2J"])
+def test_a_label_that_is_not_printable_is_refused_at_start(tmp_path: Path, item: str) -> None:
+    with pytest.raises(ConfigError, match="--label"):
+        load_config(labels=[item], env=env_in(tmp_path))

@@ -49,3 +49,31 @@ def test_throttled_errors_log_once_per_period_with_how_many_came(
             throttled.exception(now)
     assert [r.getMessage() for r in caplog.records] == ["failed (1)", "failed (4)", "failed (2)"]
     assert all(r.exc_info is not None for r in caplog.records)
+
+
+@pytest.mark.parametrize(
+    ("value", "shown"),
+    [
+        ("a\x85b", "a\\x85b"),  # NEL, a C1 control: a line break to many readers
+        ("a\x9b2Jb", "a\\x9b2Jb"),  # CSI, the C1 form of ESC [
+        ("a\u2028b", "a\\u2028b"),  # LINE SEPARATOR: str.splitlines() breaks on it
+        ("a\u2029b", "a\\u2029b"),  # PARAGRAPH SEPARATOR
+        ("a\u202eb", "a\\u202eb"),  # RIGHT-TO-LEFT OVERRIDE: text that reads otherwise
+        ("a\x1cb", "a\\x1cb"),  # FILE SEPARATOR: splitlines() breaks on it too
+        ("día ü 模型", "día ü 模型"),  # printable text stays as it is
+    ],
+)
+def test_every_character_that_is_not_printable_by_its_category_is_escaped(
+    value: str, shown: str
+) -> None:
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    out = io.StringIO()
+    configure_logging("INFO", "f" * 32, out)
+    try:
+        logging.getLogger("fabricnode.test").info("adapter %s loaded", value)
+    finally:
+        root.handlers, root.level = saved[0], saved[1]
+    text = out.getvalue()
+    assert len(text.splitlines()) == 1
+    assert text.rstrip("\n").endswith(f"adapter {shown} loaded")

@@ -413,3 +413,27 @@ def test_parse_require_raises_only_value_error(header: str) -> None:
 )
 def test_parse_providers_round_trips_a_list(items: list[str]) -> None:
     assert parse_providers(", ".join(items)) == frozenset(i.strip() for i in items)
+
+
+def test_an_audio_form_that_names_its_model_twice_is_refused() -> None:
+    """The engine reads the form again with its own parser, which takes the last ``model``
+    where the ingress would take the first: routed by one model, served as another. One form,
+    one model; the same for ``stream``, and before or after the file."""
+    ct = "multipart/form-data; boundary=B"
+    for field in (b"model", b"stream"):
+        second = (
+            b'--B\r\nContent-Disposition: form-data; name="%s"\r\n\r\nother\r\n--B--\r\n' % field
+        )
+        twice = FORM.removesuffix(b"--B--\r\n") + second
+        r = rejected(open_decode(twice, "transcriptions", content_type=ct), 400, "invalid_form")
+        assert "given twice" in r.message
+    upper = FORM.removesuffix(b"--B--\r\n") + FORM.replace(b'name="model"', b'NAME="model"')
+    r = rejected(open_decode(upper, "transcriptions", content_type=ct), 400, "invalid_form")
+    assert "'model' given twice" in r.message
+
+
+def test_an_audio_form_of_too_many_parts_is_refused() -> None:
+    ct = "multipart/form-data; boundary=B"
+    many = b'--B\r\nContent-Disposition: form-data; name="x"\r\n\r\n1\r\n' * 300
+    r = rejected(open_decode(many + FORM, "transcriptions", content_type=ct), 400, "invalid_form")
+    assert "more than 256 parts" in r.message

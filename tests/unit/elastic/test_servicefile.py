@@ -919,7 +919,7 @@ WORD = st.text(
 )
 ENGINE_WORDS = st.lists(st.text("ab -'\"\\/=.é", max_size=6), max_size=3)
 SBATCH = st.lists(
-    st.sampled_from(["--exclusive", "--constraint=a100", "--mem=64G", '--comment=a "note"']),
+    st.sampled_from(["--exclusive", "--constraint=a100", "--mem=64G", '--mail-user=a "note"']),
     unique=True,
     max_size=3,
 ).map(tuple)
@@ -1134,3 +1134,50 @@ def test_sleep_after_is_a_duration_passed_to_the_jobs_and_absent_it_signs_as_bef
         Submit(plain, plain.placements()[0], MIN_REPLICAS)
     )
     assert "--sleep-after" not in argv
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        # getopt_long takes any unambiguous prefix: each of these is an option the controller owns.
+        (["--ar=1-40"], "--ar=1-40 is not allowed here: use nothing: the controller submits one"),
+        (["--qo=high"], "use the qos key"),
+        (["--par=gpu"], "use the partitions key"),
+        (["--comment=mine"], "the controller tags its jobs with it"),
+        (["--co=mine"], "the controller tags its jobs with it"),
+        (["--exp=ALL,FABRIC_ENGINE=x"], "the controller sets the job's environment"),
+        (["--export-file=env"], "the controller sets the job's environment"),
+        (["--sig=KILL@10"], "the warning before the time limit"),
+        (["--wait"], "must not wait for the job to end"),
+        (["-W"], "must not wait for the job to end"),
+        (["-M", "other"], "lists its jobs on this cluster"),
+        (["-vp", "gpu"], "use the partitions key"),  # getopt's cluster: -v -p gpu
+        (["-Cx", "-Jname"], "the controller names its jobs"),
+        # A word that is no option's value would be sbatch's script.
+        (["--constraint", "a100"], "a long option's value goes after ="),
+        (["--exclusive", "evil.sh"], "is not an sbatch option"),
+        (["-C"], "needs a value"),
+        (["--"], "ends sbatch's options"),
+        (["-Z"], "-Z is not an sbatch option"),
+    ],
+)
+def test_sbatch_args_are_read_as_sbatchs_getopt_reads_them(args: list[str], message: str) -> None:
+    text = f"{LIMITS}{M}sbatch_args = {json.dumps(args)} # <-\n"
+    ((line, _, key, got),) = problems(text)
+    assert (line, key) == (marked_line(text), "sbatch_args")
+    assert message in got
+
+
+def test_sbatch_args_sbatch_reads_as_others_pass() -> None:
+    args = [
+        "--exclusive",
+        "-C",
+        "a100",
+        "--mem=64G",
+        "-vC",
+        "ib",
+        "--time-min=10",
+        "--gres-flags=enforce-binding",
+    ]
+    spec = parse(f"{LIMITS}{M}sbatch_args = {json.dumps(args)}\n", "services.toml")
+    assert spec.models[0].sbatch_args == tuple(args)

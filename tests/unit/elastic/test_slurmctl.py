@@ -85,7 +85,13 @@ def test_sbatch_line_carries_the_tag_resources_and_the_wrapper_arguments() -> No
     job = ctl.submit(Submit(llama, Placement("gpu-preempt", "", 2), MIN_REPLICAS, replaces="41"))
     assert job == "4242"
     argv = runner.calls[0]
-    assert argv[:3] == ["sbatch", "--parsable", "--job-name=fabric-llama-3.1-8b"]
+    # The file's options first, the controller's after them: sbatch takes the last of two.
+    assert argv[:4] == [
+        "sbatch",
+        "--constraint=a100",
+        "--parsable",
+        "--job-name=fabric-llama-3.1-8b",
+    ]
     assert f"--comment={comment_for(MESH, 'llama-3.1-8b', '41', gpus=2)}" in argv
     for flag in ("--gres=gpu:2", "--partition=gpu-preempt", "--time=02:00:00",
                  "--account=proj", "--qos=normal", "--export=ALL,FABRIC_ENGINE=template",
@@ -99,7 +105,7 @@ def test_sbatch_line_carries_the_tag_resources_and_the_wrapper_arguments() -> No
     ]  # fmt: skip
     sim = ctl.sbatch_argv(submit("m"))
     assert "--export=ALL,FABRIC_ENGINE=sim" in sim and sim[-3:] == ["fabric.service=m", "--", "m"]
-    assert ctl.commands and ctl.commands[0].startswith("sbatch --parsable")
+    assert ctl.commands and ctl.commands[0].startswith("sbatch --constraint=a100 --parsable")
 
 
 def test_slurms_refusal_is_one_error_with_its_own_words() -> None:

@@ -84,12 +84,15 @@ def test_names_the_registry_cannot_carry_are_dropped_whole_with_a_reason() -> No
         ServedModel("base", 1),
         ServedModel(long_name, None, "base"),  # cut, it would route requests for it nowhere
         ServedModel("bad\nname", None, "base"),
+        ServedModel("bad\x85nel", None, "base"),  # C1 controls, U+2028: not by ASCII alone
+        ServedModel("bad\u2028line", None, "base"),
+        ServedModel("bad\x9b2Jcsi", None, "base"),
         ServedModel("base", 2),
         ServedModel("ok" * 128, None, "base"),  # exactly MAX_MODEL_ID
     )
     pub = publishable(got, quantization=None, room_bytes=ROOM)
     assert [m.id for m in pub.models] == ["base", "ok" * 128]
-    assert pub.dropped == {"name_too_long": 1, "bad_name": 1, "duplicate": 1}
+    assert pub.dropped == {"name_too_long": 1, "bad_name": 4, "duplicate": 1}
 
 
 def test_past_max_models_the_adapters_go_first_and_the_order_stays_the_engines() -> None:

@@ -20,6 +20,7 @@ from hypothesis.stateful import (
     rule,
 )
 
+from fabricnode.errors import DecodeError
 from fabricnode.mesh.identity import Identity, Verifier
 from fabricnode.mesh.registry import (
     MAX_LABEL_VALUE,
@@ -806,3 +807,17 @@ def test_a_parents_label_that_does_not_match_the_models_says_nothing_wrong(value
     body = replace(make_body(OWNERS[0], "10.0.0.1:7946", T0), models=models)
     body = replace(body, labels=((PARENTS_LABEL, value),))
     assert model_parents(body) == {}
+
+
+@pytest.mark.parametrize("bad", ["a\nb", "a\x85b", "a\x9b2J", "a\u2028b", "a\u202eb", "a\x00"])
+def test_a_model_id_that_is_not_printable_is_refused_where_it_is_decoded(bad: str) -> None:
+    """A model id is routed, listed in tables and logged on every agent: one carrying a
+    control, format or line-separator character (judged by its Unicode category, C1 controls
+    and U+2028 included) is refused at decode, whoever signed it."""
+    owner = OWNERS[0]
+    body = replace(make_body(owner, "10.0.0.1:7946", T0), models=(ModelInfo(bad, 512),))
+    wire = body.sign(owner).to_wire()
+    with pytest.raises(DecodeError, match="model id: a character that is not printable"):
+        SignedEntry.from_wire(wire)
+    fine = replace(body, models=(ModelInfo("Qwen/Qwen3-8B:lora-día", 512),))
+    assert SignedEntry.from_wire(fine.sign(owner).to_wire()).body.models[0].id.endswith("día")

@@ -94,9 +94,11 @@ sync_rows = st.tuples(sids, st.integers(0, 3), u63, st.binary(max_size=8), u63, 
 sync_requests = st.builds(SyncRequest, st.lists(sync_rows, max_size=20).map(tuple))
 sync_replies = st.builds(SyncReply, st.lists(sids, max_size=20).map(tuple))
 
+# A model id is printable (every peer refuses one that is not: ``codec.take_printable``).
+model_ids = st.text(min_size=1, max_size=256).filter(str.isprintable)
 models = st.builds(
     ModelInfo,
-    st.text(min_size=1, max_size=256),
+    model_ids,
     st.none() | st.integers(0, 2**40),
     st.none() | st.text(max_size=64),
 )

@@ -13,10 +13,10 @@ import pytest
 
 from fabricnode import ui
 from fabricnode.control.app import AdminApp
-from fabricnode.control.enginecmd import redact
 from fabricnode.control.loadhistory import LoadHistory
 from fabricnode.control.meshstats import MeshStats
 from fabricnode.control.peers import PeerClient
+from fabricnode.control.redact import redact
 from fabricnode.dataplane.recent import RecentStats
 from fabricnode.mesh.registry import Addresses, State
 from fabricnode.mesh.wire import DEAD, Accusation, Load
@@ -267,6 +267,37 @@ async def test_the_fleet_view_answers_without_a_controller(mesh: Mesh) -> None:
         (["vllm", "serve", "--hf-token=abc", "m"], ["vllm", "serve", "--hf-token=***", "m"]),
         (["env", "HF_TOKEN=abc", "vllm"], ["env", "HF_TOKEN=***", "vllm"]),
         (["vllm", "serve", "m", "--port", "8000"], ["vllm", "serve", "m", "--port", "8000"]),
+        # vLLM's --api-key takes several keys (nargs="+"): every one up to the next option.
+        (
+            ["vllm", "serve", "m", "--api-key", "K1", "K2", "--port", "8000"],
+            ["vllm", "serve", "m", "--api-key", "***", "***", "--port", "8000"],
+        ),
+        (["sglang", "--api_key", "-1"], ["sglang", "--api_key", "***"]),  # a value, not a flag
+        # Secrets inside JSON options, at any depth, and in URLs anywhere.
+        (
+            [
+                "--kv-transfer-config",
+                '{"kv_connector": "C", "extra": {"apiKey": "s", "url": "https://u:p@h:1/x"}}',
+            ],
+            [
+                "--kv-transfer-config",
+                '{"kv_connector":"C","extra":{"apiKey":"***","url":"https://***@h:1/x"}}',
+            ],
+        ),
+        (["--model", "https://tok@hub.example/m"], ["--model", "https://***@hub.example/m"]),
+        (
+            ["--hf-overrides", "{'api_key': 'abc', 'x': 1}"],
+            ["--hf-overrides", "{'api_key': '***', 'x': 1}"],
+        ),
+        (
+            ["env", "AWS_SECRET_ACCESS_KEY=abc", "HF_TOKEN=x", "vllm"],
+            ["env", "AWS_SECRET_ACCESS_KEY=***", "HF_TOKEN=***", "vllm"],
+        ),
+        # Names that only contain a secret-looking string are not secret: their values show.
+        (
+            ["--max-num-batched-tokens", "8192", "--tokenizer", "t", "--tokenizer-mode", "auto"],
+            ["--max-num-batched-tokens", "8192", "--tokenizer", "t", "--tokenizer-mode", "auto"],
+        ),
     ],
 )
 def test_secret_looking_values_of_an_engine_command_are_hidden(
