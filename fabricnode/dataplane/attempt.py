@@ -125,7 +125,10 @@ class Attempts:
         """A ``POST /v1/responses`` about to go to node ``sid``: its body names that node
         (``responses.tagged``), without the priority field."""
         if job.doc is not None:
-            job.body, job.response_id = responses.tagged(job.doc, sid, os.urandom(8))
+            owner = job.key.key_id if job.key is not None else responses.ANONYMOUS
+            job.body, job.response_id = responses.tagged(
+                job.doc, sid, os.urandom(8), self.core.keyring, owner
+            )
             if job.slot is not None:
                 job.slot.unprioritized = None
 

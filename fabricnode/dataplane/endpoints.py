@@ -35,11 +35,14 @@ Response ids
 ------------
 vLLM's ``ResponsesRequest`` takes a ``request_id`` and answers with it as the response's ``id``
 (``ResponsesResponse.from_request``); its response store is keyed by it. The ingress sets it on
-every ``POST /v1/responses`` to ``resp_<session id of the serving node><16 random hex digits>``
-(53 characters, the length of OpenAI's ids), so that any ingress can read from an id which
-node stored the response and route a follow-up there, with no shared store
-(``response_id``/``node_of_response``). An id without that form (made by an engine directly)
-names no node.
+every ``POST /v1/responses`` to ``resp_<session id of the serving node><16 random hex
+digits><16 hex digits of owner tag>`` (69 characters), so that any ingress can read from an id
+which node stored the response and route a follow-up there, with no shared store
+(``response_id``/``parse_response_id``), and whose key may read, continue or cancel it
+(``responses.owner_tag``: a MAC with the cluster key, so every ingress can check it and no key
+holder can make one for another key). An id of the form without the tag (53 characters, from
+before responses had owners) still names its node; one of neither form (made by an engine
+directly) names none.
 """
 
 from __future__ import annotations
@@ -136,15 +139,31 @@ def response_follow_up(path: bytes) -> tuple[str, str] | None:
 RESPONSE_ID_PREFIX = "resp_"
 SESSION_HEX = 32  # a session id: 16 bytes of SHA-256, hex
 NONCE_BYTES = 8
+OWNER_TAG_BYTES = 8
 MAX_RESPONSE_ID_CHARS = 256
-_TAGGED_ID = re.compile(r"resp_([0-9a-f]{32})[0-9a-f]{16}")
+_TAGGED_ID = re.compile(r"resp_([0-9a-f]{32})([0-9a-f]{16})([0-9a-f]{16})?")
 
 
-def response_id(session_id: str, nonce: bytes) -> str:
-    """The id of a response stored by ``session_id``'s engine (``nonce``: 8 random bytes)."""
-    if len(session_id) != SESSION_HEX or len(nonce) != NONCE_BYTES:
-        raise ValueError("a session id of 32 hex digits and 8 random bytes are needed")
-    return RESPONSE_ID_PREFIX + session_id + nonce.hex()
+def response_id(session_id: str, nonce: bytes, owner_tag: bytes) -> str:
+    """The id of a response stored by ``session_id``'s engine (``nonce``: 8 random bytes;
+    ``owner_tag``: ``responses.owner_tag``'s 8 bytes)."""
+    if (
+        len(session_id) != SESSION_HEX
+        or len(nonce) != NONCE_BYTES
+        or len(owner_tag) != OWNER_TAG_BYTES
+    ):
+        raise ValueError("a session id of 32 hex digits, 8 random bytes and an 8-byte tag needed")
+    return RESPONSE_ID_PREFIX + session_id + nonce.hex() + owner_tag.hex()
+
+
+def parse_response_id(rid: str) -> tuple[str, bytes, bytes | None] | None:
+    """(session id, nonce, owner tag or None for an id from before tags) of a response id
+    this mesh made (``response_id``); None for any other id."""
+    m = _TAGGED_ID.fullmatch(rid)
+    if m is None:
+        return None
+    tag = m.group(3)
+    return m.group(1), bytes.fromhex(m.group(2)), None if tag is None else bytes.fromhex(tag)
 
 
 def node_of_response(rid: str) -> str | None:

@@ -107,7 +107,12 @@ from fabricnode.dataplane.hold import Hold
 from fabricnode.dataplane.http1 import Request, full_response, text_of
 from fabricnode.dataplane.ingress_config import IngressConfig
 from fabricnode.dataplane.job import BatchSlot, Job
-from fabricnode.dataplane.metrics import IngressMetrics, LabelCache, failure_reason
+from fabricnode.dataplane.metrics import (
+    IngressMetrics,
+    LabelCache,
+    engine_failure,
+    failure_reason,
+)
 from fabricnode.dataplane.prefill import PrefillClocks
 from fabricnode.dataplane.relay import RESUME, Relay
 from fabricnode.dataplane.request import (
@@ -460,6 +465,10 @@ class Ingress:
         if path == b"/v1/models":
             if req.method not in (b"GET", b"HEAD"):
                 return self._method_not_allowed(conn, b"GET, HEAD", path)
+            # With keys on, the list needs a key, as OpenAI's and vLLM's do.
+            checked = authorize(req.headers, self.api_keys, self.rate_limiter, self.clock.now())
+            if isinstance(checked, Rejection):
+                return self._reject(conn, checked, path)
             return self._answer(conn, self.models_body(), head_only=req.method == b"HEAD")
         if path.startswith(BATCH_API_PREFIXES):
             return self._handle_batch_api(conn, req, path)
@@ -553,6 +562,10 @@ class Ingress:
             waking = routes is not None
         doc = routed.doc
         if kind == RESPONSES:
+            if routed.pinned is not None and routed.key is not None:  # keys on: owners
+                previous = str(doc.get("previous_response_id"))
+                if not responses.owned(previous, routed.key.key_id, self.core.keyring):
+                    return self._reject(conn, responses.not_yours(previous), path)
             pinned = responses.pin(model, doc, routed.pinned, routes, self._pinned_node)
             if isinstance(pinned, Rejection):
                 return self._reject(conn, pinned, path)
@@ -609,6 +622,8 @@ class Ingress:
         filters = route_headers(headers, checked)
         if isinstance(filters, Rejection):
             return self._reject(conn, filters, path)
+        if checked is not None and not responses.owned(rid, checked.key_id, self.core.keyring):
+            return self._reject(conn, responses.not_yours(rid), path)  # keys on: its owner's
         stream = kind != RESPONSE_CANCEL and b"stream=true" in req.target.partition(b"?")[2]
         providers, requirements = filters
         routed = Routed(kind, "-", stream, {}, checked, providers, requirements, None, 0)
@@ -702,6 +717,8 @@ class Ingress:
         deadline = job.started + cfg.retry_budget_s
         limit = cfg.max_attempts  # raised when a stream is resumed: its own attempts and time
         refused = 0  # attempts refused at connect, not counted against the limit
+        engine_failures = 0  # attempts an engine failed on (the poison-request guard)
+        poisoned = False
         policy = self.policy
         answered = False
         fallback: float | None = None  # seconds a request no node answered may wait for one
@@ -787,6 +804,18 @@ class Ingress:
                     log.info("stream from %s broke: continuing it on another node", pick[:8])
                     continue
                 last_error = outcome
+                if engine_failure(outcome):
+                    engine_failures += 1
+                    if engine_failures >= cfg.max_engine_failures:
+                        poisoned = True
+                        self.metrics.poisoned.inc()
+                        log.warning(
+                            "%s failed on %d nodes (last: %s): not tried on another",
+                            job.model,
+                            engine_failures,
+                            outcome,
+                        )
+                        break
                 if outcome.startswith(CONNECT_REFUSED) and refused < MAX_REFUSED_SKIPS:
                     # Nothing was sent to an address that refused at once: it costs no attempt
                     # (phantom or freshly dead entries must not use up a request's failover).
@@ -816,6 +845,20 @@ class Ingress:
                     conn, job, f"the serving node failed mid-stream: {last_error}"
                 )
                 keep = not job.close
+            elif poisoned:
+                # Engines failed on this request on several nodes: it is not tried on more
+                # (nor held for a replica), so that it cannot take down every one in turn.
+                job.status = 502
+                message = (
+                    f"the request failed on {engine_failures} nodes (last: {last_error}); it "
+                    "is not tried on another, as it may be what makes them fail"
+                )
+                if job.held_head:
+                    await self.relay.end_stream(conn, job, message)
+                    keep = not job.close
+                else:
+                    await send_error(conn, 502, message, "request_failed_on_nodes", path=job.path)
+                    keep = True
             elif (wait_s := self._may_wait(job)) is not None:
                 # Every node failed before answering (leaving, preempted, crashed) and the model
                 # is declared: wait for another replica rather than fail the request.

@@ -11,6 +11,14 @@ mesh hands out name that node (``endpoints.response_id``: ``resp_<session id><16
   ``response_not_found`` for an id that names no node, ``response_node_gone`` for a node that
   cannot take it.
 
+With API keys on, a stored response belongs to the key that created it, across ingresses, as
+files and batches do: its id carries an owner tag (``owner_tag``: HMAC-SHA256 with the
+cluster key over the node, the id's nonce and the key's id, 8 bytes), so any ingress can check
+that the caller's key made it (``owned``) with nothing shared but the cluster key, and no key
+holder can make an id that another key would pass. A caller whose key did not create it gets
+the 404 of an unknown id (``not_yours``): whether another key's response exists is not
+said. With keys off there are no owners, as before.
+
 The refusal says why, from what the shell knows of the node (``PinnedNode``: the mesh's
 ``schema.standing`` verdict with the registry state behind it): it left, it is down, it does
 not serve, it is dead, it does not serve that model, or the caller's key or ``X-Fabric-*``
@@ -21,15 +29,23 @@ Pure: no I/O, no clock, no trio; the shell hands in its route table's answers.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 from collections.abc import Callable
 from typing import Any
 
 import orjson
 
-from fabricnode.dataplane.endpoints import node_of_response, response_id
+from fabricnode.dataplane.endpoints import (
+    OWNER_TAG_BYTES,
+    node_of_response,
+    parse_response_id,
+    response_id,
+)
 from fabricnode.dataplane.request import Rejection
 from fabricnode.dataplane.request import pinned_node as pinned_node
 from fabricnode.dataplane.routetable import Route
+from fabricnode.mesh.keyring import Keyring
 from fabricnode.mesh.registry import State
 from fabricnode.mesh.schema import Standing
 
@@ -80,7 +96,7 @@ def follow_up(
         return Rejection(
             404,
             f"response {rid!r} was not created through this mesh: its id names no node "
-            "(ids the mesh hands out are resp_<node session id><16 hex digits>)",
+            "(ids the mesh hands out are resp_<node session id> and 32 hex digits)",
             "response_not_found",
         )
     route = node(sid)
@@ -109,11 +125,46 @@ def gone_message(rid: str, sid: str, model: str | None, node: PinnedNode) -> str
     return f"response {rid!r} was stored by node {sid[:8]}, which {why}"
 
 
-def tagged(doc: dict[str, Any], sid: str, nonce: bytes) -> tuple[bytes, str]:
+OWNER_DOMAIN = b"fabric/response-owner/v1"
+ANONYMOUS = "-"  # the owner of a response created with keys off
+
+
+def owner_tag(key: bytes, sid: str, nonce: bytes, owner: str) -> bytes:
+    """The tag in a response id that says the key ``owner`` (its key id) created it."""
+    msg = b"|".join((OWNER_DOMAIN, sid.encode(), nonce, owner.encode()))
+    return hmac.new(key, msg, hashlib.sha256).digest()[:OWNER_TAG_BYTES]
+
+
+def owned(rid: str, owner: str, keyring: Keyring) -> bool:
+    """Whether the key ``owner`` created response ``rid``: its tag verifies under a key of the
+    keyring (any of them: ids made before a rotation keep their owner). An id without a tag
+    (from before responses had owners) is nobody's with keys on."""
+    parsed = parse_response_id(rid)
+    if parsed is None:
+        return False
+    sid, nonce, tag = parsed
+    if tag is None:
+        return False
+    return any(
+        hmac.compare_digest(owner_tag(key, sid, nonce, owner), tag) for key in keyring.keys.values()
+    )
+
+
+def not_yours(rid: str) -> Rejection:
+    """The answer to a caller whose key did not create response ``rid``: the same as for an
+    id that does not exist, so that a key learns nothing of another's responses."""
+    return Rejection(404, f"response {rid!r} not found", "response_not_found")
+
+
+def tagged(
+    doc: dict[str, Any], sid: str, nonce: bytes, keyring: Keyring, owner: str
+) -> tuple[bytes, str]:
     """The body of a ``POST /v1/responses`` about to go to node ``sid``, and the response id
     it names: its ``request_id`` (which vLLM makes the response's id, and its store's key)
-    names that node (``endpoints.response_id``; ``nonce``: the id's 8 random bytes)."""
-    rid = response_id(sid, nonce)
+    names that node and the key that creates it (``endpoints.response_id``; ``nonce``: the
+    id's 8 random bytes; ``owner``: the caller's key id, ``ANONYMOUS`` with keys off)."""
+    key = keyring.keys[keyring.primary]
+    rid = response_id(sid, nonce, owner_tag(key, sid, nonce, owner))
     body = dict(doc)
     body["request_id"] = rid
     return orjson.dumps(body), rid

@@ -25,6 +25,8 @@ Modules, in reading order:
 * ``sleep``     idle sleep: ``IdleSleep`` (pure) says when, ``EngineSleep`` puts the engine to
                 sleep (vLLM's ``/sleep``) and wakes it for the next request, marking the entry
                 ``fabric.sleeping``.
+* ``liveness``  ``EngineLiveness`` (pure): a missed health check weighed against the engine's
+              progress (CPU, token counters): healthy, busy (stays SERVING) or hung.
 * ``service``   ``EngineService``: spawn, SERVING, load scraping, DOWN on exit or hang,
                 restarts; start reading here. Every change to the node's entry goes through
                 the gossip service, which sends it at once.

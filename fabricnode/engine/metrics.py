@@ -225,6 +225,25 @@ def engine_load(samples: Iterable[Sample]) -> EngineLoad:
     )
 
 
+# Counters only a working engine advances (tokens it took in and gave out): their sum moving
+# is evidence of progress for the liveness verdict (``liveness``). Prometheus clients expose a
+# counter with its ``_total`` suffix.
+PROGRESS_COUNTERS = frozenset(
+    (
+        "vllm:prompt_tokens_total",
+        "vllm:generation_tokens_total",
+        "sglang:prompt_tokens_total",
+        "sglang:generation_tokens_total",
+    )
+)
+
+
+def progress_total(samples: Iterable[Sample]) -> float | None:
+    """The sum of the ``PROGRESS_COUNTERS`` samples; None when the page has none."""
+    values = [s.value for s in samples if s.name in PROGRESS_COUNTERS and math.isfinite(s.value)]
+    return sum(values) if values else None
+
+
 def parse_engine_load(text: str) -> EngineLoad:
     """``engine_load(parse_samples(text))``: never raises."""
     return engine_load(iter_samples(text))

@@ -51,6 +51,31 @@ TAIL_LINES = 20  # the engine's last output lines, kept for its error (``last_er
 MAX_TAIL_CHARS = 400
 
 
+def group_cpu_seconds(pgid: int, proc: Path = Path("/proc")) -> float | None:
+    """The user and system CPU time used so far by the live processes of group ``pgid`` (an
+    engine and the workers it started: vLLM's API server and engine core), from
+    ``/proc/<pid>/stat``; None when ``/proc`` cannot be read (not Linux)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0
+    try:
+        entries = list(proc.iterdir())
+    except OSError:
+        return None
+    for entry in entries:
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_bytes()
+        except OSError:
+            continue  # gone meanwhile, or not ours to read
+        # pid (comm) state ppid pgrp ... : comm may hold spaces and parentheses, so the fields
+        # are counted from the last ")".
+        fields = stat[stat.rfind(b")") + 2 :].split()
+        if len(fields) > 12 and fields[2] == str(pgid).encode():
+            total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / ticks
+
+
 class EngineError(FabricError):
     """The engine could not be started or stopped."""
 

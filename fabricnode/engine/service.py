@@ -5,7 +5,8 @@
                 │                                         │ ``metrics_interval_s`` → load channel;
                 │                                         │ re-read /v1/models every
                 │                                         │ ``models_interval_s`` → entry's models
-                └── exits, or stops answering /health ────┴─► DOWN signed and pushed at once
+                └── exits, or hangs (no /health answer ───┴─► DOWN signed and pushed at once
+                    and no progress: ``liveness``)
 
 The model list is read again while the engine serves, so models that come and go at runtime
 (LoRA adapters loaded and unloaded through vLLM's API) are in the entry within
@@ -16,8 +17,12 @@ list that cannot be read (no answer, an error, not JSON, over ``MAX_LISTING_BYTE
 leaves the last good one in place.
 
 A child exit is noticed through its pidfd the moment it happens, so DOWN reaches the mesh in
-well under a second. A hang (no /health answer ``unhealthy_after`` times in a row) is DOWN too,
-and the hung child is stopped. On shutdown the agent signs LEFT first, then calls ``stop``.
+well under a second. A missed health check is not a death: ``liveness.EngineLiveness`` weighs
+``unhealthy_after`` unanswered checks in a row against evidence of progress (the engine's
+process group using CPU, its token counters moving). A busy engine stays SERVING, for at most
+``busy_limit_s`` without an answer; only a hang (no answer and no progress, or busy past that)
+is DOWN, with the verdict's reason on the entry and in the log, and the hung child is stopped.
+On shutdown the agent signs LEFT first, then calls ``stop``.
 
 With ``sleep_after_s`` the serving engine is put to sleep after that long without requests and
 woken by the next one (``sleep``: ``EngineSleep``; the agent hands ``wake`` to the data plane).
@@ -41,7 +46,8 @@ import orjson
 import trio
 
 from fabricnode.engine.command import EngineCommand, option_values
-from fabricnode.engine.metrics import engine_load, parse_samples
+from fabricnode.engine.liveness import EngineLiveness, Health
+from fabricnode.engine.metrics import engine_load, parse_samples, progress_total
 from fabricnode.engine.models import (
     MAX_LISTING_BYTES,
     Listing,
@@ -49,7 +55,7 @@ from fabricnode.engine.models import (
     read_listing,
     room_for_models,
 )
-from fabricnode.engine.process import EngineError, EngineProcess, wait_ready
+from fabricnode.engine.process import EngineError, EngineProcess, group_cpu_seconds, wait_ready
 from fabricnode.engine.sleep import EngineSleep
 from fabricnode.mesh.registry import MAX_LABEL_VALUE, EngineInfo, State
 from fabricnode.mesh.schema import (
@@ -88,6 +94,7 @@ class EngineService:
         models_interval_s: float = 2.0,
         health_interval_s: float = 1.0,
         unhealthy_after: int = 3,
+        busy_limit_s: float = 120.0,
         kill_after_s: float = 10.0,
         restart: str = "no",
         max_restarts: int = 3,
@@ -107,6 +114,9 @@ class EngineService:
         self.models_interval_s = models_interval_s
         self.health_interval_s = health_interval_s
         self.unhealthy_after = unhealthy_after
+        self.busy_limit_s = busy_limit_s  # longest a busy engine may leave /health unanswered
+        self.liveness = self._new_liveness()
+        self.busy_episodes = 0  # times the engine was found busy, not dead
         self.log_path = log_path
         self.kill_after_s = kill_after_s
         self.restart = restart
@@ -140,6 +150,13 @@ class EngineService:
             self.model_reads,
             self.model_read_errors,
             dict(self.models_dropped),
+        )
+
+    def _new_liveness(self) -> EngineLiveness:
+        return EngineLiveness(
+            unhealthy_after=self.unhealthy_after,
+            busy_limit_s=self.busy_limit_s,
+            progress_window_s=3 * self.health_interval_s + self.metrics_interval_s,
         )
 
     def _new_process(self) -> EngineProcess:
@@ -179,6 +196,7 @@ class EngineService:
                     self.new_session()
                 self.state = "loading"
                 self.process = self._new_process()
+                self.liveness = self._new_liveness()
 
     def _should_restart(self, code: int | None) -> bool:
         if self.restarts >= self.max_restarts or self.restart == "no":
@@ -222,11 +240,11 @@ class EngineService:
                     on_change=self.on_sleep_change,
                 )
                 nursery.start_soon(self.sleeper.run, client)
-            await self._watch_health(client)
+            why = await self._watch_health(client)
             nursery.cancel_scope.cancel()
         # Hung: DOWN first (routing stops at once), then stop the child; the exit watcher
         # will see it exit and leave DOWN as it is.
-        self._mark_down(f"engine stopped answering {url}/health")
+        self._mark_down(f"engine hung: {why}")
         await self.process.stop()
 
     async def wake(self) -> bool:
@@ -243,15 +261,34 @@ class EngineService:
             return ""
         return version[:64] if isinstance(version, str) else ""
 
-    async def _watch_health(self, client: httpx.AsyncClient) -> None:
-        failures = 0
-        while failures < self.unhealthy_after:
+    async def _watch_health(self, client: httpx.AsyncClient) -> str:
+        """Probe ``/health`` every ``health_interval_s`` and weigh each miss against the
+        engine's progress (``liveness``) until it is hung; returns why."""
+        liveness = self.liveness
+        busy = False
+        while True:
             await trio.sleep(self.health_interval_s)
             try:
                 r = await client.get(f"{self.command.url}/health", timeout=self.health_interval_s)
-                failures = 0 if r.status_code == 200 else failures + 1
-            except httpx.HTTPError:
-                failures += 1
+                if r.status_code == 200:
+                    liveness.answered(trio.current_time())
+                else:
+                    liveness.unanswered(trio.current_time(), f"answered {r.status_code}")
+            except httpx.HTTPError as exc:
+                liveness.unanswered(trio.current_time(), type(exc).__name__)
+            pid = self.process.pid
+            if liveness.failures and pid is not None:
+                cpu = await trio.to_thread.run_sync(group_cpu_seconds, pid)
+                liveness.cpu(trio.current_time(), cpu)
+            verdict = liveness.verdict(trio.current_time())
+            if verdict.health is Health.HUNG:
+                return verdict.reason
+            if verdict.health is Health.BUSY and not busy:
+                self.busy_episodes += 1
+                log.warning("engine %s", verdict.reason)
+            elif verdict.health is Health.HEALTHY and busy:
+                log.info("engine answers /health again")
+            busy = verdict.health is Health.BUSY
 
     def _quantization(self) -> str | None:
         quant = option_values(self.command.argv, "--quantization", "-q")
@@ -353,7 +390,9 @@ class EngineService:
             try:
                 r = await client.get(f"{self.command.url}/metrics", timeout=2.0)
                 r.raise_for_status()
-                load = engine_load(parse_samples(r.text))
+                samples = parse_samples(r.text)
+                load = engine_load(samples)
+                self.liveness.counters(trio.current_time(), progress_total(samples))
                 self.scrapes += 1
                 self.gossip.publish_load(
                     waiting=load.waiting,

@@ -14,7 +14,9 @@ the data plane's endpoints in each one's own format:
   in ``message_start`` and ``message_delta``). A body with ``"stub_break_after": N`` gets its
   first N events and then a closed connection (no terminating chunk): a node failing
   mid-stream; one with ``"stub_fail_first": TOKEN`` is answered 503 by the first engine (of
-  all in the process) that sees that token: a node failing before the first byte.
+  all in the process) that sees that token: a node failing before the first byte; one with
+  ``"stub_crash": true`` gets its connection closed with no answer from every engine: a request
+  that makes engines fail.
 * Responses as vLLM 0.32 stores them: the response's id is the request's ``request_id`` (else
   a random ``resp_`` id); ``GET /v1/responses/{id}`` and ``POST .../cancel`` answer the stored
   one or vLLM's 404; a ``previous_response_id`` it does not hold is a 404.
@@ -154,6 +156,8 @@ class ApiEngine:
                 if f"break:{breaker}" in _FAILED:
                     cut = None
                 _FAILED.add(f"break:{breaker}")
+        if doc.get("stub_crash") is True:
+            return False  # closed with no answer: an engine that a request makes fail
         token = doc.get("stub_fail_first")
         if isinstance(token, str):
             with _FAILED_LOCK:  # the first engine, of all in this process, to see it fails

@@ -241,6 +241,12 @@ CONTRACT_BREACHES = (
     ),
     Breach(
         "engine-pure",
+        "fabricnode/engine/liveness.py",
+        "import time",
+        "fabricnode.engine.liveness -> time",
+    ),
+    Breach(
+        "engine-pure",
         "fabricnode/engine/models.py",
         "from fabricnode.engine import process",
         "fabricnode.engine.models -> fabricnode.engine.process",

@@ -79,9 +79,13 @@ class Mesh:
         return [json.loads(line) for line in self.request_log.read_text().splitlines()]
 
 
+# The model list needs a key where keys are on (the ingresses c and d): the tests ask as ops.
+LIST_KEY: dict[str, str] = {}
+
+
 def serves(agent: AgentProcess, model: str, nodes: int) -> bool:
     try:
-        data = httpx.get(agent.http_url + "/v1/models", timeout=2).json()["data"]
+        data = httpx.get(agent.http_url + "/v1/models", headers=LIST_KEY, timeout=2).json()["data"]
     except (httpx.HTTPError, ValueError, KeyError):
         return False
     return any(m["id"] == model and m["fabric_nodes"] == nodes for m in data)
@@ -100,6 +104,7 @@ def fab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
             "ops": store.new_key("ops", admin=True)[0],
         }
         store.save()
+        LIST_KEY["authorization"] = f"Bearer {keys['ops']}"
         agents = {}
         engines = {}
         for i, stub in enumerate(stubs, 1):
@@ -549,6 +554,31 @@ def test_a_stored_response_is_reached_from_another_ingress(fab: Mesh) -> None:
     )
     assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled"
     assert engine.requests(f"/v1/responses/{response.id}/cancel")
+
+
+def test_a_stored_response_belongs_to_the_key_that_created_it_on_every_ingress(
+    fab: Mesh,
+) -> None:
+    """With keys on, another key can neither read, continue nor cancel alice's stored
+    response, through either ingress, and learns only what an unknown id would tell it; alice
+    still can, through the other ingress too."""
+    rid = fab.openai(fab.c).responses.create(model="m1", input="hi").id
+    engine = fab.engines[node_of_response(rid) or ""]
+    reads = len(engine.requests(f"/v1/responses/{rid}"))
+    for via in (fab.c, fab.d):
+        other = fab.openai(via, key="ops")
+        with pytest.raises(openai.NotFoundError) as raised:
+            other.responses.retrieve(rid)
+        assert raised.value.body["code"] == "response_not_found"  # type: ignore[index]
+        with pytest.raises(openai.NotFoundError):
+            other.responses.create(model="m1", input="more", previous_response_id=rid)
+        cancel = httpx.post(
+            f"{via.http_url}/v1/responses/{rid}/cancel", headers=fab.headers("ops"), timeout=10
+        )
+        assert cancel.status_code == 404 and cancel.json()["error"]["code"] == "response_not_found"
+    assert len(engine.requests(f"/v1/responses/{rid}")) == reads, "nothing reached the engine"
+    assert not engine.requests(f"/v1/responses/{rid}/cancel")
+    assert fab.openai(fab.d).responses.retrieve(rid).id == rid
 
 
 def test_a_retrieve_with_a_query_keeps_it(fab: Mesh) -> None:

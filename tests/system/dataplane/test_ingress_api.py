@@ -85,7 +85,11 @@ def fab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
 
         def both_serving() -> bool:
             try:
-                r = httpx.get(c.http_url + "/v1/models", timeout=2)
+                r = httpx.get(
+                    c.http_url + "/v1/models",
+                    headers={"authorization": f"Bearer {tokens['alice']}"},
+                    timeout=2,
+                )
                 return any(m["fabric_nodes"] == 2 for m in r.json()["data"])
             except (httpx.HTTPError, ValueError, KeyError):
                 return False
@@ -206,6 +210,16 @@ def test_with_keys_on_the_registry_views_and_metrics_need_an_admin_key(
     assert r.json()["error"]["type"] == "permission_error" and "--admin" in r.text
     r = httpx.get(url, headers=fab.admin, timeout=10)
     assert r.status_code == 200
+
+
+def test_with_keys_on_the_model_list_needs_a_key_as_openais_and_vllms_do(fab: Mesh) -> None:
+    url = fab.c.http_url + "/v1/models"
+    for headers in ({}, {"authorization": "Bearer fab-00000000-not-a-real-key"}):
+        r = httpx.get(url, headers=headers, timeout=10)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.head(url, timeout=10).status_code == 401
+    r = httpx.get(url, headers={"x-api-key": fab.keys["alice"]}, timeout=10)  # any key will do
+    assert r.status_code == 200 and any(m["id"] == "m1" for m in r.json()["data"])
 
 
 def test_with_keys_on_probes_and_signed_assignments_stay_open(fab: Mesh) -> None:

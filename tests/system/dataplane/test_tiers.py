@@ -78,7 +78,11 @@ def fab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
 
         def both_served() -> bool:
             try:
-                listed = httpx.get(edge.http_url + "/v1/models", timeout=2).json()["data"]
+                listed = httpx.get(
+                    edge.http_url + "/v1/models",
+                    headers={"authorization": f"Bearer {tokens['ops']}"},
+                    timeout=2,
+                ).json()["data"]
                 return {m["id"] for m in listed} == {"m1", "m2"}
             except (httpx.HTTPError, ValueError, KeyError):
                 return False

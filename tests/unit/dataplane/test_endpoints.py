@@ -20,6 +20,7 @@ from fabricnode.dataplane.endpoints import (
     anthropic_path,
     last_sequence_number,
     node_of_response,
+    parse_response_id,
     response_follow_up,
     response_id,
     stream_error_events,
@@ -97,17 +98,28 @@ def test_stateful_responses_paths_are_recognised(
 # == response ids ============================================================================
 
 
-def test_a_response_id_names_its_node_and_looks_like_openais() -> None:
-    rid = response_id(SID, bytes(range(8)))
-    assert rid == "resp_" + SID + "0001020304050607"
-    assert len(rid) == len("resp_67ccd2bed1ec8190b14f964abc0542670bb6a6b452d3795b")
+def test_a_response_id_names_its_node_and_its_owner_tag() -> None:
+    rid = response_id(SID, bytes(range(8)), bytes(range(8, 16)))
+    assert rid == "resp_" + SID + "0001020304050607" + "08090a0b0c0d0e0f"
+    assert len(rid) == 69
     assert node_of_response(rid) == SID
+    assert parse_response_id(rid) == (SID, bytes(range(8)), bytes(range(8, 16)))
+    # An id from before owner tags still names its node, with no tag.
+    legacy = "resp_" + SID + "0001020304050607"
+    assert node_of_response(legacy) == SID
+    assert parse_response_id(legacy) == (SID, bytes(range(8)), None)
 
 
-@given(sid=st.binary(min_size=16, max_size=16), nonce=st.binary(min_size=8, max_size=8))
+@given(
+    sid=st.binary(min_size=16, max_size=16),
+    nonce=st.binary(min_size=8, max_size=8),
+    tag=st.binary(min_size=8, max_size=8),
+)
 @settings(max_examples=50)
-def test_any_node_and_nonce_round_trip(sid: bytes, nonce: bytes) -> None:
-    assert node_of_response(response_id(sid.hex(), nonce)) == sid.hex()
+def test_any_node_nonce_and_tag_round_trip(sid: bytes, nonce: bytes, tag: bytes) -> None:
+    rid = response_id(sid.hex(), nonce, tag)
+    assert node_of_response(rid) == sid.hex()
+    assert parse_response_id(rid) == (sid.hex(), nonce, tag)
 
 
 @pytest.mark.parametrize(
@@ -117,19 +129,23 @@ def test_any_node_and_nonce_round_trip(sid: bytes, nonce: bytes) -> None:
         "resp_" + SID.upper() + "0" * 16,
         "resp_" + SID + "0" * 15,
         "resp_" + SID + "0" * 17,
+        "resp_" + SID + "0" * 33,
         "msg_" + SID + "0" * 16,
         "",
     ],
 )
 def test_ids_of_another_form_name_no_node(rid: str) -> None:
     assert node_of_response(rid) is None
+    assert parse_response_id(rid) is None
 
 
 def test_a_response_id_needs_a_session_id_and_eight_bytes() -> None:
     with pytest.raises(ValueError):
-        response_id("abc", bytes(8))
+        response_id("abc", bytes(8), bytes(8))
     with pytest.raises(ValueError):
-        response_id(SID, bytes(4))
+        response_id(SID, bytes(4), bytes(8))
+    with pytest.raises(ValueError):
+        response_id(SID, bytes(8), bytes(4))
 
 
 # == errors in each dialect ==================================================================

@@ -5,19 +5,27 @@ from __future__ import annotations
 
 import math
 
+import orjson
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from fabricnode.dataplane.endpoints import response_id
+from fabricnode.dataplane.endpoints import node_of_response, response_id
 from fabricnode.dataplane.request import Rejection
 from fabricnode.dataplane.responses import (
+    ANONYMOUS,
     PinnedNode,
     follow_up,
     gone_message,
+    not_yours,
+    owned,
     pin,
     pinned_node,
+    tagged,
 )
 from fabricnode.dataplane.routetable import Route
 from fabricnode.dataplane.routing import NodeInfo
+from fabricnode.mesh.keyring import Keyring
 from fabricnode.mesh.membership import Liveness
 from fabricnode.mesh.registry import State
 from fabricnode.mesh.schema import standing
@@ -40,7 +48,7 @@ def serving(sid: str) -> PinnedNode:
     return node(State.SERVING, Liveness.ALIVE, True)
 
 
-STORED = response_id(B, b"\x00" * 8)
+STORED = response_id(B, b"\x00" * 8, b"\x01" * 8)
 
 
 def test_a_response_id_names_the_node_that_stored_it() -> None:
@@ -138,3 +146,34 @@ def test_the_reason_names_the_model_only_for_a_continuation() -> None:
     facts = serving(B)
     assert "does not serve 'm1'" in gone_message("r", B, "m1", facts)
     assert "exclude it" in gone_message("r", B, None, facts)
+
+
+RING = Keyring.with_key(b"k" * 32)
+
+
+def test_a_stored_response_belongs_to_the_key_that_created_it_under_any_ingress() -> None:
+    """The id's tag says which key created it; any ingress with the cluster key checks it, a
+    rotated keyring still does, and no other key, and no key holder without the cluster key,
+    can pass for the owner."""
+    body, rid = tagged({"model": "m", "input": "hi"}, B, b"\x07" * 8, RING, "key-alice")
+    assert orjson.loads(body)["request_id"] == rid and node_of_response(rid) == B
+    assert owned(rid, "key-alice", RING)
+    assert not owned(rid, "key-bob", RING)
+    assert not owned(rid, ANONYMOUS, RING)
+    rotated = Keyring.with_key(b"n" * 32)
+    rotated.keys.update(RING.keys)  # the old key stays to open what was made with it
+    assert owned(rid, "key-alice", rotated)
+    assert not owned(rid, "key-alice", Keyring.with_key(b"x" * 32))
+    # An id from before owners, or one no ingress made, is nobody's (with keys on).
+    assert not owned(rid[:53], "key-alice", RING)
+    assert not owned("resp_" + "0" * 32, "key-alice", RING)
+    refused = not_yours(rid)
+    assert (refused.status, refused.code) == (404, "response_not_found")
+    assert "alice" not in refused.message
+
+
+@given(st.binary(min_size=8, max_size=8), st.text(max_size=20), st.text(max_size=20))
+def test_a_tag_verifies_for_its_owner_only(nonce: bytes, owner: str, other: str) -> None:
+    _, rid = tagged({}, B, nonce, RING, owner)
+    assert owned(rid, owner, RING)
+    assert owned(rid, other, RING) == (other == owner)
