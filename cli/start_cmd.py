@@ -218,6 +218,20 @@ def start(
             "requests (64; 0 = this agent works no batches, its Batch API still answers).",
         ),
     ] = None,
+    batch_key_quota_gb: Annotated[
+        float | None,
+        typer.Option(
+            metavar="GB",
+            help="Bytes of Batch API files one API key may keep in the shared store (4).",
+        ),
+    ] = None,
+    batch_store_quota_gb: Annotated[
+        float | None,
+        typer.Option(
+            metavar="GB",
+            help="Bytes of Batch API files all keys together may keep in the store (64).",
+        ),
+    ] = None,
     engine_template: Annotated[
         str | None,
         typer.Option(
@@ -306,6 +320,8 @@ def start(
             leave_before_end_s=leave_before_end,
             sleep_after_s=sleep_after,
             batch_concurrency=batch_concurrency,
+            batch_key_quota_gb=batch_key_quota_gb,
+            batch_store_quota_gb=batch_store_quota_gb,
             engine_template=engine_template,
             model_paths=model_path or (),
             trust_operators=trust_operator or (),

@@ -272,6 +272,8 @@ class Agent:
             store,
             wall_clock=self.wall_clock,
             max_file_bytes=cfg.ingress.max_body_bytes,
+            key_quota_bytes=cfg.batch.key_quota_bytes,
+            store_quota_bytes=cfg.batch.store_quota_bytes,
             poke_worker=worker.poke if worker is not None else lambda: None,
         )
         return worker

@@ -197,6 +197,8 @@ def load_config(
     leave_before_end_s: float | None = None,
     sleep_after_s: float | None = None,
     batch_concurrency: int | None = None,
+    batch_key_quota_gb: float | None = None,
+    batch_store_quota_gb: float | None = None,
     controller: bool = False,
     controller_dry_run: bool = False,
     serve: str | None = None,
@@ -259,7 +261,7 @@ def load_config(
         drain_timeout_s=_drain(drain_timeout_s),
         sleep_after_s=_sleep_after(sleep_after_s),
         batch_dir=home / "batches",
-        batch=_batch(batch_concurrency),
+        batch=_batch(batch_concurrency, batch_key_quota_gb, batch_store_quota_gb),
         leave_before_end_s=_leave_before_end(leave_before_end_s, env),
         ingress=_ingress(policy, max_body_mb, limits or ConnectionLimits(), tiers or TierLimits()),
         cluster_key_path=key_path,
@@ -392,15 +394,28 @@ def _drain(value: float | None) -> float:
 MAX_SLEEP_AFTER_S = 7 * 86400.0
 
 
-def _batch(concurrency: int | None) -> BatchConfig:
+def _batch(
+    concurrency: int | None, key_quota_gb: float | None, store_quota_gb: float | None
+) -> BatchConfig:
+    defaults = BatchConfig()
     if concurrency is None:
-        return BatchConfig()
+        concurrency = defaults.concurrency
     if not 0 <= concurrency <= MAX_BATCH_CONCURRENCY:
         raise ConfigError(
             f"--batch-concurrency {concurrency}: expected 0 (no batch worker) to "
             f"{MAX_BATCH_CONCURRENCY}"
         )
-    return BatchConfig(concurrency=concurrency)
+    quotas = {}
+    for flag, value, name in (
+        ("--batch-key-quota-gb", key_quota_gb, "key_quota_bytes"),
+        ("--batch-store-quota-gb", store_quota_gb, "store_quota_bytes"),
+    ):
+        if value is None:
+            continue
+        if not 0 < value <= 1024 * 1024:  # also rejects NaN
+            raise ConfigError(f"{flag} {value:g}: expected more than 0, at most 1048576 GB")
+        quotas[name] = int(value * 1024**3)
+    return replace(defaults, concurrency=concurrency, **quotas)
 
 
 def _sleep_after(value: float | None) -> float | None:

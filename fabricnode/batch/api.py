@@ -35,6 +35,7 @@ from fabricnode.batch import records
 from fabricnode.batch.store import BatchStore, new_batch_id, new_file_id
 from fabricnode.batch.upload import form_parts
 from fabricnode.batch.validate import ENDPOINTS
+from fabricnode.batch.worker_config import BatchConfig
 from fabricnode.dataplane.asgi_call import OWNER_SCOPE
 from fabricnode.dataplane.request import error_body
 
@@ -60,11 +61,15 @@ class BatchApi:
         *,
         wall_clock: Callable[[], float],
         max_file_bytes: int,
+        key_quota_bytes: int = BatchConfig.key_quota_bytes,
+        store_quota_bytes: int = BatchConfig.store_quota_bytes,
         poke_worker: Callable[[], None] = lambda: None,
     ) -> None:
         self.store = store
         self.wall_clock = wall_clock
         self.max_file_bytes = max_file_bytes
+        self.key_quota_bytes = key_quota_bytes
+        self.store_quota_bytes = store_quota_bytes
         self.poke_worker = poke_worker
 
     async def __call__(self, scope: Mapping[str, Any], receive: Any, send: Any) -> None:
@@ -148,7 +153,8 @@ class BatchApi:
     # -- files ------------------------------------------------------------------------------
 
     async def _upload(self, headers: dict[bytes, bytes], body: bytes, owner: str) -> Json:
-        form = form_parts(body, headers.get(b"content-type", b""))
+        # Walked in a worker thread: a form of many parts must not stall the event loop.
+        form = await trio.to_thread.run_sync(form_parts, body, headers.get(b"content-type", b""))
         if isinstance(form, str):
             raise ApiError(400, form, "invalid_form")
         purpose_part = form.get("purpose")
@@ -167,6 +173,7 @@ class BatchApi:
             raise ApiError(
                 413, f"the file is larger than {self.max_file_bytes} bytes", "file_too_large"
             )
+        await self._within_quotas(owner, len(file_part.content))
         filename = (file_part.filename or "upload.jsonl")[:255]
         meta = records.new_file(
             new_file_id(),
@@ -178,6 +185,29 @@ class BatchApi:
         )
         await trio.to_thread.run_sync(self.store.put_file, meta, file_part.content)
         return records.file_object(meta)
+
+    async def _within_quotas(self, owner: str, size: int) -> None:
+        """413 if a new file of ``size`` bytes would take ``owner``'s files past the key's
+        quota, or the store past its own. Two uploads racing may both pass and overshoot by
+        one file: the quota bounds the store, it is not an exact ledger."""
+        metas = await trio.to_thread.run_sync(self.store.list_files)
+        total = sum(_size(m) for m in metas)
+        mine = sum(_size(m) for m in metas if m.get("owner") == owner)
+        if mine + size > self.key_quota_bytes:
+            raise ApiError(
+                413,
+                f"this key's files would take {mine + size} bytes, over its quota of "
+                f"{self.key_quota_bytes} (delete files it no longer needs: DELETE "
+                "/v1/files/{id})",
+                "key_quota_exceeded",
+            )
+        if total + size > self.store_quota_bytes:
+            raise ApiError(
+                413,
+                f"the batch store would hold {total + size} bytes, over its quota of "
+                f"{self.store_quota_bytes}: ask the operator, or delete files",
+                "store_quota_exceeded",
+            )
 
     async def _list_files(self, owner: str) -> Json:
         metas = await trio.to_thread.run_sync(self.store.list_files)
@@ -302,6 +332,11 @@ class BatchApi:
         log.info("batch %s: cancel asked", record["id"])
         self.poke_worker()
         return await self._public(record)
+
+
+def _size(meta: Json) -> int:
+    size = meta.get("bytes")
+    return size if isinstance(size, int) and size > 0 else 0
 
 
 def _json(doc: Json) -> tuple[int, bytes, bytes]:

@@ -15,6 +15,10 @@ class BatchConfig:
     """The batch worker's knobs, with units in the names."""
 
     concurrency: int = 64  # requests this agent's worker has in flight at once (0: no worker)
+    # The store's bounds (``api``): the bytes of the files one key may keep, and all keys
+    # together; an upload past either is refused with 413 and what to delete.
+    key_quota_bytes: int = 4 * 1024**3
+    store_quota_bytes: int = 64 * 1024**3
     shard_size: int = 128  # lines per unit of work a worker takes
     max_shards_per_batch: int = 4  # held by one worker at once
     lease_ttl_s: float = 20.0

@@ -11,6 +11,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 
+import httpx
 import openai
 import pytest
 
@@ -290,3 +291,51 @@ def test_two_keys_batches_complete_at_equal_rates_whatever_their_size(mesh: Loca
     assert abs(got_a - got_b) <= 0.2 * max(got_a, got_b), (got_a, got_b)
     assert done(a, big) < 2000  # a was backlogged all along
     a.batches.cancel(big)
+
+
+def test_uploads_are_bounded_per_key_and_per_store_and_many_part_forms_refused(
+    mesh: LocalMesh,
+) -> None:
+    """Before, uploads had no quota (1 GiB from one key in seconds) and a form of hundreds of
+    thousands of tiny parts was walked on the event loop. Now a key's files and the store are
+    bounded, with a 413 that says what to delete, and such a form is a 400."""
+    store = ApiKeyStore(mesh.workdir / "api-keys.json", enabled=True)
+    alice, bob, carol = (store.new_key(name)[0] for name in ("alice", "bob", "carol"))
+    store.save()
+    kib = 1024 / 1024**3  # one KiB in GB, as the flags take it
+    front = mesh.start(
+        "front", args=["--batch-key-quota-gb", f"{5 * kib}", "--batch-store-quota-gb", f"{8 * kib}"]
+    )
+    a = openai.OpenAI(base_url=front.http_url + "/v1", api_key=alice, max_retries=0)
+    b = openai.OpenAI(base_url=front.http_url + "/v1", api_key=bob, max_retries=0)
+    c = openai.OpenAI(base_url=front.http_url + "/v1", api_key=carol, max_retries=0)
+    three_kib = b"x" * 3 * 1024
+
+    first = a.files.create(file=("a.jsonl", io.BytesIO(three_kib)), purpose="batch")
+    with pytest.raises(openai.APIStatusError) as raised:
+        a.files.create(file=("b.jsonl", io.BytesIO(three_kib)), purpose="batch")
+    assert raised.value.status_code == 413
+    assert raised.value.body["code"] == "key_quota_exceeded"  # type: ignore[index]
+    assert "DELETE /v1/files" in raised.value.body["message"]  # type: ignore[index]
+    b.files.create(file=("c.jsonl", io.BytesIO(three_kib)), purpose="batch")  # 6 KiB in all
+    with pytest.raises(openai.APIStatusError) as raised:  # carol's first, but the store is full
+        c.files.create(file=("d.jsonl", io.BytesIO(three_kib)), purpose="batch")
+    assert raised.value.status_code == 413
+    assert raised.value.body["code"] == "store_quota_exceeded"  # type: ignore[index]
+    a.files.delete(first.id)  # room again, for alice
+    a.files.create(file=("e.jsonl", io.BytesIO(three_kib)), purpose="batch")
+
+    boundary = "b0undary"
+    tiny = f'--{boundary}\r\nContent-Disposition: form-data; name="x"\r\n\r\n1\r\n' * 100_000
+    purpose = f'--{boundary}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+    form = tiny + purpose + f"--{boundary}--\r\n"
+    r = httpx.post(
+        front.http_url + "/v1/files",
+        content=form.encode(),
+        headers={
+            "authorization": f"Bearer {alice}",
+            "content-type": f"multipart/form-data; boundary={boundary}",
+        },
+        timeout=30,
+    )
+    assert r.status_code == 400 and "more than 16 parts" in r.json()["error"]["message"]
