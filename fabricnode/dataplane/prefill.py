@@ -102,6 +102,30 @@ class PrefillClocks:
         self._load[sid] = (self._decayed(sid, now) + tokens, now)
         return idle
 
+    def unsent(
+        self, sid: str, tokens: int, sent_at: float, now: float, batch: bool = False
+    ) -> None:
+        """The prompt of ``tokens`` ``sent`` to ``sid`` at ``sent_at`` was not prefilled: the
+        engine answered it at once with an error (a 404 for its model, a 400 for its length) or
+        never got it. Its slot is given back: the clock moves back by the slot's length
+        (computed as ``sent`` did, with the rate as it is now), never before ``now``, and an
+        interactive prompt's tokens leave the load (as much of them as is left after their
+        decay). Without this, an 8 MiB prompt refused in a millisecond held the node's clock for
+        seconds, and the batch tier waited it out."""
+        until = self._until.get(sid)
+        if until is None or until <= now:
+            return
+        tokens = max(tokens, 1)
+        rate = self.rate(sid)
+        if batch:
+            share = max(MIN_BATCH_SHARE, 1.0 - self.interactive_load(sid, now))
+            length = tokens / (rate * share)
+        else:
+            length = tokens / rate
+            left = tokens * math.exp(-max(0.0, now - sent_at) / LOAD_WINDOW_S)
+            self._load[sid] = (max(0.0, self._decayed(sid, now) - left), now)
+        self._until[sid] = max(now, until - length)
+
     def interactive_load(self, sid: str, now: float) -> float:
         """The interactive prompt tokens sent to ``sid`` lately as a share of its rate."""
         return self._decayed(sid, now) / (LOAD_WINDOW_S * self.rate(sid))

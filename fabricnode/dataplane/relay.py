@@ -71,6 +71,9 @@ from fabricnode.dataplane.usage import StreamUsage
 log = logging.getLogger("fabricnode.dataplane.relay")
 
 RETRYABLE_STATUS = (502, 503, 504)
+# How ``UpstreamError`` names an attempt whose request never reached an engine (its prompt is
+# then not on the node's prefill clock: ``PrefillClocks.unsent``).
+NOT_SENT = ("cannot connect", "connect timed out")
 # An attempt's outcome when its stream broke and a continuation is ready (``_prepare_resume``).
 RESUME = "resume"
 # Request headers passed on to the upstream (anything else stays at the ingress).
@@ -231,7 +234,10 @@ class Relay:
                     client=conn.sock,
                 )
             except UpstreamError as exc:
-                return str(exc)
+                why = str(exc)
+                if tokens and why.startswith(NOT_SENT):  # no engine got the prompt
+                    self.prefill.unsent(sid, tokens, sent_at, self.clock.now(), slot is not None)
+                return why
             except ClientGone:
                 self.metrics.client_disconnects.labels("waiting").inc()
                 raise
@@ -239,6 +245,10 @@ class Relay:
                 self.gate_waits.answered(job, sid)  # its answer is coming: it runs to the end
             try:
                 status = ex.status
+                if tokens and status >= 400:
+                    # Answered with an error (at once, for a model it lacks or a prompt too
+                    # long): nothing was prefilled, so the prompt's slot is given back.
+                    self.prefill.unsent(sid, tokens, sent_at, self.clock.now(), slot is not None)
                 if status in RETRYABLE_STATUS:
                     return f"node answered {status}"
                 if job.splice is not None or job.held_head:

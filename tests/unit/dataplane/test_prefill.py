@@ -204,3 +204,34 @@ def test_a_batch_prompt_s_slot_assumes_at_least_a_quarter_of_the_rate() -> None:
     ahead = clocks.backlog("a", 1.0)
     clocks.sent("a", 1000, 1.0, batch=True)
     assert clocks.backlog("a", 1.0) - ahead == pytest.approx(1000 / (1000 * MIN_BATCH_SHARE))
+
+
+def test_a_prompt_the_engine_refused_at_once_gives_its_slot_back() -> None:
+    """An 8 MiB prompt (2M estimated tokens) answered 404 in a millisecond: before, the node's
+    clock kept it for minutes and the batch tier waited; now its slot is given back, and the
+    prompts around it keep theirs."""
+    clocks = PrefillClocks(default_rate=1000.0)
+    clocks.sent("a", 500, 10.0)
+    clocks.sent("a", 2_000_000, 10.0)
+    assert clocks.backlog("a", 10.0) == pytest.approx(2000.5)
+    clocks.unsent("a", 2_000_000, 10.0, 10.001)
+    assert clocks.backlog("a", 10.001) == pytest.approx(0.499)
+    assert clocks.interactive_load("a", 10.001) == pytest.approx(500 / (10 * 1000), rel=1e-3)
+    clocks.unsent("a", 2_000_000, 10.0, 10.002)  # never before now
+    assert clocks.backlog("a", 10.002) == 0.0
+    clocks.unsent("b", 10, 1.0, 1.0)  # a node with no clock: nothing
+    assert clocks.backlog("b", 1.0) == 0.0
+    clocks.sent("a", 100_000, 20.0, batch=True)
+    clocks.unsent("a", 100_000, 20.0, 20.0, batch=True)
+    assert clocks.backlog("a", 20.0) == 0.0
+
+
+@given(st.lists(st.integers(1, 10**6), max_size=8), st.integers(1, 10**6))
+def test_unsending_what_was_just_sent_restores_the_backlog(before: list[int], tokens: int) -> None:
+    clocks = PrefillClocks(default_rate=1000.0)
+    for n in before:
+        clocks.sent("a", n, 5.0)
+    backlog = clocks.backlog("a", 5.0)
+    clocks.sent("a", tokens, 5.0)
+    clocks.unsent("a", tokens, 5.0, 5.0)
+    assert clocks.backlog("a", 5.0) == pytest.approx(backlog, abs=1e-6)
