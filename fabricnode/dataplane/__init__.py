@@ -32,6 +32,8 @@ Modules, in reading order (pure first, then the shell that uses them):
 * ``routetable``      the registry reduced to the candidates of each model, and the filters.
 * ``tiers``           priority tiers: the interactive/batch headers, when a node has room for
                       batch work, fair queueing of waiting batch requests between API keys.
+* ``failover``        the account of a request's attempts (nodes, time, refused connects,
+                      resumed streams) and the poison-request guard: when trying stops.
 * ``gate``            the batch gate as a sans-IO machine: offer, scan, expire, pressure, and
                       its deadline (``BatchGate``).
 * ``coldstart``       waiting for a replica of a declared model (scale from zero): routes or the

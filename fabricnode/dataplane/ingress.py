@@ -23,12 +23,11 @@ are on and which key the caller named, and the app decides which paths need an a
 
 Routing and failover (``_route``, ``_dispatch``): the candidates (``routetable``), the policy
 (``routing``), then one attempt after another. A connection error, a timeout before the
-response head, or a 502/503/504 answer is retried on the next candidate, at most
-``max_attempts`` nodes within ``retry_budget_s``, and the failed node is ejected by the circuit
-breaker; a stream that broke mid-answer with its continuation ready (``relay.RESUME``) gets
-attempts and time of its own. They stay here because they hold a request's state across its
-attempts (the nodes tried, the deadline, the batch slot) and the waiting rooms' shells wake
-through the ingress (``mesh_changed``).
+response head, or a 502/503/504 answer is retried on the next candidate and the failed node is
+ejected by the circuit breaker; how many nodes, for how long, and when to stop (a stream
+continued elsewhere, the poison-request guard) is the ``failover.Failover`` machine's account.
+The loop stays here because it holds a request's state across its attempts (the batch slot,
+the splice) and the waiting rooms' shells wake through the ingress (``mesh_changed``).
 
 Elsewhere: the client connections and what is refused on them (``frontdoor``); the checks
 before routing, the header grammars and a request's one routed record (``request.Routed``);
@@ -99,6 +98,7 @@ from fabricnode.dataplane.endpoints import (
     RESPONSES,
     response_follow_up,
 )
+from fabricnode.dataplane.failover import Failover
 from fabricnode.dataplane.forward_auth import HEADER as FORWARD_HEADER
 from fabricnode.dataplane.frontdoor import FrontDoor
 from fabricnode.dataplane.gate import BatchGate, BatchWaiter
@@ -110,7 +110,6 @@ from fabricnode.dataplane.job import BatchSlot, Job
 from fabricnode.dataplane.metrics import (
     IngressMetrics,
     LabelCache,
-    engine_failure,
     failure_reason,
 )
 from fabricnode.dataplane.prefill import PrefillClocks
@@ -141,8 +140,6 @@ log = logging.getLogger("fabricnode.dataplane.ingress")
 # Kinds whose requests need more than the table lookup (``Ingress._route``).
 PREPARED_KINDS = frozenset((RESPONSES, *FORM_KINDS))
 BATCH_API_PREFIXES = (b"/v1/files", b"/v1/batches")
-CONNECT_REFUSED = "cannot connect"  # how UpstreamError names a refused connection
-MAX_REFUSED_SKIPS = 8  # refused connections per request that do not count as attempts
 
 
 @dataclass
@@ -712,13 +709,8 @@ class Ingress:
         False closes the connection.
         """
         cfg = self.config
-        tried: set[str] = set()
-        last_error = "no eligible node"
-        deadline = job.started + cfg.retry_budget_s
-        limit = cfg.max_attempts  # raised when a stream is resumed: its own attempts and time
-        refused = 0  # attempts refused at connect, not counted against the limit
-        engine_failures = 0  # attempts an engine failed on (the poison-request guard)
-        poisoned = False
+        fo = Failover(job.started, cfg.max_attempts, cfg.retry_budget_s, cfg.max_engine_failures)
+        tried = fo.tried
         policy = self.policy
         answered = False
         fallback: float | None = None  # seconds a request no node answered may wait for one
@@ -726,10 +718,7 @@ class Ingress:
         refusal = ""  # why the batch gate sent the request away (GATE_FULL, GATE_TIMEOUT)
         slot = job.slot  # a batch request's (``tiers``); None for an interactive one
         try:
-            while len(tried) < limit:
-                now = self.clock.now() if tried else job.started
-                if tried and now >= deadline:
-                    break
+            while fo.may_try(now := self.clock.now() if tried else job.started):
                 wall = self.wall_clock()  # load reports carry wall-clock times
                 candidates = self._candidates(
                     routes, routed, tried, now, wall, interactive=slot is None
@@ -749,8 +738,7 @@ class Ingress:
                         break  # no eligible node left
                     ranked, routes = admitted
                     now, wall = self.clock.now(), self.wall_clock()
-                    if not tried:  # the time it waited is not failover time
-                        deadline = now + cfg.retry_budget_s
+                    fo.restart_clock(now)  # the time it waited is not failover time
                 elif len(candidates) == 1 or job.waking:
                     # One candidate: nothing to choose and no use holding (the request would
                     # wait for the same node either way); the policy is skipped, as prompt
@@ -764,7 +752,7 @@ class Ingress:
                         break
                 pick = ranked[0].node.session_id
                 route = route_of(routes, pick)
-                tried.add(pick)
+                fo.picked(pick)
                 if job.splice is not None:
                     log.info("stream continuation %d goes to %s", job.resumes, pick[:8])
                 policy.on_routed(routed, pick, wall)
@@ -787,40 +775,23 @@ class Ingress:
                     answered = True
                     break
                 if outcome == PREEMPTED:
-                    # Taken back under pressure: not the node's failure, and no attempt used.
-                    tried.discard(pick)
+                    fo.preempted(pick)
                     continue
                 self.breaker.failed(pick, self.clock.now())
                 self.metrics.ejections.inc()
                 if outcome is RESUME:
                     # The stream broke mid-answer and a continuation is ready: it gets attempts
                     # and time of its own, on the nodes not tried yet.
-                    last_error = "no node left to try"
                     if not job.waking:
                         routes = self.table.routes(job.model) or routes  # joined since
-                    limit = len(tried) + cfg.max_attempts
-                    deadline = self.clock.now() + cfg.retry_budget_s
+                    fo.resumed(self.clock.now())
                     self.metrics.stream_resumes.labels("resumed").inc()
                     log.info("stream from %s broke: continuing it on another node", pick[:8])
                     continue
-                last_error = outcome
-                if engine_failure(outcome):
-                    engine_failures += 1
-                    if engine_failures >= cfg.max_engine_failures:
-                        poisoned = True
-                        self.metrics.poisoned.inc()
-                        log.warning(
-                            "%s failed on %d nodes (last: %s): not tried on another",
-                            job.model,
-                            engine_failures,
-                            outcome,
-                        )
-                        break
-                if outcome.startswith(CONNECT_REFUSED) and refused < MAX_REFUSED_SKIPS:
-                    # Nothing was sent to an address that refused at once: it costs no attempt
-                    # (phantom or freshly dead entries must not use up a request's failover).
-                    refused += 1
-                    limit += 1
+                if fo.failed(outcome):
+                    self.metrics.poisoned.inc()
+                    log.warning("%s: %s", job.model, fo.poison_message())
+                    break
                 self.retries += 1
                 self.metrics.retries.labels(failure_reason(outcome)).inc()
                 log.info("attempt on %s failed before the first byte: %s", pick[:8], outcome)
@@ -842,17 +813,14 @@ class Ingress:
                 self.metrics.stream_resumes.labels("failed").inc()
                 job.status = 502
                 await self.relay.end_stream(
-                    conn, job, f"the serving node failed mid-stream: {last_error}"
+                    conn, job, f"the serving node failed mid-stream: {fo.last_error}"
                 )
                 keep = not job.close
-            elif poisoned:
+            elif fo.poisoned:
                 # Engines failed on this request on several nodes: it is not tried on more
                 # (nor held for a replica), so that it cannot take down every one in turn.
                 job.status = 502
-                message = (
-                    f"the request failed on {engine_failures} nodes (last: {last_error}); it "
-                    "is not tried on another, as it may be what makes them fail"
-                )
+                message = fo.poison_message()
                 if job.held_head:
                     await self.relay.end_stream(conn, job, message)
                     keep = not job.close
@@ -867,7 +835,7 @@ class Ingress:
             elif job.held_head:
                 job.status = 502
                 await self.relay.end_stream(
-                    conn, job, f"no node could take the request: {last_error}"
+                    conn, job, f"no node could take the request: {fo.last_error}"
                 )
                 keep = not job.close
             else:
@@ -876,7 +844,7 @@ class Ingress:
                 await send_error(
                     conn,
                     503,
-                    f"no node could take the request for {what}: {last_error}",
+                    f"no node could take the request for {what}: {fo.last_error}",
                     "no_eligible_node",
                     extra=[(b"retry-after", b"%d" % cfg.retry_after_s)],
                     path=job.path,
