@@ -7,7 +7,9 @@ field and forwards the body as it came. ``form_fields`` walks the parts by their
 ``MAX_FIELD_BYTES``), in any order (a ``model`` part after the file is found too), to the
 closing delimiter: a wanted field named twice is refused, because the engine reads the form
 again with its own parser, which takes the last value where this would take the first (a
-request routed by one ``model`` and served as another). A form of more than ``MAX_PARTS`` parts
+request routed by one ``model`` and served as another). For the same reason a content type
+with two ``boundary`` parameters and a part with two ``name`` parameters are refused: which one
+counts is the parser's choice. A form of more than ``MAX_PARTS`` parts
 is refused too: an audio form has a file and a handful of fields. The body itself is held by
 the HTTP layer, within the body limit and the agent's body budget like any request body (a
 larger one is refused with 413 while it arrives).
@@ -30,6 +32,8 @@ MAX_PARTS = 256  # parts in one audio form (a file and a few fields; the Batch A
 
 _BOUNDARY = re.compile(rb'(?i)(?:^|;)\s*boundary\s*=\s*(?:"([^"]{1,70})"|([^\s;"]{1,70}))')
 _NAME = re.compile(rb'(?im)^content-disposition\s*:[^\r\n]*;\s*name\s*=\s*(?:"([^"]*)"|([^\s;]+))')
+# Every ``name`` parameter of a part's header block (a second one is refused: see below).
+_NAME_PARAM = re.compile(rb"(?i);\s*name\s*=")
 
 
 def boundary_of(content_type: bytes) -> bytes | None:
@@ -37,9 +41,10 @@ def boundary_of(content_type: bytes) -> bytes | None:
     media, _, params = content_type.partition(b";")
     if media.strip().lower() != b"multipart/form-data":
         return None
-    m = _BOUNDARY.search(params)
-    if m is None:
+    found = list(_BOUNDARY.finditer(params))
+    if len(found) != 1:  # none, or two that parsers would choose between differently
         return None
+    m = found[0]
     value = m.group(1) if m.group(1) is not None else m.group(2)
     return value if value else None
 
@@ -106,6 +111,8 @@ def form_fields(body: bytes, content_type: bytes, wanted: tuple[str, ...]) -> di
         head_start, head_end, content, nxt = part
         m = _NAME.search(body, head_start, head_end)
         if m is not None:
+            if len(_NAME_PARAM.findall(body, head_start, head_end)) > 1:
+                return "a form part that names itself twice"
             raw_name = m.group(1) if m.group(1) is not None else m.group(2)
             name = raw_name.decode("utf-8", "replace")
             if name in want:

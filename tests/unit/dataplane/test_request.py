@@ -437,3 +437,12 @@ def test_an_audio_form_of_too_many_parts_is_refused() -> None:
     many = b'--B\r\nContent-Disposition: form-data; name="x"\r\n\r\n1\r\n' * 300
     r = rejected(open_decode(many + FORM, "transcriptions", content_type=ct), 400, "invalid_form")
     assert "more than 256 parts" in r.message
+
+
+def test_forms_two_parsers_would_read_differently_are_refused() -> None:
+    two_boundaries = "multipart/form-data; boundary=B; boundary=C"
+    rejected(open_decode(FORM, "transcriptions", content_type=two_boundaries), 400, "invalid_form")
+    renamed = FORM.replace(b'name="model"', b'name="stream"; name="model"')
+    ct = "multipart/form-data; boundary=B"
+    r = rejected(open_decode(renamed, "transcriptions", content_type=ct), 400, "invalid_form")
+    assert "names itself twice" in r.message
