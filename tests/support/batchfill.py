@@ -9,6 +9,9 @@ error answer (400: the error file); a second worker's segment repeats some answe
 body, which the merge must drop (the first result of each ``custom_id`` is kept). What the
 output and error files must then hold is returned as their SHA-256 and size, computed while
 writing, so nothing of that size is held here either.
+
+To let agents that already run see such a batch appear whole, never half-written, fill it into
+another root and ``publish`` it into theirs (renames: its files first, its directory last).
 """
 
 from __future__ import annotations
@@ -125,3 +128,12 @@ def fill_done_batch(
         completed=counts[0],
         failed=counts[1],
     )
+
+
+def publish(staging: Path, root: Path, batch_id: str) -> None:
+    """Move a batch filled under ``staging`` into the store at ``root`` (same filesystem)."""
+    source, target = BatchStore(staging), BatchStore(root)
+    target.ensure()
+    for path in sorted(source.files_dir.iterdir(), key=lambda p: p.suffix != ".jsonl"):
+        path.rename(target.files_dir / path.name)
+    source.batch_dir(batch_id).rename(target.batch_dir(batch_id))
