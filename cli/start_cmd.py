@@ -232,6 +232,14 @@ def start(
             help="Bytes of Batch API files all keys together may keep in the store (64).",
         ),
     ] = None,
+    batch_input_buffer_mb: Annotated[
+        float | None,
+        typer.Option(
+            metavar="MIB",
+            help="Batch request lines this agent's worker holds read ahead, in all batches; "
+            "past it, it takes no more shards until some are sent (64).",
+        ),
+    ] = None,
     engine_template: Annotated[
         str | None,
         typer.Option(
@@ -322,6 +330,7 @@ def start(
             batch_concurrency=batch_concurrency,
             batch_key_quota_gb=batch_key_quota_gb,
             batch_store_quota_gb=batch_store_quota_gb,
+            batch_input_buffer_mb=batch_input_buffer_mb,
             engine_template=engine_template,
             model_paths=model_path or (),
             trust_operators=trust_operator or (),

@@ -199,6 +199,7 @@ def load_config(
     batch_concurrency: int | None = None,
     batch_key_quota_gb: float | None = None,
     batch_store_quota_gb: float | None = None,
+    batch_input_buffer_mb: float | None = None,
     controller: bool = False,
     controller_dry_run: bool = False,
     serve: str | None = None,
@@ -261,7 +262,9 @@ def load_config(
         drain_timeout_s=_drain(drain_timeout_s),
         sleep_after_s=_sleep_after(sleep_after_s),
         batch_dir=home / "batches",
-        batch=_batch(batch_concurrency, batch_key_quota_gb, batch_store_quota_gb),
+        batch=_batch(
+            batch_concurrency, batch_key_quota_gb, batch_store_quota_gb, batch_input_buffer_mb
+        ),
         leave_before_end_s=_leave_before_end(leave_before_end_s, env),
         ingress=_ingress(policy, max_body_mb, limits or ConnectionLimits(), tiers or TierLimits()),
         cluster_key_path=key_path,
@@ -395,7 +398,10 @@ MAX_SLEEP_AFTER_S = 7 * 86400.0
 
 
 def _batch(
-    concurrency: int | None, key_quota_gb: float | None, store_quota_gb: float | None
+    concurrency: int | None,
+    key_quota_gb: float | None,
+    store_quota_gb: float | None,
+    input_buffer_mb: float | None = None,
 ) -> BatchConfig:
     defaults = BatchConfig()
     if concurrency is None:
@@ -415,6 +421,12 @@ def _batch(
         if not 0 < value <= 1024 * 1024:  # also rejects NaN
             raise ConfigError(f"{flag} {value:g}: expected more than 0, at most 1048576 GB")
         quotas[name] = int(value * 1024**3)
+    if input_buffer_mb is not None:
+        if not 1 <= input_buffer_mb <= 64 * 1024:  # also rejects NaN
+            raise ConfigError(
+                f"--batch-input-buffer-mb {input_buffer_mb:g}: expected 1 to 65536 MiB"
+            )
+        quotas["input_buffer_bytes"] = int(input_buffer_mb * 1024**2)
     return replace(defaults, concurrency=concurrency, **quotas)
 
 

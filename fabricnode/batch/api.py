@@ -5,7 +5,9 @@ Endpoints (OpenAI's paths, bodies and object shapes, so the official SDK works u
 
 * ``POST /v1/files`` (multipart: ``file``, ``purpose=batch``) → the file object;
   ``GET /v1/files`` → the caller's files; ``GET /v1/files/{id}``; ``DELETE /v1/files/{id}``;
-  ``GET /v1/files/{id}/content`` → the bytes (a batch's input, output or error file).
+  ``GET /v1/files/{id}/content`` → the bytes (a batch's input, output or error file), streamed
+  from disk in ``DOWNLOAD_CHUNK_BYTES`` pieces with its ``content-length``; a ``Range: bytes=``
+  header of one range gets ``206`` and that part (``416`` if it is past the end).
 * ``POST /v1/batches`` ``{"input_file_id", "endpoint", "completion_window": "24h",
   "metadata"?}`` → the batch, ``validating``; ``GET /v1/batches?limit=&after=`` → the caller's
   batches, newest first; ``GET /v1/batches/{id}``; ``POST /v1/batches/{id}/cancel``.
@@ -16,16 +18,19 @@ created them; any other key gets 404 for them, as if they did not exist, and nev
 listed.
 
 Errors are OpenAI-shaped: 400 a bad body or parameter (the message names it), 404 unknown or not
-yours, 405 wrong method, 413 a file over the limit. Validation problems of an input file are not
-HTTP errors: the batch is created and then fails, with its ``errors`` naming the lines
-(``validate``).
+yours, 405 wrong method, 413 a file over the limit, 416 a range past a file's end. Validation
+problems of an input file are not HTTP errors: the batch is created and then fails, with its
+``errors`` naming the lines (``validate``).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+import re
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qsl
 
@@ -44,14 +49,67 @@ log = logging.getLogger("fabricnode.batch.api")
 Json = dict[str, Any]
 MAX_LIST_LIMIT = 100
 _FILE_PURPOSES = ("batch",)
+# A download goes out in pieces of this size: one piece per download is held at a time (the
+# ingress sends each before the next is read).
+DOWNLOAD_CHUNK_BYTES = 1024 * 1024
+_RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, code: str) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        code: str,
+        headers: list[tuple[bytes, bytes]] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.code = code
+        self.headers = headers or []
+
+
+@dataclass
+class Download:
+    """A file's content to stream: ``length`` bytes from ``start`` of the open ``fd``."""
+
+    fd: int
+    start: int
+    length: int
+    size: int  # the whole file's
+    partial: bool  # a Range was asked: 206 with Content-Range
+
+
+def byte_range(header: bytes | None, size: int) -> tuple[int, int] | None:
+    """``(start, length)`` of a ``Range`` header of one range over a file of ``size`` bytes;
+    None to send it whole (no header, or one this does not take: several ranges, other
+    units). ``ApiError`` 416 for a range that starts past the end."""
+    if header is None:
+        return None
+    m = _RANGE.match(header.decode("latin-1").strip())
+    if m is None or (not m.group(1) and not m.group(2)):
+        return None
+    first, last = m.group(1), m.group(2)
+    if not first:  # the last N bytes
+        n = min(int(last), size)
+        if n == 0:
+            raise _unsatisfiable(size)
+        return size - n, n
+    start = int(first)
+    end = min(int(last), size - 1) if last else size - 1
+    if start >= size or end < start:
+        raise _unsatisfiable(size)
+    return start, end - start + 1
+
+
+def _unsatisfiable(size: int) -> ApiError:
+    return ApiError(
+        416,
+        f"the range asked is not within the file's {size} bytes",
+        "range_not_satisfiable",
+        [(b"content-range", b"bytes */%d" % size)],
+    )
 
 
 class BatchApi:
@@ -84,13 +142,17 @@ class BatchApi:
             body += message.get("body", b"")
             if not message.get("more_body"):
                 break
+        extra: list[tuple[bytes, bytes]] = []
         try:
-            status, answer, content_type = await self._route(
-                method, parts[1:], query, headers, body, owner
-            )
+            routed = await self._route(method, parts[1:], query, headers, body, owner)
+            if isinstance(routed, Download):
+                await self._send_file(routed, send)
+                return
+            status, answer, content_type = routed
         except ApiError as exc:
             status, answer = exc.status, error_body(exc.status, exc.message, exc.code)
             content_type = b"application/json"
+            extra = exc.headers
         except OSError as exc:
             log.warning("batch store failed: %s", exc)
             status = 503
@@ -100,10 +162,43 @@ class BatchApi:
             {
                 "type": "http.response.start",
                 "status": status,
-                "headers": [(b"content-type", content_type)],
+                "headers": [(b"content-type", content_type), *extra],
             }
         )
         await send({"type": "http.response.body", "body": answer})
+
+    async def _send_file(self, download: Download, send: Any) -> None:
+        """Stream a file's content: its length known, one ``DOWNLOAD_CHUNK_BYTES`` piece read
+        (in a worker thread) and handed on at a time; ``send`` returns once the piece is out,
+        so a slow client holds one piece, not the file."""
+        fd = download.fd
+        try:
+            headers = [
+                (b"content-type", b"application/octet-stream"),
+                (b"content-length", b"%d" % download.length),
+                (b"accept-ranges", b"bytes"),
+            ]
+            if download.partial:
+                last = download.start + download.length - 1
+                headers.append(
+                    (b"content-range", b"bytes %d-%d/%d" % (download.start, last, download.size))
+                )
+            status = 206 if download.partial else 200
+            await send({"type": "http.response.start", "status": status, "headers": headers})
+            pos, left = download.start, download.length
+            while left > 0:
+                piece = await trio.to_thread.run_sync(
+                    os.pread, fd, min(DOWNLOAD_CHUNK_BYTES, left), pos
+                )
+                if not piece:
+                    raise OSError(f"the file ended {left} bytes early")  # cannot: never truncated
+                pos += len(piece)
+                left -= len(piece)
+                await send({"type": "http.response.body", "body": piece, "more_body": left > 0})
+            if download.length == 0:
+                await send({"type": "http.response.body", "body": b""})
+        finally:
+            os.close(fd)
 
     async def _route(
         self,
@@ -113,7 +208,7 @@ class BatchApi:
         headers: dict[bytes, bytes],
         body: bytes,
         owner: str,
-    ) -> tuple[int, bytes, bytes]:
+    ) -> tuple[int, bytes, bytes] | Download:
         if not parts or parts[0] not in ("files", "batches") or len(parts) > 3:
             raise ApiError(404, "no such endpoint", "not_found")
         if parts[0] == "files":
@@ -127,10 +222,7 @@ class BatchApi:
                 if parts[2] != "content":
                     raise ApiError(404, "no such endpoint", "not_found")
                 _allow(method, "GET")
-                data = await trio.to_thread.run_sync(self.store.read_file, parts[1])
-                if data is None:
-                    raise ApiError(404, f"no file {parts[1]!r}", "file_not_found")
-                return 200, data, b"application/octet-stream"
+                return await self._download(parts[1], headers.get(b"range"))
             if method == "DELETE":
                 await trio.to_thread.run_sync(self.store.delete_file, meta["id"])
                 return _json({"id": meta["id"], "object": "file", "deleted": True})
@@ -217,6 +309,21 @@ class BatchApi:
             reverse=True,
         )
         return {"object": "list", "data": [records.file_object(m) for m in mine], "has_more": False}
+
+    async def _download(self, file_id: str, range_header: bytes | None) -> Download:
+        """The file open for streaming (open, it stays whole if deleted meanwhile)."""
+        fd = await trio.to_thread.run_sync(self.store.open_file, file_id)
+        if fd is None:
+            raise ApiError(404, f"no file {file_id!r}", "file_not_found")
+        try:
+            size = os.fstat(fd).st_size
+            asked = byte_range(range_header, size)
+        except BaseException:
+            os.close(fd)
+            raise
+        if asked is None:
+            return Download(fd, 0, size, size, partial=False)
+        return Download(fd, asked[0], asked[1], size, partial=True)
 
     async def _own_file(self, file_id: str, owner: str) -> Json:
         meta = await trio.to_thread.run_sync(self.store.file_meta, file_id)

@@ -26,6 +26,7 @@ Layout::
     batches/<batch id>/cancel           the owner asked to cancel (any agent writes it)
     batches/<batch id>/<name>.lease     who works a unit (``validate``, ``finalize``, ``shard-K``)
     batches/<batch id>/shard-K.<worker>.jsonl   results appended by one worker
+    batches/<batch id>/shard-K.<worker>.progress  that worker's counts of the shard so far
     batches/<batch id>/shard-K.done     the shard is answered: its counts
 
 Leases (``take_lease``): a unit of work is held by one worker, named in its lease file with a
@@ -34,6 +35,14 @@ expired or its holder is gone from the mesh (the ``is_gone`` the caller passes);
 ``O_EXCL``, a takeover replaces the file and reads it back. Two workers that race a takeover
 may both believe they hold a shard for one renewal period, which the exactly-once rule above
 makes harmless.
+
+Bounded memory: nothing here reads a whole file. Input lines are read by byte range (the plan's
+offsets: ``shard_input``, one shard's lines), files and segments line by line in chunks of
+``CHUNK_BYTES`` (``iter_lines``), a shard's results are indexed by position (``ShardResults``:
+its ``custom_id``s, not its lines) and read one at a time, output files are written as a stream
+to a temporary name and renamed (``FileWriter``), and a batch's counts come from the ``done``
+markers and the ``progress`` files, never from its results. What one call holds is one chunk,
+one line, or one shard's ``custom_id``s.
 
 Sync and blocking: the callers run these functions in a worker thread (``trio.to_thread``).
 """
@@ -47,9 +56,14 @@ import secrets
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
+import orjson
+
 Json = dict[str, Any]
+
+CHUNK_BYTES = 1024 * 1024  # what one read of a file or segment takes
 
 _ID = re.compile(r"^(file|batch)[-_][0-9a-zA-Z]{8,64}$")
 _WORKER = re.compile(r"^[0-9a-zA-Z_-]{1,128}$")
@@ -85,6 +99,104 @@ def write_atomic(path: Path, data: bytes) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+class FileWriter:
+    """A file written as a stream: to a temporary name beside ``path``, then ``commit`` flushes,
+    ``fsync``-s and renames it over ``path`` (readers see the old file or the whole new one);
+    ``abort`` (or leaving the ``with`` block on an exception) removes the temporary file."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+        self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        self.size = 0
+        self.lines = 0
+        self._buf: list[bytes] = []
+        self._buffered = 0
+
+    def write_line(self, line: bytes) -> None:
+        """Append ``line`` and a newline (buffered up to ``CHUNK_BYTES``)."""
+        self._buf.append(line)
+        self._buf.append(b"\n")
+        self._buffered += len(line) + 1
+        self.lines += 1
+        if self._buffered >= CHUNK_BYTES:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self._buf:
+            return
+        view = memoryview(b"".join(self._buf))
+        self._buf.clear()
+        self._buffered = 0
+        self.size += len(view)
+        while view:
+            view = view[os.write(self.fd, view) :]
+
+    def commit(self) -> None:
+        try:
+            self._flush()
+            os.fsync(self.fd)
+        finally:
+            self._close()
+        try:
+            os.replace(self.tmp, self.path)
+        except BaseException:
+            self.tmp.unlink(missing_ok=True)
+            raise
+
+    def abort(self) -> None:
+        self._close()
+        self.tmp.unlink(missing_ok=True)
+
+    def _close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self) -> FileWriter:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self.fd >= 0:
+            self.abort()
+
+
+def iter_lines(fd: int, start: int = 0, stop: int | None = None) -> Iterator[tuple[int, bytes]]:
+    """Every line of the open file ``fd`` from byte ``start`` (to ``stop``, else its end), blank
+    ones included, as ``(offset, line without its newline)``; read in ``CHUNK_BYTES`` pieces,
+    so what is held is one piece and the longest line. A last line without a newline is
+    yielded too (a reader of results skips it if it is torn: it does not parse)."""
+    pos = start  # where the next chunk starts
+    parts: list[bytes] = []  # the pieces of a line not ended yet
+    line_at = start
+    while stop is None or pos < stop:
+        want = CHUNK_BYTES if stop is None else min(CHUNK_BYTES, stop - pos)
+        chunk = os.pread(fd, want, pos)
+        if not chunk:
+            break
+        at = 0
+        nl = chunk.find(b"\n")
+        while nl >= 0:
+            if parts:
+                parts.append(chunk[at:nl])
+                yield line_at, b"".join(parts)
+                parts = []
+            else:
+                yield pos + at, chunk[at:nl]
+            at = nl + 1
+            line_at = pos + at
+            nl = chunk.find(b"\n", at)
+        if at < len(chunk):
+            if not parts:
+                line_at = pos + at
+            parts.append(chunk[at:])
+        pos += len(chunk)
+    if parts:
+        yield line_at, b"".join(parts)
 
 
 def _read_json(path: Path) -> Json | None:
@@ -123,11 +235,110 @@ class Plan:
         start = shard * self.shard_size
         return range(start, min(start + self.shard_size, self.lines))
 
+    def byte_range(self, lines: range) -> tuple[int, int]:
+        """Where the input bytes of ``lines`` (consecutive, not empty) start and end."""
+        return self.offsets[lines.start], self.offsets[lines.stop]
+
+
+def split_lines(data: bytes, base: int, plan: Plan, lines: range) -> list[bytes]:
+    """The raw request lines ``lines`` out of ``data``, the input's bytes from offset ``base``
+    (``Plan.byte_range``)."""
+    out = []
+    end = len(data)
+    for i in lines:
+        rel = plan.offsets[i] - base
+        nl = data.find(b"\n", rel)
+        out.append(data[rel : nl if nl >= 0 else end])
+    return out
+
+
+def read_lines(fd: int, plan: Plan, lines: range) -> list[bytes]:
+    """The raw request lines ``lines`` of the input file open as ``fd``: one ranged read of
+    their bytes, never the whole file."""
+    if not lines:
+        return []
+    start, stop = plan.byte_range(lines)
+    parts = []
+    pos = start
+    while pos < stop:
+        chunk = os.pread(fd, stop - pos, pos)
+        if not chunk:
+            break
+        parts.append(chunk)
+        pos += len(chunk)
+    return split_lines(b"".join(parts), start, plan, lines)
+
 
 @dataclass(frozen=True)
 class ShardCounts:
     completed: int
     failed: int
+
+
+@dataclass(frozen=True)
+class ResultRef:
+    """Where a result line is: segment ``segment`` of the shard, ``length`` bytes at
+    ``offset``; and whether it goes to the error file."""
+
+    segment: int
+    offset: int
+    length: int
+    failed: bool
+
+
+class ShardResults:
+    """A shard's results by ``custom_id``, the first of each in any segment (the exactly-once
+    rule), indexed by position: what is held is the ``custom_id``s and where their lines are,
+    never the lines (``read`` fetches one). A truncated or unreadable line (a worker killed
+    mid-write) is skipped. Use as a context manager: it keeps the segments open."""
+
+    def __init__(self, paths: list[Path]) -> None:
+        self.refs: dict[str, ResultRef] = {}
+        self._fds: list[int] = []
+        try:
+            for path in paths:
+                try:
+                    fd = os.open(path, os.O_RDONLY)
+                except OSError:
+                    continue
+                self._fds.append(fd)
+                self._index(len(self._fds) - 1, fd)
+        except BaseException:
+            self.close()
+            raise
+
+    def _index(self, segment: int, fd: int) -> None:
+        refs = self.refs
+        for offset, line in iter_lines(fd):
+            if not line.strip():
+                continue
+            try:
+                doc = orjson.loads(line)
+            except orjson.JSONDecodeError:
+                continue
+            cid = doc.get("custom_id") if isinstance(doc, dict) else None
+            if isinstance(cid, str) and cid not in refs:
+                refs[cid] = ResultRef(segment, offset, len(line), result_failed(doc))
+
+    def counts(self) -> ShardCounts:
+        failed = sum(1 for ref in self.refs.values() if ref.failed)
+        return ShardCounts(len(self.refs) - failed, failed)
+
+    def read(self, ref: ResultRef) -> bytes:
+        return os.pread(self._fds[ref.segment], ref.length, ref.offset)
+
+    def close(self) -> None:
+        for fd in self._fds:
+            os.close(fd)
+        self._fds.clear()
+
+    def __enter__(self) -> ShardResults:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
 
 
 def result_failed(doc: Json) -> bool:
@@ -171,10 +382,28 @@ class BatchStore:
         return self.files_dir / f"{file_id}.jsonl"
 
     def read_file(self, file_id: str) -> bytes | None:
+        """A file's whole content: for small files and tests only (the worker and the API read
+        by range: ``open_file``)."""
         try:
             return self.file_path(file_id).read_bytes()
         except (OSError, ValueError):
             return None
+
+    def open_file(self, file_id: str) -> int | None:
+        """A file's content open for reading (an ``fd`` the caller closes), None if it is gone.
+        Open, it stays readable whole even if the file is deleted or replaced meanwhile."""
+        try:
+            return os.open(self.file_path(file_id), os.O_RDONLY)
+        except (OSError, ValueError):
+            return None
+
+    def file_writer(self, file_id: str) -> FileWriter:
+        """A writer of a file's content as a stream; ``put_meta`` once it is committed."""
+        self.ensure()
+        return FileWriter(self.file_path(file_id))
+
+    def put_meta(self, meta: Json) -> None:
+        write_atomic(self.files_dir / f"{meta['id']}.json", json.dumps(meta).encode())
 
     def list_files(self) -> list[Json]:
         out = []
@@ -348,20 +577,24 @@ class BatchStore:
     def segments(self, batch_id: str, shard: int) -> list[Path]:
         return sorted(self.batch_dir(batch_id).glob(f"shard-{shard}.*.jsonl"))
 
+    def shard_results(self, batch_id: str, shard: int) -> ShardResults:
+        """The results of a shard so far, indexed (``ShardResults``; close it)."""
+        return ShardResults(self.segments(batch_id, shard))
+
     def read_results(self, batch_id: str, shard: int) -> dict[str, bytes]:
-        """The results of a shard so far, by ``custom_id``: the first of each in any segment;
-        a truncated or unreadable line (a worker killed mid-write) is skipped."""
-        found: dict[str, bytes] = {}
-        for path in self.segments(batch_id, shard):
-            for line in _lines(path):
-                try:
-                    doc = json.loads(line)
-                except ValueError:
-                    continue
-                cid = doc.get("custom_id") if isinstance(doc, dict) else None
-                if isinstance(cid, str) and cid not in found:
-                    found[cid] = line
-        return found
+        """The results of a shard so far, by ``custom_id``, lines and all: for tests (the
+        worker indexes them: ``shard_results``)."""
+        with self.shard_results(batch_id, shard) as results:
+            return {cid: results.read(ref) for cid, ref in results.refs.items()}
+
+    def write_progress(self, batch_id: str, shard: int, worker: str, counts: ShardCounts) -> None:
+        """What ``worker`` has answered of a shard it works (earlier workers' results
+        included): the status polls read these, not the results."""
+        if not _WORKER.match(worker):
+            raise ValueError(f"not a worker id: {worker!r}")
+        doc = {"completed": counts.completed, "failed": counts.failed}
+        path = self.batch_dir(batch_id) / f"shard-{shard}.{worker}.progress"
+        write_atomic(path, json.dumps(doc).encode())
 
     def mark_done(self, batch_id: str, shard: int, counts: ShardCounts) -> None:
         doc = {"completed": counts.completed, "failed": counts.failed}
@@ -386,33 +619,42 @@ class BatchStore:
         return out
 
     def counts(self, batch_id: str, plan: Plan | None) -> ShardCounts:
-        """Requests answered so far: the done shards' counts plus what the segments of the
-        shards still being worked hold (one directory listing, then only those segments)."""
+        """Requests answered so far: the done shards' counts plus, for each shard still being
+        worked, the most advanced of its workers' ``progress`` files (one directory listing and
+        small files; no result is read, so a poll costs the same for a batch of any size). A
+        shard's progress lags its results by up to a worker's scan interval."""
         if plan is None:
             return ShardCounts(0, 0)
-        done = self.done_shards(batch_id)
-        completed = sum(c.completed for c in done.values())
-        failed = sum(c.failed for c in done.values())
-        working: set[int] = set()
-        for name in os.listdir(self.batch_dir(batch_id)):
-            if name.startswith("shard-") and name.endswith(".jsonl"):
-                number = name[len("shard-") :].partition(".")[0]
-                if number.isdigit() and int(number) not in done:
-                    working.add(int(number))
-        for k in working:
-            for line in self.read_results(batch_id, k).values():
-                if result_failed(json.loads(line)):
-                    failed += 1
-                else:
-                    completed += 1
+        d = self.batch_dir(batch_id)
+        done: set[int] = set()
+        progress: dict[int, list[str]] = {}
+        for name in os.listdir(d):
+            if not name.startswith("shard-"):
+                continue
+            number, _, rest = name[len("shard-") :].partition(".")
+            if not number.isdigit():
+                continue
+            if rest == "done":
+                done.add(int(number))
+            elif rest.endswith(".progress"):
+                progress.setdefault(int(number), []).append(name)
+        completed = failed = 0
+        for shard in done:
+            doc = _read_json(d / f"shard-{shard}.done")
+            if doc is not None:
+                completed += int(doc.get("completed", 0))
+                failed += int(doc.get("failed", 0))
+        for shard, names in progress.items():
+            if shard in done:
+                continue
+            best = ShardCounts(0, 0)
+            for name in names:
+                doc = _read_json(d / name)
+                if doc is None:
+                    continue
+                seen = ShardCounts(int(doc.get("completed", 0)), int(doc.get("failed", 0)))
+                if seen.completed + seen.failed > best.completed + best.failed:
+                    best = seen
+            completed += best.completed
+            failed += best.failed
         return ShardCounts(completed, failed)
-
-
-def _lines(path: Path) -> Iterator[bytes]:
-    try:
-        data = path.read_bytes()
-    except OSError:
-        return
-    for line in data.split(b"\n"):
-        if line.strip():
-            yield line

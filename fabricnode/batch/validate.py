@@ -7,11 +7,15 @@ its file is not what the OpenAI Batch API accepts: each line one JSON object wit
 a ``body`` object naming a ``model`` the mesh serves or declares. Limits: ``MAX_LINES`` requests
 and the agent's body limit in bytes (the upload itself is refused beyond it). Blank lines are
 skipped, as OpenAI does.
+
+The file is read as a stream of lines (``validate_lines``; the worker hands in
+``store.iter_lines`` of the open file): what is held is the plan's offsets and the
+``custom_id``s seen, never the file.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import orjson
@@ -43,7 +47,32 @@ def validate_input(
     shard_size: int,
     max_lines: int = MAX_LINES,
 ) -> Plan | list[Problem]:
-    """The plan of a valid input file, else its problems in line order."""
+    """The plan of a valid input file held in memory, else its problems in line order."""
+    return validate_lines(
+        _split(data), endpoint, known_model=known_model, shard_size=shard_size, max_lines=max_lines
+    )
+
+
+def _split(data: bytes) -> Iterator[tuple[int, bytes]]:
+    pos = 0
+    end = len(data)
+    while pos < end:
+        nl = data.find(b"\n", pos)
+        stop = end if nl < 0 else nl
+        yield pos, data[pos:stop]
+        pos = stop + 1
+
+
+def validate_lines(
+    lines: Iterable[tuple[int, bytes]],
+    endpoint: str,
+    *,
+    known_model: Callable[[str], bool],
+    shard_size: int,
+    max_lines: int = MAX_LINES,
+) -> Plan | list[Problem]:
+    """The plan of a valid input file given as its lines (``(offset, line without its
+    newline)``, every line, blank ones too), else its problems in line order."""
     problems: list[Problem] = []
     more = 0
     offsets: list[int] = []
@@ -57,16 +86,10 @@ def validate_input(
         else:
             more += 1
 
-    pos = 0
     number = 0
-    end = len(data)
     last_end = 0
-    while pos < end:
-        nl = data.find(b"\n", pos)
-        stop = end if nl < 0 else nl
-        raw = data[pos:stop]
-        start = pos
-        pos = stop + 1
+    for start, raw in lines:
+        stop = start + len(raw)
         number += 1
         if not raw.strip():
             continue

@@ -27,6 +27,14 @@ What a worker does, every ``scan_interval_s`` (sooner when poked by a new batch)
 
 Leases are renewed every ``lease_ttl_s / 4``; a worker that loses one (taken over after it
 stalled) drops that shard's queued lines. Filesystem calls run in worker threads.
+
+Bounded memory: a worker never holds a whole input or output file. It keeps each batch's input
+open and reads the lines of a shard when it takes it (one ranged read: ``store.read_lines``),
+dropping each line once sent; it takes no more shards while the lines it holds reach
+``input_buffer_bytes``. Validation reads the input as a stream of lines. Finalizing writes the
+output and error files as streams, shard by shard, holding one shard's ``custom_id``s and one
+result line at a time (``store.ShardResults``). Each scan writes the counts of the shards it
+works to their ``progress`` files, which status polls read instead of the results.
 """
 
 from __future__ import annotations
@@ -46,8 +54,16 @@ import orjson
 import trio
 
 from fabricnode.batch import records
-from fabricnode.batch.store import BatchStore, Plan, ShardCounts, result_failed
-from fabricnode.batch.validate import request_line, validate_input
+from fabricnode.batch.store import (
+    BatchStore,
+    FileWriter,
+    Plan,
+    ShardCounts,
+    iter_lines,
+    read_lines,
+    result_failed,
+)
+from fabricnode.batch.validate import validate_lines
 from fabricnode.batch.worker_config import BatchConfig
 from fabricnode.dataplane.tiers import OWNER_HEADER
 
@@ -69,6 +85,7 @@ class BatchWorkerStatistics:
     batches_finalized: int
     inflight: int
     queued: int
+    input_bytes: int  # of the input lines held (queued, not yet sent)
 
 
 @dataclass(eq=False)
@@ -76,10 +93,12 @@ class _Shard:
     batch: _Batch
     index: int
     pending: deque[int]
+    lines: dict[int, bytes]  # the raw request line of each pending index
     counts: list[int]  # completed, failed (this shard's, earlier workers' included)
     fd: int
     inflight: int = 0
     lost: bool = False
+    reported: tuple[int, int] = (0, 0)  # the counts in its progress file
 
 
 @dataclass(eq=False)
@@ -87,7 +106,7 @@ class _Batch:
     batch_id: str
     owner: str
     endpoint: str
-    data: bytes
+    input_fd: int  # the input file, open: read by range (it stays readable if deleted)
     plan: Plan
     shards: dict[int, _Shard] = field(default_factory=dict)
     done: set[int] = field(default_factory=set)
@@ -127,6 +146,7 @@ class BatchWorker:
         self._work = trio.Event()
         self._owner_turn = 0
         self._inflight = 0
+        self._input_bytes = 0  # of the request lines held in shards (``_Shard.lines``)
         self._stats = dict.fromkeys(
             (
                 "lines_sent",
@@ -144,7 +164,9 @@ class BatchWorker:
 
     def statistics(self) -> BatchWorkerStatistics:
         queued = sum(b.queued() for b in self._batches.values())
-        return BatchWorkerStatistics(**self._stats, inflight=self._inflight, queued=queued)
+        return BatchWorkerStatistics(
+            **self._stats, inflight=self._inflight, queued=queued, input_bytes=self._input_bytes
+        )
 
     def poke(self) -> None:
         """A batch was created or cancelled here: look at the store now."""
@@ -167,6 +189,7 @@ class BatchWorker:
             while True:
                 try:
                     await self._scan()
+                    await self._report_progress()
                 except OSError as exc:  # the shared filesystem failed us: try again later
                     log.warning("batch store scan failed: %s", exc)
                 with trio.move_on_after(cfg.scan_interval_s):
@@ -186,7 +209,7 @@ class BatchWorker:
             status = record.get("status")
             if status in records.FINAL:
                 self._finished.add(batch_id)
-                self._batches.pop(batch_id, None)
+                await self._forget(batch_id)
                 continue
             if status == records.VALIDATING:
                 await self._validate(record)
@@ -199,22 +222,25 @@ class BatchWorker:
         if not await self._take(batch_id, "validate"):
             return
         try:
-            data = await trio.to_thread.run_sync(store.read_file, record["input_file_id"])
+            fd = await trio.to_thread.run_sync(store.open_file, record["input_file_id"])
             now = self.wall_clock()
-            if data is None:
+            if fd is None:
                 problems: Any = [
                     {"code": "file_not_found", "message": "the input file is gone",
                      "param": "input_file_id", "line": None}
                 ]  # fmt: skip
             else:
-                outcome = await trio.to_thread.run_sync(
-                    lambda: validate_input(
-                        data,
-                        record["endpoint"],
-                        known_model=self.known_model,
-                        shard_size=self.config.shard_size,
+                try:
+                    outcome = await trio.to_thread.run_sync(
+                        lambda: validate_lines(
+                            iter_lines(fd),
+                            record["endpoint"],
+                            known_model=self.known_model,
+                            shard_size=self.config.shard_size,
+                        )
                     )
-                )
+                finally:
+                    os.close(fd)
                 if isinstance(outcome, Plan):
                     await trio.to_thread.run_sync(store.write_plan, batch_id, outcome)
                     record["status"] = records.IN_PROGRESS
@@ -240,10 +266,12 @@ class BatchWorker:
         batch = self._batches.get(batch_id)
         if batch is None:
             plan = await trio.to_thread.run_sync(store.read_plan, batch_id)
-            data = await trio.to_thread.run_sync(store.read_file, record["input_file_id"])
-            if plan is None or data is None:
-                return  # a validator is mid-write, or the input went: the next scan sees
-            batch = _Batch(batch_id, record.get("owner", "-"), record["endpoint"], data, plan)
+            if plan is None:
+                return  # a validator is mid-write: the next scan sees
+            fd = await trio.to_thread.run_sync(store.open_file, record["input_file_id"])
+            if fd is None:
+                return  # the input went: the next scan sees
+            batch = _Batch(batch_id, record.get("owner", "-"), record["endpoint"], fd, plan)
             self._batches[batch_id] = batch
         now = self.wall_clock()
         if batch.stopping is None:
@@ -267,10 +295,26 @@ class BatchWorker:
             return
         await self._take_shards(batch)
 
+    async def _forget(self, batch_id: str) -> None:
+        """This worker is done with a batch: its input is closed."""
+        batch = self._batches.pop(batch_id, None)
+        if batch is None:
+            return
+        for shard in batch.shards.values():
+            self._drop_pending(shard)
+        if batch.input_fd >= 0:
+            fd, batch.input_fd = batch.input_fd, -1
+            await trio.to_thread.run_sync(os.close, fd)
+
+    def _drop_pending(self, shard: _Shard) -> None:
+        shard.pending.clear()
+        self._input_bytes -= sum(len(raw) for raw in shard.lines.values())
+        shard.lines.clear()
+
     def _stop(self, batch: _Batch, why: str) -> None:
         batch.stopping = why
         for shard in batch.shards.values():
-            shard.pending.clear()
+            self._drop_pending(shard)
         log.info("batch %s: %s; the requests already sent finish", batch.batch_id, why)
 
     async def _take_shards(self, batch: _Batch) -> None:
@@ -278,6 +322,8 @@ class BatchWorker:
         plan = batch.plan
         if batch.queued() >= cfg.concurrency or len(batch.shards) >= cfg.max_shards_per_batch:
             return
+        if self._input_bytes >= cfg.input_buffer_bytes:
+            return  # the lines held are enough; more shards when they are sent
         # Workers start their search at different shards, so they rarely race for one lease.
         start = int.from_bytes(secrets.token_bytes(2), "big") % plan.shards
         for step in range(plan.shards):
@@ -292,23 +338,29 @@ class BatchWorker:
                 batch.done.add(k)
                 continue
             batch.shards[k] = shard
+            self._input_bytes += sum(len(raw) for raw in shard.lines.values())
             self._stats["shards_taken"] += 1
             self._work.set()
             if batch.queued() >= cfg.concurrency or len(batch.shards) >= cfg.max_shards_per_batch:
                 return
+            if self._input_bytes >= cfg.input_buffer_bytes:
+                return
 
     def _open_shard(self, batch: _Batch, k: int) -> _Shard | None:
-        """Thread: the lines of shard ``k`` still to run (None: all ran, marked done now)."""
+        """Thread: the lines of shard ``k`` still to run (None: all ran, marked done now). Reads
+        the shard's input lines by range, and only indexes the results already there."""
         store = self.store
-        answered = store.read_results(batch.batch_id, k)
-        counts = [0, 0]
-        for line in answered.values():
-            counts[1 if result_failed(orjson.loads(line)) else 0] += 1
+        with store.shard_results(batch.batch_id, k) as results:
+            answered = results.refs
+            done = results.counts()
+        counts = [done.completed, done.failed]
         pending: deque[int] = deque()
-        for i in batch.plan.shard_lines(k):
-            cid = _custom_id(request_line(batch.data, batch.plan, i))
-            if cid not in answered:
+        lines: dict[int, bytes] = {}
+        numbers = batch.plan.shard_lines(k)
+        for i, raw in zip(numbers, read_lines(batch.input_fd, batch.plan, numbers), strict=True):
+            if _custom_id(raw) not in answered:
                 pending.append(i)
+                lines[i] = raw
         if answered:
             self._stats["shards_resumed"] += 1
             log.info(
@@ -320,7 +372,7 @@ class BatchWorker:
             return None
         path = store.segment_path(batch.batch_id, k, self.worker_id())
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        return _Shard(batch, k, pending, counts, fd)
+        return _Shard(batch, k, pending, lines, counts, fd)
 
     # == leases ==============================================================================
 
@@ -367,13 +419,14 @@ class BatchWorker:
         log.warning("batch %s: %s was taken over by another worker", batch_id, name)
         self._stats["shards_lost"] += 1
         shard.lost = True
-        shard.pending.clear()
+        self._drop_pending(shard)
         self.poke()  # the scan closes it once nothing of it is in flight
 
     # == sending lines =======================================================================
 
-    def _next_line(self) -> tuple[_Shard, int] | None:
-        """Round robin over owners with queued lines, then over each owner's batches."""
+    def _next_line(self) -> tuple[_Shard, bytes] | None:
+        """Round robin over owners with queued lines, then over each owner's batches; the line
+        leaves its shard's buffer here."""
         owners: dict[str, list[_Batch]] = {}
         for batch in self._batches.values():
             if batch.stopping is None and batch.queued():
@@ -386,7 +439,9 @@ class BatchWorker:
         batch = batches[(self._owner_turn // len(names)) % len(batches)]
         for shard in batch.shards.values():
             if shard.pending:
-                return shard, shard.pending.popleft()
+                raw = shard.lines.pop(shard.pending.popleft())
+                self._input_bytes -= len(raw)
+                return shard, raw
         return None
 
     async def _send_lines(self, client: httpx.AsyncClient, nursery: trio.Nursery) -> None:
@@ -398,17 +453,16 @@ class BatchWorker:
                 await self._work.wait()
                 self._work = trio.Event()
                 item = self._next_line()
-            shard, index = item
+            shard, raw = item
             shard.inflight += 1
             self._inflight += 1
-            nursery.start_soon(self._run_line, client, shard, index, slots)
+            nursery.start_soon(self._run_line, client, shard, raw, slots)
 
     async def _run_line(
-        self, client: httpx.AsyncClient, shard: _Shard, index: int, slots: trio.Semaphore
+        self, client: httpx.AsyncClient, shard: _Shard, raw: bytes, slots: trio.Semaphore
     ) -> None:
         batch = shard.batch
         try:
-            raw = request_line(batch.data, batch.plan, index)
             result = await self._answer(client, batch, raw)
             if result is not None and not shard.lost:
                 line = orjson.dumps(result) + b"\n"
@@ -507,7 +561,7 @@ class BatchWorker:
             await trio.to_thread.run_sync(self._merge, record, batch, final)
             self._stats["batches_finalized"] += 1
             self._finished.add(batch_id)
-            self._batches.pop(batch_id, None)
+            await self._forget(batch_id)
             counts = record["request_counts"]
             log.info(
                 "batch %s %s: %d completed, %d failed",
@@ -518,49 +572,76 @@ class BatchWorker:
 
     def _merge(self, record: dict[str, Any], batch: _Batch, final: str) -> None:
         """Thread: the output and error files in input order, one result per ``custom_id``;
-        then the final record."""
+        then the final record. Streamed: shard by shard, its input lines read by range and its
+        results by position, each line written as it is found (``FileWriter``)."""
         store = self.store
         plan = batch.plan
-        out: list[bytes] = []
-        err: list[bytes] = []
-        for k in range(plan.shards):
-            answered = store.read_results(batch.batch_id, k)
-            for i in plan.shard_lines(k):
-                cid = _custom_id(request_line(batch.data, plan, i))
-                line = answered.get(cid)
-                if line is not None:
-                    (err if result_failed(orjson.loads(line)) else out).append(line)
-                elif final == records.EXPIRED:
-                    err.append(orjson.dumps(_expired(cid)))
-                elif final == records.COMPLETED:
-                    # Every shard said it was done, so this cannot be; reported, not hidden.
-                    err.append(orjson.dumps(_not_run(cid)))
-        now = self.wall_clock()
-        owner = record.get("owner", "-")
-        files = ((out, "output", "output_file_id"), (err, "error", "error_file_id"))
-        for lines, kind, key in files:
-            if not lines:
-                continue
-            file_id = _result_file_id(batch.batch_id, kind)
-            content = b"\n".join(lines) + b"\n"
-            meta = records.new_file(
-                file_id,
-                owner=owner,
-                filename=f"{batch.batch_id}_{kind}.jsonl",
-                purpose="batch_output",
-                size=len(content),
-                now=now,
-            )
-            store.put_file(meta, content)
-            record[key] = file_id
+        batch_id = batch.batch_id
+        with (
+            store.file_writer(_result_file_id(batch_id, "output")) as out,
+            store.file_writer(_result_file_id(batch_id, "error")) as err,
+        ):
+            for k in range(plan.shards):
+                self._merge_shard(batch, k, final, out, err)
+            now = self.wall_clock()
+            owner = record.get("owner", "-")
+            for writer, kind, key in ((out, "output", "output_file_id"),
+                                      (err, "error", "error_file_id")):  # fmt: skip
+                if not writer.lines:
+                    continue
+                writer.commit()
+                file_id = _result_file_id(batch_id, kind)
+                meta = records.new_file(
+                    file_id,
+                    owner=owner,
+                    filename=f"{batch_id}_{kind}.jsonl",
+                    purpose="batch_output",
+                    size=writer.size,
+                    now=now,
+                )
+                store.put_meta(meta)
+                record[key] = file_id
         record["status"] = final
         record[f"{final}_at"] = int(now)
         if final == records.CANCELLED and record.get("cancelling_at") is None:
-            asked = store.cancel_requested(batch.batch_id)
+            asked = store.cancel_requested(batch_id)
             record["cancelling_at"] = int(asked if asked is not None else now)
         total = record["request_counts"]["total"]
-        record["request_counts"] = {"total": total, "completed": len(out), "failed": len(err)}
+        record["request_counts"] = {"total": total, "completed": out.lines, "failed": err.lines}
         store.write_batch(record)
+
+    def _merge_shard(
+        self, batch: _Batch, k: int, final: str, out: FileWriter, err: FileWriter
+    ) -> None:
+        """Thread: shard ``k``'s lines into the output and error files, in input order."""
+        plan = batch.plan
+        numbers = plan.shard_lines(k)
+        with self.store.shard_results(batch.batch_id, k) as results:
+            for raw in read_lines(batch.input_fd, plan, numbers):
+                cid = _custom_id(raw)
+                ref = results.refs.get(cid)
+                if ref is not None:
+                    (err if ref.failed else out).write_line(results.read(ref))
+                elif final == records.EXPIRED:
+                    err.write_line(orjson.dumps(_expired(cid)))
+                elif final == records.COMPLETED:
+                    # Every shard said it was done, so this cannot be; reported, not hidden.
+                    err.write_line(orjson.dumps(_not_run(cid)))
+
+    async def _report_progress(self) -> None:
+        """The counts of the shards this worker works, to their progress files (those that
+        changed): what status polls read (``store.counts``)."""
+        worker = self.worker_id()
+        for batch in list(self._batches.values()):
+            for shard in list(batch.shards.values()):
+                now = (shard.counts[0], shard.counts[1])
+                if now == shard.reported or shard.lost:
+                    continue
+                counts = ShardCounts(now[0], now[1])
+                await trio.to_thread.run_sync(
+                    self.store.write_progress, batch.batch_id, shard.index, worker, counts
+                )
+                shard.reported = now
 
 
 def _custom_id(raw: bytes) -> str:

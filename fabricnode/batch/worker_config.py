@@ -21,6 +21,9 @@ class BatchConfig:
     store_quota_bytes: int = 64 * 1024**3
     shard_size: int = 128  # lines per unit of work a worker takes
     max_shards_per_batch: int = 4  # held by one worker at once
+    # The request lines of the shards a worker holds (read by range when it takes a shard,
+    # dropped as each is sent): past this it takes no more shards until some are sent.
+    input_buffer_bytes: int = 64 * 1024 * 1024
     lease_ttl_s: float = 20.0
     scan_interval_s: float = 0.5
     backoff_min_s: float = 0.25

@@ -454,7 +454,8 @@ class Ingress:
         on = keys is not None and keys.enabled
         key = key_of(req.headers, keys) if keys is not None and on else None
         scope = {KEYS_SCOPE: on, KEY_SCOPE: key}
-        return await answer_asgi(conn, req, self.control_app, scope)
+        idle_s = self.config.stream_idle_timeout_s
+        return await answer_asgi(conn, req, self.control_app, scope, idle_s)
 
     def _handle_v1(self, conn: ClientConn, req: Request, path: bytes) -> Coroutine[Any, Any, bool]:
         """``/v1`` paths that are not in ``ENDPOINTS``: the model list, the stateful Responses
@@ -502,7 +503,8 @@ class Ingress:
         if isinstance(checked, Rejection):
             return await self._reject(conn, checked, path)
         owner = checked.key_id if checked is not None else "-"
-        return await answer_asgi(conn, req, app, {OWNER_SCOPE: owner})
+        idle_s = self.config.stream_idle_timeout_s
+        return await answer_asgi(conn, req, app, {OWNER_SCOPE: owner}, idle_s)
 
     async def _answer(self, conn: ClientConn, body: bytes, *, head_only: bool) -> bool:
         await self.reactor.send_all(conn.sock, full_response(200, body, head_only=head_only))

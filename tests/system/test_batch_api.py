@@ -5,6 +5,7 @@ completes from another agent with every custom_id in its output exactly once."""
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import time
@@ -17,6 +18,7 @@ import pytest
 
 from cli.localmesh import AgentProcess, LocalMesh, wait_until
 from fabricnode.dataplane.apikeys import ApiKeyStore
+from tests.support.batchfill import fill_done_batch
 from tests.support.meshview import state_is
 
 pytestmark = pytest.mark.slow
@@ -339,3 +341,40 @@ def test_uploads_are_bounded_per_key_and_per_store_and_many_part_forms_refused(
         timeout=30,
     )
     assert r.status_code == 400 and "more than 16 parts" in r.json()["error"]["message"]
+
+
+def test_a_large_output_is_finalized_and_downloaded_whole_through_the_ingress(
+    mesh: LocalMesh,
+) -> None:
+    """Before, finalizing joined every result in memory and a download was assembled whole by
+    the ingress. Now both stream: a batch whose shards are all answered (written in the store's
+    layout, some answers twice) is finalized by an agent's worker, and its output and error
+    files come back byte for byte through the ingress, whole or by range."""
+    filled = fill_done_batch(mesh.workdir / "batches", lines=2000, result_bytes=3000)
+    assert filled.output_bytes > 5 * 1024 * 1024
+    front = mesh.start("front")
+    client = openai.OpenAI(base_url=front.http_url + "/v1", api_key="unused", max_retries=0)
+    done = wait_for_batch(client, filled.batch_id, {"completed", "failed", "expired"}, 60)
+    assert done.status == "completed"
+    assert done.request_counts is not None
+    assert (done.request_counts.completed, done.request_counts.failed) == (
+        filled.completed,
+        filled.failed,
+    )
+    assert done.output_file_id and done.error_file_id
+    output = client.files.content(done.output_file_id).content
+    assert len(output) == filled.output_bytes
+    assert hashlib.sha256(output).hexdigest() == filled.output_sha256
+    errors = client.files.content(done.error_file_id).content
+    assert hashlib.sha256(errors).hexdigest() == filled.error_sha256
+
+    url = f"{front.http_url}/v1/files/{done.output_file_id}/content"
+    with httpx.Client(timeout=30) as http:
+        with http.stream("GET", url) as r:
+            assert r.headers["content-length"] == str(len(output))
+            assert b"".join(r.iter_bytes()) == output
+        part = http.get(url, headers={"range": "bytes=1000000-2999999"})
+        assert part.status_code == 206 and part.content == output[1_000_000:3_000_000]
+        assert part.headers["content-range"] == f"bytes 1000000-2999999/{len(output)}"
+        # the connection still serves requests after the streamed answers
+        assert http.get(f"{front.http_url}/v1/batches/{filled.batch_id}").status_code == 200

@@ -195,3 +195,12 @@ def test_an_engine_url_no_one_can_connect_to_is_refused(tmp_path: Path, url: str
 def test_a_label_that_is_not_printable_is_refused_at_start(tmp_path: Path, item: str) -> None:
     with pytest.raises(ConfigError, match="--label"):
         load_config(labels=[item], env=env_in(tmp_path))
+
+
+def test_the_batch_workers_input_buffer_is_set_in_mib_and_bounded(tmp_path: Path) -> None:
+    config = load_config(env=env_in(tmp_path), batch_input_buffer_mb=8)
+    assert config.batch.input_buffer_bytes == 8 * 1024 * 1024
+    assert load_config(env=env_in(tmp_path)).batch.input_buffer_bytes == 64 * 1024 * 1024
+    for bad in (0.5, float("nan"), 1e9):
+        with pytest.raises(ConfigError, match="--batch-input-buffer-mb"):
+            load_config(env=env_in(tmp_path), batch_input_buffer_mb=bad)

@@ -4,11 +4,17 @@ exactly-once merge of segments written by several workers."""
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from pathlib import Path
+from unittest.mock import patch
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fabricnode.batch import records
+from fabricnode.batch import store as store_module
 from fabricnode.batch.store import BatchStore, Plan, ShardCounts, valid_id
 from fabricnode.batch.validate import request_line, validate_input
 
@@ -80,9 +86,15 @@ def test_results_of_several_workers_count_each_custom_id_once(tmp_path: Path) ->
     second.write_bytes(_result("b") + b"\n" + _result("c") + b"\n")
     found = store.read_results(bid, 0)
     assert sorted(found) == ["a", "b", "c"]
+    assert json.loads(found["b"])["response"]["status_code"] == 400  # w1's, the first
+    with store.shard_results(bid, 0) as indexed:
+        assert indexed.counts() == ShardCounts(2, 1)
     plan = Plan((0, 1, 2, 3), shard_size=8)
-    counts = store.counts(bid, plan)
-    assert (counts.completed + counts.failed) == 3
+    # Polls read the workers' progress files, not the results: the most advanced one counts.
+    assert store.counts(bid, plan) == ShardCounts(0, 0)
+    store.write_progress(bid, 0, "w1", ShardCounts(1, 1))
+    store.write_progress(bid, 0, "w2", ShardCounts(2, 1))
+    assert store.counts(bid, plan) == ShardCounts(2, 1)
     store.mark_done(bid, 0, ShardCounts(2, 1))
     assert store.done_shards(bid) == {0: ShardCounts(2, 1)}
     assert store.counts(bid, plan) == ShardCounts(2, 1)
@@ -163,3 +175,68 @@ def test_validation_names_every_problem_by_line() -> None:
         many, "/v1/chat/completions", known_model=lambda m: True, shard_size=8, max_lines=3
     )
     assert isinstance(over, list) and over[0].code == "too_many_requests" and over[0].line == 4
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    pieces=st.lists(st.sampled_from([b"", b"a", b"bb\n", b"\n", b"c" * 15, b"x\n\n"]), max_size=20),
+    chunk=st.integers(min_value=1, max_value=9),
+)
+def test_lines_read_in_small_chunks_are_the_lines_of_the_file(
+    pieces: list[bytes], chunk: int
+) -> None:
+    data = b"".join(pieces)
+    expected = []
+    pos = 0
+    while pos < len(data):
+        nl = data.find(b"\n", pos)
+        stop = len(data) if nl < 0 else nl
+        expected.append((pos, data[pos:stop]))
+        pos = stop + 1
+    with tempfile.TemporaryFile() as f:
+        f.write(data)
+        f.flush()
+        with patch.object(store_module, "CHUNK_BYTES", chunk):
+            assert list(store_module.iter_lines(f.fileno())) == expected
+
+
+def test_a_shards_input_lines_are_read_by_range_not_the_whole_file(tmp_path: Path) -> None:
+    store, _ = _store(tmp_path)
+    data = ("\n".join(_line(f"c{i}") for i in range(100)) + "\n").encode()
+    plan = validate_input(data, "/v1/chat/completions", known_model=lambda m: True, shard_size=8)
+    assert isinstance(plan, Plan)
+    file_id = "file-" + "c" * 24
+    store.put_file({"id": file_id}, data)
+    reads: list[int] = []
+    real_pread = os.pread
+
+    def pread(fd: int, n: int, offset: int) -> bytes:
+        reads.append(n)
+        return real_pread(fd, n, offset)
+
+    fd = store.open_file(file_id)
+    assert fd is not None
+    try:
+        with patch.object(os, "pread", pread):
+            got = store_module.read_lines(fd, plan, plan.shard_lines(3))
+    finally:
+        os.close(fd)
+    assert [json.loads(raw)["custom_id"] for raw in got] == [f"c{i}" for i in range(24, 32)]
+    assert sum(reads) == plan.offsets[32] - plan.offsets[24] < len(data) / 10
+
+
+def test_a_file_written_as_a_stream_appears_whole_or_not_at_all(tmp_path: Path) -> None:
+    store, _ = _store(tmp_path)
+    file_id = "file-" + "d" * 24
+    with patch.object(store_module, "CHUNK_BYTES", 10), store.file_writer(file_id) as w:
+        for i in range(50):
+            w.write_line(b"line %d" % i)
+            assert store.read_file(file_id) is None  # nothing under the name until committed
+        w.commit()
+    assert store.read_file(file_id) == b"".join(b"line %d\n" % i for i in range(50))
+    assert w.size == len(store.read_file(file_id) or b"") and w.lines == 50
+    with pytest.raises(RuntimeError), store.file_writer("file-" + "e" * 24) as w:
+        w.write_line(b"half")
+        raise RuntimeError("the finalizer died")
+    assert store.read_file("file-" + "e" * 24) is None
+    assert not [p for p in store.files_dir.iterdir() if p.name.endswith(".tmp")]

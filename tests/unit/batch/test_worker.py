@@ -5,19 +5,24 @@ again, and an expired batch reports what did not run."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 from collections import Counter
 from pathlib import Path
 from typing import Any
+from unittest.mock import patch
 
 import httpx
 import trio
 
 from fabricnode.batch import records
-from fabricnode.batch.store import BatchStore
+from fabricnode.batch import store as store_module
+from fabricnode.batch.store import BatchStore, ShardCounts
 from fabricnode.batch.worker import BatchWorker
 from fabricnode.batch.worker_config import BatchConfig
 from fabricnode.dataplane.tiers import OWNER_HEADER
+from tests.support.batchfill import fill_done_batch
 
 
 class FakeIngress:
@@ -184,3 +189,65 @@ async def test_a_batch_cancelled_before_it_ran_ends_cancelled_with_nothing_run(
     record = await run_until_final(store, batch_id, worker(store, ingress))
     assert record["status"] == "cancelled" and record["cancelled_at"] is not None
     assert ingress.seen == [] and record["request_counts"]["completed"] == 0
+
+
+async def test_finalize_streams_first_results_in_input_order_with_bounded_reads(
+    tmp_path: Path,
+) -> None:
+    """The merge of a batch whose shards are all done: the first result of each custom_id,
+    in input order, errors apart; written as a stream, every read of the store at most one
+    chunk, one shard's input or one result line (never the input, a segment or the output)."""
+    filled = fill_done_batch(tmp_path, lines=300, result_bytes=2000, shard_size=16)
+    store = BatchStore(tmp_path)
+    reads: list[int] = []
+    real_pread = os.pread
+
+    def pread(fd: int, n: int, offset: int) -> bytes:
+        reads.append(n)
+        return real_pread(fd, n, offset)
+
+    def whole_file(*args: object) -> bytes:
+        raise AssertionError("a whole file was read")
+
+    with (
+        patch.object(store_module, "CHUNK_BYTES", 4096),
+        patch.object(os, "pread", pread),
+        patch.object(BatchStore, "read_file", whole_file),
+    ):
+        record = await run_until_final(store, filled.batch_id, worker(store, FakeIngress()))
+    assert record["status"] == "completed"
+    assert record["request_counts"] == {
+        "total": 300, "completed": filled.completed, "failed": filled.failed
+    }  # fmt: skip
+    output = store.read_file(record["output_file_id"]) or b""
+    errors = store.read_file(record["error_file_id"]) or b""
+    assert hashlib.sha256(output).hexdigest() == filled.output_sha256
+    assert hashlib.sha256(errors).hexdigest() == filled.error_sha256
+    ids = [json.loads(line)["custom_id"] for line in output.splitlines()]
+    assert ids == [f"r-{i}" for i in range(300) if i % 50 != 49]
+    assert store.file_meta(record["output_file_id"])["bytes"] == len(output)  # type: ignore[index]
+    assert len(output) > 500_000 and max(reads) <= 4096
+
+
+async def test_status_counts_come_from_the_workers_progress_files(tmp_path: Path) -> None:
+    """Polls never read results: they read what each worker reports of its shards (earlier
+    workers' answers included) at every scan."""
+    store = BatchStore(tmp_path)
+    batch_id = make_batch(store, [f"q{i}" for i in range(6)], now=1000.0)
+    w = worker(store, FakeIngress())
+    await w._scan()  # validates
+    answered = [
+        {"id": "batch_req_1", "custom_id": c, "error": None,
+         "response": {"status_code": status, "request_id": "", "body": {}}}
+        for c, status in (("c0", 200), ("c1", 400))
+    ]  # fmt: skip
+    store.segment_path(batch_id, 0, "dead").write_bytes(
+        b"".join(json.dumps(a).encode() + b"\n" for a in answered)
+    )
+    plan = store.read_plan(batch_id)
+    await w._scan()  # takes shards; nothing is sent (the sender does not run here)
+    assert store.counts(batch_id, plan) == ShardCounts(0, 0)
+    await w._report_progress()
+    assert store.counts(batch_id, plan) == ShardCounts(1, 1)
+    held = w.statistics()
+    assert held.queued == 4 and held.input_bytes > 0  # only the unanswered lines are held
