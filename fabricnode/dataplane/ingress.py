@@ -190,6 +190,7 @@ class Ingress:
         self.declared = declared
         self.declared_models = declared_models
         self.config = cfg = config or IngressConfig()
+        self._idle_s = cfg.stream_idle_timeout_s  # an app answer streamed to a stalled client
         self.wall_clock = wall_clock
         self.control_app = control_app
         # The Batch API (``fabricnode.batch.api``), handed in by the agent; None: off.
@@ -454,8 +455,7 @@ class Ingress:
         on = keys is not None and keys.enabled
         key = key_of(req.headers, keys) if keys is not None and on else None
         scope = {KEYS_SCOPE: on, KEY_SCOPE: key}
-        idle_s = self.config.stream_idle_timeout_s
-        return await answer_asgi(conn, req, self.control_app, scope, idle_s)
+        return await answer_asgi(conn, req, self.control_app, scope, self._idle_s)
 
     def _handle_v1(self, conn: ClientConn, req: Request, path: bytes) -> Coroutine[Any, Any, bool]:
         """``/v1`` paths that are not in ``ENDPOINTS``: the model list, the stateful Responses
@@ -503,8 +503,7 @@ class Ingress:
         if isinstance(checked, Rejection):
             return await self._reject(conn, checked, path)
         owner = checked.key_id if checked is not None else "-"
-        idle_s = self.config.stream_idle_timeout_s
-        return await answer_asgi(conn, req, app, {OWNER_SCOPE: owner}, idle_s)
+        return await answer_asgi(conn, req, app, {OWNER_SCOPE: owner}, self._idle_s)
 
     async def _answer(self, conn: ClientConn, body: bytes, *, head_only: bool) -> bool:
         await self.reactor.send_all(conn.sock, full_response(200, body, head_only=head_only))
