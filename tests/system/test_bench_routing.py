@@ -26,6 +26,8 @@ def test_quick_routing_bench_reports_a_plausible_row_per_policy(tmp_path: Path) 
             sys.executable,
             str(BENCH),
             "--quick",
+            "--nodes",
+            "2",  # every policy still chooses; two agents fewer to start per cell
             "--policies",
             ",".join(policies),
             "--json",
