@@ -5,11 +5,13 @@
 # they keep both cores busy.
 #   compute  tests/unit, tests/shell, tests/browser: pure code, in-process trio services on the
 #            fake network under MockClock (the mesh simulations at 20-60 nodes are the slowest)
-#            and one headless Chromium; they keep a core busy and seldom wait.
-#   agents   tests/system: real agents and simulated engines as subprocesses on 127.0.0.1.
-#            Most of its time is waiting (an agent starting, a simulated engine pacing its
-#            tokens, gossip converging, a replay running its trace seconds), at well under a
-#            core on average, with bursts when a bench test drives load.
+#            and one headless Chromium; they keep a core busy and seldom wait. Then the tests of
+#            tests/system marked `compute` (the benches of a model, a simulation or a solver in
+#            one process: no agents to wait for), as "compute-system".
+#   agents   tests/system but the `compute` ones: real agents and simulated engines as
+#            subprocesses on 127.0.0.1. Most of its time is waiting (an agent starting, a
+#            simulated engine pacing its tokens, gossip converging, a replay running its trace
+#            seconds), at well under a core on average, with bursts when a bench drives load.
 #   slurm    tests/slurm: a real Slurm (jobs scheduled, agents starting inside them, the elastic
 #            controller waiting out replacements) and a real vLLM on CPU; mostly waiting.
 #   interpreted  the data plane's tests once more on the interpreted sources (FABRIC_NATIVE=0
@@ -63,27 +65,30 @@ cpu() { # cpu NAME: "user+sys CPU s, N cores" of a finished lane
         "$WORK/$1.time" 2>/dev/null
 }
 
-lane compute -- "${COMPUTE[@]}" &
+(
+    lane compute -- "${COMPUTE[@]}"
+    lane compute-system -- -m compute "${AGENTS[@]}"
+) &
 compute=$!
-lane agents -- "${AGENTS[@]}" &
+lane agents -- -m "not compute" "${AGENTS[@]}" &
 lane slurm -- "${SLURM[@]}" &
 slurm=$!
 # The interpreted rerun takes the place of whichever of the compute and Slurm lanes ends first
 # (which one that is depends on the machine, and on whether Slurm and vLLM are there at all).
 wait -n "$compute" "$slurm"
 after=slurm
-[ -e "$WORK/compute.status" ] && after=compute
+[ -e "$WORK/compute-system.status" ] && after=compute
 lane interpreted FABRIC_NATIVE=0 -- "${DATAPLANE_TESTS[@]}" &
 wait
 
 failed_lanes=0
-for name in compute agents slurm interpreted; do
+for name in compute compute-system agents slurm interpreted; do
     read -r status took <"$WORK/$name.status" 2>/dev/null || { status=1 took=0; }
     echo "== lane $name: exit $status after $took s"
     cat "$WORK/$name.log"
     [ "$status" -eq 0 ] || failed_lanes=$((failed_lanes + 1))
 done
-for name in compute agents slurm interpreted; do
+for name in compute compute-system agents slurm interpreted; do
     read -r status took <"$WORK/$name.status" 2>/dev/null || { status=1 took=0; }
     echo "== lane $name: exit $status, $took s, $(cpu "$name")"
 done

@@ -59,6 +59,7 @@ def test_quick_tiers_bench_reports_latency_and_batch_throughput(tmp_path: Path) 
 MODEL = REPO / "bench" / "tiers_model.py"
 
 
+@pytest.mark.compute  # a model in one process: the compute lane
 @NO_TRACE
 def test_the_tiers_model_is_deterministic_and_tells_the_cells_apart(tmp_path: Path) -> None:
     """bench/tiers_model.py: the same seeds give the same figures, and the cells keep their
