@@ -548,7 +548,8 @@ def time_limit_job(
             model="sim-limit",
             FABRIC_LEAVE_BEFORE_END="40",
         )
-        with LeftWatch(mesh.agents, job) as watch:
+        # The mesh's agents now; one a later scenario starts may join after the entry is gone.
+        with LeftWatch(list(mesh.agents), job) as watch:
             yield jobs, job, time.time(), watch
     finally:
         report(jobs)
