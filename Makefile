@@ -43,10 +43,11 @@ lint: $(STAMP)
 types: $(STAMP)
 	$(BIN)/mypy fabricnode scheduler cli
 
-# The suite in two lanes side by side (tests/slurm, which mostly waits on a real Slurm, beside
-# everything else), then the data plane's own tests (every tests/<kind>/dataplane folder) once
-# more on the interpreted sources (FABRIC_NATIVE=0): that is what runs where the build is missing
-# or stale, so it must stay correct too. scripts/test-lanes.sh says why and how.
+# The suite in three lanes side by side: the tests that keep a core busy (unit, shell,
+# browser), the real agents (tests/system), and tests/slurm followed by the data plane's own
+# tests (every tests/<kind>/dataplane folder) once more on the interpreted sources
+# (FABRIC_NATIVE=0): that is what runs where the build is missing or stale, so it must stay
+# correct too. scripts/test-lanes.sh says why and how.
 unit: native vllm-env
 	BIN=$(BIN) scripts/test-lanes.sh
 

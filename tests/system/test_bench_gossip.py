@@ -10,6 +10,7 @@ import pytest
 from tests.support import REPO
 
 BENCH = REPO / "bench" / "gossip.py"
+pytestmark = pytest.mark.compute  # one process simulating the mesh: the compute lane
 
 
 @pytest.mark.slow

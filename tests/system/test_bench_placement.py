@@ -13,6 +13,7 @@ import pytest
 from tests.support import REPO
 
 BENCH = REPO / "bench" / "placement.py"
+pytestmark = pytest.mark.compute  # the solvers in one process: the compute lane
 MODELS = ("llama-2-13b", "codellama-34b", "llama-3.3-70b")
 
 

@@ -26,6 +26,8 @@ def test_quick_routing_bench_reports_a_plausible_row_per_policy(tmp_path: Path) 
             sys.executable,
             str(BENCH),
             "--quick",
+            "--nodes",
+            "2",  # every policy still chooses; two agents fewer to start per cell
             "--policies",
             ",".join(policies),
             "--json",
@@ -89,6 +91,7 @@ def test_shared_prompts_through_every_agent_reports_cache_hits(tmp_path: Path) -
 MODEL = REPO / "bench" / "routing_model.py"
 
 
+@pytest.mark.compute  # a model in one process: the compute lane
 @NO_TRACE
 def test_the_routing_model_is_deterministic_and_sees_the_shared_prefixes() -> None:
     """bench/routing_model.py: the same seeds give the same figures; on shared-prompts the

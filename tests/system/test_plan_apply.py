@@ -101,6 +101,12 @@ def test_apply_turns_join_nodes_into_serving_nodes_that_answer_requests(
     assert held["trusted_operators"] == [key.fingerprint]
 
 
+def logged(agent: AgentProcess, window_s: float) -> float:
+    """Requests in ``agent``'s request log over the last ``window_s``, as its workload endpoint
+    reads them (what the log has flushed)."""
+    return sum(AgentClient().requests_in(agent.http_url, window_s).values())
+
+
 def test_plan_reads_the_workload_from_the_agents_request_logs(mesh: LocalMesh) -> None:
     ingress = mesh.start("ingress")
     serving = mesh.start("serving", args=["--sim", "llama-2-7b", "--sim-gpu", "A100-80G:1"])
@@ -109,7 +115,7 @@ def test_plan_reads_the_workload_from_the_agents_request_logs(mesh: LocalMesh) -
     api = openai.OpenAI(base_url=f"{ingress.http_url}/v1", api_key="none", max_retries=0)
     for _ in range(12):
         api.completions.create(model="llama-2-7b", prompt="x " * 300, max_tokens=8)
-    time.sleep(1.5)  # the request log is flushed every second
+    assert wait_until(lambda: logged(ingress, 60) == 12, 10)  # the log is flushed every second
 
     done = fabric(mesh, ingress, "plan", "--window", "60", "--json", "--time-limit", "3")
     assert done.returncode == 0, done.stdout + done.stderr
@@ -198,7 +204,7 @@ def test_the_controller_reads_what_a_real_agents_request_log_gained(mesh: LocalM
     assert wait_until(lambda: len(client.nodes(state="serving")) == 1, 20)
     api = openai.OpenAI(base_url=f"{ingress.http_url}/v1", api_key="none", max_retries=0)
     api.completions.create(model="llama-2-7b", prompt="x " * 100, max_tokens=4)
-    time.sleep(1.5)  # the request log is flushed every second
+    assert wait_until(lambda: logged(ingress, 60) == 1, 10)  # the log is flushed every second
     cursor, before = AgentClient().after(ingress.http_url, "end")
     assert before == {}  # what was logged before the first ask does not count
     for _ in range(3):
@@ -210,7 +216,7 @@ def test_the_controller_reads_what_a_real_agents_request_log_gained(mesh: LocalM
             stream_options={"include_usage": True},
         )
         assert len(list(stream)) > 1
-    time.sleep(1.5)
+    assert wait_until(lambda: logged(ingress, 60) == 4, 10)
     cursor, gained = AgentClient().after(ingress.http_url, cursor)
     sums = gained["llama-2-7b"]
     assert sums.requests == 3 and sums.output_tokens == 3 * 8

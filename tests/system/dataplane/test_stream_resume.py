@@ -65,8 +65,10 @@ def start_mesh(local: LocalMesh, servers: int) -> Mesh:
     return Mesh(local, ingress, nodes)
 
 
-def unbroken_prompt_tokens(mesh: Mesh) -> int:
-    answer = mesh.client().chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1)
+def unbroken_prompt_tokens(mesh: Mesh, headers: dict[str, str] | None = None) -> int:
+    answer = mesh.client().chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=1, extra_headers=headers
+    )
     assert answer.usage is not None
     return answer.usage.prompt_tokens
 
@@ -156,22 +158,34 @@ def test_the_wire_format_of_a_resumed_stream_is_one_terminated_sse_response(
 def test_a_stream_whose_engine_dies_under_its_own_ingress_continues_elsewhere(
     mesh: LocalMesh,
 ) -> None:
-    """One hop: the client talks to the serving node itself, the only one at first; once the
-    answer is under way a second node joins, and the first node's engine (not its agent) dies."""
+    """One hop: the client talks to the serving node itself, and its engine (not its agent)
+    dies mid-answer.
+
+    Both nodes serve before the stream starts, so nothing but the answer's own pace (the
+    engine's ``--slowdown``) stands between the tenth chunk and the kill: starting the second
+    node mid-answer, as this test once did, could outlast the answer on a busy host. The answer
+    stays on the entry node because its session is sticky there: its first turn went to the
+    entry node while that was the only one."""
     entry_node = mesh.start("s0", args=[*SLOW[:-1], "--slowdown 40"])
     assert wait_until(lambda: models_listed(entry_node) == 1, 30)
     fab = Mesh(mesh, entry_node, [entry_node])
-    prompt_tokens = unbroken_prompt_tokens(fab)
+    session = {"X-Session-Id": "one-hop"}
+    prompt_tokens = unbroken_prompt_tokens(fab, session)  # pins the session to s0
+    fab.servers.append(mesh.start("s1", args=SLOW))
+    assert wait_until(lambda: models_listed(entry_node) == 2, 30), "s1 does not serve"
+    killed: list[str] = []
 
-    def second_node_then_kill_engine(sid: str) -> None:
-        assert sid == entry_node.session_id
-        fab.servers.append(mesh.start("s1", args=SLOW))
-        assert wait_until(lambda: models_listed(entry_node) == 2, 30)
+    def kill_engine(sid: str) -> None:
+        assert sid == entry_node.session_id, "the sticky session went to another node"
+        local = 'fabric_ingress_inflight{side="local"}'
+        assert metrics(entry_node.http_url).get(local) == 1, "the answer ended before the kill"
         engine = engine_process(entry_node)
         assert engine is not None
         os.kill(engine.pid, signal.SIGKILL)
+        killed.append(sid)
 
-    chunks = read_with_a_kill(fab, second_node_then_kill_engine, entry_node)
+    chunks = read_with_a_kill(fab, kill_engine, entry_node, session)
+    assert killed, "the stream ended before the kill"
     assert_one_whole_answer(chunks, prompt_tokens)
     assert fab.resumes("resumed", entry_node) == 1
 
