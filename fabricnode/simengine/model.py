@@ -587,23 +587,26 @@ class Scheduler:
         cfg = self.config
         optimistic = self.optimistic
         # Optimistic mode: blocks the running set takes this step (a context that fills its last
-        # block needs a new one for the token it samples), preempting the newest until they fit.
+        # block needs a new one for the token it samples, and with chunked prefill so does a
+        # prompt whose last chunk this step computes), preempting the newest until they fit.
         growth = 0
         preempted: list[Request] = []
         if optimistic and self.running:
-            growth = sum(
-                1 for r in self.running.values() if not r.prefill_left and r.samples_into_new_block
-            )
-            while self._used_blocks + growth > self.num_blocks and len(self.running) > 1:
+            while (
+                self._used_blocks + self._running_growth() > self.num_blocks
+                and len(self.running) > 1
+            ):
                 if self.by_priority:
                     victim = self._lowest_priority()
                     del self.running[victim.id]
                 else:
                     _, victim = self.running.popitem()  # the most recently admitted
-                if not victim.prefill_left and victim.samples_into_new_block:
-                    growth -= 1
                 self._preempt(victim)
                 preempted.append(victim)
+            # The decoding requests' share; the prompts completed below add theirs.
+            growth = sum(
+                1 for r in self.running.values() if not r.prefill_left and r.samples_into_new_block
+            )
         admitted: list[Request] = []
         chunked = cfg.chunked_prefill
         prefill = 0
@@ -716,6 +719,25 @@ class Scheduler:
             tuple(events),
             tuple(r.id for r in preempted),
         )
+
+    def _running_growth(self) -> int:
+        """Optimistic mode: the blocks the running set would take this step: one for each
+        decoding request whose sampled token opens a block, and (chunked prefill) one for each
+        prefilling request whose last chunk fits this step's budget and fills its last block.
+        The chunks are given as ``step`` gives them: in admission order, after one token for
+        each decoding request."""
+        running = self.running.values()
+        growth = sum(1 for r in running if not r.prefill_left and r.samples_into_new_block)
+        if self.config.chunked_prefill:
+            left = self.config.max_batched_tokens - sum(1 for r in running if not r.prefill_left)
+            for r in running:
+                if not r.prefill_left:
+                    continue
+                chunk = min(r.prefill_left, max(0, left))
+                left -= chunk
+                if chunk == r.prefill_left and r.samples_into_new_block:
+                    growth += 1
+        return growth
 
     def _lowest_priority(self) -> Request:
         """``priority`` policy: the preemption victim, the running request with the highest
