@@ -12,9 +12,6 @@
 #            subprocesses on 127.0.0.1. Most of its time is waiting (an agent starting, a
 #            simulated engine pacing its tokens, gossip converging, a replay running its trace
 #            seconds), at well under a core on average, with bursts when a bench drives load.
-#            In two lanes, tests/system/dataplane ("agents-dataplane") beside the rest: as one
-#            lane it was the longest (989 s at 0.63 cores on a fresh clone, 2026-11-27) and set
-#            the length of the whole run.
 #   slurm    tests/slurm: a real Slurm (jobs scheduled, agents starting inside them, the elastic
 #            controller waiting out replacements) and a real vLLM on CPU; mostly waiting.
 #   interpreted  the data plane's tests once more on the interpreted sources (FABRIC_NATIVE=0
@@ -73,8 +70,7 @@ cpu() { # cpu NAME: "user+sys CPU s, N cores" of a finished lane
     lane compute-system -- -m compute "${AGENTS[@]}"
 ) &
 compute=$!
-lane agents -- -m "not compute" "${AGENTS[@]}" --ignore=tests/system/dataplane &
-lane agents-dataplane -- -m "not compute" tests/system/dataplane &
+lane agents -- -m "not compute" "${AGENTS[@]}" &
 lane slurm -- "${SLURM[@]}" &
 slurm=$!
 # The interpreted rerun takes the place of whichever of the compute and Slurm lanes ends first
@@ -86,13 +82,13 @@ lane interpreted FABRIC_NATIVE=0 -- "${DATAPLANE_TESTS[@]}" &
 wait
 
 failed_lanes=0
-for name in compute compute-system agents agents-dataplane slurm interpreted; do
+for name in compute compute-system agents slurm interpreted; do
     read -r status took <"$WORK/$name.status" 2>/dev/null || { status=1 took=0; }
     echo "== lane $name: exit $status after $took s"
     cat "$WORK/$name.log"
     [ "$status" -eq 0 ] || failed_lanes=$((failed_lanes + 1))
 done
-for name in compute compute-system agents agents-dataplane slurm interpreted; do
+for name in compute compute-system agents slurm interpreted; do
     read -r status took <"$WORK/$name.status" 2>/dev/null || { status=1 took=0; }
     echo "== lane $name: exit $status, $took s, $(cpu "$name")"
 done
