@@ -75,4 +75,4 @@ bench: native
 	$(BIN)/python bench/gossip.py
 
 clean:
-	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache fabricnode/dataplane/_native
+	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache fabricnode/dataplane/_native fabricnode/requestlog/_native

@@ -1,6 +1,7 @@
 """Build the compiled data plane: ``python -m fabricnode.native_build [build|status]``.
 
-mypyc compiles the modules in ``native.DATA_PLANE`` into ``fabricnode/dataplane/_native/`` and
+mypyc compiles the modules in ``native.DATA_PLANE`` into ``fabricnode/dataplane/_native/`` (and
+its ``COMPANIONS`` into their packages' ``_native`` folders) and
 stamps the build with the digest of its sources; ``native.activate`` uses the build only while that
 digest matches. Needs mypy (which ships mypyc) and a C compiler with the Python headers.
 """
@@ -51,6 +52,7 @@ def build(*, force: bool = False, quiet: bool = True) -> str:
             str(work / "temp"),
             "--ignore-missing-imports",
             *(str(native.PACKAGE_DIR / f"{m}.py") for m in native.DATA_PLANE),
+            *(str(c.package_dir / f"{m}.py") for c in native.COMPANIONS for m in c.modules),
         ]
         proc = subprocess.run(cmd, cwd=work, capture_output=True, text=True)
         if proc.returncode != 0:
@@ -65,15 +67,27 @@ def build(*, force: bool = False, quiet: bool = True) -> str:
         (native.BUILD_DIR / native.STAMP_NAME).unlink(
             missing_ok=True
         )  # invalid while files are replaced
-        for so in built:
-            staged = native.BUILD_DIR / (so.name + ".new")
-            shutil.copyfile(so, staged)
-            os.replace(staged, native.BUILD_DIR / so.name)  # running agents keep their mapped copy
+        _install(built, native.BUILD_DIR)
+        for companion in native.COMPANIONS:
+            lib = work / "lib" / companion.package.replace(".", "/")
+            companion.build_dir.mkdir(exist_ok=True)
+            _install(
+                [lib / f"{m}{native.EXT_SUFFIX}" for m in companion.modules], companion.build_dir
+            )
         stamp = {"digest": digest, "modules": list(native.DATA_PLANE), "python": sys.version}
         staged = native.BUILD_DIR / (native.STAMP_NAME + ".new")
         staged.write_text(json.dumps(stamp, indent=1) + "\n")
         os.replace(staged, native.BUILD_DIR / native.STAMP_NAME)
     return "built"
+
+
+def _install(built: list[Path], build_dir: Path) -> None:
+    for so in built:
+        if not so.is_file():
+            raise BuildError(f"mypyc build produced no {so.name}")
+        staged = build_dir / (so.name + ".new")
+        shutil.copyfile(so, staged)
+        os.replace(staged, build_dir / so.name)  # running agents keep their mapped copy
 
 
 def main(argv: list[str]) -> int:

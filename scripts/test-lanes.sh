@@ -15,9 +15,9 @@
 #   slurm    tests/slurm: a real Slurm (jobs scheduled, agents starting inside them, the elastic
 #            controller waiting out replacements) and a real vLLM on CPU; mostly waiting.
 #   interpreted  the data plane's tests once more on the interpreted sources (FABRIC_NATIVE=0
-#            on every tests/<kind>/dataplane folder: what runs where the compiled build is
-#            missing or stale, so it must stay correct too); it starts when the compute or the
-#            Slurm lane ends, whichever is first, and takes its place.
+#            on every tests/<kind>/dataplane folder and tests/unit/requestlog: what runs where
+#            the compiled build is missing or stale, so it must stay correct too); it starts
+#            when the compute or the Slurm lane ends, whichever is first, and takes its place.
 # In two lanes (tests/slurm beside everything else, the rerun after both) the long main lane
 # spent most of its time waiting on subprocesses, with the load average under 1.
 #
@@ -36,8 +36,10 @@ BIN=${BIN:-.venv/bin}
 COMPUTE=(tests/unit tests/shell tests/browser)
 AGENTS=(tests/system)
 SLURM=(tests/slurm)
-# Every tests/<kind>/dataplane folder: run again on the interpreted sources (FABRIC_NATIVE=0).
-DATAPLANE_TESTS=(tests/*/dataplane)
+# Every tests/<kind>/dataplane folder, and the request log's tests (three of its modules are
+# compiled with the data plane: fabricnode.native.COMPANIONS): run again on the interpreted
+# sources (FABRIC_NATIVE=0).
+DATAPLANE_TESTS=(tests/*/dataplane tests/unit/requestlog)
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/fabric-test-lanes.XXXXXX")
 trap 'rm -rf "$WORK"' EXIT
 

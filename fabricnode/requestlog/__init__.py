@@ -9,9 +9,13 @@ the admin API, off the request path. Reading token usage from responses, and the
 key and model behind ``/metrics``, are the data plane's (``dataplane.usage``).
 
 May import: ``fabricnode.errors`` and itself. Sits below ``dataplane``, ``control`` and
-``elastic``, which import it; never imports them (checked by ``make lint``). Not compiled with
-mypyc (``fabricnode.native`` compiles the ``dataplane`` folder): the per-request calls into it
-are ``RequestLog.append``, ``format.opt_int`` and ``ttft.ttft_bucket``.
+``elastic``, which import it; never imports them (checked by ``make lint``). ``format``,
+``ttft`` and ``writer`` are compiled with mypyc beside the data plane
+(``fabricnode.native.COMPANIONS``): the request path calls ``RequestLog.append``,
+``format.opt_int`` and ``ttft.ttft_bucket`` per answered request, and the flush thread formats
+every line. Their extension modules load the data plane's shared library, so importing one
+imports ``fabricnode.dataplane``'s ``__init__`` (only ``fabricnode.native``): not an import of
+the data plane's code.
 
 Modules, in reading order:
 
@@ -28,3 +32,10 @@ Modules, in reading order:
 docs/architecture.md ("The data plane": bookkeeping off the client's path) says when the
 ingress appends; docs/operators.md what operators do with the log.
 """
+
+from pathlib import Path as _Path
+
+from fabricnode import native as _native
+
+# The compiled companions of the data plane, when built from the current sources.
+_native.activate(__path__, _Path(__file__).resolve().parent / "_native")

@@ -10,7 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fabricnode import native
 from fabricnode.dataplane.usage import usage_from_json
+from fabricnode.requestlog import format as format_module
 from fabricnode.requestlog.format import TraceRecord
 from fabricnode.requestlog.reader import read_request_log
 from fabricnode.requestlog.writer import RequestLog
@@ -80,8 +82,17 @@ def test_client_values_smuggled_into_numeric_fields_are_not_logged(tmp_path: Pat
     def trace(**fields: Any) -> TraceRecord:
         return TraceRecord(t=1.0, model="m", output_tokens=None, latency_s=0.1, **fields)
 
-    # The record's declared types are not enforced (the request log is not compiled): the
-    # line is what keeps the text out.
+    if native.is_compiled(format_module):
+        # Compiled (fabricnode.native.COMPANIONS), the record's declared types are enforced.
+        with pytest.raises(TypeError):
+            trace(max_tokens=smuggled)
+        with pytest.raises(TypeError):
+            trace(temperature=smuggled)
+        log.append(trace(input_tokens=2**80))
+        assert log.flush() == 1
+        assert json.loads(path.read_text())["I"] is None
+        return
+    # Interpreted, the declared types are not enforced: the line is what keeps the text out.
     log.append(trace(input_tokens=2**80, max_tokens=smuggled, temperature=smuggled))
     assert log.flush() == 1
     text = path.read_text()
