@@ -93,7 +93,7 @@ class TtftWindow:
 class _Model:
     """One model's policy and what the scaler remembers for it."""
 
-    objective_s: float | None
+    knobs: tuple[float | None, float | None]  # the service's objective and scale-in hold
     policy: ForecastPolicy
     ttft: TtftWindow
     why: Why | None = None  # the reason of the policy's last change of count
@@ -138,8 +138,12 @@ class ForecastScaler:
                 del self.models[model]
         for plan in following:
             current = self.models.get(plan.model)
-            if current is None or current.objective_s != plan.service.ttft_p95_s:
+            if current is None or current.knobs != _knobs(plan):
                 self.models[plan.model] = self._new_model(plan)
+                held = fleet.held.get(plan.model)
+                if held is not None and held.newest_at is not None:
+                    # after a takeover the scale-in hold runs from the last scale-out
+                    self.models[plan.model].policy.resume(min(now, held.newest_at))
         if not following:
             self._polled_bin = None
             return
@@ -197,13 +201,19 @@ class ForecastScaler:
             return decision.replicas, why
         return floor, floor_why
 
+    def idle_at(self, plan: ModelPlan, now: float) -> float | None:
+        assert self.rules is not None
+        return self.rules.idle_at(plan, now)
+
     def _new_model(self, plan: ModelPlan) -> _Model:
         config = self.config
         objective_s = plan.service.ttft_p95_s
         if objective_s is not None:
             config = replace(config, ttft_objective_s=objective_s)
+        if plan.service.scale_in_hold_s is not None:
+            config = replace(config, scale_in_hold_s=plan.service.scale_in_hold_s)
         return _Model(
-            objective_s,
+            _knobs(plan),
             ForecastPolicy(config),
             TtftWindow(self.ttft_window_s, self.ttft_min_samples),
         )
@@ -246,6 +256,13 @@ class ForecastScaler:
         cfg = state.policy.config
         if reason is Reason.FORECAST:
             return f"forecast: {n} for the demand expected in {rs.cold_start_s:.0f} s"
+        if reason is Reason.BACKLOG:
+            load = load_sample(self.core, model, now, self.load_max_age_s)
+            waiting = sum(load.waiting) if load is not None else 0
+            return (
+                f"backlog: {n}, {waiting} requests waiting, more than the serving replicas "
+                f"drain before a new one arrives in {rs.cold_start_s:.0f} s"
+            )
         if reason is Reason.OBJECTIVE:
             p95 = state.ttft.p95(now)
             seen = f"{p95:.2f} s" if p95 is not None else "measured"
@@ -261,6 +278,11 @@ class ForecastScaler:
         if reason is Reason.LOW_DEMAND:
             return f"low-demand: {n}, demand low for {cfg.scale_in_hold_s:g} s"
         return f"{decision.reason}: {n}"
+
+
+def _knobs(plan: ModelPlan) -> tuple[float | None, float | None]:
+    """What of the service a model's policy is built with (a change rebuilds it)."""
+    return (plan.service.ttft_p95_s, plan.service.scale_in_hold_s)
 
 
 def _replicas(n: int) -> str:

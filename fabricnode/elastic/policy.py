@@ -78,10 +78,12 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from fabricnode.elastic import need
 from fabricnode.errors import ConfigError
 
 REASONS = (
     "forecast",  # the forecast at now + cold start needs more replicas
+    "backlog",  # the queue a new replica would still find when it arrives needs more replicas
     "load",  # KV caches nearly full or requests waiting, beyond what the forecast asked for
     "objective",  # the measured p95 TTFT is above the objective
     "low-demand",  # demand stayed under the scale-in band for the hold time, and load agrees
@@ -257,10 +259,12 @@ class ForecastConfig:
     error_alpha: float = 0.05
     output_tokens_prior: float = 256.0
     output_alpha: float = 0.01
+    prompt_tokens_prior: float = 1024.0  # mean prompt tokens per request before any arrival
 
     def __post_init__(self) -> None:
         _positive("bin_s", self.bin_s)
         _positive("output_tokens_prior", self.output_tokens_prior)
+        _positive("prompt_tokens_prior", self.prompt_tokens_prior)
         for name in ("level_alpha", "trend_beta", "trend_damping", "error_alpha", "output_alpha"):
             _fraction(name, getattr(self, name))
 
@@ -340,6 +344,16 @@ class DemandForecaster:
     def output_tokens_mean(self) -> float:
         """The running mean of output tokens per completed request."""
         return self._output_mean
+
+    def request(self) -> TokenDemand:
+        """The mean request: prompt tokens (the levels' ratio of prompt tokens to requests,
+        ``prompt_tokens_prior`` before any arrival) and output tokens (the running mean)."""
+        prompt = self.config.prompt_tokens_prior
+        if self._rate.level and self._prompt.level is not None and self._rate.level > 1e-9:
+            prompt = self._prompt.level / self._rate.level
+        elif self._requests:
+            prompt = self._prompt_tokens / self._requests
+        return TokenDemand(prompt, self._output_mean)
 
     def _advance(self, now: float) -> None:
         b = math.floor(now / self.config.bin_s)
@@ -446,7 +460,9 @@ class PolicyConfig:
     under this fraction of the objective; ``kv_high`` / ``waiting_high``: KV use and waiting
     requests per replica that confirm a scale-out the forecast did not ask for;
     ``confirm_cooldown_s``: the least time between two such confirmations;
-    ``signal_max_age_s``: load and TTFT samples older than this are ignored."""
+    ``signal_max_age_s``: load and TTFT samples older than this are ignored;
+    ``backlog_drain_s``: a queue still there when a new replica arrives is drained over this
+    long (at least the cold start; ``need``)."""
 
     ttft_objective_s: float = 2.0
     target_utilisation: float = 0.7
@@ -459,9 +475,10 @@ class PolicyConfig:
     confirm_cooldown_s: float = 30.0
     signal_max_age_s: float = 30.0
     forecast: ForecastConfig = field(default_factory=ForecastConfig)
+    backlog_drain_s: float = 30.0
 
     def __post_init__(self) -> None:
-        for name in ("ttft_objective_s", "signal_max_age_s", "waiting_high"):
+        for name in ("ttft_objective_s", "signal_max_age_s", "waiting_high", "backlog_drain_s"):
             _positive(name, getattr(self, name))
         for name in ("target_utilisation", "kv_high"):
             _fraction(name, getattr(self, name))
@@ -514,6 +531,40 @@ class ForecastPolicy(_Observer):
             return None
         return self._ttft[1]
 
+    def _needs(
+        self, fc: Forecast, state: ReplicaState, load: LoadSample | None
+    ) -> tuple[need.Need, need.Need]:
+        """What a replica submitted now meets when it arrives (``need``), for scale-out (the
+        forecast's upper band) and for the scale-in band (the point forecast, or now when
+        higher), with the queue the fresh load shows."""
+        cap = state.capacity
+        per_request = cap.work(self.forecaster.request())
+        backlog = per_request * sum(load.waiting) if load is not None else 0.0
+        serving = len(load.kv_usage) if load is not None else state.replicas - state.starting
+        rate_now = cap.work(fc.now)
+
+        def at(rate: TokenDemand) -> need.Need:
+            return need.at_arrival(
+                rate=cap.work(rate),
+                rate_now=rate_now,
+                backlog=backlog,
+                serving=serving,
+                cold_start_s=state.cold_start_s,
+                drain_s=self.config.backlog_drain_s,
+            )
+
+        out, band = at(fc.upper), at(_larger(fc.now, fc.ahead))
+        return out, band
+
+    def resume(self, since: float) -> None:
+        """Count the scale-in hold from ``since`` rather than from the first decision: a
+        controller that takes over passes the last scale-out as Slurm shows it (the newest job
+        it started for demand), so a takeover does not restart the hold. Only before the first
+        decision."""
+        if self._band_since == -math.inf and math.isfinite(since):
+            self._band_since = since
+            self._last_out = max(self._last_out, since)
+
     def _remember(self, now: float, need: int) -> int:
         """Note the band need; return the largest over the hold window."""
         band = self._band
@@ -535,15 +586,16 @@ class ForecastPolicy(_Observer):
         cur = state.replicas
         fc = self.forecaster.forecast(now, state.cold_start_s, cfg.headroom_sigmas)
         cap = state.capacity
-        out_need = state.clamp(replicas_for(fc.upper, cap, cfg.target_utilisation))
-        band_need = replicas_for(
-            _larger(fc.now, fc.ahead), cap, cfg.scale_in_band * cfg.target_utilisation
-        )
+        load = self._fresh_load(now)
+        ttft = self._fresh_ttft(now)
+        out, band = self._needs(fc, state, load)
+        out_need = state.clamp(need.replicas(out, cfg.target_utilisation))
+        band_need = need.replicas(band, cfg.scale_in_band * cfg.target_utilisation)
         # never in below what scale-out asks for now: the two rules cannot alternate
         held = max(out_need, self._remember(now, state.clamp(band_need)))
 
         if self._band_since == -math.inf:
-            self._band_since = now  # the hold window starts with the first decision
+            self._band_since = now  # the hold window starts with the first decision (``resume``)
         if cur != state.clamp(cur):
             target = max(out_need, state.min_replicas) if cur < state.min_replicas else out_need
             target = state.clamp(max(target, state.clamp(cur)))
@@ -552,18 +604,20 @@ class ForecastPolicy(_Observer):
             return Decision(target, "bounds")
         if out_need > cur:
             self._scaled_out(now)
-            return Decision(out_need, "forecast")
+            by_rate = state.clamp(replicas_for(fc.upper, cap, cfg.target_utilisation))
+            return Decision(out_need, "backlog" if out_need > by_rate else "forecast")
 
-        load = self._fresh_load(now)
-        ttft = self._fresh_ttft(now)
         cooled = now - max(self._last_confirm, self._last_out) >= cfg.confirm_cooldown_s
         if state.starting == 0 and cur < state.max_replicas and cooled:
             reason = ""
             if ttft is not None and ttft > cfg.ttft_objective_s:
                 reason = "objective"
             elif load is not None and (
-                load.mean_kv_usage >= cfg.kv_high or load.waiting_per_replica >= cfg.waiting_high
+                load.mean_kv_usage >= cfg.kv_high
+                or (load.waiting_per_replica >= cfg.waiting_high and out.backlog_left > 0)
             ):
+                # a queue the serving replicas drain before a new one could arrive is no
+                # reason to start one (``need``)
                 reason = "load"
             if reason:
                 self._last_confirm = now

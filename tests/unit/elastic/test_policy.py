@@ -386,9 +386,29 @@ def test_full_kv_caches_or_queues_add_a_replica_for_load() -> None:
     policy.observe_load(0.0, LoadSample((0.95, 0.97), (0, 1)))
     d = policy.desired_replicas(0.0, state(replicas=2))
     assert (d.replicas, d.reason) == (3, "load")
+    # a short queue the two replicas drain long before a third could arrive: nothing
     other = ForecastPolicy()
     other.observe_load(0.0, LoadSample((0.2, 0.2), (4, 3)))
-    assert other.desired_replicas(0.0, state(replicas=2)).reason == "load"
+    assert other.desired_replicas(0.0, state(replicas=2)) == Decision(2)
+
+
+def test_a_queue_left_when_a_replica_would_arrive_adds_every_replica_it_needs_at_once() -> None:
+    cfg = PolicyConfig(backlog_drain_s=60.0)
+    policy = ForecastPolicy(cfg)
+    w = work_per_request()
+    for t in arrivals(lambda _: 1.0, 300.0):  # 1 req/s: well within two replicas
+        policy.observe_arrival(t, PROMPT)
+        policy.observe_completion(t, OUTPUT)
+    s = state(replicas=2, cold_start_s=60.0)
+    assert policy.desired_replicas(300.0, s).replicas == 2
+    # 2,000 requests queue: the two replicas, busy w per request at 1 req/s, drain
+    # (2 - w) * 60 s of it before a new replica arrives; the rest over the drain time
+    policy.observe_load(300.0, LoadSample((1.0, 1.0), (1000, 1000)))
+    d = policy.desired_replicas(300.0, s)
+    left = 2000 * w - (2 - w) * 60.0
+    expected = math.ceil((w + left / 60.0) / cfg.target_utilisation)
+    assert d.reason == "backlog" and d.replicas >= 4
+    assert abs(d.replicas - expected) <= 1  # the forecast's headroom may add one
 
 
 def test_stale_signals_are_ignored() -> None:
