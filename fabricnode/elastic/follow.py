@@ -4,13 +4,15 @@ Rules
 -----
 * **The demand rules** (``demand.DemandScaler``) as before: scale from zero on
   ``fabric.wanted`` labels, idle to zero after ``idle_to_zero``, else ``min_replicas``.
-* **Following demand.** A model that may run more replicas than its rules' floor
-  (``max_replicas > max(min_replicas, 1)``) has one ``policy.ForecastPolicy``, kept across
-  passes and rebuilt when its ``ttft_p95`` objective changes. Its target is the larger of the
-  rules' and the policy's, with the reason of the one that set it (the policy's: ``forecast``,
-  ``load``, ``objective``, ``low-demand`` or ``bounds``, then what it saw). The policy runs
-  between ``max(min_replicas, 1)`` and ``max_replicas``: going to zero stays the idle rule's,
-  and while that rule says zero the policy is not asked.
+* **Following demand.** A model that may run more replicas than its rules' floor (``max_replicas
+  > max(min_replicas, 1)``) has one ``policy.ForecastPolicy``, kept across passes and rebuilt
+  when its ``ttft_p95`` objective or ``scale_in_hold`` changes (a new one, after a takeover too,
+  counts its scale-in hold from the last scale-out Slurm shows: ``ForecastPolicy.resume``). Its
+  target is the larger of the rules' and the policy's, with the reason of the one that set it
+  (the policy's: ``forecast``, ``backlog``, ``load``, ``objective``, ``low-demand`` or
+  ``bounds``, then what it saw). The policy runs between ``max(min_replicas, 1)`` and
+  ``max_replicas``: going to zero stays the idle rule's, and while that rule says zero the
+  policy is not asked.
 * **What the policy is told**, each pass (``observe`` reads it; ``TtftWindow`` keeps the
   polls' TTFT histograms of the last ``window_s`` and gives their p95 once enough first tokens
   were seen, streams only: a JSON answer has no first token):

@@ -9,12 +9,14 @@ Rules
 
   - **rate**: the work per second expected at that time (the forecast's, with its headroom);
   - **backlog left**: the queued work (requests waiting at the replicas, each the mean
-    request's work) still there when it arrives *if arrivals went back to the expected level
-    now*: the serving replicas drain the queue meanwhile with what the current demand leaves
-    them (``spare``: serving replicas minus the work rate now). A burst that ends before a
-    replica can arrive leaves no backlog at that time: the queue (and the hold queue, sleeping
-    replicas, other sites) absorbs it, and it asks for no replica. A burst that lasts keeps
-    the queue growing, and each pass sees more of it.
+    request's work) still there when it arrives if the demand stays what it is now: the
+    serving replicas drain the queue meanwhile with what the current demand leaves them
+    (``spare``: serving replicas minus the work rate now; negative while the queue grows, which
+    it then does until the replica arrives). The rate now is the caller's measure (the
+    policy's: the queue's growth on top of busy replicas, the forecast's level otherwise). A
+    burst that has ended, its queue shrinking, leaves what the replicas there cannot drain
+    before a new one arrives: often nothing, and then it asks for no replica (the queue, the
+    hold queue, sleeping replicas and other sites absorb it).
 
   What is left is drained over ``drain_s`` (at least the cold start: a replica that arrives
   has that long to help before another could).
@@ -59,7 +61,7 @@ def at_arrival(
     """The need at the arrival of a replica submitted now: ``rate`` expected then (replicas
     fully busy), ``rate_now`` the demand now, ``backlog`` the queued work now
     (replica-seconds), ``serving`` replicas draining it meanwhile."""
-    spare = max(0.0, serving - max(0.0, rate_now))
+    spare = serving - max(0.0, rate_now)
     left = max(0.0, backlog - spare * cold_start_s)
     return Need(max(0.0, rate), left, max(drain_s, cold_start_s, _EPS))
 

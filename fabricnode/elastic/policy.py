@@ -53,22 +53,28 @@ prefill and ``d`` decode tokens/s keeps ``p/mu_p + d/mu_d`` replicas fully busy.
 learns the two rates, or takes them from the planner's analytic model (its saturation rate:
 ``target_utilisation`` then holds the headroom the TTFT objective needs).
 
-Scale out, for the demand the new replica will meet: a replica submitted now serves from
-``now + cold_start_s``, so the policy asks for ``ceil(work(upper forecast at now +
-cold_start_s) / target_utilisation)`` replicas (reason ``forecast``); a burst that is over
-before then is no reason to start one. Confirmation, as SageServe confirms its forecast with
+Scale out, for the demand the new replica will meet (``need``): a replica submitted now serves
+from ``now + cold_start_s``, so the policy asks for ``ceil((work(upper forecast at now +
+cold_start_s) + backlog left then / drain) / target_utilisation)`` replicas, in one decision
+(reason ``forecast``, or ``backlog`` when the queue is what asks for more than the forecast
+alone). The backlog is the requests waiting at the serving replicas (the fresh load), each the
+mean request's work (``DemandForecaster.request``); what is left of it at the arrival time is
+what the serving replicas cannot drain meanwhile with the capacity the current demand leaves
+them. A burst that is over before then, its queue drained by the replicas there are, is no
+reason to start one. Confirmation, as SageServe confirms its forecast with
 thresholds: when the forecast asks for no more but the measured p95 TTFT is above the objective
-(``objective``), or the KV caches are nearly full or requests queue (``load``), and no replica is
-already starting, the policy adds one, at most once per ``confirm_cooldown_s``.
+(``objective``), or the KV caches are nearly full or requests queue that would still queue when a
+replica arrives (``load``), and no replica is already starting, the policy adds one, at most
+once per ``confirm_cooldown_s``.
 
 Scale in, with hysteresis: each decision notes the count the demand (the larger of now and the
-point forecast) needs at ``scale_in_band x target_utilisation`` and remembers it for
-``scale_in_hold_s``. The policy scales in to the largest count of that window, never below what
-scale-out asks for now, when that is below the current count, the window is full (no scale-out
-in the last ``scale_in_hold_s``), no replica is starting and the load agrees: p95 TTFT at most
-``scale_in_ttft_fraction`` of the objective, KV use below ``kv_high``, no queue (reason
-``low-demand``). So scale-in and scale-out cannot alternate on a steady demand, and a dip
-shorter than the hold time costs no cold start.
+point forecast, with the backlog left as above) needs at ``scale_in_band x target_utilisation``
+and remembers it for ``scale_in_hold_s``. The policy scales in to the largest count of that
+window, never below what scale-out asks for now, when that is below the current count, the
+window is full (no scale-out in the last ``scale_in_hold_s``), no replica is starting and the
+load agrees: p95 TTFT at most ``scale_in_ttft_fraction`` of the objective, KV use below
+``kv_high``, no queue (reason ``low-demand``). So scale-in and scale-out cannot alternate on a
+steady demand, and a dip shorter than the hold time costs no cold start.
 """
 
 from __future__ import annotations
@@ -503,6 +509,7 @@ class ForecastPolicy(_Observer):
         self.config = config or PolicyConfig()
         self.forecaster = DemandForecaster(self.config.forecast)
         self._load: tuple[float, LoadSample] | None = None
+        self._prev_load: tuple[float, LoadSample] | None = None
         self._ttft: tuple[float, float] | None = None
         self._band: deque[tuple[float, int]] = deque()  # (time, need), needs decreasing
         self._band_since = -math.inf  # the window holds needs from here on
@@ -516,10 +523,25 @@ class ForecastPolicy(_Observer):
         self.forecaster.observe_completion(self._clock(now), output_tokens)
 
     def observe_load(self, now: float, load: LoadSample) -> None:
+        self._prev_load = self._load
         self._load = (self._clock(now), load)
 
     def observe_ttft(self, now: float, p95_s: float) -> None:
         self._ttft = (self._clock(now), p95_s)
+
+    def _rate_now(self, now: float, forecast_now: float, per_request: float) -> float:
+        """The demand now, in fully busy replicas: while the serving replicas queue, they are
+        busy and the queue's growth since the previous load sample is demand on top (a
+        shrinking queue: demand below them); otherwise the forecast's level."""
+        load, prev = self._fresh_load(now), self._prev_load
+        if load is None or prev is None or not sum(load.waiting) or not load.kv_usage:
+            return forecast_now
+        assert self._load is not None
+        dt = self._load[0] - prev[0]
+        if dt < 1.0 or dt > self.config.signal_max_age_s:
+            return forecast_now
+        growth = (sum(load.waiting) - sum(prev[1].waiting)) / dt  # requests/s
+        return max(0.0, len(load.kv_usage) + growth * per_request)
 
     def _fresh_load(self, now: float) -> LoadSample | None:
         if self._load is None or now - self._load[0] > self.config.signal_max_age_s:
@@ -532,7 +554,7 @@ class ForecastPolicy(_Observer):
         return self._ttft[1]
 
     def _needs(
-        self, fc: Forecast, state: ReplicaState, load: LoadSample | None
+        self, now: float, fc: Forecast, state: ReplicaState, load: LoadSample | None
     ) -> tuple[need.Need, need.Need]:
         """What a replica submitted now meets when it arrives (``need``), for scale-out (the
         forecast's upper band) and for the scale-in band (the point forecast, or now when
@@ -541,7 +563,7 @@ class ForecastPolicy(_Observer):
         per_request = cap.work(self.forecaster.request())
         backlog = per_request * sum(load.waiting) if load is not None else 0.0
         serving = len(load.kv_usage) if load is not None else state.replicas - state.starting
-        rate_now = cap.work(fc.now)
+        rate_now = self._rate_now(now, cap.work(fc.now), per_request)
 
         def at(rate: TokenDemand) -> need.Need:
             return need.at_arrival(
@@ -588,7 +610,7 @@ class ForecastPolicy(_Observer):
         cap = state.capacity
         load = self._fresh_load(now)
         ttft = self._fresh_ttft(now)
-        out, band = self._needs(fc, state, load)
+        out, band = self._needs(now, fc, state, load)
         out_need = state.clamp(need.replicas(out, cfg.target_utilisation))
         band_need = need.replicas(band, cfg.scale_in_band * cfg.target_utilisation)
         # never in below what scale-out asks for now: the two rules cannot alternate

@@ -28,8 +28,9 @@ def test_a_jump_to_four_replicas_of_work_asks_for_them_in_one_decision() -> None
     jumped = at_arrival(
         rate=4.0, rate_now=4.0, backlog=30.0, serving=1, cold_start_s=20.0, drain_s=30.0
     )
-    assert jumped.backlog_left == 30.0  # the one replica has nothing to spare
-    assert replicas(jumped, 1.0) == 5  # four for the rate, one more drains the queue
+    # the queue grows by three replica-seconds a second until a new replica arrives
+    assert jumped.backlog_left == 30.0 + 3 * 20.0
+    assert replicas(jumped, 1.0) == 7  # four for the rate, three more drain the queue
     # a 10 s burst that is over (the demand is back to half a replica): the one replica
     # drains the queue in the cold start; nothing to add for it
     over = at_arrival(
