@@ -267,7 +267,7 @@ max_replicas = 1
 idle_to_zero = "20s"
 hold_requests = "2m"
 partitions = ["high"]
-time_limit = "10:00"
+time_limit = "2:00"
 """
 
 
@@ -307,6 +307,13 @@ def test_a_scaled_to_zero_model_starts_on_its_first_request_and_returns_to_zero_
         assert time.monotonic() - t0 < 90, "the job ended but its replica still serves"
         time.sleep(0.5)
     print(f"scaled back to zero {time.monotonic() - t0:.1f} s after the last request")
+    # the two-minute job was due for a time-limit successor (its lead is most of the job)
+    # while the idle rule was about to retire it: no successor was submitted to be cancelled
+    doc = json.loads(fabric(mesh, ingress, "services", "--json").stdout)
+    cold = [(d["action"], d["reason"]) for d in doc["decisions"] if d["model"] == "cold"]
+    print(f"decisions for cold: {cold}")
+    assert not [d for d in cold if d[1].startswith("time limit")], cold
+    assert [a for a, _ in cold] == ["submit", "cancel"], cold
 
 
 # A simulated engine 100 times slower than the roofline: a 150-token stream takes ~45 s, so the
