@@ -5,7 +5,7 @@ below it, and nothing imports the loop):
 
 * ``controller``  the control loop (read, decide, act) on trio, and its status and decisions.
 * ``follow``      the controller's scaler: the demand rules, and the policy above them.
-* ``demand``      the demand rules: scale from zero on requests held, idle to zero.
+* ``demand``      the demand rules: scale from zero on requests held, idle to zero (``activity``).
 * ``observe``     every look outside and every blocking call: the agents' request logs through
   one client, the registry's replicas, load and wanted models, Slurm in worker threads.
 * ``reconcile``   one controller pass, pure: from Slurm's and the mesh's view, the jobs to submit
@@ -28,4 +28,6 @@ below it, and nothing imports the loop):
   forecast at the cold-start horizon, load and TTFT confirmation, scale-in hysteresis), and the
   static and reactive baselines with the same interface.
 * ``leader``      which of the ``--controller`` agents acts.
+* ``activity``    when each model was last in demand, from every evidence (wanted, in flight,
+  logged, a job started for it), for the idle rule; rebuilt after a takeover (pure).
 """

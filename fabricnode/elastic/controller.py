@@ -164,7 +164,7 @@ class Controller:
             want, why = self.scaler.target(plan, now)
             service = plan.service
             target = max(service.min_replicas, min(service.max_replicas, want))
-            goals.append(Goal(plan, target, why))
+            goals.append(Goal(plan, target, why, self.scaler.idle_at(plan, now)))
         result = reconcile(now, goals, jobs, replicas(self.core), self.memory, plans.limits)
         refused: dict[str, str] = {}
         for action in result.actions:

@@ -9,12 +9,17 @@ Rules
   limit). A model wanted by any agent the control plane counts (``observe.wanted_models``:
   standing at least ``mesh.schema.CONTROL_COUNTS``) gets a target of at least one replica, at
   once.
-* **Idle to zero.** A model whose service allows zero replicas (``min_replicas = 0``) stays
-  at one or more while it was active within its ``idle_to_zero`` time: a request wanted it, or
-  the agents' request logs (``GET /fabric/v1/workload?window=...`` on every alive agent, the
-  planner's source) counted a request for it. The logs are read every ``check_interval_s``
-  (at most half the idle time) per model. A check where an agent does not answer is no news
-  (the replica being drained is one such agent: it has stopped answering while it leaves);
+* **Idle to zero.** A model whose service allows zero replicas (``min_replicas = 0``) stays at
+  one or more while it was active within its ``idle_to_zero`` time (``activity``): a request
+  wanted it, a replica of it had requests in flight or waiting (the gossiped load), a unit of
+  it was submitted (Slurm's submit time: what the acting controller started for demand, which a
+  controller that takes over still sees), or the agents' request logs (``GET
+  /fabric/v1/workload?window=...`` on every alive agent, the planner's source) counted a
+  request for it. So a controller that takes over during a ramp from zero finds the model
+  active from what the mesh and Slurm show now, though it saw none of the ramp. The logs are
+  read every ``check_interval_s`` (at most half the idle time) per model. A check where an
+  agent does not answer is no news (the replica being drained is one such agent: it has stopped
+  answering while it leaves);
   if that agent had requests waiting, they wait for a replica and want it back.
 * Otherwise the target is ``min_replicas``. (Scaling above it with load and forecasts is the
   policy's: ``fabricnode.elastic.follow``.)
@@ -31,10 +36,12 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from fabricnode.elastic.activity import Activity, Evidence
 from fabricnode.elastic.observe import (
     AgentClient,
     WorkloadClient,
     agent_urls,
+    busy_models,
     requests_for,
     wanted_models,
 )
@@ -69,31 +76,41 @@ class DemandScaler:
     core: MeshCore
     client: WorkloadClient = field(default_factory=lambda: AgentClient())
     check_interval_s: float = 30.0
-    active_at: dict[str, float] = field(default_factory=dict)  # model -> last activity seen
+    load_max_age_s: float = 30.0  # three of the agents' load refreshes
+    activity: Activity = field(default_factory=Activity)  # when each model was last in demand
     checked_at: dict[str, float] = field(default_factory=dict)
     _wanted: set[str] = field(default_factory=set)
 
     async def observe(
         self, plans: Sequence[ModelPlan], now: float, fleet: Fleet | None = None
     ) -> None:
-        """Read the request logs of the models due for an idleness check, in a worker thread
-        (the controller's own agent is one of those asked: its loop must stay free)."""
+        """Note every evidence of demand (``activity``), reading the request logs of the
+        models due for an idleness check in a worker thread (the controller's own agent is one
+        of those asked: its loop must stay free)."""
         wanted = wanted_models(self.core)
+        busy = busy_models(self.core, now, self.load_max_age_s)
+        self.activity.keep(p.model for p in plans)
         for plan in plans:
-            if plan.model in wanted:
-                self.active_at[plan.model] = now
+            model = plan.model
+            held = fleet.held.get(model) if fleet is not None else None
+            if held is not None and held.newest_at is not None:
+                self.activity.saw(model, Evidence.STARTED, min(now, held.newest_at))
+            if model in busy:
+                self.activity.saw(model, Evidence.BUSY, now)
+            if model in wanted:
+                self.activity.saw(model, Evidence.WANTED, now)
                 continue
             idle_s = plan.service.idle_to_zero_s
             if plan.service.min_replicas > 0 or idle_s is None:
                 continue
             every = min(self.check_interval_s, idle_s / 2)
-            if now - self.checked_at.get(plan.model, -math.inf) < every:
+            if now - self.checked_at.get(model, -math.inf) < every:
                 continue
-            self.checked_at[plan.model] = now
+            self.checked_at[model] = now
             agents = agent_urls(self.core)
-            count = await requests_for(self.client, agents, plan.model, idle_s)
+            count = await requests_for(self.client, agents, model, idle_s)
             if count:  # None (an agent did not answer): no news, the last verdict stands
-                self.active_at[plan.model] = now
+                self.activity.saw(model, Evidence.LOGGED, now)
         self._wanted = wanted
 
     def target(self, plan: ModelPlan, now: float) -> tuple[int, Why]:
@@ -104,10 +121,29 @@ class DemandScaler:
         if service.min_replicas > 0 or service.idle_to_zero_s is None:
             return service.min_replicas, MIN_REPLICAS
         idle_s = service.idle_to_zero_s
-        last = self.active_at.get(plan.model)
-        if last is not None and now - last < idle_s:
-            return 1, Why(Reason.ACTIVE, "active recently")
+        if not self.activity.idle(plan.model, idle_s, now):
+            evidence = self.activity.why(plan.model)
+            said = _ACTIVE.get(evidence, "active recently") if evidence else "active recently"
+            return 1, Why(Reason.ACTIVE, said)
         return 0, Why(Reason.IDLE, f"idle for {idle_s:g} s")
+
+    def idle_at(self, plan: ModelPlan, now: float) -> float | None:
+        """When the idle rule takes the model to zero unless a request comes (None: it never
+        does, or it is wanted now)."""
+        service = plan.service
+        if service.min_replicas > 0 or service.idle_to_zero_s is None:
+            return None
+        if plan.model in self._wanted:
+            return None
+        return self.activity.idle_at(plan.model, service.idle_to_zero_s)
+
+
+_ACTIVE = {
+    Evidence.WANTED: "active recently",
+    Evidence.LOGGED: "active recently",
+    Evidence.BUSY: "active: requests in flight",
+    Evidence.STARTED: "active: a replica started for its demand",
+}
 
 
 @dataclass

@@ -4,13 +4,15 @@ Rules
 -----
 * **The demand rules** (``demand.DemandScaler``) as before: scale from zero on
   ``fabric.wanted`` labels, idle to zero after ``idle_to_zero``, else ``min_replicas``.
-* **Following demand.** A model that may run more replicas than its rules' floor
-  (``max_replicas > max(min_replicas, 1)``) has one ``policy.ForecastPolicy``, kept across
-  passes and rebuilt when its ``ttft_p95`` objective changes. Its target is the larger of the
-  rules' and the policy's, with the reason of the one that set it (the policy's: ``forecast``,
-  ``load``, ``objective``, ``low-demand`` or ``bounds``, then what it saw). The policy runs
-  between ``max(min_replicas, 1)`` and ``max_replicas``: going to zero stays the idle rule's,
-  and while that rule says zero the policy is not asked.
+* **Following demand.** A model that may run more replicas than its rules' floor (``max_replicas
+  > max(min_replicas, 1)``) has one ``policy.ForecastPolicy``, kept across passes and rebuilt
+  when its ``ttft_p95`` objective or ``scale_in_hold`` changes (a new one, after a takeover too,
+  counts its scale-in hold from the last scale-out Slurm shows: ``ForecastPolicy.resume``). Its
+  target is the larger of the rules' and the policy's, with the reason of the one that set it
+  (the policy's: ``forecast``, ``backlog``, ``load``, ``objective``, ``low-demand`` or
+  ``bounds``, then what it saw). The policy runs between ``max(min_replicas, 1)`` and
+  ``max_replicas``: going to zero stays the idle rule's, and while that rule says zero the
+  policy is not asked.
 * **What the policy is told**, each pass (``observe`` reads it; ``TtftWindow`` keeps the
   polls' TTFT histograms of the last ``window_s`` and gives their p95 once enough first tokens
   were seen, streams only: a JSON answer has no first token):
@@ -93,7 +95,7 @@ class TtftWindow:
 class _Model:
     """One model's policy and what the scaler remembers for it."""
 
-    objective_s: float | None
+    knobs: tuple[float | None, float | None]  # the service's objective and scale-in hold
     policy: ForecastPolicy
     ttft: TtftWindow
     why: Why | None = None  # the reason of the policy's last change of count
@@ -138,8 +140,12 @@ class ForecastScaler:
                 del self.models[model]
         for plan in following:
             current = self.models.get(plan.model)
-            if current is None or current.objective_s != plan.service.ttft_p95_s:
+            if current is None or current.knobs != _knobs(plan):
                 self.models[plan.model] = self._new_model(plan)
+                held = fleet.held.get(plan.model)
+                if held is not None and held.newest_at is not None:
+                    # after a takeover the scale-in hold runs from the last scale-out
+                    self.models[plan.model].policy.resume(min(now, held.newest_at))
         if not following:
             self._polled_bin = None
             return
@@ -197,13 +203,19 @@ class ForecastScaler:
             return decision.replicas, why
         return floor, floor_why
 
+    def idle_at(self, plan: ModelPlan, now: float) -> float | None:
+        assert self.rules is not None
+        return self.rules.idle_at(plan, now)
+
     def _new_model(self, plan: ModelPlan) -> _Model:
         config = self.config
         objective_s = plan.service.ttft_p95_s
         if objective_s is not None:
             config = replace(config, ttft_objective_s=objective_s)
+        if plan.service.scale_in_hold_s is not None:
+            config = replace(config, scale_in_hold_s=plan.service.scale_in_hold_s)
         return _Model(
-            objective_s,
+            _knobs(plan),
             ForecastPolicy(config),
             TtftWindow(self.ttft_window_s, self.ttft_min_samples),
         )
@@ -246,6 +258,13 @@ class ForecastScaler:
         cfg = state.policy.config
         if reason is Reason.FORECAST:
             return f"forecast: {n} for the demand expected in {rs.cold_start_s:.0f} s"
+        if reason is Reason.BACKLOG:
+            load = load_sample(self.core, model, now, self.load_max_age_s)
+            waiting = sum(load.waiting) if load is not None else 0
+            return (
+                f"backlog: {n}, {waiting} requests waiting, more than the serving replicas "
+                f"drain before a new one arrives in {rs.cold_start_s:.0f} s"
+            )
         if reason is Reason.OBJECTIVE:
             p95 = state.ttft.p95(now)
             seen = f"{p95:.2f} s" if p95 is not None else "measured"
@@ -261,6 +280,11 @@ class ForecastScaler:
         if reason is Reason.LOW_DEMAND:
             return f"low-demand: {n}, demand low for {cfg.scale_in_hold_s:g} s"
         return f"{decision.reason}: {n}"
+
+
+def _knobs(plan: ModelPlan) -> tuple[float | None, float | None]:
+    """What of the service a model's policy is built with (a change rebuilds it)."""
+    return (plan.service.ttft_p95_s, plan.service.scale_in_hold_s)
 
 
 def _replicas(n: int) -> str:

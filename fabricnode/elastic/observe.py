@@ -23,10 +23,11 @@ only from here; ``reconcile`` and ``policy`` are pure).
   ``WorkloadPoller``).
 * **The registry.** The agents to ask (``agent_urls``), the models some ingress wants
   (``wanted_models``, the ``fabric.wanted*`` labels), the replicas of the controller's jobs
-  (``replicas``), their gossiped load (``load_sample``), the GPU type a model is served on
-  (``serving_gpu_type``) and the acting controller (``acting_controller``). The label keys
-  are the registry's (``mesh.schema``); which nodes count is its one verdict, at the control
-  plane's level: ``MeshCore.entries(CONTROL_COUNTS)``, ``standing_of(entry) >=
+  (``replicas``), their gossiped load (``load_sample``; ``busy_models``: requests in flight),
+  the GPU type a model is served on (``serving_gpu_type``) and the acting controller
+  (``acting_controller``). The label keys are the registry's (``mesh.schema``); which nodes
+  count is its one verdict, at the control plane's level: ``MeshCore.entries(CONTROL_COUNTS)``,
+  ``standing_of(entry) >=
   CONTROL_COUNTS``.
 * **Slurm.** ``SlurmCalls`` runs ``slurmctl.SlurmControl`` in worker threads: the mesh's jobs
   (with the one extra question of whether a served job that ended was preempted), ``sbatch``
@@ -41,6 +42,7 @@ and its loop must stay free.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field, replace
@@ -61,6 +63,7 @@ from fabricnode.mesh.schema import (
     CONTROL_COUNTS,
     ENGINE_ERROR_LABEL,
     SERVICE_LABEL,
+    SERVING_SINCE_LABEL,
     SLURM_JOB_LABEL,
     WANTED_LABEL,
 )
@@ -274,7 +277,8 @@ def replicas(core: MeshCore) -> list[Replica]:
     """The controller's replicas as the registry shows them (entries labelled
     ``fabric.service``, matched to jobs by their ``slurm.job_id`` label): one is alive while
     its standing is at least ``CONTROL_COUNTS`` (``mesh.schema``: not DOWN, LEFT or dead in
-    this agent's view); the engine's error from the ``fabric.engine_error`` label."""
+    this agent's view); the engine's error from the ``fabric.engine_error`` label, when it
+    first served from ``fabric.serving_since``."""
     out = []
     for entry in core.registry:
         labels = dict(entry.body.labels)
@@ -290,9 +294,19 @@ def replicas(core: MeshCore) -> list[Replica]:
                 entry.body.state.name.lower(),
                 alive,
                 labels.get(ENGINE_ERROR_LABEL, ""),
+                _unix_time(labels.get(SERVING_SINCE_LABEL)),
             )
         )
     return out
+
+
+def _unix_time(value: str | None) -> float | None:
+    """A label's unix time, None when absent or not a plausible one."""
+    try:
+        at = float(value) if value else math.nan
+    except ValueError:
+        return None
+    return at if math.isfinite(at) and at > 0 else None
 
 
 def load_sample(core: MeshCore, model: str, now: float, max_age_s: float) -> LoadSample | None:
@@ -311,6 +325,23 @@ def load_sample(core: MeshCore, model: str, now: float, max_age_s: float) -> Loa
     if not kv:
         return None
     return LoadSample(tuple(kv), tuple(waiting))
+
+
+def busy_models(core: MeshCore, now: float, max_age_s: float) -> set[str]:
+    """Models with a controller replica (``fabric.service``) the control plane counts whose
+    gossiped load, at most ``max_age_s`` old, has requests running, waiting or in flight at
+    its agent: in demand now, whether or not any request has ended yet."""
+    out: set[str] = set()
+    for entry in core.entries(CONTROL_COUNTS):
+        model = next((v for k, v in entry.body.labels if k == SERVICE_LABEL), "")
+        if not model or model in out:
+            continue
+        load = core.loads.get(entry.session_id)
+        if load is None or now - load.at > max_age_s:
+            continue
+        if load.running > 0 or load.waiting > 0 or load.inflight > 0:
+            out.add(model)
+    return out
 
 
 def serving_gpu_type(core: MeshCore, model: str) -> str:

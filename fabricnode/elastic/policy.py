@@ -53,22 +53,28 @@ prefill and ``d`` decode tokens/s keeps ``p/mu_p + d/mu_d`` replicas fully busy.
 learns the two rates, or takes them from the planner's analytic model (its saturation rate:
 ``target_utilisation`` then holds the headroom the TTFT objective needs).
 
-Scale out, for the demand the new replica will meet: a replica submitted now serves from
-``now + cold_start_s``, so the policy asks for ``ceil(work(upper forecast at now +
-cold_start_s) / target_utilisation)`` replicas (reason ``forecast``); a burst that is over
-before then is no reason to start one. Confirmation, as SageServe confirms its forecast with
+Scale out, for the demand the new replica will meet (``need``): a replica submitted now serves
+from ``now + cold_start_s``, so the policy asks for ``ceil((work(upper forecast at now +
+cold_start_s) + backlog left then / drain) / target_utilisation)`` replicas, in one decision
+(reason ``forecast``, or ``backlog`` when the queue is what asks for more than the forecast
+alone). The backlog is the requests waiting at the serving replicas (the fresh load), each the
+mean request's work (``DemandForecaster.request``); what is left of it at the arrival time is
+what the serving replicas cannot drain meanwhile with the capacity the current demand leaves
+them. A burst that is over before then, its queue drained by the replicas there are, is no
+reason to start one. Confirmation, as SageServe confirms its forecast with
 thresholds: when the forecast asks for no more but the measured p95 TTFT is above the objective
-(``objective``), or the KV caches are nearly full or requests queue (``load``), and no replica is
-already starting, the policy adds one, at most once per ``confirm_cooldown_s``.
+(``objective``), or the KV caches are nearly full or requests queue that would still queue when a
+replica arrives (``load``), and no replica is already starting, the policy adds one, at most
+once per ``confirm_cooldown_s``.
 
 Scale in, with hysteresis: each decision notes the count the demand (the larger of now and the
-point forecast) needs at ``scale_in_band x target_utilisation`` and remembers it for
-``scale_in_hold_s``. The policy scales in to the largest count of that window, never below what
-scale-out asks for now, when that is below the current count, the window is full (no scale-out
-in the last ``scale_in_hold_s``), no replica is starting and the load agrees: p95 TTFT at most
-``scale_in_ttft_fraction`` of the objective, KV use below ``kv_high``, no queue (reason
-``low-demand``). So scale-in and scale-out cannot alternate on a steady demand, and a dip
-shorter than the hold time costs no cold start.
+point forecast, with the backlog left as above) needs at ``scale_in_band x target_utilisation``
+and remembers it for ``scale_in_hold_s``. The policy scales in to the largest count of that
+window, never below what scale-out asks for now, when that is below the current count, the
+window is full (no scale-out in the last ``scale_in_hold_s``), no replica is starting and the
+load agrees: p95 TTFT at most ``scale_in_ttft_fraction`` of the objective, KV use below
+``kv_high``, no queue (reason ``low-demand``). So scale-in and scale-out cannot alternate on a
+steady demand, and a dip shorter than the hold time costs no cold start.
 """
 
 from __future__ import annotations
@@ -78,10 +84,12 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from fabricnode.elastic import need
 from fabricnode.errors import ConfigError
 
 REASONS = (
     "forecast",  # the forecast at now + cold start needs more replicas
+    "backlog",  # the queue a new replica would still find when it arrives needs more replicas
     "load",  # KV caches nearly full or requests waiting, beyond what the forecast asked for
     "objective",  # the measured p95 TTFT is above the objective
     "low-demand",  # demand stayed under the scale-in band for the hold time, and load agrees
@@ -257,10 +265,12 @@ class ForecastConfig:
     error_alpha: float = 0.05
     output_tokens_prior: float = 256.0
     output_alpha: float = 0.01
+    prompt_tokens_prior: float = 1024.0  # mean prompt tokens per request before any arrival
 
     def __post_init__(self) -> None:
         _positive("bin_s", self.bin_s)
         _positive("output_tokens_prior", self.output_tokens_prior)
+        _positive("prompt_tokens_prior", self.prompt_tokens_prior)
         for name in ("level_alpha", "trend_beta", "trend_damping", "error_alpha", "output_alpha"):
             _fraction(name, getattr(self, name))
 
@@ -340,6 +350,16 @@ class DemandForecaster:
     def output_tokens_mean(self) -> float:
         """The running mean of output tokens per completed request."""
         return self._output_mean
+
+    def request(self) -> TokenDemand:
+        """The mean request: prompt tokens (the levels' ratio of prompt tokens to requests,
+        ``prompt_tokens_prior`` before any arrival) and output tokens (the running mean)."""
+        prompt = self.config.prompt_tokens_prior
+        if self._rate.level and self._prompt.level is not None and self._rate.level > 1e-9:
+            prompt = self._prompt.level / self._rate.level
+        elif self._requests:
+            prompt = self._prompt_tokens / self._requests
+        return TokenDemand(prompt, self._output_mean)
 
     def _advance(self, now: float) -> None:
         b = math.floor(now / self.config.bin_s)
@@ -446,7 +466,9 @@ class PolicyConfig:
     under this fraction of the objective; ``kv_high`` / ``waiting_high``: KV use and waiting
     requests per replica that confirm a scale-out the forecast did not ask for;
     ``confirm_cooldown_s``: the least time between two such confirmations;
-    ``signal_max_age_s``: load and TTFT samples older than this are ignored."""
+    ``signal_max_age_s``: load and TTFT samples older than this are ignored;
+    ``backlog_drain_s``: a queue still there when a new replica arrives is drained over this
+    long (at least the cold start; ``need``)."""
 
     ttft_objective_s: float = 2.0
     target_utilisation: float = 0.7
@@ -459,9 +481,10 @@ class PolicyConfig:
     confirm_cooldown_s: float = 30.0
     signal_max_age_s: float = 30.0
     forecast: ForecastConfig = field(default_factory=ForecastConfig)
+    backlog_drain_s: float = 30.0
 
     def __post_init__(self) -> None:
-        for name in ("ttft_objective_s", "signal_max_age_s", "waiting_high"):
+        for name in ("ttft_objective_s", "signal_max_age_s", "waiting_high", "backlog_drain_s"):
             _positive(name, getattr(self, name))
         for name in ("target_utilisation", "kv_high"):
             _fraction(name, getattr(self, name))
@@ -486,6 +509,7 @@ class ForecastPolicy(_Observer):
         self.config = config or PolicyConfig()
         self.forecaster = DemandForecaster(self.config.forecast)
         self._load: tuple[float, LoadSample] | None = None
+        self._prev_load: tuple[float, LoadSample] | None = None
         self._ttft: tuple[float, float] | None = None
         self._band: deque[tuple[float, int]] = deque()  # (time, need), needs decreasing
         self._band_since = -math.inf  # the window holds needs from here on
@@ -499,10 +523,25 @@ class ForecastPolicy(_Observer):
         self.forecaster.observe_completion(self._clock(now), output_tokens)
 
     def observe_load(self, now: float, load: LoadSample) -> None:
+        self._prev_load = self._load
         self._load = (self._clock(now), load)
 
     def observe_ttft(self, now: float, p95_s: float) -> None:
         self._ttft = (self._clock(now), p95_s)
+
+    def _rate_now(self, now: float, forecast_now: float, per_request: float) -> float:
+        """The demand now, in fully busy replicas: while the serving replicas queue, they are
+        busy and the queue's growth since the previous load sample is demand on top (a
+        shrinking queue: demand below them); otherwise the forecast's level."""
+        load, prev = self._fresh_load(now), self._prev_load
+        if load is None or prev is None or not sum(load.waiting) or not load.kv_usage:
+            return forecast_now
+        assert self._load is not None
+        dt = self._load[0] - prev[0]
+        if dt < 1.0 or dt > self.config.signal_max_age_s:
+            return forecast_now
+        growth = (sum(load.waiting) - sum(prev[1].waiting)) / dt  # requests/s
+        return max(0.0, len(load.kv_usage) + growth * per_request)
 
     def _fresh_load(self, now: float) -> LoadSample | None:
         if self._load is None or now - self._load[0] > self.config.signal_max_age_s:
@@ -513,6 +552,40 @@ class ForecastPolicy(_Observer):
         if self._ttft is None or now - self._ttft[0] > self.config.signal_max_age_s:
             return None
         return self._ttft[1]
+
+    def _needs(
+        self, now: float, fc: Forecast, state: ReplicaState, load: LoadSample | None
+    ) -> tuple[need.Need, need.Need]:
+        """What a replica submitted now meets when it arrives (``need``), for scale-out (the
+        forecast's upper band) and for the scale-in band (the point forecast, or now when
+        higher), with the queue the fresh load shows."""
+        cap = state.capacity
+        per_request = cap.work(self.forecaster.request())
+        backlog = per_request * sum(load.waiting) if load is not None else 0.0
+        serving = len(load.kv_usage) if load is not None else state.replicas - state.starting
+        rate_now = self._rate_now(now, cap.work(fc.now), per_request)
+
+        def at(rate: TokenDemand) -> need.Need:
+            return need.at_arrival(
+                rate=cap.work(rate),
+                rate_now=rate_now,
+                backlog=backlog,
+                serving=serving,
+                cold_start_s=state.cold_start_s,
+                drain_s=self.config.backlog_drain_s,
+            )
+
+        out, band = at(fc.upper), at(_larger(fc.now, fc.ahead))
+        return out, band
+
+    def resume(self, since: float) -> None:
+        """Count the scale-in hold from ``since`` rather than from the first decision: a
+        controller that takes over passes the last scale-out as Slurm shows it (the newest job
+        it started for demand), so a takeover does not restart the hold. Only before the first
+        decision."""
+        if self._band_since == -math.inf and math.isfinite(since):
+            self._band_since = since
+            self._last_out = max(self._last_out, since)
 
     def _remember(self, now: float, need: int) -> int:
         """Note the band need; return the largest over the hold window."""
@@ -535,15 +608,16 @@ class ForecastPolicy(_Observer):
         cur = state.replicas
         fc = self.forecaster.forecast(now, state.cold_start_s, cfg.headroom_sigmas)
         cap = state.capacity
-        out_need = state.clamp(replicas_for(fc.upper, cap, cfg.target_utilisation))
-        band_need = replicas_for(
-            _larger(fc.now, fc.ahead), cap, cfg.scale_in_band * cfg.target_utilisation
-        )
+        load = self._fresh_load(now)
+        ttft = self._fresh_ttft(now)
+        out, band = self._needs(now, fc, state, load)
+        out_need = state.clamp(need.replicas(out, cfg.target_utilisation))
+        band_need = need.replicas(band, cfg.scale_in_band * cfg.target_utilisation)
         # never in below what scale-out asks for now: the two rules cannot alternate
         held = max(out_need, self._remember(now, state.clamp(band_need)))
 
         if self._band_since == -math.inf:
-            self._band_since = now  # the hold window starts with the first decision
+            self._band_since = now  # the hold window starts with the first decision (``resume``)
         if cur != state.clamp(cur):
             target = max(out_need, state.min_replicas) if cur < state.min_replicas else out_need
             target = state.clamp(max(target, state.clamp(cur)))
@@ -552,18 +626,20 @@ class ForecastPolicy(_Observer):
             return Decision(target, "bounds")
         if out_need > cur:
             self._scaled_out(now)
-            return Decision(out_need, "forecast")
+            by_rate = state.clamp(replicas_for(fc.upper, cap, cfg.target_utilisation))
+            return Decision(out_need, "backlog" if out_need > by_rate else "forecast")
 
-        load = self._fresh_load(now)
-        ttft = self._fresh_ttft(now)
         cooled = now - max(self._last_confirm, self._last_out) >= cfg.confirm_cooldown_s
         if state.starting == 0 and cur < state.max_replicas and cooled:
             reason = ""
             if ttft is not None and ttft > cfg.ttft_objective_s:
                 reason = "objective"
             elif load is not None and (
-                load.mean_kv_usage >= cfg.kv_high or load.waiting_per_replica >= cfg.waiting_high
+                load.mean_kv_usage >= cfg.kv_high
+                or (load.waiting_per_replica >= cfg.waiting_high and out.backlog_left > 0)
             ):
+                # a queue the serving replicas drain before a new one could arrive is no
+                # reason to start one (``need``)
                 reason = "load"
             if reason:
                 self._last_confirm = now

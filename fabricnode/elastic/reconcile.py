@@ -19,7 +19,10 @@ the sentence the log shows.
    ``lead_factor`` and at least ``lead_slack_s`` more, plus the agent's leave margin) gets a
    successor, unless it has one. Only a serving job: one still starting replaces nothing yet,
    and while the lead is longer than a job (before anything was learned, or for very short
-   jobs) successors must not chain.
+   jobs) successors must not chain. Never for a job this pass's scale-down retires (rule 4 is
+   decided first), nor for one the idle rule retires before it leaves (``Goal.idle_at``, when
+   the model goes to zero unless a request comes, before ``Memory.leaves_at``): the successor
+   would be cancelled before it served. Should a request come, the next pass submits it.
 3. **Too few** units (a job ended: time limit, preemption, crash; or the goal grew): submit the
    difference (a replacement's reason names the job it replaces and how that one ended, as
    ``squeue --states=all`` shows it: "replaces job 12 (preempted)"), at the first allowed
@@ -27,7 +30,9 @@ the sentence the log shows.
    a Slurm GPU type (``ModelPlan.placements``: every GPU type in order of preference, and within
    each type every partition in order), so a model stays on its preferred GPUs while any of its
    partitions can give them.
-4. **Too many** units: cancel the newest PENDING jobs first, then STARTING, then SERVING ones
+4. **Too many** units: cancel the newest PENDING jobs first, then STARTING, then the SERVING
+   ones nearest their time limit (a handover pair is retired whole, successor and old job: it
+   is the unit nearest its limit), so that what stays needs no successor soon
    (a SERVING job's cancel is SIGTERM to its step: the agent leaves and drains its requests;
    a PENDING or STARTING one is cancelled outright, having nothing to drain: SIGTERM would not
    reach a job whose step has not begun, and a pending job ignores it). Never below the goal. The
@@ -47,9 +52,13 @@ the sentence the log shows.
    made, a time-limit successor included (the old job then ends before its replacement
    starts); the status says so. Cancels are never limited.
 
-Learning (``Memory.observe``): the first time a job's replica is SERVING, ``now - submitted_at``
-(queue wait plus engine start-up) is folded into an exponentially weighted mean per (model,
-partition); until then ``default_lead_s`` is used. The same learned time is the scaling
+Learning (``Memory.observe``): the first time a job's replica is SERVING, the time from its
+submission to its first SERVING (queue wait plus engine start-up: the agent's
+``fabric.serving_since`` label minus ``submitted_at``; without the label, ``now`` for a job an
+earlier pass saw starting) is folded into an exponentially weighted mean per (model,
+partition), in the order the jobs served; until then ``default_lead_s`` is used. So a
+controller that takes over learns the same figure from the jobs it inherits already serving as
+their submitter did, not their age. The same learned time is the scaling
 policy's cold start (``Memory.cold_start_s``), and ``holdings`` counts each model's units as a
 pass does (serving, and pending or starting), for the policy before the pass runs.
 """
@@ -86,6 +95,7 @@ class Replica:
     state: str  # "join", "serving", "down", "left"
     alive: bool = True
     error: str = ""  # the engine's last error, when the agent published one
+    serving_since: float | None = None  # when it first served (unix time), as its agent says
 
 
 @dataclass(frozen=True)
@@ -117,8 +127,10 @@ class Failures:
 
 @dataclass
 class Memory:
-    """What the acting controller learned and remembers between passes (lost on takeover:
-    a new controller relearns, starting from the defaults)."""
+    """What the acting controller learned and remembers between passes. A new acting
+    controller starts from the defaults and rebuilds what the mesh shows: the start-up times
+    of the jobs it inherits from their agents' ``fabric.serving_since`` (Learning, in the
+    module docstring), the jobs themselves from Slurm."""
 
     tuning: Tuning = field(default_factory=Tuning)
     lead: dict[tuple[str, str], float] = field(default_factory=dict)  # (model, partition) -> s
@@ -146,6 +158,16 @@ class Memory:
         if time_limit_s is not None:
             margin = min(margin, time_limit_s / 2)
         return max(learned * t.lead_factor, learned + t.lead_slack_s) + margin
+
+    def leaves_at(self, job: Job) -> float:
+        """When ``job``'s agent leaves for its time limit (``leave_margin_s`` before its end,
+        at most half the job, as the agent does); never, without an end."""
+        if job.ends_at is None:
+            return float("inf")
+        margin = self.tuning.leave_margin_s
+        if job.time_limit_s is not None:
+            margin = min(margin, job.time_limit_s / 2)
+        return job.ends_at - margin
 
     def cold_start_s(self, model: str, places: Sequence[Placement], now: float) -> float:
         """The learned time from ``sbatch`` to SERVING of a job submitted now (on the partition
@@ -285,14 +307,20 @@ def reconcile(
                 )
                 memory.draining[j.job_id] = now
                 units.remove(j)
+        # rule 4 first: the units a scale-down retires get no successor (rule 2)
+        victims = _victims(units, live, phase, len(units) - goal.target)
+        retired = {j.job_id for unit in victims for j in unit}
         # rule 2: successors ahead of time limits, for serving jobs only (a job still starting
-        # replaces nothing yet, and a lead longer than a job must not chain successors)
+        # replaces nothing yet, and a lead longer than a job must not chain successors), not
+        # for one the idle rule retires before it leaves
         for j in units:
             if (
                 phase[j.job_id] == SERVING
                 and j.ends_at is not None
+                and j.job_id not in retired
                 and j.job_id not in {x.replaces for x in live}
                 and j.ends_at - now <= memory.lead_s(goal.model, j.partition, j.time_limit_s)
+                and (goal.idle_at is None or goal.idle_at > memory.leaves_at(j))
             ):
                 in_s = j.ends_at - now
                 why = Why(Reason.TIME_LIMIT, f"time limit of job {j.job_id} in {in_s:.0f} s")
@@ -325,13 +353,8 @@ def reconcile(
             note = f"Slurm refused every placement; {memory.refusal_notes.get(goal.model, '')}"
         if limited:
             state, note = "limited", f"mesh limit {limited} reached"
-        surplus = len(units) - goal.target
-        if surplus > 0:
-            order = {PENDING: 0, STARTING: 1, SERVING: 2}
-            victims = sorted(
-                units, key=lambda j: (order[phase[j.job_id]], -(j.submitted_at or 0.0))
-            )[:surplus]
-            for j in victims:
+        for unit in victims:
+            for j in unit:
                 down = Why(Reason.SCALE_DOWN, f"scale down to {goal.target}: {goal.why}")
                 gentle = phase[j.job_id] == SERVING  # only a serving replica has requests
                 actions.append(Cancel(j.job_id, goal.model, down, hard=not gentle))
@@ -388,6 +411,32 @@ class _Budget:
         return ""
 
 
+def _victims(
+    units: Sequence[Job], live: Sequence[Job], phase: Mapping[str, str], surplus: int
+) -> list[tuple[Job, ...]]:
+    """The ``surplus`` units a scale-down retires (rule 4), each with the job its successor
+    replaces when it is a handover pair: first those that serve nobody yet, pending then
+    starting (newest first), then the serving ones nearest their time limit (a pair's is its
+    old job's: it is the one a successor was needed for), so that what stays needs none."""
+    if surplus <= 0:
+        return []
+    by_id = {j.job_id: j for j in live}
+    order = {PENDING: 0, STARTING: 1, SERVING: 2}
+
+    def key(unit: tuple[Job, ...]) -> tuple[int, float, float]:
+        rank = max(order[phase[j.job_id]] for j in unit)
+        newest = -max(j.submitted_at or 0.0 for j in unit)
+        if rank < 2:
+            return (rank, newest, 0.0)
+        ends = min((j.ends_at for j in unit if j.ends_at is not None), default=float("inf"))
+        return (rank, ends, newest)
+
+    paired: list[tuple[Job, ...]] = [
+        (j, by_id[j.replaces]) if j.replaces in by_id else (j,) for j in units
+    ]
+    return sorted(paired, key=key)[:surplus]
+
+
 def _phase(job: Job, by_job: Mapping[str, Replica]) -> str:
     if job.pending:
         return PENDING
@@ -398,15 +447,21 @@ def _phase(job: Job, by_job: Mapping[str, Replica]) -> str:
 def _learn(now: float, jobs: Sequence[Job], by_job: Mapping[str, Replica], memory: Memory) -> None:
     t = memory.tuning
     listed = {j.job_id: j for j in jobs}
+    learned: list[tuple[float, Job]] = []
     for j in jobs:
+        seen_before = j.job_id in memory.known
         if not j.ending:
             memory.known.setdefault(j.job_id, (j.model, j.partition))
         replica = by_job.get(j.job_id)
         if replica is not None and replica.state == "serving" and j.job_id not in memory.served:
             memory.served.add(j.job_id)
-            if j.submitted_at is not None:
-                memory.observe(j.model, j.partition, max(0.0, now - j.submitted_at))
+            served_at = _served_at(now, j, replica, seen_before)
+            if served_at is not None:
+                learned.append((served_at, j))
             memory.failures.pop(j.model, None)  # rule 6; Slurm's refusals still hold (rule 5)
+    for served_at, j in sorted(learned, key=lambda x: x[0]):  # in the order they served
+        assert j.submitted_at is not None
+        memory.observe(j.model, j.partition, served_at - j.submitted_at)
     for job_id, (model, _partition) in list(memory.known.items()):
         job = listed.get(job_id)
         gone = job is None or job.ending
@@ -440,6 +495,19 @@ def _learn(now: float, jobs: Sequence[Job], by_job: Mapping[str, Replica], memor
         fail.failed = fail.count >= t.max_failures
 
 
+def _served_at(now: float, job: Job, replica: Replica, seen_before: bool) -> float | None:
+    """When ``job`` first served, for learning its start-up time: as its agent says
+    (``Replica.serving_since``), else now if an earlier pass saw it not serving yet; None when
+    neither is known (a job inherited already serving from an agent that does not say: its age
+    is not its start-up time)."""
+    if job.submitted_at is None:
+        return None
+    since = replica.serving_since
+    if since is not None and job.submitted_at <= since <= now:
+        return since
+    return now if seen_before else None
+
+
 def _placement(
     model: str, places: Sequence[Placement], memory: Memory, now: float
 ) -> Placement | None:
@@ -467,9 +535,15 @@ def holdings(jobs: Iterable[Job], replicas: Iterable[Replica], memory: Memory) -
     live = [j for j in jobs if not j.ending and j.job_id not in memory.draining]
     ids = {j.job_id for j in live}
     counts: dict[str, list[int]] = {}
+    newest: dict[str, float] = {}
     for j in live:
+        if not j.replaces and j.submitted_at is not None:  # not a time-limit successor
+            newest[j.model] = max(newest.get(j.model, j.submitted_at), j.submitted_at)
         if j.replaces in ids:
             continue  # a handover pair counts once, as its old job (serving: it had to be)
         row = counts.setdefault(j.model, [0, 0])
         row[0 if _phase(j, by_job) == SERVING else 1] += 1
-    return {model: Held(serving, starting) for model, (serving, starting) in counts.items()}
+    return {
+        model: Held(serving, starting, newest.get(model))
+        for model, (serving, starting) in counts.items()
+    }

@@ -377,4 +377,5 @@ def _model_of(values: Mapping[str, Any]) -> ModelService:
         time_limit_s=values.get("time_limit"),
         sbatch_args=values.get("sbatch_args", ()),
         sleep_after_s=seconds(values.get("sleep_after")),
+        scale_in_hold_s=seconds(values.get("scale_in_hold")),
     )

@@ -122,7 +122,7 @@ def from_canonical(data: bytes, catalog: Catalog | None = None) -> ServiceSpec:
     return spec
 
 
-_DURATION_KEYS = ("ttft_p95", "idle_to_zero", "hold_requests", "sleep_after")
+_DURATION_KEYS = ("ttft_p95", "idle_to_zero", "hold_requests", "sleep_after", "scale_in_hold")
 
 
 def _doc_of(fields: object) -> dict[str, Any]:

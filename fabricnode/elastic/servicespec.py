@@ -50,6 +50,7 @@ MAX_TTFT_MS = 600_000  # 10 min: a larger objective is a unit mistake ("2000" me
 MAX_IDLE_MS = 7 * 86_400_000
 MAX_HOLD_MS = 3_600_000
 MAX_SLEEP_AFTER_MS = 7 * 86_400_000
+MAX_SCALE_IN_HOLD_MS = 86_400_000  # a day: longer than any burst the hold is meant to ride out
 
 
 # ``engine = "vllm"`` / ``"sglang"``: the command the researcher wrapper builds for each.
@@ -82,8 +83,8 @@ ROW_KEYS = (
 )
 # ...then the keys added since, each only up to the last one set: a file that sets none of them
 # has the row (and the digest) it always had, and agents that predate them still read it.
-ROW_EXTENSIONS = ("sleep_after", "gres_types")
-MODEL_KEYS = (*ROW_KEYS[:4], "gres_types", *ROW_KEYS[4:], "sleep_after")
+ROW_EXTENSIONS = ("sleep_after", "gres_types", "scale_in_hold")
+MODEL_KEYS = (*ROW_KEYS[:4], "gres_types", *ROW_KEYS[4:], "sleep_after", "scale_in_hold")
 DEFAULT_KEYS = tuple(key for key in MODEL_KEYS if key not in ("name", "model_path"))
 
 
@@ -124,6 +125,8 @@ class ModelService:
     time_limit_s: int | None = None
     sbatch_args: tuple[str, ...] = ()
     sleep_after_s: float | None = None  # the jobs' engines sleep after this idle time
+    # how long demand must stay low before the controller scales in; None: the policy's default
+    scale_in_hold_s: float | None = None
 
     @property
     def simulated(self) -> bool:
@@ -155,6 +158,7 @@ class ModelService:
         extensions: list[object] = [
             None if self.sleep_after_s is None else _ms(self.sleep_after_s),
             list(self.gres_types),
+            None if self.scale_in_hold_s is None else _ms(self.scale_in_hold_s),
         ]
         while extensions and extensions[-1] in (None, []):
             extensions.pop()  # ROW_EXTENSIONS: only up to the last one set
@@ -180,6 +184,7 @@ class ModelService:
             "time_limit": self.time_limit,
             "sbatch_args": list(self.sbatch_args),
             "sleep_after_s": self.sleep_after_s,
+            "scale_in_hold_s": self.scale_in_hold_s,
         }
 
     def _toml_lines(self) -> list[str]:
@@ -202,6 +207,7 @@ class ModelService:
             ("time_limit", self.time_limit),
             ("sbatch_args", list(self.sbatch_args) or None),
             ("sleep_after", _duration_or_none(self.sleep_after_s)),
+            ("scale_in_hold", _duration_or_none(self.scale_in_hold_s)),
         ]
         return [f"{key} = {_toml_value(value)}" for key, value in values if value is not None]
 

@@ -34,6 +34,7 @@ from fabricnode.elastic.servicespec import (
     MAX_IDLE_MS,
     MAX_LIST,
     MAX_REPLICAS,
+    MAX_SCALE_IN_HOLD_MS,
     MAX_SLEEP_AFTER_MS,
     MAX_TEXT,
     MAX_TIME_LIMIT_S,
@@ -368,4 +369,5 @@ def field_checks(catalog: Catalog) -> dict[str, Callable[[object], Any]]:
         "time_limit": _time_limit,
         "sbatch_args": _sbatch_args,
         "sleep_after": _duration_ms(False, MAX_SLEEP_AFTER_MS),
+        "scale_in_hold": _duration_ms(True, MAX_SCALE_IN_HOLD_MS),
     }

@@ -64,6 +64,7 @@ class Reason(enum.Enum):
     IDLE = "idle"
     # the target: the scaling policy (policy.REASONS, same words), and its hold between changes
     FORECAST = "forecast"
+    BACKLOG = "backlog"
     LOAD = "load"
     OBJECTIVE = "objective"
     LOW_DEMAND = "low-demand"
@@ -173,6 +174,9 @@ class Goal:
     plan: ModelPlan
     target: int
     why: Why = MIN_REPLICAS
+    # when the idle rule takes the model to zero unless a request comes (unix time; None: it
+    # does not): a job it retires before its time limit needs no successor
+    idle_at: float | None = None
 
     @property
     def model(self) -> str:
@@ -216,6 +220,9 @@ class Held:
 
     serving: int = 0
     starting: int = 0
+    # when the newest job that is not a time-limit successor was submitted (unix time, Slurm's):
+    # the controller started it for demand then, which a controller that takes over still sees
+    newest_at: float | None = None
 
     @property
     def replicas(self) -> int:
@@ -241,6 +248,10 @@ class Scaler(Protocol):
         """Replicas wanted now (before clamping to the plan's min and max) and why."""
         ...
 
+    def idle_at(self, plan: ModelPlan, now: float) -> float | None:
+        """When the model goes to zero if no request comes (``Goal.idle_at``), None: never."""
+        ...
+
 
 class MinReplicas:
     """The scaler without demand signals: every model at its ``min_replicas``."""
@@ -250,6 +261,9 @@ class MinReplicas:
 
     def target(self, plan: ModelPlan, now: float) -> tuple[int, Why]:
         return plan.service.min_replicas, MIN_REPLICAS
+
+    def idle_at(self, plan: ModelPlan, now: float) -> float | None:
+        return None
 
 
 @dataclass(frozen=True)

@@ -62,6 +62,7 @@ from fabricnode.mesh.schema import (
     ENGINE_ERROR_LABEL,
     PARENTS_LABEL,
     PRIORITY_SCHEDULING_LABEL,
+    SERVING_SINCE_LABEL,
     SLEEPING_LABEL,
 )
 from fabricnode.mesh.service import GossipService
@@ -220,7 +221,12 @@ class EngineService:
             return
         version = await self._engine_version(client)
         changes = self._models_changes(Listing(tuple(models), 0))
-        changes["labels"] = self._priority_labels(changes.get("labels"))
+        labels = self._priority_labels(changes.get("labels"))
+        # when this session first served: the controller learns a job's start-up time from it
+        # (also after a takeover, for jobs its predecessor submitted)
+        since = f"{self.gossip.wall_clock():.3f}"
+        kept = [kv for kv in labels if kv[0] != SERVING_SINCE_LABEL]
+        changes["labels"] = tuple(sorted([*kept, (SERVING_SINCE_LABEL, since)]))
         self.gossip.update_self(
             state=State.SERVING, engine=EngineInfo(self.command.kind, version, url), **changes
         )

@@ -39,6 +39,10 @@ key (value)                    written by                      read by
 ``fabric.wanted.1`` ...        wanted_labels``) while its      models``: ``elastic.demand``
 (models, space-separated)      ingress holds requests for a    scales a declared model from
                                model with no replica (prefix)  zero
+``fabric.serving_since``       ``engine.service`` as its       ``elastic.observe.replicas``:
+(unix time)                    session first serves            a job's start-up time, learned
+                                                               also by a controller that took
+                                                               over (``reconcile._learn``)
 ``fabric.controller``          ``agent`` with ``--controller`` ``elastic.observe.acting_
 (unix time, candidate since)                                   controller`` (``elastic.leader``:
                                                                who acts); ``fabric services``
@@ -114,6 +118,8 @@ PLAN_STATUS_LABEL = "fabric.plan_status"
 SERVICE_LABEL = "fabric.service"
 # Models an ingress holds requests for with no replica; also WANTED_LABEL.1 ... (the prefix).
 WANTED_LABEL = "fabric.wanted"
+# When this session's engine first served (unix time): a job's start-up time, for the controller.
+SERVING_SINCE_LABEL = "fabric.serving_since"
 # A controller candidate, and since when (unix time).
 CONTROLLER_LABEL = "fabric.controller"
 # The end of the Slurm job the agent runs in (unix time): its lease never goes past it.

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from statistics import median
 
 import httpx
 import openai
@@ -29,6 +31,7 @@ from fabricnode.control.client import AdminClient
 from fabricnode.errors import AgentApiError
 from tests.support import REPO
 from tests.support.elasticmesh import (
+    FABRIC,
     Elastic,
     controller_jobs,
     elastic_mesh,
@@ -168,7 +171,9 @@ def test_the_controller_keeps_replicas_across_time_limits_kills_and_its_own_fail
         roles = {a.name: controller_role(a) for a in controllers}
         acting = next(a for a in controllers if roles[a.name] == "acting")
         standby = next(a for a in controllers if a is not acting)
+        before = json.loads(fabric(mesh, acting, "services", "--json").stdout)["decisions"]
         acting.kill()
+        killed_at = time.time()
         t0 = time.monotonic()
         while controller_role(standby) != "acting":
             assert time.monotonic() - t0 < 10, "the standby did not take over within 10 s"
@@ -194,6 +199,26 @@ def test_the_controller_keeps_replicas_across_time_limits_kills_and_its_own_fail
     assert set(w.results) == {"200"}, w.results
     assert share >= 0.99
     assert any("time limit" in d["reason"] for d in decisions)
+    # the successor's lead (a successor is submitted this long before its job's end) is the
+    # first controller's: it learned the start-up of the jobs it inherited from their agents
+    first = successor_leads(before)
+    second = successor_leads([d for d in decisions if d["at"] > killed_at])
+    print(f"successor leads: first controller {first}, after the takeover {second}")
+    assert first and second, (before, decisions)
+    assert abs(median(second) - median(first)) <= 0.1 * median(first)
+
+
+TIME_LIMIT = re.compile(r"time limit of job \S+ in (\d+) s")
+
+
+def successor_leads(decisions: list[dict[str, object]]) -> list[int]:
+    """How long before its job's end each time-limit successor was submitted."""
+    out = []
+    for d in decisions:
+        found = TIME_LIMIT.fullmatch(str(d["reason"]))
+        if d["action"] == "submit" and found:
+            out.append(int(found.group(1)))
+    return out
 
 
 def test_a_file_slurm_refuses_is_reported_and_the_mesh_keeps_serving(
@@ -242,7 +267,7 @@ max_replicas = 1
 idle_to_zero = "20s"
 hold_requests = "2m"
 partitions = ["high"]
-time_limit = "10:00"
+time_limit = "2:00"
 """
 
 
@@ -282,6 +307,94 @@ def test_a_scaled_to_zero_model_starts_on_its_first_request_and_returns_to_zero_
         assert time.monotonic() - t0 < 90, "the job ended but its replica still serves"
         time.sleep(0.5)
     print(f"scaled back to zero {time.monotonic() - t0:.1f} s after the last request")
+    # the two-minute job was due for a time-limit successor (its lead is most of the job)
+    # while the idle rule was about to retire it: no successor was submitted to be cancelled
+    doc = json.loads(fabric(mesh, ingress, "services", "--json").stdout)
+    cold = [(d["action"], d["reason"]) for d in doc["decisions"] if d["model"] == "cold"]
+    print(f"decisions for cold: {cold}")
+    assert not [d for d in cold if d[1].startswith("time limit")], cold
+    assert [a for a, _ in cold] == ["submit", "cancel"], cold
+
+
+# A simulated engine 100 times slower than the roofline: a 150-token stream takes ~45 s, so the
+# requests held while the replica started are all still running when the controller dies.
+RAMP = """
+[limits]
+max_jobs = 4
+max_gpus = 4
+
+[[model]]
+name = "ramp"
+engine = "{fabric} sim-engine --model {{model}} --gpu H100 --port {{port}} --slowdown 100"
+gpus_per_replica = 1
+min_replicas = 0
+max_replicas = 1
+idle_to_zero = "20s"
+hold_requests = "2m"
+partitions = ["high"]
+time_limit = "10:00"
+"""
+
+
+def test_a_standby_that_takes_over_during_a_ramp_from_zero_keeps_the_starting_replica(
+    slurm_cluster: SlurmCluster, elastic: Elastic, tmp_path: Path
+) -> None:
+    """Requests held for a model at zero; 20 s after the first (the replica up, the held
+    requests running on it, none finished: no wanted label, nothing in the request logs) the
+    acting controller is killed. The standby finds the model active (the job it did not
+    submit, the requests in flight at the replica), keeps the replica, and no request fails."""
+    mesh, ingress = elastic.mesh, elastic.ingress
+    controllers = elastic.ensure_controllers(2)
+    service = tmp_path / "ramp.toml"
+    service.write_text(RAMP.format(fabric=FABRIC))
+    assert fabric(mesh, ingress, "services", "apply", str(service)).returncode == 0
+    results: dict[int, str] = {}
+    ended: dict[int, float] = {}
+
+    def ask(i: int) -> None:
+        client = openai.OpenAI(
+            base_url=ingress.http_url + "/v1", api_key="unused", max_retries=0, timeout=240
+        )
+        try:
+            chunks = client.chat.completions.create(
+                model="ramp", messages=[{"role": "user", "content": f"hi {i}"}],
+                max_tokens=150, stream=True,
+            )  # fmt: skip
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            results[i] = "ok" if text else "empty"
+        except openai.OpenAIError as exc:
+            results[i] = f"{type(exc).__name__}: {exc}"
+        ended[i] = time.monotonic()
+
+    t0 = time.monotonic()
+    asks = [threading.Thread(target=ask, args=(i,), daemon=True) for i in range(12)]
+    for t in asks:
+        t.start()
+    while time.monotonic() - t0 < 20 or not serving_count(ingress.http_url, "ramp"):
+        assert time.monotonic() - t0 < 90, f"the replica never served: {slurm_cluster.squeue()}"
+        time.sleep(0.5)
+    up = time.monotonic() - t0
+    time.sleep(2.0)  # the held requests go to the replica (the wanted label is cleared)
+    assert not ended, f"a request ended before the takeover: {results}"
+    acting = next(a for a in controllers if controller_role(a) == "acting")
+    standby = next(a for a in controllers if a is not acting)
+    acting.kill()
+    killed_at, killed = time.time(), time.monotonic()
+    while controller_role(standby) != "acting":
+        assert time.monotonic() - killed < 10, "the standby did not take over within 10 s"
+        time.sleep(0.2)
+    print(
+        f"ramp from zero: replica serving {up:.1f} s after the first request; controller "
+        f"killed at {killed - t0:.1f} s, the standby acting {time.monotonic() - killed:.1f} s later"
+    )
+    for t in asks:
+        t.join(timeout=240)
+    done_at = time.time()
+    print(f"the held requests ended {max(ended.values()) - killed:.1f} s after the kill")
+    assert results == {i: "ok" for i in range(12)}, results
+    doc = json.loads(fabric(mesh, standby, "services", "--json").stdout)
+    ramp = [d for d in doc["decisions"] if d["model"] == "ramp" and killed_at <= d["at"] <= done_at]
+    assert ramp == [], ramp  # neither cancelled nor submitted again while the requests ran
 
 
 def cold_jobs(cluster: SlurmCluster) -> list[tuple[str, str]]:

@@ -23,6 +23,7 @@ from fabricnode.control.client import AdminClient
 from fabricnode.elastic.slurmctl import Tag, parse_comment
 from fabricnode.errors import AgentApiError
 from fabricnode.mesh.identity import OperatorKey
+from tests.support import REPO
 from tests.support.slurmcluster import SlurmCluster
 
 FABRIC = Path(sys.executable).parent / "fabric"
@@ -33,6 +34,20 @@ class Elastic:
     mesh: LocalMesh
     ingress: AgentProcess
     controllers: list[AgentProcess]
+    controller_args: tuple[str, ...] = ()
+    controller_env: dict[str, str] | None = None
+
+    def live_controllers(self) -> list[AgentProcess]:
+        return [a for a in self.controllers if a.proc.poll() is None]
+
+    def ensure_controllers(self, count: int = 2) -> list[AgentProcess]:
+        """At least ``count`` live controller agents (one acts): a test that killed one starts
+        another (a standby: it is the newest candidate)."""
+        while len(self.live_controllers()) < count:
+            name = f"ctl-{len(self.controllers) + 1}"
+            agent = self.mesh.start(name, args=self.controller_args, env=self.controller_env)
+            self.controllers.append(agent)
+        return self.live_controllers()
 
 
 @contextlib.contextmanager
@@ -45,14 +60,15 @@ def elastic_mesh(cluster: SlurmCluster, workdir: Path) -> Iterator[Elastic]:
     key = OperatorKey.generate()
     key.save(local.workdir / "operator.key")
     trust = ("--trust-operator", key.fingerprint)
+    # The jobs' agents run the ``fabric`` console script: PYTHONPATH makes it import this
+    # checkout's sources (a worktree's), not those the environment was installed from.
     env = {**cluster.env, "FABRIC_BIN": str(FABRIC), "FABRIC_SIM_GPU": "H100",
-           "FABRIC_LEAVE_BEFORE_END": "", "FABRIC_JOIN": ""}  # fmt: skip
+           "FABRIC_LEAVE_BEFORE_END": "", "FABRIC_JOIN": "", "PYTHONPATH": str(REPO)}  # fmt: skip
+    args = (*trust, "--controller")
     try:
         ingress = local.start("ingress", args=trust)
-        controllers = [
-            local.start(name, args=[*trust, "--controller"], env=env) for name in ("ctl-a", "ctl-b")
-        ]
-        yield Elastic(local, ingress, controllers)
+        controllers = [local.start(name, args=args, env=env) for name in ("ctl-a", "ctl-b")]
+        yield Elastic(local, ingress, controllers, args, env)
     finally:
         local.close()  # the controllers first, so that nothing replaces the jobs cancelled next
         ours = tagged_jobs(cluster)

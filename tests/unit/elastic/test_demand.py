@@ -12,13 +12,13 @@ import trio
 
 from fabricnode.elastic.demand import MAX_WANTED_LABELS, Declared, DemandScaler, wanted_labels
 from fabricnode.elastic.observe import ModelSums, agent_urls, wanted_models
-from fabricnode.elastic.vocab import MIN_REPLICAS, Reason
+from fabricnode.elastic.vocab import MIN_REPLICAS, Fleet, Held, Reason
 from fabricnode.mesh.core import MeshConfig
 from fabricnode.mesh.identity import Identity, OperatorKey
-from fabricnode.mesh.registry import MAX_LABEL_VALUE, Addresses
+from fabricnode.mesh.registry import MAX_LABEL_VALUE, Addresses, State
 from fabricnode.mesh.schema import WANTED_LABEL
 from fabricnode.mesh.servicedoc import ServicesBody
-from fabricnode.mesh.wire import EntryMsg
+from fabricnode.mesh.wire import EntryMsg, Load
 from fabricnode.testing.simnet import SimNetwork, make_body
 from tests.unit.elastic.plans import plan
 
@@ -157,3 +157,40 @@ def test_a_phantom_entry_no_probe_vouches_for_brings_no_demand() -> None:
     trio.run(scaler.observe, [COLD], 0.0)
     target, why = scaler.target(COLD, 0.0)
     assert (target, why.reason) == (0, Reason.IDLE)
+
+
+def test_a_controller_that_takes_over_during_a_ramp_from_zero_keeps_the_starting_replica() -> None:
+    """The acting controller started a replica for held requests 20 s ago and died; the held
+    requests went to the replica (no wanted label), none has ended (the logs count nothing).
+    A fresh scaler sees the job's submission in Slurm's list (``Held.newest_at``) and the
+    replica's load: the model stays at one for its idle time from then, and longer while
+    requests are in flight."""
+    net = mesh()
+    nodes = list(net.nodes.values())
+    logs = Logs()
+    replica = nodes[2]
+    sid = replica.core.self_id
+    labels = (("fabric.service", "cold"), ("slurm.job_id", "12"))
+    replica.core.update_self(net.wall, state=State.SERVING, labels=labels)
+    net.poke(replica)
+    net.run_for(3)
+    now = 1000.0
+    fleet = Fleet({"cold": Held(0, 1, newest_at=now - 20)})
+    successor = DemandScaler(nodes[0].core, logs, check_interval_s=10.0)
+    trio.run(successor.observe, [COLD], now, fleet)
+    target, why = successor.target(COLD, now)
+    assert (target, why.reason) == (1, Reason.ACTIVE)
+    assert successor.idle_at(COLD, now) == now - 20 + 60
+    # without the job's submission it would have found the model idle (the bug this fixes)
+    blind = DemandScaler(nodes[0].core, logs, check_interval_s=10.0)
+    trio.run(blind.observe, [COLD], now)
+    assert blind.target(COLD, now)[0] == 0
+    # requests in flight at the replica keep it past the idle time counted from the start
+    later = now + 50
+    nodes[0].core.loads[sid] = Load(sid, 1, 30, 8, 0.5, 38, later)
+    trio.run(successor.observe, [COLD], later, Fleet({"cold": Held(1, 0, newest_at=now - 20)}))
+    target, why = successor.target(COLD, later + 30)
+    assert target == 1 and "in flight" in why.text
+    assert successor.idle_at(COLD, later) == later + 60
+    # a model wanted now has no idle time; a model that keeps replicas has none either
+    assert successor.idle_at(WARM, later) is None

@@ -386,9 +386,29 @@ def test_full_kv_caches_or_queues_add_a_replica_for_load() -> None:
     policy.observe_load(0.0, LoadSample((0.95, 0.97), (0, 1)))
     d = policy.desired_replicas(0.0, state(replicas=2))
     assert (d.replicas, d.reason) == (3, "load")
+    # a short queue the two replicas drain long before a third could arrive: nothing
     other = ForecastPolicy()
     other.observe_load(0.0, LoadSample((0.2, 0.2), (4, 3)))
-    assert other.desired_replicas(0.0, state(replicas=2)).reason == "load"
+    assert other.desired_replicas(0.0, state(replicas=2)) == Decision(2)
+
+
+def test_a_queue_left_when_a_replica_would_arrive_adds_every_replica_it_needs_at_once() -> None:
+    cfg = PolicyConfig(backlog_drain_s=60.0)
+    policy = ForecastPolicy(cfg)
+    w = work_per_request()
+    for t in arrivals(lambda _: 1.0, 300.0):  # 1 req/s: well within two replicas
+        policy.observe_arrival(t, PROMPT)
+        policy.observe_completion(t, OUTPUT)
+    s = state(replicas=2, cold_start_s=60.0)
+    assert policy.desired_replicas(300.0, s).replicas == 2
+    # 2,000 requests queue: the two replicas, busy w per request at 1 req/s, drain
+    # (2 - w) * 60 s of it before a new replica arrives; the rest over the drain time
+    policy.observe_load(300.0, LoadSample((1.0, 1.0), (1000, 1000)))
+    d = policy.desired_replicas(300.0, s)
+    left = 2000 * w - (2 - w) * 60.0
+    expected = math.ceil((w + left / 60.0) / cfg.target_utilisation)
+    assert d.reason == "backlog" and d.replicas >= 4
+    assert abs(d.replicas - expected) <= 1  # the forecast's headroom may add one
 
 
 def test_stale_signals_are_ignored() -> None:
@@ -469,3 +489,69 @@ def test_inconsistent_state_is_a_value_error() -> None:
     with pytest.raises(ValueError, match="one entry per replica"):
         LoadSample((0.1,), ())
     assert replace(state(), cold_start_s=0.0).cold_start_s == 0.0
+
+
+def test_a_takeover_resumes_the_scale_in_hold_from_the_last_scale_out() -> None:
+    cfg = PolicyConfig(scale_in_hold_s=300.0)
+    quiet = state(replicas=4)  # no demand at all: one replica would do
+
+    def first_scale_in(policy: ForecastPolicy, start: float) -> float:
+        t = start
+        while policy.desired_replicas(t, quiet).reason != "low-demand":
+            policy.observe_load(t, CALM)
+            t += 5.0
+        return t - start
+
+    fresh = ForecastPolicy(cfg)
+    assert first_scale_in(fresh, 1000.0) >= 300.0  # the hold counts from its first decision
+    resumed = ForecastPolicy(cfg)
+    resumed.resume(1000.0 - 280.0)  # the last scale-out, as Slurm shows it
+    assert first_scale_in(resumed, 1000.0) <= 25.0
+    late = ForecastPolicy(cfg)
+    late.desired_replicas(1000.0, quiet)
+    late.resume(0.0)  # only before the first decision
+    assert first_scale_in(late, 1005.0) >= 290.0
+
+
+def test_a_jump_from_one_replicas_capacity_to_four_gets_its_replicas_in_one_or_two_passes() -> None:
+    """A queueing replica fleet on a fake clock: 2 s passes, a 20 s cold start, min 1 / max 5;
+    the demand jumps from one replica's capacity (at the target utilisation) to four's within
+    10 s. The waiting requests the replicas report are the backlog."""
+    cfg = PolicyConfig()
+    mu = 1.0 / work_per_request()  # requests/s one replica serves fully busy
+    base = cfg.target_utilisation * mu
+
+    def rate(t: float) -> float:
+        return base if t < 600 else base * (1 + 3 * min(1.0, (t - 600) / 10))
+
+    policy = ForecastPolicy(cfg)
+    ready = [0.0]
+    queue = 0.0
+    owed = 0.0
+    ups: list[tuple[float, int, str]] = []
+    now = 0.0
+    while now < 700:
+        owed += rate(now) * 2.0
+        arrived = int(owed)
+        owed -= arrived
+        for k in range(arrived):
+            policy.observe_arrival(now + 2.0 * k / max(1, arrived), PROMPT)
+            policy.observe_completion(now + 2.0 * k / max(1, arrived), OUTPUT)
+        serving = sum(1 for r in ready if r <= now)
+        queue = max(0.0, queue + arrived - serving * mu * 2.0)
+        per = int(queue / serving)
+        policy.observe_load(now, LoadSample((1.0 if per else 0.5,) * serving, (per,) * serving))
+        s = ReplicaState(len(ready), len(ready) - serving, 1, 5, 20.0, CAPACITY)
+        d = policy.desired_replicas(now, s)
+        if d.replicas > len(ready):
+            ups.append((now, d.replicas, d.reason))
+            ready += [now + 20.0] * (d.replicas - len(ready))
+        elif d.replicas < len(ready):
+            ready = sorted(ready)[: d.replicas]
+        now += 2.0
+    jump = [u for u in ups if u[0] >= 600]
+    assert jump and jump[-1][1] >= 4, ups
+    first_to_four = next(i for i, u in enumerate(jump) if u[1] >= 4)
+    assert first_to_four <= 1, jump  # one or two scale-ups
+    assert jump[first_to_four][0] <= 625, jump  # within a cold start of the jump
+    assert any(u[2] == "backlog" for u in jump), jump

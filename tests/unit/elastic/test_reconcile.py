@@ -360,14 +360,17 @@ def test_holdings_count_units_as_a_pass_does_and_the_cold_start_is_the_learned_l
         job("2", ends=NOW + 60),
         job("3", "PENDING", replaces="2"),  # 2's successor: one unit with it
         job("4"),  # running, its replica not serving yet
-        job("5", "PENDING"),
-        job("6"),  # being drained
-        job("7", "COMPLETED"),
+        job("5", "PENDING", submitted=NOW - 30),  # the newest that is not a successor
+        job("6", submitted=NOW - 10),  # being drained
+        job("7", "COMPLETED", submitted=NOW - 5),
         job("8", model="other", partition="cpu"),
     ]
     memory.draining["6"] = NOW - 5
     held = holdings(jobs, [serving("1"), serving("2"), serving("6"), serving("8", "other")], memory)
-    assert held == {M: Held(serving=2, starting=2), "other": Held(serving=1, starting=0)}
+    assert held == {
+        M: Held(serving=2, starting=2, newest_at=NOW - 30),
+        "other": Held(serving=1, starting=0, newest_at=NOW - 600),
+    }
     assert held[M].replicas == 4
     places = goal(partitions=("gpu", "big")).plan.placements()
     assert memory.cold_start_s(M, places, NOW) == memory.tuning.default_lead_s
@@ -378,3 +381,102 @@ def test_holdings_count_units_as_a_pass_does_and_the_cold_start_is_the_learned_l
     assert memory.cold_start_s(M, places, NOW) == 400.0
     default = goal(partitions=()).plan.placements()
     assert memory.cold_start_s(M, default, NOW) == 400.0  # the site's default: the longest
+
+
+def test_a_controller_that_takes_over_learns_start_up_times_from_the_agents_not_job_ages() -> None:
+    tuning = Tuning(default_lead_s=500, lead_factor=1.0, lead_slack_s=0, leave_margin_s=0)
+    first, successor = Memory(tuning), Memory(tuning)
+    started = job("7", submitted=NOW - 40)
+    reconcile(NOW, [goal(1)], [started], [Replica("a" * 32, M, "7", "join")], first)
+    since = Replica("a" * 32, M, "7", "serving", serving_since=NOW - 1)
+    reconcile(NOW, [goal(1)], [started], [since], first)
+    assert first.lead_s(M, "gpu") == 39  # as the agent says: it served a second ago
+    # an hour later a new acting controller inherits the job already serving
+    later = NOW + 3600
+    reconcile(later, [goal(1)], [started], [since], successor)
+    assert successor.lead_s(M, "gpu") == first.lead_s(M, "gpu")
+    # an agent that does not say: the job's age is not its start-up time, nothing is learned
+    blind = Memory(tuning)
+    reconcile(later, [goal(1)], [started], [serving("7")], blind)
+    assert blind.lead_s(M, "gpu") == 500 and "7" in blind.served
+    # a label that cannot be (before the submission, or in the future) is not believed
+    odd = Memory(tuning)
+    wrong = Replica("a" * 32, M, "7", "serving", serving_since=later + 50)
+    reconcile(later, [goal(1)], [started], [wrong], odd)
+    assert odd.lead_s(M, "gpu") == 500
+
+
+def test_scale_down_retires_the_serving_jobs_nearest_their_time_limit_without_successors() -> None:
+    memory = Memory(Tuning(default_lead_s=60, lead_factor=1.5, lead_slack_s=10, leave_margin_s=30))
+    lead = memory.lead_s(M, "gpu")
+    jobs = [
+        job("1", ends=NOW + 3000),
+        job("2", ends=NOW + lead - 5),  # due for a successor
+        job("3", ends=NOW + 2000),
+    ]
+    replicas = [serving("1"), serving("2"), serving("3")]
+    p = reconcile(NOW, [goal(1)], jobs, replicas, memory)
+    assert submits(p.actions) == []
+    assert sorted(c.job_id for c in cancels(p.actions)) == ["2", "3"]
+    assert all(not c.hard for c in cancels(p.actions))  # serving: drained
+
+
+def test_a_handover_pair_is_retired_whole_when_scaling_in() -> None:
+    memory = Memory()
+    jobs = [
+        job("1", ends=NOW + 60),
+        job("3", "PENDING", submitted=NOW - 30, replaces="1"),
+        job("2", ends=NOW + 3000),
+    ]
+    p = reconcile(NOW, [goal(1)], jobs, [serving("1"), serving("2")], memory)
+    assert submits(p.actions) == []
+    assert {(c.job_id, c.hard) for c in cancels(p.actions)} == {("3", True), ("1", False)}
+
+
+def test_scale_to_zero_and_a_time_limit_together_submit_no_successor_that_is_cancelled() -> None:
+    memory = Memory(Tuning(default_lead_s=60, lead_factor=1.5, lead_slack_s=10, leave_margin_s=30))
+    lead = memory.lead_s(M, "gpu")
+    jobs = [job("1", ends=NOW + lead - 5, submitted=NOW - 600)]
+    replicas = [serving("1")]
+    cold = Goal(plan(M, partitions=("gpu",), time_limit_s=7200, min_replicas=0), 1, MIN_REPLICAS)
+    # the idle rule takes the model to zero in 20 s, before the job leaves (its end minus 30 s)
+    soon = replace(cold, idle_at=NOW + 20)
+    p = reconcile(NOW, [soon], jobs, replicas, memory)
+    assert p.actions == ()
+    # the idle time runs out: the job is drained, and no successor was ever submitted
+    p = reconcile(NOW + 20, [replace(soon, target=0)], jobs, replicas, memory)
+    assert submits(p.actions) == [] and [c.job_id for c in cancels(p.actions)] == ["1"]
+    # a request came meanwhile: the idle time moves past the job's leave, the successor goes in
+    fresh = Memory(memory.tuning)
+    p = reconcile(NOW, [replace(cold, idle_at=NOW + 600)], jobs, replicas, fresh)
+    assert [s.replaces for s in submits(p.actions)] == ["1"]
+
+
+@given(
+    target=st.integers(0, 5),
+    ends=st.lists(st.integers(-50, 4000), min_size=1, max_size=6),
+    pending=st.integers(0, 3),
+    idle_in=st.none() | st.integers(0, 4000),
+)
+@settings(max_examples=300, deadline=None)
+def test_no_pass_submits_a_successor_for_a_job_it_or_the_idle_rule_retires_first(
+    target: int, ends: list[int], pending: int, idle_in: int | None
+) -> None:
+    memory = Memory(Tuning(default_lead_s=300))
+    jobs = [job(str(i), ends=NOW + e) for i, e in enumerate(ends)]
+    jobs += [job(f"p{i}", "PENDING", submitted=NOW - i) for i in range(pending)]
+    replicas = [serving(str(i)) for i in range(len(ends))]
+    idle_at = None if idle_in is None else NOW + idle_in
+    g = replace(goal(target), idle_at=idle_at)
+    p = reconcile(NOW, [g], jobs, replicas, memory)
+    cancelled = {c.job_id for c in cancels(p.actions)}
+    replaced = {s.replaces for s in submits(p.actions) if s.replaces}
+    assert not replaced & cancelled
+    if idle_at is not None:
+        by_id = {j.job_id: j for j in jobs}
+        assert all(memory.leaves_at(by_id[r]) < idle_at for r in replaced)
+    # what stays after a scale-down ends no sooner than what was retired
+    kept = [j for j in jobs if j.job_id not in cancelled and j.state == "RUNNING"]
+    gone = [j for j in jobs if j.job_id in cancelled and j.state == "RUNNING"]
+    if gone and kept:
+        assert max(j.ends_at or 0 for j in gone) <= min(j.ends_at or 0 for j in kept)

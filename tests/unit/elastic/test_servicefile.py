@@ -901,7 +901,7 @@ def test_from_canonical_accepts_only_canonical_bytes_that_check() -> None:
         (packed(domain, version, [32, 0], models), "max_gpus"),
         (packed(domain, version, limits, models[::-1]), "not in canonical form"),
         (packed(domain, version, limits, [models[0][:14]]), "malformed model"),
-        (packed(domain, version, limits, [[*models[0], None]]), "malformed model"),
+        (packed(domain, version, limits, [[*models[0], None, None]]), "malformed model"),
         (packed(domain, version, limits, [[*models[1], None]]), "not in canonical form"),
         (packed(domain, version, limits, [[*models[0][:3], ["B200"], *models[0][4:]]]), "B200"),
         (packed(domain, version, limits, [[*models[0][:7], "2s", *models[0][8:]]]), "ttft_p95"),
@@ -961,6 +961,7 @@ def model_services(draw: st.DrawFn, name: str) -> ModelService:
         time_limit_s=draw(st.none() | st.integers(120, 365 * 86400)),
         sbatch_args=draw(SBATCH),
         sleep_after_s=draw(st.none() | ms.map(lambda n: n / 1000)),
+        scale_in_hold_s=draw(st.none() | st.integers(0, 86_400_000).map(lambda n: n / 1000)),
     )
 
 
@@ -1054,6 +1055,7 @@ LIKELY: dict[str, list[object]] = {
     "idle_to_zero": ["10m", 30, 0],
     "hold_requests": ["3m", 0, -1],
     "sleep_after": ["5m", 30, 0, "8d"],
+    "scale_in_hold": ["5m", "0s", 30, "25h"],
     "partitions": [["gpu"], ["a", "b"], [], "gpu", ["a,b"], ["a", "a"]],
     "account": ["proj", "a b", ""],
     "qos": ["normal", 3],
@@ -1181,3 +1183,21 @@ def test_sbatch_args_sbatch_reads_as_others_pass() -> None:
     ]
     spec = parse(f"{LIMITS}{M}sbatch_args = {json.dumps(args)}\n", "services.toml")
     assert spec.models[0].sbatch_args == tuple(args)
+
+
+def test_scale_in_hold_is_a_bounded_duration_and_absent_it_signs_as_before() -> None:
+    without = parse(FULL)
+    with_it = parse(FULL.replace('qos = "normal"\n', 'qos = "normal"\nscale_in_hold = "90s"\n', 1))
+    assert {m.scale_in_hold_s for m in without.models} == {None}
+    assert {m.scale_in_hold_s for m in with_it.models} == {90.0}
+    assert without.canonical() == parse(FULL).canonical()
+    rows = msgpack.unpackb(with_it.canonical(), raw=False)[3]
+    assert {row[17] for row in rows} == {90_000}
+    assert from_canonical(with_it.canonical()) == with_it
+    assert parse(with_it.to_toml()) == with_it
+    assert with_it.models[0].to_json()["scale_in_hold_s"] == 90.0
+    zero = parse(FULL.replace('qos = "normal"\n', 'qos = "normal"\nscale_in_hold = "0s"\n', 1))
+    assert {m.scale_in_hold_s for m in zero.models} == {0.0}
+    for bad in ('"25h"', '"soon"', "-1"):
+        with pytest.raises(ServiceFileError, match="scale_in_hold"):
+            parse(FULL.replace('qos = "normal"\n', f'qos = "normal"\nscale_in_hold = {bad}\n', 1))
