@@ -467,7 +467,10 @@ def test_nodes_json_has_the_documented_keys(runner: CliRunner, sim_mesh: SimMesh
     assert llama["hardware"]["gpu_type"] == "H100" and llama["hardware"]["gpu_count"] == 2
     assert [list(m) for m in llama["models"]] == [["id", "max_model_len", "quantization", "parent"]]
     assert list(llama["load"]) == ["waiting", "running", "kv_usage", "inflight", "updated_at"]
-    assert llama["labels"] == {"fabric.name": "llama", "team": "a"}
+    # Its own labels, and the time its engine first served (mesh.schema.SERVING_SINCE_LABEL).
+    labels = dict(llama["labels"])
+    assert float(labels.pop("fabric.serving_since")) > 0
+    assert labels == {"fabric.name": "llama", "team": "a"}
     assert by_sid[sim_mesh.bare.session_id]["load"] is None
 
 
