@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# `make unit`: the test suite in three lanes side by side, on a 2-core machine.
+# `make unit`: the test suite in three lanes side by side, on a 2-core machine, and two tails.
 #
 # Why these lanes: what bounds each part of the suite is different, and only side by side do
 # they keep both cores busy.
@@ -8,8 +8,8 @@
 #            and one headless Chromium; they keep a core busy and seldom wait. Then the tests of
 #            tests/system marked `compute` (the benches of a model, a simulation or a solver in
 #            one process: no agents to wait for), as "compute-system".
-#   agents   tests/system but the `compute` ones: real agents and simulated engines as
-#            subprocesses on 127.0.0.1. Most of its time is waiting (an agent starting, a
+#   agents   tests/system but the `compute` ones and LATE_AGENTS: real agents and simulated
+#            engines as subprocesses on 127.0.0.1. Most of its time is waiting (an agent starting, a
 #            simulated engine pacing its tokens, gossip converging, a replay running its trace
 #            seconds), at well under a core on average, with bursts when a bench drives load.
 #   slurm    tests/slurm: a real Slurm (jobs scheduled, agents starting inside them, the elastic
@@ -18,8 +18,13 @@
 #            on every tests/<kind>/dataplane folder and tests/unit/requestlog: what runs where
 #            the compiled build is missing or stale, so it must stay correct too); it starts
 #            when the compute or the Slurm lane ends, whichever is first, and takes its place.
+#   agents-late  LATE_AGENTS (the Batch API's and plan-apply agent tests), after the other of
+#            the compute and Slurm lanes ends: with them in it, the agents lane was the run's
+#            length (989 s of a fresh clone's 1,204 s) while two lanes had ended.
 # In two lanes (tests/slurm beside everything else, the rerun after both) the long main lane
-# spent most of its time waiting on subprocesses, with the load average under 1.
+# spent most of its time waiting on subprocesses, with the load average under 1. Four lanes
+# from the start (tests/system split in two) overloaded the machine (load 6.8) and an agent in
+# the churn test took over a minute to start: never more than three run at once.
 #
 # The lanes share no timing-sensitive resource: every test binds port 0 or its own free port,
 # each lane has its own pytest --basetemp (so none cleans up another's files), the Slurm lane
@@ -35,6 +40,10 @@ cd "$(dirname "$0")/.."
 BIN=${BIN:-.venv/bin}
 COMPUTE=(tests/unit tests/shell tests/browser)
 AGENTS=(tests/system)
+# Agent tests that wait on the Batch API's worker and on plans applied through the mesh: run
+# after the compute or the Slurm lane (see below), so the agents lane is not the run's length.
+LATE_AGENTS=(tests/system/test_batch_api.py tests/system/test_batch_cli.py
+    tests/system/test_plan_apply.py)
 SLURM=(tests/slurm)
 # Every tests/<kind>/dataplane folder, and the request log's tests (three of its modules are
 # compiled with the data plane: fabricnode.native.COMPANIONS): run again on the interpreted
@@ -72,25 +81,32 @@ cpu() { # cpu NAME: "user+sys CPU s, N cores" of a finished lane
     lane compute-system -- -m compute "${AGENTS[@]}"
 ) &
 compute=$!
-lane agents -- -m "not compute" "${AGENTS[@]}" &
+late_ignored=()
+for path in "${LATE_AGENTS[@]}"; do late_ignored+=("--ignore=$path"); done
+lane agents -- -m "not compute" "${late_ignored[@]}" "${AGENTS[@]}" &
 lane slurm -- "${SLURM[@]}" &
 slurm=$!
-# The interpreted rerun takes the place of whichever of the compute and Slurm lanes ends first
-# (which one that is depends on the machine, and on whether Slurm and vLLM are there at all).
+# Two tails take the places of the compute and Slurm lanes as they end, the longer first: the
+# interpreted rerun (~5 min) after whichever ends first, the late agent tests (~2.5 min) after
+# the other (which ends first depends on the machine, and on whether Slurm and vLLM are there
+# at all). So never more than three lanes run at once, as before the tails.
 wait -n "$compute" "$slurm"
-after=slurm
-[ -e "$WORK/compute-system.status" ] && after=compute
+after=slurm other=$compute
+[ -e "$WORK/compute-system.status" ] && after=compute other=$slurm
 lane interpreted FABRIC_NATIVE=0 -- "${DATAPLANE_TESTS[@]}" &
+wait "$other"
+lane agents-late -- -m "not compute" "${LATE_AGENTS[@]}" &
 wait
 
+LANES=(compute compute-system agents slurm interpreted agents-late)
 failed_lanes=0
-for name in compute compute-system agents slurm interpreted; do
+for name in "${LANES[@]}"; do
     read -r status took <"$WORK/$name.status" 2>/dev/null || { status=1 took=0; }
     echo "== lane $name: exit $status after $took s"
     cat "$WORK/$name.log"
     [ "$status" -eq 0 ] || failed_lanes=$((failed_lanes + 1))
 done
-for name in compute compute-system agents slurm interpreted; do
+for name in "${LANES[@]}"; do
     read -r status took <"$WORK/$name.status" 2>/dev/null || { status=1 took=0; }
     echo "== lane $name: exit $status, $took s, $(cpu "$name")"
 done
