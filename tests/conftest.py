@@ -6,6 +6,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 from cli.localmesh import LocalMesh
 from tests.support.browser import chromium  # noqa: F401 (the dashboard tests' browser)
@@ -14,6 +15,13 @@ from tests.support.slurmcluster import (  # noqa: F401 (fixtures for the real-Sl
     slurm_accounting_cluster,
     slurm_cluster,
 )
+
+# No per-example deadline: Hypothesis's default (200 ms) is a timing assertion, and the suite
+# runs in lanes side by side on two cores, where an example that takes 0.1 ms alone once took
+# 360 ms (tests/unit/dataplane/test_prefill.py, "Unreliable test timings"). Speed is measured
+# in bench/, never asserted in a test.
+settings.register_profile("fabric", deadline=None)
+settings.load_profile("fabric")
 
 
 @pytest.fixture

@@ -34,6 +34,8 @@ Modules, in reading order (pure first, then the shell that uses them):
                       batch work, fair queueing of waiting batch requests between API keys.
 * ``failover``        the account of a request's attempts (nodes, time, refused connects,
                       resumed streams) and the poison-request guard: when trying stops.
+* ``failure``         what a failed attempt says, as a kind (``Failed``): sent or not, an
+                      engine failing on the request or not, the retry's reason.
 * ``gate``            the batch gate as a sans-IO machine: offer, scan, expire, pressure, and
                       its deadline (``BatchGate``).
 * ``coldstart``       waiting for a replica of a declared model (scale from zero): routes or the

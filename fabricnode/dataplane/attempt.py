@@ -28,8 +28,9 @@ import os
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
-from fabricnode.dataplane import responses
+from fabricnode.dataplane import failure, responses
 from fabricnode.dataplane.clientconn import ClientConn, send_error
+from fabricnode.dataplane.failure import Failed
 from fabricnode.dataplane.forward_auth import ForwardRejected, ForwardVerifier, sign_forward
 from fabricnode.dataplane.http1 import Request
 from fabricnode.dataplane.ingress_config import IngressConfig
@@ -85,9 +86,10 @@ class Attempts:
 
     def attempt(
         self, conn: ClientConn, job: Job, route: Route, now: float
-    ) -> Coroutine[Any, Any, str | None] | str:
+    ) -> Coroutine[Any, Any, Failed | None] | Failed:
         """Try one node: await the result, None when the client got an answer (any status),
-        else why not; a str right away when the node cannot be tried."""
+        else what failed (``failure.Failed``); a ``Failed`` right away when the node cannot be
+        tried."""
         sid = route.info.session_id
         if job.retag:
             self._tag_response(job, sid)
@@ -97,10 +99,10 @@ class Attempts:
         if route.is_self:
             url = self.serving_engine_url()
             if url is None:
-                return "local engine not serving"
+                return Failed(failure.UNUSABLE, "local engine not serving")
             origin = self._local_origin(url)
             if origin is None:
-                return "local engine URL has no HOST:PORT"
+                return Failed(failure.UNUSABLE, "local engine URL has no HOST:PORT")
             request = upstream_request(job, origin, forward=None)
             if self.local_asleep:
                 return self._wake_then_relay(conn, job, origin, request, sid, now)
@@ -149,10 +151,10 @@ class Attempts:
 
     async def _wake_then_relay(
         self, conn: ClientConn, job: Job, origin: Origin, request: bytes, sid: str, now: float
-    ) -> str | None:
+    ) -> Failed | None:
         """Our engine sleeps: wake it (the request waits), then send the request to it."""
         if not await self._wake_local():
-            return "local engine did not wake up"
+            return Failed(failure.UNUSABLE, "local engine did not wake up")
         return await self.relay.exchange(
             conn, job, origin, request, sid, self.local_engine_up, now, local=True
         )
@@ -233,7 +235,7 @@ class Attempts:
         if content_type is not None and content_type.startswith(b"multipart/"):
             job.content_type = content_type  # a form: its boundary
         request = upstream_request(job, origin, forward=None)
-        outcome = await self.relay.exchange(
+        failed = await self.relay.exchange(
             conn,
             job,
             origin,
@@ -243,12 +245,10 @@ class Attempts:
             started,
             local=True,
         )
-        if outcome is not None:
+        if failed is not None:
             # Our own engine failed before answering: tell the ingress to fail over.
             self._forwards_served("failed").inc()
-            await send_error(
-                conn, 502, f"engine failed: {outcome}", "engine_unavailable", path=path
-            )
+            await send_error(conn, 502, f"engine failed: {failed}", "engine_unavailable", path=path)
             return True
         self._forwards_served("served").inc()
         return not job.close

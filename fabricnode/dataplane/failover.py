@@ -14,19 +14,18 @@ holds no policy:
 * an attempt taken back by the batch gate under pressure is not the node's failure and uses no
   attempt (``preempted``);
 * **the poison-request guard**: an attempt whose outcome says an engine failed on the request
-  itself (``metrics.engine_failure``: broken, no answer, the node went down, the serving agent
-  said 502 or 504) counts; at ``max_engine_failures`` of them the request is not tried on
-  another node (``poisoned``), since one failure is an engine's bad luck and two are likely the
-  request, which would otherwise take down every replica of its model in turn.
+  itself (``failure.Failed.engine_failure``: broken, no answer, the node went down, the
+  serving agent said 502 or 504) counts; at ``max_engine_failures`` of them the request is not
+  tried on another node (``poisoned``), since one failure is an engine's bad luck and two are
+  likely the request, which would otherwise take down every replica of its model in turn.
 
 Pure: no I/O; the times are passed in.
 """
 
 from __future__ import annotations
 
-from fabricnode.dataplane.metrics import engine_failure
+from fabricnode.dataplane.failure import REFUSED, Failed
 
-CONNECT_REFUSED = "cannot connect"  # how UpstreamError names a refused connection
 MAX_REFUSED_SKIPS = 8  # refused connections per request that do not count as attempts
 
 
@@ -83,16 +82,16 @@ class Failover:
         self.limit = len(self.tried) + self.max_attempts
         self.deadline = now + self.budget_s
 
-    def failed(self, outcome: str) -> bool:
+    def failed(self, outcome: Failed) -> bool:
         """An attempt failed before the first byte with ``outcome``; True when that makes the
         request poisoned (stop: not tried on another node)."""
-        self.last_error = outcome
-        if engine_failure(outcome):
+        self.last_error = outcome.text
+        if outcome.engine_failure:
             self.engine_failures += 1
             if self.engine_failures >= self.max_engine_failures:
                 self.poisoned = True
                 return True
-        if outcome.startswith(CONNECT_REFUSED) and self.refused < MAX_REFUSED_SKIPS:
+        if outcome.kind == REFUSED and self.refused < MAX_REFUSED_SKIPS:
             self.refused += 1
             self.limit += 1
         return False

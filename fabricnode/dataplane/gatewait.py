@@ -22,6 +22,7 @@ from typing import Any
 import trio
 
 from fabricnode.dataplane.clientconn import ClientConn, ClientGone
+from fabricnode.dataplane.failure import TAKEN_BACK, Failed
 from fabricnode.dataplane.gate import (
     GATE_GONE,
     GRANTED,
@@ -37,8 +38,6 @@ from fabricnode.dataplane.routetable import CircuitBreaker, Route
 from fabricnode.dataplane.routing import Candidate
 from fabricnode.dataplane.sockio import LoopClock, client_gone
 
-# A batch attempt taken back by the gate (``BatchGate.pressure``): the request waits again.
-PREEMPTED = "preempted"
 # While batch requests wait in the gate, their clients are checked for a hang-up this often.
 GATE_PEEK_S = 0.5
 
@@ -122,10 +121,11 @@ class GateWaits:
             self._ended()
 
     async def preemptible(
-        self, job: Job, sid: str, attempt: Coroutine[Any, Any, str | None]
-    ) -> str | None:
+        self, job: Job, sid: str, attempt: Coroutine[Any, Any, Failed | None]
+    ) -> Failed | None:
         """A batch attempt the gate may take back until its answer's head is in (``Relay.exchange``
-        calls ``answered`` then): the attempt's outcome, or ``PREEMPTED``."""
+        calls ``answered`` then): the attempt's outcome, or ``failure.TAKEN_BACK`` (the request
+        waits again)."""
         self.gate.running(job, sid, self.clock.now())
         with trio.CancelScope() as scope:
             self._scopes[job] = scope
@@ -137,7 +137,7 @@ class GateWaits:
         if job.slot is not None:
             job.slot.preemptions += 1
         self.metrics.batch_preempted.inc()
-        return PREEMPTED
+        return TAKEN_BACK
 
     def answered(self, job: Job, sid: str) -> None:
         self.gate.answered(job, sid)

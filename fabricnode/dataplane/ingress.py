@@ -99,10 +99,11 @@ from fabricnode.dataplane.endpoints import (
     response_follow_up,
 )
 from fabricnode.dataplane.failover import Failover
+from fabricnode.dataplane.failure import RESUMED, TAKEN_BACK, Failed
 from fabricnode.dataplane.forward_auth import HEADER as FORWARD_HEADER
 from fabricnode.dataplane.frontdoor import FrontDoor
 from fabricnode.dataplane.gate import BatchGate, BatchWaiter
-from fabricnode.dataplane.gatewait import PREEMPTED, GateWaits
+from fabricnode.dataplane.gatewait import GateWaits
 from fabricnode.dataplane.hold import Hold
 from fabricnode.dataplane.http1 import Request, full_response, text_of
 from fabricnode.dataplane.ingress_config import IngressConfig
@@ -110,10 +111,9 @@ from fabricnode.dataplane.job import BatchSlot, Job
 from fabricnode.dataplane.metrics import (
     IngressMetrics,
     LabelCache,
-    failure_reason,
 )
 from fabricnode.dataplane.prefill import PrefillClocks
-from fabricnode.dataplane.relay import RESUME, Relay
+from fabricnode.dataplane.relay import Relay
 from fabricnode.dataplane.request import (
     Rejection,
     Routed,
@@ -758,9 +758,9 @@ class Ingress:
                     log.info("stream continuation %d goes to %s", job.resumes, pick[:8])
                 policy.on_routed(routed, pick, wall)
                 attempt = self.attempts.attempt(conn, job, route, now)
-                outcome: str | None
+                outcome: Failed | None
                 try:
-                    if isinstance(attempt, str):
+                    if isinstance(attempt, Failed):
                         outcome = attempt
                     elif slot is not None and slot.preemptions < cfg.batch_max_preemptions:
                         outcome = await self.gate_waits.preemptible(job, pick, attempt)
@@ -775,12 +775,12 @@ class Ingress:
                     self.breaker.succeeded(pick)
                     answered = True
                     break
-                if outcome == PREEMPTED:
+                if outcome is TAKEN_BACK:
                     fo.preempted(pick)
                     continue
                 self.breaker.failed(pick, self.clock.now())
                 self.metrics.ejections.inc()
-                if outcome is RESUME:
+                if outcome is RESUMED:
                     # The stream broke mid-answer and a continuation is ready: it gets attempts
                     # and time of its own, on the nodes not tried yet.
                     if not job.waking:
@@ -794,7 +794,7 @@ class Ingress:
                     log.warning("%s: %s", job.model, fo.poison_message())
                     break
                 self.retries += 1
-                self.metrics.retries.labels(failure_reason(outcome)).inc()
+                self.metrics.retries.labels(outcome.retry_reason).inc()
                 log.info("attempt on %s failed before the first byte: %s", pick[:8], outcome)
             if answered:
                 keep = job.status != 0 and not job.close

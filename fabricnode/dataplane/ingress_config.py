@@ -39,9 +39,9 @@ class IngressConfig:
     stream_idle_timeout_s: float = 600.0  # between body bytes of a response
     max_attempts: int = 3
     # The poison-request guard: a request whose attempts ended with this many engines failing
-    # on it (``metrics.engine_failure``: broken, no answer, the node went down) is not tried on
-    # more nodes. One failure is an engine's bad luck and worth one more node; two are likely
-    # the request, which would otherwise take down every replica of its model in turn.
+    # on it (``failure.Failed.engine_failure``: broken, no answer, the node went down) is not
+    # tried on more nodes. One failure is an engine's bad luck and worth one more node; two are
+    # likely the request, which would otherwise take down every replica of its model in turn.
     max_engine_failures: int = 2
     retry_budget_s: float = 60.0
     eject_base_s: float = 2.0

@@ -344,36 +344,3 @@ class IngressMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
-
-
-# What an attempt's outcome says when the request reached an engine and the engine failed on
-# it: the connection broke or the answer was malformed before the head, no answer in time, the
-# node or engine went down meanwhile, or a serving agent said its engine failed (502) or timed
-# out (504). Not: a refused or timed-out connect (nothing reached the engine), or a 503 (a node
-# that is leaving, draining or full says so before it takes the request).
-ENGINE_FAILURE_MARKS = (
-    "connection closed before the response head",
-    "connection failed",
-    "malformed response",
-    "no response",
-    "node or engine went down",
-    "node answered 502",
-    "node answered 504",
-)
-
-
-def engine_failure(outcome: str) -> bool:
-    """Whether a failed attempt's outcome is an engine failing on the request itself
-    (``ENGINE_FAILURE_MARKS``): what the poison-request guard counts."""
-    return outcome.startswith(ENGINE_FAILURE_MARKS)
-
-
-def failure_reason(outcome: str) -> str:
-    """The ``reason`` label of a retry, from the outcome of the failed attempt."""
-    if "answered" in outcome:
-        return "status"
-    if "no response" in outcome or "timed out" in outcome:
-        return "timeout"
-    if "eligible" in outcome:
-        return "ineligible"
-    return "connect"

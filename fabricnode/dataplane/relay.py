@@ -8,9 +8,9 @@ an attempt that failed returns why (a string) and the ingress tries the next nod
 (``Ingress._dispatch``: failover, the circuit breaker). After it:
 
 * A chat or completion stream that breaks is resumed on another node (``resume``) where that
-  can be faithful: the attempt returns ``RESUME`` with the continuation on the job. A stream that
-  broke before its first event goes whole to another node (``_resend_whole``). Otherwise a
-  stream ends with well-formed error event(s) in its endpoint's format
+  can be faithful: the attempt returns ``failure.RESUMED`` with the continuation on the job. A
+  stream that broke before its first event goes whole to another node (``_resend_whole``).
+  Otherwise a stream ends with well-formed error event(s) in its endpoint's format
   (``endpoints.stream_error_events``) and the terminating chunk (``end_stream``), and any other
   broken body closes the connection. A request we serve for another ingress breaks its stream
   too, so that the ingress holding the client resumes or ends it.
@@ -34,6 +34,7 @@ from collections.abc import Callable
 
 import trio
 
+from fabricnode.dataplane import failure
 from fabricnode.dataplane.clientconn import ClientConn, ClientGone, client_send, send_now, send_rest
 from fabricnode.dataplane.endpoints import (
     RESENDABLE_KINDS,
@@ -41,6 +42,7 @@ from fabricnode.dataplane.endpoints import (
     last_sequence_number,
     stream_error_events,
 )
+from fabricnode.dataplane.failure import Failed
 from fabricnode.dataplane.forward_auth import HEADER as FORWARD_HEADER
 from fabricnode.dataplane.gatewait import GateWaits
 from fabricnode.dataplane.http1 import frame, status_line
@@ -71,11 +73,6 @@ from fabricnode.dataplane.usage import StreamUsage
 log = logging.getLogger("fabricnode.dataplane.relay")
 
 RETRYABLE_STATUS = (502, 503, 504)
-# How ``UpstreamError`` names an attempt whose request never reached an engine (its prompt is
-# then not on the node's prefill clock: ``PrefillClocks.unsent``).
-NOT_SENT = ("cannot connect", "connect timed out")
-# An attempt's outcome when its stream broke and a continuation is ready (``_prepare_resume``).
-RESUME = "resume"
 # Request headers passed on to the upstream (anything else stays at the ingress).
 FORWARDED_REQUEST_HEADERS = (b"accept", b"x-request-id", b"openai-organization")
 SSE = b"text/event-stream"
@@ -193,8 +190,9 @@ class Relay:
         now: float,
         *,
         local: bool,
-    ) -> str | None:
-        """One attempt on ``origin``, counted in flight (``local``: to our own engine)."""
+    ) -> Failed | None:
+        """One attempt on ``origin``, counted in flight (``local``: to our own engine): None
+        when the client has its answer, else what failed (``failure``)."""
         cfg = self.config
         inflight = self.remote_inflight
         if local:
@@ -234,10 +232,10 @@ class Relay:
                     client=conn.sock,
                 )
             except UpstreamError as exc:
-                why = str(exc)
-                if tokens and why.startswith(NOT_SENT):  # no engine got the prompt
+                failed = Failed(exc.kind, str(exc))
+                if tokens and not failed.sent:  # no engine got the prompt
                     self.prefill.unsent(sid, tokens, sent_at, self.clock.now(), slot is not None)
-                return why
+                return failed
             except ClientGone:
                 self.metrics.client_disconnects.labels("waiting").inc()
                 raise
@@ -250,12 +248,15 @@ class Relay:
                     # long): nothing was prefilled, so the prompt's slot is given back.
                     self.prefill.unsent(sid, tokens, sent_at, self.clock.now(), slot is not None)
                 if status in RETRYABLE_STATUS:
-                    return f"node answered {status}"
+                    return failure.answered(status)
                 if job.splice is not None or job.held_head:
                     # A continuation, or a stream held for a replica: the client has its
                     # response head (and, continuing, part of the stream).
                     if status != 200 or not ex.content_type.startswith(SSE):
-                        return f"the node answered {status} to a stream whose head is out"
+                        return Failed(
+                            failure.HEAD_OUT,
+                            f"the node answered {status} to a stream whose head is out",
+                        )
                     job.served_by = sid
                     return await self._relay_body(conn, job, ex, sid, b"", True)
                 job.status = status
@@ -305,9 +306,10 @@ class Relay:
 
     async def _relay_body(
         self, conn: ClientConn, job: Job, ex: Exchange, sid: str, head: bytes, chunked: bool
-    ) -> str | None:
+    ) -> Failed | None:
         """Relay a body that is still coming, piece by piece as it arrives. None when the
-        client got its answer; ``RESUME`` when the stream broke and a continuation is ready."""
+        client got its answer; ``failure.RESUMED`` when the stream broke and a continuation is
+        ready."""
         cfg = self.config
         sse = ex.content_type.startswith(SSE)
         pieces = ex.take_pieces()
@@ -372,9 +374,9 @@ class Relay:
                     return None
                 if sse and chunked:
                     if first and self._resend_whole(job, sid):
-                        return RESUME
+                        return failure.RESUMED
                     if transcript is not None and self._prepare_resume(job, transcript, sid):
-                        return RESUME
+                        return failure.RESUMED
                     if transcript is None and job.stream and job.kind not in RESUMABLE_KINDS:
                         self.metrics.stream_resumes.labels("not_resumable").inc()
                     if usage is not None:

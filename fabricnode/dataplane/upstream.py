@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import httptools
 import trio
 
+from fabricnode.dataplane import failure
 from fabricnode.dataplane.clientconn import ClientGone
 from fabricnode.dataplane.http1 import ResponseParser
 from fabricnode.dataplane.sockio import (
@@ -133,11 +134,12 @@ class UpstreamPool:
 
 
 class UpstreamError(Exception):
-    """The exchange failed before a complete response head arrived (safe to fail over)."""
+    """The exchange failed before a complete response head arrived (safe to fail over); its
+    ``kind`` is one of ``failure``'s (what the failure says, for the callers that ask)."""
 
-    def __init__(self, message: str, *, timeout: bool = False) -> None:
+    def __init__(self, message: str, kind: str) -> None:
         super().__init__(message)
-        self.timeout = timeout
+        self.kind = kind
 
 
 class BrokenResponse(Exception):
@@ -245,12 +247,16 @@ class Exchange:
                         if not data:
                             if reused and not parser.headers and parser.status == 0:
                                 raise _Stale
-                            raise UpstreamError("connection closed before the response head")
+                            raise UpstreamError(
+                                "connection closed before the response head", failure.BROKEN
+                            )
                         reused = False  # bytes arrived: this is the real answer, no retry
                         try:
                             parser.feed(data)
                         except httptools.HttpParserError as exc:
-                            raise UpstreamError(f"malformed response: {exc}") from None
+                            raise UpstreamError(
+                                f"malformed response: {exc}", failure.MALFORMED
+                            ) from None
                         if parser.head_complete:
                             break
                         data = None
@@ -259,11 +265,12 @@ class Exchange:
                         expired = watch.expired
                         if expired == CLIENT_GONE:
                             raise ClientGone from None
-                        why = "no response" if expired == "timeout" else "node or engine went down"
-                        raise UpstreamError(why, timeout=expired == "timeout") from None
+                        if expired == "timeout":
+                            raise UpstreamError("no response", failure.NO_RESPONSE) from None
+                        raise UpstreamError("node or engine went down", failure.DOWN) from None
                     if reused:
                         raise _Stale from None
-                    raise UpstreamError(f"connection failed: {exc}") from None
+                    raise UpstreamError(f"connection failed: {exc}", failure.BROKEN) from None
             except _Stale:
                 # A reused connection the server had closed: retry once on a fresh one (only
                 # reused connections raise this, so the retry cannot loop).
@@ -283,9 +290,11 @@ class Exchange:
             try:
                 sock = await self.pool.new_connection(self.origin)
             except OSError as exc:
-                raise UpstreamError(f"cannot connect: {exc.strerror or exc}") from None
+                raise UpstreamError(
+                    f"cannot connect: {exc.strerror or exc}", failure.REFUSED
+                ) from None
         if sock is None:
-            raise UpstreamError("connect timed out", timeout=True)
+            raise UpstreamError("connect timed out", failure.CONNECT_TIMEOUT)
         return sock
 
     def take_pieces(self) -> list[bytes]:

@@ -27,6 +27,8 @@ below it, and nothing imports the loop):
 * ``policy``      the pure scaling policy: per model, how many replicas to run now (a token-demand
   forecast at the cold-start horizon, load and TTFT confirmation, scale-in hysteresis), and the
   static and reactive baselines with the same interface.
+* ``need``        scale by need: the replicas a model's work needs when a replica submitted now
+  arrives (the forecast's rate then, and the queue still left), in one step (pure).
 * ``leader``      which of the ``--controller`` agents acts.
 * ``activity``    when each model was last in demand, from every evidence (wanted, in flight,
   logged, a job started for it), for the idle rule; rebuilt after a takeover (pure).

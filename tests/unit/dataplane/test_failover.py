@@ -5,11 +5,14 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
+from fabricnode.dataplane import failure
 from fabricnode.dataplane.failover import MAX_REFUSED_SKIPS, Failover
+from fabricnode.dataplane.failure import Failed
 
-BROKEN = "connection closed before the response head"
-REFUSED = "cannot connect: Connection refused"
-BUSY = "node answered 503"
+BROKEN = Failed(failure.BROKEN, "connection closed before the response head")
+REFUSED = Failed(failure.REFUSED, "cannot connect: Connection refused")
+BUSY = failure.answered(503)
+NO_RESPONSE = Failed(failure.NO_RESPONSE, "no response")
 
 
 def account() -> Failover:
@@ -22,7 +25,7 @@ def test_three_nodes_within_the_budget() -> None:
         assert fo.may_try(100.0)
         fo.picked(sid)
         assert not fo.failed(BUSY)
-    assert not fo.may_try(101.0) and fo.last_error == BUSY
+    assert not fo.may_try(101.0) and fo.last_error == "node answered 503"
     late = account()
     late.picked("a")
     late.failed(BUSY)
@@ -44,13 +47,13 @@ def test_two_engines_failing_on_the_request_poison_it() -> None:
     assert not fo.failed(BROKEN)
     assert fo.may_try(100.0)
     fo.picked("b")
-    assert fo.failed("node answered 502")
+    assert fo.failed(failure.answered(502))
     assert fo.poisoned and not fo.may_try(100.0)
     assert "failed on 2 nodes (last: node answered 502)" in fo.poison_message()
     other = account()  # 503s and refused connects are not engine failures
-    for sid, outcome in (("a", BUSY), ("b", REFUSED), ("c", BUSY)):
+    for sid, failed in (("a", BUSY), ("b", REFUSED), ("c", BUSY)):
         other.picked(sid)
-        assert not other.failed(outcome)
+        assert not other.failed(failed)
     assert not other.poisoned
 
 
@@ -79,15 +82,38 @@ def test_waiting_in_the_gate_is_not_failover_time_and_preemption_costs_nothing()
     assert fo.deadline == 960.0
 
 
-@given(st.lists(st.sampled_from([BROKEN, REFUSED, BUSY, "no response"]), max_size=20))
-def test_laws(outcomes: list[str]) -> None:
+def test_what_each_kind_of_failure_says() -> None:
+    sent = {k for k in KINDS if Failed(k, "").sent}
+    assert sent == KINDS - {failure.REFUSED, failure.CONNECT_TIMEOUT, failure.UNUSABLE}
+    engine = {k for k in KINDS if Failed(k, "").engine_failure}
+    assert engine == {failure.BROKEN, failure.MALFORMED, failure.NO_RESPONSE, failure.DOWN}
+    assert [failure.answered(s).engine_failure for s in (502, 503, 504)] == [True, False, True]
+    assert [failure.answered(s).retry_reason for s in (502, 503)] == ["status", "status"]
+    assert NO_RESPONSE.retry_reason == "timeout" and REFUSED.retry_reason == "connect"
+    assert str(BROKEN) == "connection closed before the response head"
+
+
+KINDS = {
+    failure.REFUSED,
+    failure.CONNECT_TIMEOUT,
+    failure.UNUSABLE,
+    failure.BROKEN,
+    failure.MALFORMED,
+    failure.NO_RESPONSE,
+    failure.DOWN,
+    failure.HEAD_OUT,
+}
+
+
+@given(st.lists(st.sampled_from([BROKEN, REFUSED, BUSY, NO_RESPONSE]), max_size=20))
+def test_laws(outcomes: list[Failed]) -> None:
     """Never more than max_engine_failures engine failures; never past the limit."""
     fo = account()
-    for i, outcome in enumerate(outcomes):
+    for i, failed in enumerate(outcomes):
         if not fo.may_try(100.0):
             break
         fo.picked(str(i))
-        fo.failed(outcome)
+        fo.failed(failed)
         assert fo.engine_failures <= 2
         assert len(fo.tried) <= 3 + MAX_REFUSED_SKIPS
     assert fo.poisoned == (fo.engine_failures >= 2)
