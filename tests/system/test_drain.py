@@ -5,95 +5,20 @@ finished on the drained node, or handed over at the drain deadline and resumed o
 
 from __future__ import annotations
 
-import http.client
-import json
 import os
 import signal
-import threading
 import time
-from dataclasses import dataclass, field
-from urllib.parse import urlsplit
 
 import pytest
 
 from cli.localmesh import AgentProcess, LocalMesh, wait_until
-from tests.support.meshload import engine_process, serving_count, sim_engine_args
+from tests.support.meshload import engine_process, run_streams, serving_count, sim_engine_args
 
 pytestmark = pytest.mark.slow
 
 MODEL = "m1"
 SLOW = ("--slowdown", "60")  # about 6 tokens a second per stream on the simulated H100
 LONG = 120
-
-
-@dataclass
-class Stream:
-    """One streamed chat answer as the client saw it."""
-
-    status: int = 0
-    node: str = ""
-    words: int = 0
-    done: bool = False  # ended with [DONE]
-    errors: list[str] = field(default_factory=list)
-
-
-def stream_chat(url: str, i: int, max_tokens: int, started: threading.Semaphore) -> Stream:
-    out = Stream()
-    body = {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": f"tell story number {i}"}],
-        "max_tokens": max_tokens,
-        "stream": True,
-    }
-    parts = urlsplit(url)
-    conn = http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=60)
-    text: list[str] = []
-    try:
-        conn.request(
-            "POST", "/v1/chat/completions", json.dumps(body), {"content-type": "application/json"}
-        )
-        r = conn.getresponse()
-        out.status, out.node = r.status, r.getheader("x-fabric-node") or ""
-        first = True
-        while line := r.readline():
-            data = line.decode().strip()
-            if not data.startswith("data: "):
-                continue
-            if first:
-                started.release()
-                first = False
-            if data == "data: [DONE]":
-                out.done = True
-                continue
-            event = json.loads(data[6:])
-            if "error" in event:
-                out.errors.append(str(event["error"]))
-            elif event.get("choices"):
-                text.append(event["choices"][0]["delta"].get("content") or "")
-    except (OSError, http.client.HTTPException) as exc:
-        out.errors.append(repr(exc))
-    finally:
-        conn.close()
-        started.release()  # also when it failed before its first event: the test goes on
-    out.words = len("".join(text).split())
-    return out
-
-
-def run_streams(
-    urls: list[str], max_tokens: int
-) -> tuple[list[threading.Thread], list[Stream], threading.Semaphore]:
-    results: list[Stream] = [Stream() for _ in urls]
-    started = threading.Semaphore(0)
-
-    def one(i: int) -> None:
-        results[i] = stream_chat(urls[i], i, max_tokens, started)
-
-    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(urls))]
-    for t in threads:
-        t.start()
-    for _ in threads:
-        assert started.acquire(timeout=30), "a stream did not start"
-    return threads, results, started
 
 
 def sigterm_like_slurm(node: AgentProcess) -> None:
@@ -113,7 +38,7 @@ def test_a_drained_node_finishes_every_stream_its_engine_has(mesh: LocalMesh) ->
     # Long enough (about 20 s) to outlast what used to end them: the engine, which stops
     # answering its health checks once it has SIGTERM, was taken for hung after about 4 s
     # and killed 10 s later.
-    threads, results, _ = run_streams(urls, max_tokens=LONG)
+    threads, results = run_streams(urls, MODEL, max_tokens=LONG)
 
     t0 = time.monotonic()
     sigterm_like_slurm(node)
@@ -140,7 +65,7 @@ def test_streams_still_running_at_the_drain_deadline_are_resumed_elsewhere(
     for agent in (ingress, node):
         assert wait_until(lambda a=agent: serving_count(a, MODEL) == 2, 30)  # type: ignore[misc]
     urls = [ingress.http_url] * 5 + [node.http_url] * 5
-    threads, results, _ = run_streams(urls, max_tokens=40)
+    threads, results = run_streams(urls, MODEL, max_tokens=40)
 
     sigterm_like_slurm(node)
     for t in threads:
