@@ -30,9 +30,9 @@ Leaving: SIGTERM or SIGINT → the drain (``engine.drain``: this module only car
 decides) → refuse new forwards, sign LEFT, push it directly to several members and gossip it
 for ``leave_linger_s`` → let the engine finish every request in flight to it (this node's
 clients' and those other ingresses forwarded), until the drain deadline (``drain_timeout_s``
-after the signal, and never past the Slurm job's end less ``JOB_END_MARGIN_S``), where the rest
-is handed over to other nodes by stream resume → stop the engine → let the requests this
-ingress relays to other nodes finish (at most the deadline again) → stop the HTTP servers
+after the signal, never past the Slurm job's end less ``drain.JOB_END_MARGIN_S``), where the
+rest is handed over to other nodes by stream resume → stop the engine → let the requests this
+ingress still answers on other nodes finish (at most the deadline again) → stop the HTTP servers
 (``http_shutdown_grace_s`` for what is left) → exit 0. The engine's own shutdown grace (it gets
 Slurm's SIGTERM too) is set to outlast the drain (``engine.command.with_shutdown_grace``). A
 second signal while leaving stops at once. Inside a
@@ -81,6 +81,7 @@ from fabricnode.elastic.plans import plans_from_text
 from fabricnode.elastic.slurmctl import SlurmControl
 from fabricnode.engine.command import EngineCommand, with_shutdown_grace
 from fabricnode.engine.drain import HANDOVER_S, Action, Drain
+from fabricnode.engine.drain import deadline_s as drain_deadline_s
 from fabricnode.engine.follower import AssignmentFollower
 from fabricnode.engine.service import KILL_MARGIN_S, EngineService, EngineStatistics
 from fabricnode.errors import FabricError
@@ -535,19 +536,11 @@ class Agent:
             nursery.cancel_scope.cancel()
         log.info("left the mesh")
 
-    def drain_deadline_s(self, now: float) -> float:
-        """How long the engine's requests may run from a leave beginning at ``now`` (Unix
-        time): ``drain_timeout_s``, and never past the Slurm job's end less the margin."""
-        deadline = self.config.drain_timeout_s
-        if self._job_end is not None:
-            deadline = min(deadline, max(0.0, self._job_end - now - JOB_END_MARGIN_S))
-        return deadline
-
     async def _drain(self, ingress: Ingress, gossip: GossipService) -> None:
         """Leave as the drain decides (``engine.drain``); returns when the doors may close."""
         cfg = self.config
         engine = self.engine
-        deadline_s = self.drain_deadline_s(self.wall_clock())
+        deadline_s = drain_deadline_s(cfg.drain_timeout_s, self._job_end, self.wall_clock())
         drain = Drain(deadline_s=deadline_s, has_engine=engine is not None)
         now = trio.current_time
         acts = drain.leave(now(), engine=ingress.local_inflight, relayed=ingress.relayed_inflight)
@@ -696,9 +689,6 @@ class Agent:
         if self.config.log_dir is None:
             return None
         return self.config.log_dir / f"{self.config.job_id}-{session_id[:8]}" / "engine.log"
-
-
-JOB_END_MARGIN_S = 10.0  # a drain ends this long before the Slurm job's end: the engine's stop
 
 
 def _url(advertise_host: str, sock: socket.socket) -> str:

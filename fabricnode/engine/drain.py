@@ -37,6 +37,16 @@ import math
 from dataclasses import dataclass
 
 HANDOVER_S = 5.0  # from HAND_OVER to STOP_ENGINE at the latest
+JOB_END_MARGIN_S = 10.0  # a drain ends this long before the Slurm job's end: the engine's stop
+
+
+def deadline_s(drain_timeout_s: float, job_end: float | None, now: float) -> float:
+    """How long the engine's requests may run from a leave beginning at ``now`` (Unix time):
+    ``drain_timeout_s``, and never past the Slurm job's end (``job_end``, None: unknown) less
+    ``JOB_END_MARGIN_S``, after which Slurm kills the step."""
+    if job_end is None:
+        return drain_timeout_s
+    return min(drain_timeout_s, max(0.0, job_end - now - JOB_END_MARGIN_S))
 
 
 class Action(enum.Enum):

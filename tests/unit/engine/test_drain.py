@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fabricnode.engine.drain import Action, Drain, Phase
+from fabricnode.engine.drain import Action, Drain, Phase, deadline_s
 
 
 def test_a_leave_stops_accepting_at_once_and_the_engine_only_when_nothing_is_in_flight() -> None:
@@ -91,6 +91,13 @@ def test_a_second_leave_changes_nothing() -> None:
     d.leave(0.0, engine=1, relayed=0)
     assert d.leave(10.0, engine=1, relayed=0) == []
     assert d.next_deadline() == 30.0  # from the first signal, not the second
+
+
+def test_the_deadline_never_runs_past_the_slurm_jobs_end() -> None:
+    assert deadline_s(30.0, None, 1000.0) == 30.0  # outside Slurm, or an unknown end
+    assert deadline_s(30.0, 2000.0, 1000.0) == 30.0
+    assert deadline_s(30.0, 1025.0, 1000.0) == 15.0  # 10 s before the end: the engine's stop
+    assert deadline_s(30.0, 1005.0, 1000.0) == 0.0  # past it: hand over at once
 
 
 def test_negative_bounds_are_refused() -> None:
