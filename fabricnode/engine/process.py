@@ -5,7 +5,8 @@ stopping it reaches every process it started (vLLM and SGLang fork workers). Thr
 
 * we stop it: SIGTERM to the whole group, SIGKILL to the group after ``kill_after_s`` (the
   engine's own shutdown grace and a margin: ``service.stop_timeout_s``), or after at most
-  ``CANCELLED_KILL_AFTER_S`` when the task running it is cancelled (a second signal: at once);
+  ``SHORT_KILL_AFTER_S`` when there is nothing to wait for: the task running it is cancelled
+  (a second signal: at once), or the engine is hung;
 * it exits by itself: the caller learns the exit code from ``wait``;
 * the agent dies without cleaning up (kill -9, OOM): the child was started with the Linux
   parent-death signal (``PR_SET_PDEATHSIG`` = SIGKILL), so the kernel kills it; its own
@@ -49,7 +50,7 @@ log = logging.getLogger("fabricnode.engine.service")
 
 PR_SET_PDEATHSIG = 1
 MAX_LINE_BYTES = 64 * 1024
-CANCELLED_KILL_AFTER_S = 10.0
+SHORT_KILL_AFTER_S = 10.0
 TAIL_LINES = 20  # the engine's last output lines, kept for its error (``last_error``)
 MAX_TAIL_CHARS = 400
 
@@ -164,7 +165,7 @@ class EngineProcess:
                     nursery.cancel_scope.cancel()
             except BaseException:
                 with trio.CancelScope(shield=True):
-                    await self.stop(min(self.kill_after_s, CANCELLED_KILL_AFTER_S))
+                    await self.stop(min(self.kill_after_s, SHORT_KILL_AFTER_S))
                 raise
             return code
         finally:

@@ -28,7 +28,7 @@ service: Slurm signalled it too, so it refuses new connections (no answer to ``/
 ``/metrics``) and may use little CPU while it finishes its streams, which is not a hang.
 ``stop`` sends SIGTERM and waits ``kill_after_s`` before SIGKILL: by default the engine's own
 shutdown grace (``command.shutdown_grace_s``) plus ``KILL_MARGIN_S``, at least
-``MIN_KILL_AFTER_S``.
+``MIN_KILL_AFTER_S``; a hung engine has nothing to finish and gets ``SHORT_KILL_AFTER_S``.
 
 With ``sleep_after_s`` the serving engine is put to sleep after that long without requests and
 woken by the next one (``sleep``: ``EngineSleep``; the agent hands ``wake`` to the data plane).
@@ -61,7 +61,13 @@ from fabricnode.engine.models import (
     read_listing,
     room_for_models,
 )
-from fabricnode.engine.process import EngineError, EngineProcess, group_cpu_seconds, wait_ready
+from fabricnode.engine.process import (
+    SHORT_KILL_AFTER_S,
+    EngineError,
+    EngineProcess,
+    group_cpu_seconds,
+    wait_ready,
+)
 from fabricnode.engine.sleep import EngineSleep
 from fabricnode.mesh.registry import MAX_LABEL_VALUE, EngineInfo, State
 from fabricnode.mesh.schema import (
@@ -274,7 +280,7 @@ class EngineService:
         # Hung: DOWN first (routing stops at once), then stop the child; the exit watcher
         # will see it exit and leave DOWN as it is.
         self._mark_down(f"engine hung: {why}")
-        await self.process.stop()
+        await self.process.stop(min(self.kill_after_s, SHORT_KILL_AFTER_S))  # no grace to honour
 
     async def wake(self) -> bool:
         """Wake the engine if it sleeps (``sleep.EngineSleep.wake``); True once awake."""
@@ -315,8 +321,8 @@ class EngineService:
                 if verdict.health is not Health.HEALTHY and not quiet:
                     quiet = True
                     log.info(
-                        "engine %s while the node drains: shutting down on its signal, "
-                        "left to finish its requests",
+                        "engine %s; the node drains: the engine is shutting down on its own "
+                        "signal and is left to finish its requests",
                         verdict.reason,
                     )
                 continue
