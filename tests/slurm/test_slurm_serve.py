@@ -780,7 +780,9 @@ def test_scancel_signal_term_of_a_job_streaming_ten_answers_finishes_all_ten(
     addrs = job.wait_agent(jobs.cluster)
     wait_state([ingress], job.session_id, "serving", JOIN_WITHIN_S)
     urls = [ingress.http_url] * 5 + [addrs.http_url] * 5
-    threads, results = run_streams(urls, MODEL, max_tokens=TOKENS)
+    # On the job's node for sure (the module's mesh may have a backup of the model on A100s).
+    pinned = {"X-Fabric-Require": "gpu=H100"}
+    threads, results = run_streams(urls, MODEL, max_tokens=TOKENS, headers=pinned)
 
     t0 = time.monotonic()
     jobs.cluster.scancel(job.job_id, signal="TERM")

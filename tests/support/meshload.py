@@ -117,10 +117,15 @@ class Stream:
 
 
 def stream_chat(
-    url: str, model: str, i: int, max_tokens: int, started: threading.Semaphore
+    url: str,
+    model: str,
+    i: int,
+    max_tokens: int,
+    started: threading.Semaphore,
+    headers: dict[str, str] | None = None,
 ) -> Stream:
-    """One streamed chat request to ``url``; ``started`` is released at its first event (or
-    when it failed before one)."""
+    """One streamed chat request to ``url`` (with ``headers``: ``X-Fabric-Require`` ...);
+    ``started`` is released at its first event (or when it failed before one)."""
     out = Stream()
     body = {
         "model": model,
@@ -133,7 +138,10 @@ def stream_chat(
     text: list[str] = []
     try:
         conn.request(
-            "POST", "/v1/chat/completions", json.dumps(body), {"content-type": "application/json"}
+            "POST",
+            "/v1/chat/completions",
+            json.dumps(body),
+            {"content-type": "application/json", **(headers or {})},
         )
         r = conn.getresponse()
         out.status, out.node = r.status, r.getheader("x-fabric-node") or ""
@@ -163,7 +171,7 @@ def stream_chat(
 
 
 def run_streams(
-    urls: list[str], model: str, max_tokens: int
+    urls: list[str], model: str, max_tokens: int, headers: dict[str, str] | None = None
 ) -> tuple[list[threading.Thread], list[Stream]]:
     """One streamed chat request to each of ``urls``, each in a thread; returns once every one
     has its first event (join the threads, then read the results)."""
@@ -171,7 +179,7 @@ def run_streams(
     started = threading.Semaphore(0)
 
     def one(i: int) -> None:
-        results[i] = stream_chat(urls[i], model, i, max_tokens, started)
+        results[i] = stream_chat(urls[i], model, i, max_tokens, started, headers)
 
     threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(urls))]
     for t in threads:
