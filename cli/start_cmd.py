@@ -193,7 +193,12 @@ def start(
     ] = None,
     drain_timeout: Annotated[
         float | None,
-        typer.Option(metavar="SECONDS", help="On leave, let accepted requests finish (30)."),
+        typer.Option(
+            metavar="SECONDS",
+            help="On leave, let the requests in flight to the engine finish for this long, then "
+            "hand the rest over to other replicas by stream resume (30; never past the Slurm "
+            "job's end).",
+        ),
     ] = None,
     leave_before_end: Annotated[
         float | None,

@@ -26,10 +26,16 @@ in that order: ``gossip`` is always the last line, so a reader can stop there
 (``fabricnode.logs``: stdlib ``logging``, each line tagged with the short session id) go to
 stderr.
 
-Leaving: SIGTERM or SIGINT → refuse new forwards → sign LEFT, push it directly to several
-members and gossip it for ``leave_linger_s`` → let the engine finish what it accepted (at most
-``drain_timeout_s``) and stop it → stop the HTTP servers (in-flight requests get
-``http_shutdown_grace_s``) → exit 0. A second signal while leaving stops at once. Inside a
+Leaving: SIGTERM or SIGINT → the drain (``engine.drain``: this module only carries out what it
+decides) → refuse new forwards, sign LEFT, push it directly to several members and gossip it
+for ``leave_linger_s`` → let the engine finish every request in flight to it (this node's
+clients' and those other ingresses forwarded), until the drain deadline (``drain_timeout_s``
+after the signal, never past the Slurm job's end less ``drain.JOB_END_MARGIN_S``), where the
+rest is handed over to other nodes by stream resume → stop the engine → let the requests this
+ingress still answers on other nodes finish (at most the deadline again) → stop the HTTP servers
+(``http_shutdown_grace_s`` for what is left) → exit 0. The engine's own shutdown grace (it gets
+Slurm's SIGTERM too) is set to outlast the drain (``engine.command.with_shutdown_grace``). A
+second signal while leaving stops at once. Inside a
 Slurm job whose end is known the agent also leaves on its own by the same path,
 ``leave_before_end_s`` before the end (``host.lease.follow_job``, which also moves that moment
 when an admin changes the time limit); a SIGTERM that arrives after such a leave began is the
@@ -73,9 +79,11 @@ from fabricnode.elastic.demand import Declared, wanted_labels
 from fabricnode.elastic.follow import ForecastScaler
 from fabricnode.elastic.plans import plans_from_text
 from fabricnode.elastic.slurmctl import SlurmControl
-from fabricnode.engine.command import EngineCommand
+from fabricnode.engine.command import EngineCommand, with_shutdown_grace
+from fabricnode.engine.drain import HANDOVER_S, Action, Drain
+from fabricnode.engine.drain import deadline_s as drain_deadline_s
 from fabricnode.engine.follower import AssignmentFollower
-from fabricnode.engine.service import EngineService, EngineStatistics
+from fabricnode.engine.service import KILL_MARGIN_S, EngineService, EngineStatistics
 from fabricnode.errors import FabricError
 from fabricnode.host import rendezvous
 from fabricnode.host.hardware import default_host
@@ -172,6 +180,7 @@ class Agent:
         self.engine: EngineService | None = None
         self.follower: AssignmentFollower | None = None  # JOIN-only nodes: the plan labels
         self._stop = trio.Event()
+        self._job_end: float | None = None  # the Slurm job's end (Unix time), as last known
         self._finished = trio.Event()
         self._ingress_done = trio.Event()
 
@@ -395,7 +404,12 @@ class Agent:
         def on_sleep_change(asleep: bool) -> None:
             ingress.local_asleep = asleep
 
+        # The engine gets Slurm's SIGTERM with the agent: it must let its requests run for as
+        # long as the drain may last, and then some.
+        engine_grace_s = cfg.drain_timeout_s + HANDOVER_S + KILL_MARGIN_S
+
         def engine_service(command: EngineCommand) -> EngineService:
+            command = with_shutdown_grace(command, engine_grace_s)
             return EngineService(
                 command,
                 gossip,
@@ -508,24 +522,10 @@ class Agent:
                 self._start_job_follower(nursery, job, gossip)
             task_status.started(AgentAddresses(core.self_id, http_url, gossip_addr, admin_url))
 
+            if job is not None:
+                self._job_end = job.end_time
             await self._stop.wait()
-            # Order matters: refuse new forwards (ingresses fail over, invisibly to clients),
-            # sign LEFT (peers stop routing to us), let what our engine accepted finish, stop
-            # the engine, then close the doors.
-            ingress.leaving = True
-            log.info("leaving: signing LEFT and spreading it for %g s", cfg.leave_linger_s)
-            await gossip.leave(cfg.leave_linger_s)
-            engine = self.engine
-            if engine is not None:
-                with trio.move_on_after(cfg.drain_timeout_s) as drain:
-                    await ingress.wait_local_idle()
-                if drain.cancelled_caught:
-                    log.warning(
-                        "%d requests still running after %g s: stopping the engine anyway",
-                        ingress.local_inflight,
-                        cfg.drain_timeout_s,
-                    )
-                await engine.stop()
+            await self._drain(ingress, gossip)
             http_shutdown.set()
             with trio.move_on_after(cfg.http_shutdown_grace_s + 1.0):
                 await self._ingress_done.wait()
@@ -535,6 +535,66 @@ class Agent:
                 await trio.to_thread.run_sync(request_log.flush)
             nursery.cancel_scope.cancel()
         log.info("left the mesh")
+
+    async def _drain(self, ingress: Ingress, gossip: GossipService) -> None:
+        """Leave as the drain decides (``engine.drain``); returns when the doors may close."""
+        cfg = self.config
+        engine = self.engine
+        deadline_s = drain_deadline_s(cfg.drain_timeout_s, self._job_end, self.wall_clock())
+        drain = Drain(deadline_s=deadline_s, has_engine=engine is not None)
+        now = trio.current_time
+        acts = drain.leave(now(), engine=ingress.local_inflight, relayed=ingress.relayed_inflight)
+        log.info(
+            "leaving: %d requests in flight to the engine, %d answered by this ingress; "
+            "deadline in %g s",
+            ingress.local_inflight,
+            ingress.relayed_inflight,
+            deadline_s,
+        )
+        while True:
+            more: list[Action] = []
+            for act in acts:
+                if act is Action.STOP_ACCEPTING:
+                    # Refuse forwards (ingresses fail over, invisibly to clients), sign LEFT
+                    # (every ingress, ours too, routes elsewhere).
+                    ingress.leaving = True
+                    if engine is not None:
+                        engine.begin_drain()
+                    log.info("leaving: signing LEFT and spreading it for %g s", cfg.leave_linger_s)
+                    await gossip.leave(cfg.leave_linger_s)
+                elif act is Action.HAND_OVER:
+                    n = ingress.hand_over()
+                    log.warning(
+                        "drain deadline (%g s): %d requests still on the engine handed over to "
+                        "other nodes",
+                        deadline_s,
+                        n,
+                    )
+                elif act is Action.STOP_ENGINE and engine is not None:
+                    await engine.stop()
+                    more += drain.engine_stopped(now(), relayed=ingress.relayed_inflight)
+                elif act is Action.CLOSE_DOORS:
+                    stats = drain.statistics()
+                    log.info(
+                        "drained in %.1f s: %d requests were in flight to the engine, %d of "
+                        "them handed over",
+                        now() - (stats.began_at or now()),
+                        stats.engine_at_start,
+                        stats.handed_over,
+                    )
+                    return
+            if more:
+                acts = more
+                continue
+            if engine is not None and engine.process.exited.is_set():
+                acts = drain.engine_stopped(now(), relayed=ingress.relayed_inflight)
+                if acts:
+                    continue
+            with trio.move_on_at(drain.next_deadline()):
+                await ingress.wait_inflight_change()
+            acts = drain.update(
+                now(), engine=ingress.local_inflight, relayed=ingress.relayed_inflight
+            )
 
     async def _wake_engine(self) -> bool:
         """The data plane's way to wake our sleeping engine (``EngineService.wake``)."""
@@ -587,6 +647,7 @@ class Agent:
             return await trio.to_thread.run_sync(self.job_end_now, job.job_id)
 
         def end_moved(end_time: float) -> None:
+            self._job_end = end_time
             gossip.relabel(JOB_END_LABEL, (lease_label(end_time),))
 
         nursery.start_soon(

@@ -102,7 +102,8 @@ class AgentConfig:
     leave_linger_s: float = 1.0  # keep gossiping our LEFT entry this long on shutdown
     http_shutdown_grace_s: float = 2.0  # let in-flight HTTP requests finish on shutdown
     keyring_poll_s: float = 1.0  # notice edits of the cluster keyring file this fast
-    # On leave, requests our engine accepted get this long to finish before it is stopped.
+    # On leave, requests in flight to our engine get this long (from the signal) to finish;
+    # then those left are handed over by stream resume (``engine.drain``; agent.py).
     drain_timeout_s: float = 30.0
     # Put the engine to sleep after this long without requests (vLLM's sleep mode); None: never.
     sleep_after_s: float | None = None

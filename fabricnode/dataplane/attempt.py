@@ -246,9 +246,23 @@ class Attempts:
             local=True,
         )
         if failed is not None:
-            # Our own engine failed before answering: tell the ingress to fail over.
             self._forwards_served("failed").inc()
-            await send_error(conn, 502, f"engine failed: {failed}", "engine_unavailable", path=path)
+            if failed.kind == failure.LEAVING:
+                # Handed over as this node leaves: a 503, which the ingress fails over without
+                # counting an engine failure against the request (the poison guard).
+                await send_error(
+                    conn,
+                    503,
+                    "node is leaving: the request was handed over",
+                    "node_unavailable",
+                    extra=[(b"retry-after", b"%d" % self.config.retry_after_s)],
+                    path=path,
+                )
+            else:
+                # Our own engine failed before answering: tell the ingress to fail over.
+                await send_error(
+                    conn, 502, f"engine failed: {failed}", "engine_unavailable", path=path
+                )
             return True
         self._forwards_served("served").inc()
         return not job.close

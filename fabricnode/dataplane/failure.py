@@ -33,6 +33,7 @@ NO_RESPONSE = "no_response"  # sent; no response head within the first-byte time
 DOWN = "down"  # sent; the node or its engine went down while the request waited
 STATUS = "status"  # answered with a status the ingress fails over (``RETRYABLE_STATUS``)
 HEAD_OUT = "head_out"  # a continuation or held stream got an answer that cannot follow its head
+LEAVING = "leaving"  # sent; our own engine's exchange was handed over (the node drains)
 # Not failures of the node: the attempt ends for another reason and the loop goes on.
 RESUME = "resume"  # the stream broke mid-answer and a continuation is ready
 PREEMPTED = "preempted"  # the batch gate took the attempt back under interactive pressure
@@ -86,6 +87,10 @@ def answered(status: int) -> Failed:
     """A node answered ``status``, one the ingress fails over."""
     return Failed(STATUS, f"node answered {status}", status)
 
+
+# Why the watchdog broke off an exchange with our own engine at the drain's deadline
+# (``Relay.hand_over``): the exchange fails as ``LEAVING``, not as an engine that went down.
+HANDED_OVER = "handed over: the node is leaving"
 
 # The two outcomes that are not a node's failure, made once and compared by identity.
 RESUMED = Failed(RESUME, "the stream broke; a continuation is ready")

@@ -284,6 +284,7 @@ class Ingress:
         self._batch_waiting = LabelCache(self.metrics.batch_waiting)
         self._waiting_labels: set[str] = set()  # batch_waiting labels set so far
         self.requests = 0
+        self.answering = 0  # interactive requests in ``_dispatch`` now
         self.retries = 0
         # The client side: accepting within the limits, one task per connection, each
         # request it reads handed to ``_handle``.
@@ -332,9 +333,21 @@ class Ingress:
     def leaving(self, leaving: bool) -> None:
         self.attempts.leaving = leaving
 
-    async def wait_local_idle(self) -> None:
-        """Return once no request is in flight to our own engine."""
-        await self.relay.wait_local_idle()
+    @property
+    def relayed_inflight(self) -> int:
+        """Interactive requests this ingress is answering now, on any node (a leaving node's
+        drain keeps its doors open for them: ``engine.drain``; batch-tier work, such as this
+        agent's own Batch API worker's, is not waited for)."""
+        return self.answering
+
+    async def wait_inflight_change(self) -> None:
+        """Return once a request in flight (to our engine or another node) ended."""
+        await self.relay.wait_inflight_change()
+
+    def hand_over(self) -> int:
+        """A leaving node's drain is over: break off the requests still running on our own
+        engine, for their ingresses to continue them elsewhere (``Relay.hand_over``)."""
+        return self.relay.hand_over()
 
     # == statistics ==========================================================================
 
@@ -718,6 +731,8 @@ class Ingress:
         observed = -1  # candidates for the first attempt, observed when the request is done
         refusal = ""  # why the batch gate sent the request away (GATE_FULL, GATE_TIMEOUT)
         slot = job.slot  # a batch request's (``tiers``); None for an interactive one
+        if slot is None:
+            self.answering += 1
         try:
             while fo.may_try(now := self.clock.now() if tried else job.started):
                 wall = self.wall_clock()  # load reports carry wall-clock times
@@ -856,6 +871,9 @@ class Ingress:
             self._account(job, observed)
             raise
         finally:
+            if slot is None:
+                self.answering -= 1
+                self.relay.notify()  # a leaving node's drain may be waiting for the last one
             if job.transcript is not None:
                 job.transcript.release()
             if slot is not None and slot.node is not None:  # left between admission and attempt

@@ -18,10 +18,14 @@ an attempt that failed returns why (a string) and the ingress tries the next nod
 
 What it counts while an attempt is in flight: our requests per node (``remote_inflight``, read
 by routing's load scores), those to our own engine (``local_inflight``, which the engine service
-publishes as the node's ``inflight`` load; ``wait_local_idle`` waits for none), and the prompt
+publishes as the node's ``inflight`` load), and the prompt
 on the node's prefill clock (``prefill``): a stream's first token corrects the clock when it
 comes late, and one sent to a node with nothing ahead samples the node's prefill rate. An
-attempt ending wakes the requests the pending-aware hold keeps (``release``).
+attempt ending wakes the requests the pending-aware hold keeps (``release``) and a leaving
+node's drain (``wait_inflight_change``). At the drain's deadline ``hand_over`` breaks off the
+exchanges with our own engine still running: each ends as if the engine had failed, so the
+ingress holding the client resumes the stream on another node (or, for a request we serve for
+another ingress, breaks it for that ingress to resume).
 
 The ingress reaches ``exchange`` through ``attempt.Attempts``, which returns its coroutine
 rather than awaiting it: no level of ``await`` is added on the way.
@@ -158,7 +162,9 @@ class Relay:
         self.local_inflight = 0  # requests in flight to our own engine
         self.local_served = 0  # requests sent to our own engine, ever (its idle clock)
         self.broken_streams = 0
-        self._local_idle: trio.Event | None = None  # for wait_local_idle, made on demand
+        # Exchanges with our own engine (``hand_over`` breaks them off).
+        self._local: set[Exchange] = set()
+        self._changed: trio.Event | None = None  # for wait_inflight_change, made on demand
         # Requests the pending-aware hold keeps (``Ingress._hold``) wait on ``released``, set
         # (and replaced) when an attempt ends while any is held.
         self.holders = 0
@@ -170,14 +176,29 @@ class Relay:
             released, self.released = self.released, trio.Event()
             released.set()
 
-    async def wait_local_idle(self) -> None:
-        """Return once no request is in flight to our own engine."""
-        if self.local_inflight == 0:
-            await trio.lowlevel.checkpoint()
-            return
-        if self._local_idle is None:
-            self._local_idle = trio.Event()  # set by exchange when the last one ends
-        await self._local_idle.wait()
+    async def wait_inflight_change(self) -> None:
+        """Return once an attempt ended, or a request was answered (``notify``)."""
+        if self._changed is None:
+            self._changed = trio.Event()  # set by exchange when an attempt ends
+        await self._changed.wait()
+
+    def notify(self) -> None:
+        """Wake ``wait_inflight_change``."""
+        changed = self._changed
+        if changed is not None:
+            self._changed = None
+            changed.set()
+
+    def hand_over(self) -> int:
+        """Break off every exchange with our own engine (module docstring); how many."""
+        expire = self.watchdog.expire
+        n = 0
+        for ex in list(self._local):
+            watch = ex.watch
+            if watch is not None and ex.sock is not None:
+                expire(watch, failure.HANDED_OVER)
+                n += 1
+        return n
 
     async def exchange(
         self,
@@ -220,8 +241,10 @@ class Relay:
                 due = prefill.due(sid)
                 # A batch prompt's first token also waits for interactive ones: no sample.
                 sample = was_idle and slot is None
+        ex = Exchange(self.pool, self.watchdog, origin)
+        if local:
+            self._local.add(ex)
         try:
-            ex = Exchange(self.pool, self.watchdog, origin)
             try:
                 await ex.start(
                     request,
@@ -292,16 +315,14 @@ class Relay:
                     self.prefill.observe(sid, tokens, first_at - sent_at)
             if local:
                 self.local_inflight -= 1
-                idle = self._local_idle
-                if self.local_inflight == 0 and idle is not None:
-                    self._local_idle = None
-                    idle.set()
+                self._local.discard(ex)
             else:
                 n = inflight.get(sid, 1) - 1
                 if n > 0:
                     inflight[sid] = n
                 else:
                     inflight.pop(sid, None)
+            self.notify()
             self.release()
 
     async def _relay_body(

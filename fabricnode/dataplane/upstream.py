@@ -267,6 +267,8 @@ class Exchange:
                             raise ClientGone from None
                         if expired == "timeout":
                             raise UpstreamError("no response", failure.NO_RESPONSE) from None
+                        if expired == failure.HANDED_OVER:
+                            raise UpstreamError(expired, failure.LEAVING) from None
                         raise UpstreamError("node or engine went down", failure.DOWN) from None
                     if reused:
                         raise _Stale from None

@@ -21,17 +21,26 @@ Whether the engine orders its queue by the requests' ``priority`` field
 (``EngineCommand.priority_scheduling``) is read the same way: vLLM or the simulated engine (from
 ``--sim``, or ``python -m fabricnode.simengine`` given as the command) with
 ``--scheduling-policy priority`` (vLLM's flag; the simulated engine takes it too).
+
+The engine's own shutdown grace (``shutdown_grace_s``): what it does with the requests it runs
+when it gets SIGTERM, which on Slurm comes to every process of the job step at once, the engine
+as well as the agent. vLLM (0.32) aborts them at once unless ``--shutdown-timeout N`` lets them
+finish for up to N s (it refuses new ones meanwhile); the simulated engine finishes them for
+``--shutdown-grace-s`` (5 s by default). ``with_shutdown_grace`` adds the option to a command
+that does not give it, so that the engine outlasts the agent's drain (``engine.drain``); a
+command that gives it keeps its own. Other engines are left as they are.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import re
 import socket
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from fabricnode.addr import WILDCARD_HOSTS, split_hostport
 from fabricnode.errors import ConfigError
@@ -112,6 +121,62 @@ def _simengine_start(argv: Sequence[str]) -> int:
         if token == "-m" and argv[i + 1] == SIM_MODULE and _is_python(argv[:i]):
             return i + 2
     return -1
+
+
+def _sim_start(argv: Sequence[str]) -> int:
+    """Where the simulated engine's own arguments start in ``argv`` (``--sim``, ``python -m
+    fabricnode.simengine``, ``fabric sim-engine``), else -1."""
+    start = _simengine_start(argv)
+    if start >= 0:
+        return start
+    for i, token in enumerate(argv[:-1]):
+        if os.path.basename(token) == "fabric" and argv[i + 1] == "sim-engine":
+            return i + 2
+    return -1
+
+
+# The engines' shutdown options and their defaults (module docstring).
+VLLM_SHUTDOWN_OPTION = "--shutdown-timeout"
+SIM_SHUTDOWN_OPTION = "--shutdown-grace-s"
+SIM_DEFAULT_GRACE_S = 5.0
+
+
+def shutdown_grace_s(command: EngineCommand) -> float | None:
+    """How long the engine lets running requests finish after SIGTERM, as its command says
+    (0: it aborts them); None for an engine whose rules we do not know."""
+    if command.kind == VLLM:
+        _, start = detect_kind(command.argv)
+        option, default = VLLM_SHUTDOWN_OPTION, 0.0
+    else:
+        start = _sim_start(command.argv)
+        if start < 0:
+            return None
+        option, default = SIM_SHUTDOWN_OPTION, SIM_DEFAULT_GRACE_S
+    try:
+        values = option_values(command.argv[start:], option)
+        return default if values is None else max(0.0, float(values[-1]))
+    except (ConfigError, ValueError):
+        return None
+
+
+def with_shutdown_grace(command: EngineCommand, grace_s: float) -> EngineCommand:
+    """``command`` with the engine's shutdown option set to ``grace_s`` (whole seconds, up)
+    when it is vLLM or the simulated engine and does not set it itself."""
+    if command.kind == VLLM:
+        _, start = detect_kind(command.argv)
+        option = VLLM_SHUTDOWN_OPTION
+    else:
+        start = _sim_start(command.argv)
+        if start < 0:
+            return command
+        option = SIM_SHUTDOWN_OPTION
+    try:
+        if option_values(command.argv[start:], option) is not None:
+            return command
+    except ConfigError:
+        return command
+    argv = (*command.argv, option, str(math.ceil(grace_s)))
+    return replace(command, argv=argv)
 
 
 def _is_python(before: Sequence[str]) -> bool:

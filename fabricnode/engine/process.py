@@ -3,7 +3,10 @@
 The engine command is run exactly as given (argv, no shell) in its own process group, so that
 stopping it reaches every process it started (vLLM and SGLang fork workers). Three paths end it:
 
-* we stop it: SIGTERM to the whole group, SIGKILL to the group after ``kill_after_s``;
+* we stop it: SIGTERM to the whole group, SIGKILL to the group after ``kill_after_s`` (the
+  engine's own shutdown grace and a margin: ``service.stop_timeout_s``), or after at most
+  ``SHORT_KILL_AFTER_S`` when there is nothing to wait for: the task running it is cancelled
+  (a second signal: at once), or the engine is hung;
 * it exits by itself: the caller learns the exit code from ``wait``;
 * the agent dies without cleaning up (kill -9, OOM): the child was started with the Linux
   parent-death signal (``PR_SET_PDEATHSIG`` = SIGKILL), so the kernel kills it; its own
@@ -47,6 +50,7 @@ log = logging.getLogger("fabricnode.engine.service")
 
 PR_SET_PDEATHSIG = 1
 MAX_LINE_BYTES = 64 * 1024
+SHORT_KILL_AFTER_S = 10.0
 TAIL_LINES = 20  # the engine's last output lines, kept for its error (``last_error``)
 MAX_TAIL_CHARS = 400
 
@@ -161,7 +165,7 @@ class EngineProcess:
                     nursery.cancel_scope.cancel()
             except BaseException:
                 with trio.CancelScope(shield=True):
-                    await self.stop()
+                    await self.stop(min(self.kill_after_s, SHORT_KILL_AFTER_S))
                 raise
             return code
         finally:
@@ -249,17 +253,20 @@ class EngineProcess:
         except (ProcessLookupError, PermissionError):
             pass
 
-    async def stop(self) -> int | None:
-        """SIGTERM the process group, SIGKILL it after ``kill_after_s``; returns the exit code."""
+    async def stop(self, kill_after_s: float | None = None) -> int | None:
+        """SIGTERM the process group, SIGKILL it after ``kill_after_s`` (default: the
+        process's); returns the exit code."""
         proc = self._process
         if proc is None:
             return None
+        if kill_after_s is None:
+            kill_after_s = self.kill_after_s
         if proc.returncode is None:
             self.signal_group(signal.SIGTERM)
-            with trio.move_on_after(self.kill_after_s):
+            with trio.move_on_after(kill_after_s):
                 await self._wait()
             if proc.returncode is None:
-                log.warning("engine ignored SIGTERM for %.0f s: SIGKILL", self.kill_after_s)
+                log.warning("engine ignored SIGTERM for %.0f s: SIGKILL", kill_after_s)
         self._kill_group()  # whatever the leader did, no member of its group may outlive it
         with trio.CancelScope(shield=True):
             code = await self._wait()

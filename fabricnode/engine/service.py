@@ -22,7 +22,13 @@ well under a second. A missed health check is not a death: ``liveness.EngineLive
 process group using CPU, its token counters moving). A busy engine stays SERVING, for at most
 ``busy_limit_s`` without an answer; only a hang (no answer and no progress, or busy past that)
 is DOWN, with the verdict's reason on the entry and in the log, and the hung child is stopped.
-On shutdown the agent signs LEFT first, then calls ``stop``.
+On shutdown the agent signs LEFT first and calls ``begin_drain``, then ``stop`` once the drain
+says so (``engine.drain``). While it drains, the engine is never stopped or restarted by this
+service: Slurm signalled it too, so it refuses new connections (no answer to ``/health``, no
+``/metrics``) and may use little CPU while it finishes its streams, which is not a hang.
+``stop`` sends SIGTERM and waits ``kill_after_s`` before SIGKILL: by default the engine's own
+shutdown grace (``command.shutdown_grace_s``) plus ``KILL_MARGIN_S``, at least
+``MIN_KILL_AFTER_S``; a hung engine has nothing to finish and gets ``SHORT_KILL_AFTER_S``.
 
 With ``sleep_after_s`` the serving engine is put to sleep after that long without requests and
 woken by the next one (``sleep``: ``EngineSleep``; the agent hands ``wake`` to the data plane).
@@ -45,7 +51,7 @@ import httpx
 import orjson
 import trio
 
-from fabricnode.engine.command import EngineCommand, option_values
+from fabricnode.engine.command import EngineCommand, option_values, shutdown_grace_s
 from fabricnode.engine.liveness import EngineLiveness, Health
 from fabricnode.engine.metrics import engine_load, parse_samples, progress_total
 from fabricnode.engine.models import (
@@ -55,7 +61,13 @@ from fabricnode.engine.models import (
     read_listing,
     room_for_models,
 )
-from fabricnode.engine.process import EngineError, EngineProcess, group_cpu_seconds, wait_ready
+from fabricnode.engine.process import (
+    SHORT_KILL_AFTER_S,
+    EngineError,
+    EngineProcess,
+    group_cpu_seconds,
+    wait_ready,
+)
 from fabricnode.engine.sleep import EngineSleep
 from fabricnode.mesh.registry import MAX_LABEL_VALUE, EngineInfo, State
 from fabricnode.mesh.schema import (
@@ -70,6 +82,15 @@ from fabricnode.mesh.service import GossipService
 log = logging.getLogger("fabricnode.engine.service")
 
 RESTART_POLICIES = ("no", "on-failure", "always")
+MIN_KILL_AFTER_S = 10.0
+KILL_MARGIN_S = 5.0  # past the engine's own grace: its teardown
+
+
+def stop_timeout_s(command: EngineCommand) -> float:
+    """How long ``stop`` waits after SIGTERM before SIGKILL: the engine's own shutdown grace
+    and a margin, so the agent never undercuts it."""
+    grace = shutdown_grace_s(command) or 0.0
+    return max(MIN_KILL_AFTER_S, grace + KILL_MARGIN_S)
 
 
 @dataclass(frozen=True)
@@ -96,7 +117,7 @@ class EngineService:
         health_interval_s: float = 1.0,
         unhealthy_after: int = 3,
         busy_limit_s: float = 120.0,
-        kill_after_s: float = 10.0,
+        kill_after_s: float | None = None,
         restart: str = "no",
         max_restarts: int = 3,
         restart_backoff_s: float = 1.0,
@@ -119,6 +140,8 @@ class EngineService:
         self.liveness = self._new_liveness()
         self.busy_episodes = 0  # times the engine was found busy, not dead
         self.log_path = log_path
+        if kill_after_s is None:
+            kill_after_s = stop_timeout_s(command)
         self.kill_after_s = kill_after_s
         self.restart = restart
         self.max_restarts = max_restarts
@@ -134,6 +157,7 @@ class EngineService:
         self.process = self._new_process()
         self.state = "loading"
         self.stopping = False
+        self.draining = False  # the node leaves: only ``stop`` ends the engine now
         self.scrapes = 0
         self.scrape_errors = 0
         self.model_reads = 0
@@ -182,8 +206,8 @@ class EngineService:
                     nursery.start_soon(self._serve, client)
                     await self.process.exited.wait()
                     nursery.cancel_scope.cancel()
-                if self.stopping:
-                    return
+                if self.stopping or self.draining:
+                    return  # exited while the node drains (Slurm signalled it too): no restart
                 code = self.process.returncode
                 self._mark_down(f"engine exited with status {code}")
                 if not self._should_restart(code):
@@ -204,6 +228,11 @@ class EngineService:
             return False
         return self.restart == "always" or code != 0
 
+    def begin_drain(self) -> None:
+        """The node leaves: from now on the engine is stopped by ``stop`` only (no verdict of
+        the health checks stops it, no exit restarts it)."""
+        self.draining = True
+
     async def stop(self) -> None:
         """Stop the child (after the agent signed LEFT): group SIGTERM, then SIGKILL."""
         self.stopping = True
@@ -217,7 +246,7 @@ class EngineService:
             models = await wait_ready(url, client=client, exited=self.process.exited)
         except EngineError:
             return  # the exit watcher marks DOWN
-        if self.stopping:
+        if self.stopping or self.draining:
             return
         version = await self._engine_version(client)
         changes = self._models_changes(Listing(tuple(models), 0))
@@ -251,7 +280,7 @@ class EngineService:
         # Hung: DOWN first (routing stops at once), then stop the child; the exit watcher
         # will see it exit and leave DOWN as it is.
         self._mark_down(f"engine hung: {why}")
-        await self.process.stop()
+        await self.process.stop(min(self.kill_after_s, SHORT_KILL_AFTER_S))  # no grace to honour
 
     async def wake(self) -> bool:
         """Wake the engine if it sleeps (``sleep.EngineSleep.wake``); True once awake."""
@@ -272,6 +301,7 @@ class EngineService:
         engine's progress (``liveness``) until it is hung; returns why."""
         liveness = self.liveness
         busy = False
+        quiet = False  # logged that a draining engine stopped answering
         while True:
             await trio.sleep(self.health_interval_s)
             try:
@@ -287,6 +317,15 @@ class EngineService:
                 cpu = await trio.to_thread.run_sync(group_cpu_seconds, pid)
                 liveness.cpu(trio.current_time(), cpu)
             verdict = liveness.verdict(trio.current_time())
+            if self.draining:
+                if verdict.health is not Health.HEALTHY and not quiet:
+                    quiet = True
+                    log.info(
+                        "engine %s; the node drains: the engine is shutting down on its own "
+                        "signal and is left to finish its requests",
+                        verdict.reason,
+                    )
+                continue
             if verdict.health is Health.HUNG:
                 return verdict.reason
             if verdict.health is Health.BUSY and not busy:

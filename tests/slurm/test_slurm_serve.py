@@ -34,7 +34,7 @@ from fabricnode.agent import AgentAddresses, parse_ready_lines
 from fabricnode.control.client import AdminClient
 from fabricnode.errors import AgentApiError
 from tests.support import REPO
-from tests.support.meshload import run_load, sim_engine_args
+from tests.support.meshload import run_load, run_streams, sim_engine_args
 from tests.support.slurmcluster import SlurmCluster
 
 WRAPPER = REPO / "slurm" / "fabric-serve.sbatch"
@@ -159,7 +159,7 @@ def test_wrapper_passes_agent_options_and_counts_gpus_from_job_gpu_ids(tmp_path:
             "sim",
             [
                 *("{fabric}", "sim-engine", "--model", "m", "--gpu", "L4"),
-                *("--shutdown-grace-s", "30", "--port", "40001"),
+                *("--port", "40001"),
             ],
         ),
         (
@@ -754,6 +754,50 @@ def test_preempted_job_drains_its_requests_and_users_fail_over(jobs: Jobs, mesh:
     assert state == "COMPLETED"  # the agent finished draining within the grace time
     jobs.cluster.wait_state(high.job_id, ["RUNNING", "COMPLETED"], 20)
     wait_gone(mesh.workdir, job.job_id, 15)
+
+
+TOKENS = 70  # about 20 s a stream, ten at once, on the test machine
+
+
+@slow
+def test_scancel_signal_term_of_a_job_streaming_ten_answers_finishes_all_ten(
+    jobs: Jobs, mesh: LocalMesh
+) -> None:
+    """Issue 39: the elastic controller drains a replica with ``scancel --signal=TERM``; Slurm
+    signals every process of the step, the engine too. Ten streams (five through another
+    agent's ingress, five through the job's own) of about 20 s each, which outlast what used to
+    end them (the engine, refusing connections once signalled, taken for hung and killed 10 s
+    later): every one ends whole on the job's node. The drain deadline is raised to 60 s so
+    that a slow machine does not turn this into the hand-over case."""
+    ingress = mesh.agents[0]
+    job = jobs.submit(
+        "--gres=gpu:1",
+        *("-p", "high"),
+        agent=(*HERMETIC, "--drain-timeout", "60"),
+        engine_args=("--slowdown", "40"),
+    )
+    jobs.cluster.wait_state(job.job_id, "RUNNING", 20)
+    addrs = job.wait_agent(jobs.cluster)
+    wait_state([ingress], job.session_id, "serving", JOIN_WITHIN_S)
+    urls = [ingress.http_url] * 5 + [addrs.http_url] * 5
+    # On the job's node for sure (the module's mesh may have a backup of the model on A100s).
+    pinned = {"X-Fabric-Require": "gpu=H100"}
+    threads, results = run_streams(urls, MODEL, max_tokens=TOKENS, headers=pinned)
+
+    t0 = time.monotonic()
+    jobs.cluster.scancel(job.job_id, signal="TERM")
+    wait_state([ingress], job.session_id, "left", LEFT_WITHIN_S)
+    for t in threads:
+        t.join(90)
+    took = time.monotonic() - t0
+    state = jobs.cluster.wait_state(job.job_id, ["COMPLETED", "CANCELLED"], 60)
+    print(f"\nslurm-serve: scancel --signal=TERM -> 10 streams whole in {took:.1f} s; job {state}")
+    for r in results:
+        assert r.status == 200 and r.node == job.session_id, r
+        assert r.done and not r.errors and r.words == TOKENS, r
+    job.wait_logged("left the mesh", 30)
+    assert "SIGKILL" not in job.agent_log
+    assert "10 requests were in flight to the engine, 0 of them handed over" in job.agent_log
 
 
 @slow

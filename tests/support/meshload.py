@@ -7,14 +7,17 @@ together with its start time, so a recycled pid is never mistaken for the proces
 
 from __future__ import annotations
 
+import http.client
+import json
 import os
 import shlex
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -97,6 +100,93 @@ def run_load(
             return post
 
         return Counter(closed_loop([client(n) for n in range(clients)], stop))
+
+
+# -- streams -------------------------------------------------------------------------------
+
+
+@dataclass
+class Stream:
+    """One streamed chat answer as the client saw it."""
+
+    status: int = 0
+    node: str = ""
+    words: int = 0
+    done: bool = False  # ended with [DONE]
+    errors: list[str] = field(default_factory=list)
+
+
+def stream_chat(
+    url: str,
+    model: str,
+    i: int,
+    max_tokens: int,
+    started: threading.Semaphore,
+    headers: dict[str, str] | None = None,
+) -> Stream:
+    """One streamed chat request to ``url`` (with ``headers``: ``X-Fabric-Require`` ...);
+    ``started`` is released at its first event (or when it failed before one)."""
+    out = Stream()
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": f"tell story number {i}"}],
+        "max_tokens": max_tokens,
+        "stream": True,
+    }
+    parts = urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=60)
+    text: list[str] = []
+    try:
+        conn.request(
+            "POST",
+            "/v1/chat/completions",
+            json.dumps(body),
+            {"content-type": "application/json", **(headers or {})},
+        )
+        r = conn.getresponse()
+        out.status, out.node = r.status, r.getheader("x-fabric-node") or ""
+        first = True
+        while line := r.readline():
+            data = line.decode().strip()
+            if not data.startswith("data: "):
+                continue
+            if first:
+                started.release()
+                first = False
+            if data == "data: [DONE]":
+                out.done = True
+                continue
+            event = json.loads(data[6:])
+            if "error" in event:
+                out.errors.append(str(event["error"]))
+            elif event.get("choices"):
+                text.append(event["choices"][0]["delta"].get("content") or "")
+    except (OSError, http.client.HTTPException) as exc:
+        out.errors.append(repr(exc))
+    finally:
+        conn.close()
+        started.release()  # also when it failed before its first event: the test goes on
+    out.words = len("".join(text).split())
+    return out
+
+
+def run_streams(
+    urls: list[str], model: str, max_tokens: int, headers: dict[str, str] | None = None
+) -> tuple[list[threading.Thread], list[Stream]]:
+    """One streamed chat request to each of ``urls``, each in a thread; returns once every one
+    has its first event (join the threads, then read the results)."""
+    results: list[Stream] = [Stream() for _ in urls]
+    started = threading.Semaphore(0)
+
+    def one(i: int) -> None:
+        results[i] = stream_chat(urls[i], model, i, max_tokens, started, headers)
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(urls))]
+    for t in threads:
+        t.start()
+    for _ in threads:
+        assert started.acquire(timeout=30), "a stream did not start"
+    return threads, results
 
 
 # -- processes ------------------------------------------------------------------------------

@@ -102,6 +102,7 @@ KINDS = {
     failure.NO_RESPONSE,
     failure.DOWN,
     failure.HEAD_OUT,
+    failure.LEAVING,  # handed over by a draining node: sent, and not the engine's fault
 }
 
 

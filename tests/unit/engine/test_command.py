@@ -17,8 +17,11 @@ from fabricnode.engine.command import (
     free_port,
     inspect_engine_cmd,
     option_values,
+    shutdown_grace_s,
     sim_engine_command,
+    with_shutdown_grace,
 )
+from fabricnode.engine.service import stop_timeout_s
 from fabricnode.errors import ConfigError
 
 LLAMA = "meta-llama/Llama-3.1-8B-Instruct"
@@ -296,3 +299,49 @@ def test_free_port_skips_a_taken_low_port_and_falls_back_to_port_0_without_a_ran
         assert port != LOW_PORTS_FROM and port > 0
     assert free_port("127.0.0.1", ephemeral_from=0) > 0  # no usable range: port 0
     assert ephemeral_low("/nonexistent/ip_local_port_range") is None
+
+
+# -- the engine's own shutdown grace ------------------------------------------------------------
+
+
+def test_vllm_aborts_on_sigterm_unless_its_shutdown_timeout_says_otherwise() -> None:
+    assert shutdown_grace_s(inspect_engine_cmd(["vllm", "serve", LLAMA])) == 0.0
+    given = inspect_engine_cmd(["vllm", "serve", LLAMA, "--shutdown-timeout=45"])
+    assert shutdown_grace_s(given) == 45.0
+    assert shutdown_grace_s(inspect_engine_cmd(["python", "-m", "sglang.launch_server"])) is None
+
+
+def test_the_simulated_engine_grace_is_read_however_it_is_launched() -> None:
+    sim = sim_engine_command("m", "H100")
+    try:
+        assert shutdown_grace_s(sim) == 5.0  # its default
+    finally:
+        assert sim.listener is not None
+        sim.listener.close()
+    wrapper = inspect_engine_cmd(
+        ["/opt/bin/fabric", "sim-engine", "--model", "m", "--shutdown-grace-s", "30", "--port", "9"]
+    )
+    assert shutdown_grace_s(wrapper) == 30.0
+
+
+def test_with_shutdown_grace_adds_the_option_only_where_the_command_lacks_it() -> None:
+    plain = inspect_engine_cmd(["vllm", "serve", LLAMA, "--port", "9000"])
+    added = with_shutdown_grace(plain, 40.2)
+    assert added.argv == (*plain.argv, "--shutdown-timeout", "41")
+    assert added.url == plain.url and added.kind == VLLM
+    own = inspect_engine_cmd(["vllm", "serve", LLAMA, "--shutdown-timeout", "0"])
+    assert with_shutdown_grace(own, 40.0) == own  # the researcher's choice stands
+    other = inspect_engine_cmd(["python", "-m", "sglang.launch_server", "--port", "1"])
+    assert with_shutdown_grace(other, 40.0) == other
+    sim = sim_engine_command("m", "H100")
+    try:
+        assert with_shutdown_grace(sim, 40.0).argv[-2:] == ("--shutdown-grace-s", "40")
+    finally:
+        assert sim.listener is not None
+        sim.listener.close()
+
+
+def test_the_agent_waits_out_the_engines_own_grace_before_sigkill() -> None:
+    assert stop_timeout_s(inspect_engine_cmd(["vllm", "serve", LLAMA])) == 10.0
+    graced = inspect_engine_cmd(["vllm", "serve", LLAMA, "--shutdown-timeout", "30"])
+    assert stop_timeout_s(graced) == 35.0  # not 10 s: it would undercut the engine's 30 s
