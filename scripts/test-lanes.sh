@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# `make unit`: the test suite in three lanes side by side, on a 2-core machine, and two tails.
+# `make unit`: the test suite in four lanes side by side, on a 2-core machine, and two tails.
 #
 # Why these lanes: what bounds each part of the suite is different, and only side by side do
 # they keep both cores busy.
@@ -12,19 +12,22 @@
 #            engines as subprocesses on 127.0.0.1. Most of its time is waiting (an agent starting, a
 #            simulated engine pacing its tokens, gossip converging, a replay running its trace
 #            seconds), at well under a core on average, with bursts when a bench drives load.
-#   slurm    tests/slurm: a real Slurm (jobs scheduled, agents starting inside them, the elastic
-#            controller waiting out replacements) and a real vLLM on CPU; mostly waiting.
+#   slurm    tests/slurm but SLURM_ELASTIC: a real Slurm (jobs scheduled, agents starting inside
+#            them, preemption, drains) and a real vLLM on CPU; mostly waiting.
+#   slurm-elastic  SLURM_ELASTIC, on a Slurm of its own: the elastic controller waiting out
+#            time limits, takeovers, ramps and replacements; at a fifth of a core.
 #   interpreted  the data plane's tests once more on the interpreted sources (FABRIC_NATIVE=0
 #            on every tests/<kind>/dataplane folder and tests/unit/requestlog: what runs where
 #            the compiled build is missing or stale, so it must stay correct too); it starts
-#            when the compute or the Slurm lane ends, whichever is first, and takes its place.
-#   agents-late  LATE_AGENTS (the Batch API's and plan-apply agent tests), after the other of
-#            the compute and Slurm lanes ends: with them in it, the agents lane was the run's
-#            length (989 s of a fresh clone's 1,204 s) while two lanes had ended.
+#            when the compute lane or a Slurm lane ends, whichever is first.
+#   agents-late  LATE_AGENTS (the Batch API's, plan-apply and CLI agent tests), when the next of
+#            them ends: with them in it, the agents lane was the run's length (989 s of a fresh
+#            clone's 1,204 s) while two lanes had ended.
 # In two lanes (tests/slurm beside everything else, the rerun after both) the long main lane
 # spent most of its time waiting on subprocesses, with the load average under 1. Four lanes
-# from the start (tests/system split in two) overloaded the machine (load 6.8) and an agent in
-# the churn test took over a minute to start: never more than three run at once.
+# from the start with tests/system split in two overloaded the machine (load 6.8) and an agent
+# in the churn test took over a minute to start: the agent tests stay in one lane at a time
+# (agents-late starts when a lane ends), and the two Slurm lanes mostly wait.
 #
 # The lanes share no timing-sensitive resource: every test binds port 0 or its own free port,
 # each lane has its own pytest --basetemp (so none cleans up another's files), the Slurm lane
@@ -40,10 +43,14 @@ cd "$(dirname "$0")/.."
 BIN=${BIN:-.venv/bin}
 COMPUTE=(tests/unit tests/shell tests/browser)
 AGENTS=(tests/system)
-# Agent tests that wait on the Batch API's worker and on plans applied through the mesh: run
-# after the compute or the Slurm lane (see below), so the agents lane is not the run's length.
+# Agent tests that wait on the Batch API's worker, on plans applied through the mesh and on the
+# CLI's views of a mesh: run as a tail (see below), so the agents lane is not the run's length.
 LATE_AGENTS=(tests/system/test_batch_api.py tests/system/test_batch_cli.py
-    tests/system/test_plan_apply.py)
+    tests/system/test_plan_apply.py tests/system/test_cli.py)
+# The elastic controller's tests wait out Slurm time limits, takeovers and ramps (most of
+# tests/slurm's time, at a fifth of a core): a Slurm of their own, beside the rest of tests/slurm.
+SLURM_ELASTIC=(tests/slurm/test_elastic.py tests/slurm/test_elastic_qos.py
+    tests/slurm/test_dashboard_controller.py)
 SLURM=(tests/slurm)
 # Every tests/<kind>/dataplane folder, and the request log's tests (three of its modules are
 # compiled with the data plane: fabricnode.native.COMPANIONS): run again on the interpreted
@@ -81,24 +88,35 @@ cpu() { # cpu NAME: "user+sys CPU s, N cores" of a finished lane
     lane compute-system -- -m compute "${AGENTS[@]}"
 ) &
 compute=$!
-late_ignored=()
-for path in "${LATE_AGENTS[@]}"; do late_ignored+=("--ignore=$path"); done
+ignoring() { # ignoring PATH...: pytest's --ignore for each
+    local path
+    for path in "$@"; do printf -- '--ignore=%s\n' "$path"; done
+}
+mapfile -t late_ignored < <(ignoring "${LATE_AGENTS[@]}")
+mapfile -t elastic_ignored < <(ignoring "${SLURM_ELASTIC[@]}")
 lane agents -- -m "not compute" "${late_ignored[@]}" "${AGENTS[@]}" &
-lane slurm -- "${SLURM[@]}" &
+lane slurm -- "${elastic_ignored[@]}" "${SLURM[@]}" &
 slurm=$!
-# Two tails take the places of the compute and Slurm lanes as they end, the longer first: the
-# interpreted rerun (~5 min) after whichever ends first, the late agent tests (~2.5 min) after
-# the other (which ends first depends on the machine, and on whether Slurm and vLLM are there
-# at all). So never more than three lanes run at once, as before the tails.
-wait -n "$compute" "$slurm"
-after=slurm other=$compute
-[ -e "$WORK/compute-system.status" ] && after=compute other=$slurm
-lane interpreted FABRIC_NATIVE=0 -- "${DATAPLANE_TESTS[@]}" &
-wait "$other"
-lane agents-late -- -m "not compute" "${LATE_AGENTS[@]}" &
+lane slurm-elastic -- "${SLURM_ELASTIC[@]}" &
+slurm_elastic=$!
+# Two tails take the places of the compute and the two Slurm lanes as they end, the longer
+# first: the interpreted rerun (~5 min) after whichever ends first, the late agent tests (~3 min)
+# after the next (which end first depends on the machine, and on whether Slurm and vLLM are
+# there at all). The agents lane, the longest, is never followed.
+declare -A lane_of=([$compute]=compute [$slurm]=slurm [$slurm_elastic]=slurm-elastic)
+tails=("interpreted FABRIC_NATIVE=0 -- ${DATAPLANE_TESTS[*]}"
+    "agents-late -- -m not@compute ${LATE_AGENTS[*]}")
+after=()
+for tail in "${tails[@]}"; do
+    wait -n -p ended "${!lane_of[@]}"
+    after+=("${lane_of[$ended]}")
+    unset "lane_of[$ended]"
+    read -r -a args <<<"$tail"
+    lane "${args[@]//@/ }" &
+done
 wait
 
-LANES=(compute compute-system agents slurm interpreted agents-late)
+LANES=(compute compute-system agents slurm slurm-elastic interpreted agents-late)
 failed_lanes=0
 for name in "${LANES[@]}"; do
     read -r status took <"$WORK/$name.status" 2>/dev/null || { status=1 took=0; }
@@ -110,7 +128,7 @@ for name in "${LANES[@]}"; do
     read -r status took <"$WORK/$name.status" 2>/dev/null || { status=1 took=0; }
     echo "== lane $name: exit $status, $took s, $(cpu "$name")"
 done
-echo "== the interpreted lane started when the $after lane ended"
+echo "== the interpreted lane started when the ${after[0]} lane ended, agents-late after ${after[1]}"
 echo "== all lanes done after $(($(date +%s) - started)) s"
 
 # One closing line for the runs, in the plain form CI reads ("N passed, N failed").
