@@ -128,7 +128,7 @@ for name in "${LANES[@]}"; do
     read -r status took <"$WORK/$name.status" 2>/dev/null || { status=1 took=0; }
     echo "== lane $name: exit $status, $took s, $(cpu "$name")"
 done
-echo "== the interpreted lane started when the ${after[0]} lane ended, agents-late after ${after[1]}"
+echo "== interpreted started when the ${after[0]} lane ended, agents-late after ${after[1]}"
 echo "== all lanes done after $(($(date +%s) - started)) s"
 
 # One closing line for the runs, in the plain form CI reads ("N passed, N failed").
