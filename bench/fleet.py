@@ -1,7 +1,7 @@
 """Fleet economics: many models on one GPU budget, most of them idle most of the time.
 
 CPU only, one process, deterministic for a seed (a discrete-event simulation: no wall clock;
-about a minute for the default day on 2 cores). A shared cluster serves many models (the
+about two minutes of CPU for the default day). A shared cluster serves many models (the
 LLMFabric deployment served 142), with heavy-tailed popularity. The bench builds such a fleet
 from the Azure LLM conversation trace and replays one day of it under four policies:
 
