@@ -60,12 +60,14 @@ cold_start_s) + backlog left then / drain) / target_utilisation)`` replicas, in 
 alone). The backlog is the requests waiting at the serving replicas (the fresh load), each the
 mean request's work (``DemandForecaster.request``); what is left of it at the arrival time is
 what the serving replicas cannot drain meanwhile with the capacity the current demand leaves
-them. A burst that is over before then, its queue drained by the replicas there are, is no
-reason to start one. Confirmation, as SageServe confirms its forecast with
-thresholds: when the forecast asks for no more but the measured p95 TTFT is above the objective
-(``objective``), or the KV caches are nearly full or requests queue that would still queue when a
-replica arrives (``load``), and no replica is already starting, the policy adds one, at most
-once per ``confirm_cooldown_s``.
+them. The current demand is the forecast's level, or, while the replicas have queued through
+the last ``GROWTH_BASE_S`` at least, the replicas fully busy plus the queue's growth over that
+time. A burst that is over before then, its queue drained by the replicas there are, is no
+reason to start one. Confirmation, as SageServe confirms its forecast with thresholds: when the
+forecast asks for no more but the measured p95 TTFT is above the objective while a backlog
+would still be left when a replica arrives (``objective``), or the KV caches are nearly full or
+requests queue that would still queue when a replica arrives (``load``), and no replica is
+already starting, the policy adds one, at most once per ``confirm_cooldown_s``.
 
 Scale in, with hysteresis: each decision notes the count the demand (the larger of now and the
 point forecast, with the backlog left as above) needs at ``scale_in_band x target_utilisation``
