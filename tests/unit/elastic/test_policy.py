@@ -368,17 +368,50 @@ def test_scale_in_waits_for_the_hold_time_and_never_goes_below_the_minimum() -> 
     assert loop.changes[-1][1] == 2
 
 
-def test_measured_ttft_above_the_objective_adds_a_replica_the_forecast_did_not() -> None:
-    policy = ForecastPolicy(PolicyConfig(confirm_cooldown_s=30.0))
-    for t in arrivals(lambda _: 1.0, 300.0):
+def steady(rate: float = 1.0, until_s: float = 300.0, **knobs: float) -> ForecastPolicy:
+    """A policy that has seen ``rate`` requests/s of PROMPT/OUTPUT tokens until ``until_s``."""
+    policy = ForecastPolicy(PolicyConfig(**knobs))
+    for t in arrivals(lambda _: rate, until_s):
         policy.observe_arrival(t, PROMPT)
+        policy.observe_completion(t, OUTPUT)
+    return policy
+
+
+def test_measured_ttft_above_the_objective_adds_a_replica_only_for_a_lasting_backlog() -> None:
+    # 1 req/s keeps 0.3 of a replica busy: 3 replicas drain 2.7 replica-s of queue a second,
+    # 162 in the 60 s cold start; 900 requests of 0.3 replica-s (270) outlast it
+    policy = steady(confirm_cooldown_s=30.0, backlog_drain_s=1e6)  # the backlog asks ~nothing
     s = state(replicas=3)
     assert policy.desired_replicas(300.0, s).replicas == 3
     policy.observe_ttft(301.0, 5.0)
+    policy.observe_load(301.0, LoadSample((0.3,) * 3, (300, 300, 300)))
     assert policy.desired_replicas(301.0, s) == Decision(4, "objective")
     # once, then the cool-down; and never while a replica is already starting
     assert policy.desired_replicas(310.0, s).replicas == 3
     assert policy.desired_replicas(340.0, state(replicas=4, starting=1)).replicas == 4
+    # late first tokens of a queue the replicas drain before a new one would serve (a burst
+    # shorter than the cold start): no reason
+    other = steady(confirm_cooldown_s=30.0)
+    other.observe_ttft(301.0, 5.0)
+    other.observe_load(301.0, LoadSample((0.3,) * 3, (5, 5, 5)))
+    assert other.desired_replicas(301.0, s) == Decision(3)
+
+
+def test_a_queue_s_growth_is_demand_only_while_the_replicas_queued_all_along() -> None:
+    """6 req/s keep 1.8 of 3 replicas busy. A queue of 90 that appeared since the last sample
+    is the arrivals' own burstiness: the 3 drain it before a new replica would serve, so the
+    ask is the one without a queue. The same queue grown from 30 over 10 s of queueing is
+    demand beyond them (6 req/s more): replicas for it, at once."""
+    s = state(replicas=3, cold_start_s=60.0)
+    calm, blip, growing = steady(6.0), steady(6.0), steady(6.0)
+    for policy, before in ((calm, 0), (blip, 0), (growing, 10)):
+        policy.observe_load(300.0, LoadSample((0.5,) * 3, (before,) * 3))
+    calm.observe_load(310.0, LoadSample((0.5,) * 3, (0,) * 3))
+    blip.observe_load(310.0, LoadSample((0.5,) * 3, (30,) * 3))
+    growing.observe_load(310.0, LoadSample((0.5,) * 3, (30,) * 3))
+    assert blip.desired_replicas(310.0, s) == calm.desired_replicas(310.0, s)
+    d = growing.desired_replicas(310.0, s)
+    assert d.reason == "backlog" and d.replicas >= 5, d
 
 
 def test_full_kv_caches_or_queues_add_a_replica_for_load() -> None:
