@@ -202,11 +202,18 @@ def _requests_for(
 
 @dataclass(frozen=True)
 class Poll:
-    """One poll of the agents' logs: the sums per model and how many agents answered."""
+    """One poll of the agents' logs: the sums per model, how many agents were asked, how many
+    answered and, of those, how many were counted (a first answer only places the cursor)."""
 
     sums: Mapping[str, ModelSums]
     asked: int
     answered: int
+    counted: int = 0
+
+    @property
+    def complete(self) -> bool:
+        """Every agent asked was counted: the sums are all that ended since the last poll."""
+        return self.asked > 0 and self.counted == self.asked
 
 
 @dataclass
@@ -241,14 +248,16 @@ class WorkloadPoller:
             for sid, url in agents:
                 nursery.start_soon(one, sid, url)
         sums: dict[str, ModelSums] = {}
+        counted = 0
         for sid, (cursor, models) in answers.items():
             fresh = sid in self._cursors  # a first answer only places the cursor
             self._cursors[sid] = (cursor, now)
             if not fresh:
                 continue
+            counted += 1
             for model, row in models.items():
                 sums[model] = sums.get(model, ModelSums()) + row
-        return Poll(sums, len(agents), len(answers))
+        return Poll(sums, len(agents), len(answers), counted)
 
 
 def agent_urls(core: MeshCore) -> list[tuple[str, str]]:
