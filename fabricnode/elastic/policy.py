@@ -57,15 +57,24 @@ Scale out, for the demand the new replica will meet (``need``): a replica submit
 from ``now + cold_start_s``, so the policy asks for ``ceil((work(upper forecast at now +
 cold_start_s) + backlog left then / drain) / target_utilisation)`` replicas, in one decision
 (reason ``forecast``, or ``backlog`` when the queue is what asks for more than the forecast
-alone). The backlog is the requests waiting at the serving replicas (the fresh load), each the
-mean request's work (``DemandForecaster.request``); what is left of it at the arrival time is
-what the serving replicas cannot drain meanwhile with the capacity the current demand leaves
-them. A burst that is over before then, its queue drained by the replicas there are, is no
-reason to start one. Confirmation, as SageServe confirms its forecast with
-thresholds: when the forecast asks for no more but the measured p95 TTFT is above the objective
-(``objective``), or the KV caches are nearly full or requests queue that would still queue when a
-replica arrives (``load``), and no replica is already starting, the policy adds one, at most
-once per ``confirm_cooldown_s``.
+alone). The backlog is the requests waiting at the serving replicas (the fresh load) and those
+the ingresses hold for a replica (``observe_held``), each the mean request's work
+(``DemandForecaster.request``); what is left of it at the arrival time is what the serving
+replicas cannot drain meanwhile with the capacity the current demand leaves them. A burst that
+is over before then, its queue drained by the replicas there are, is no reason to start one.
+Confirmation, as SageServe confirms its forecast with thresholds: when the forecast asks for no
+more but the measured p95 TTFT is above the objective (``objective``), or the KV caches are
+nearly full or requests queue that would still queue when a replica arrives (``load``), and no
+replica is already starting, the policy adds one, at most once per ``confirm_cooldown_s``.
+
+Saturated replicas (every serving one with requests waiting or its KV cache full, in every load
+sample of the last forecast bin) do all they can: the requests ending per second over them is
+what one sustains. When that is below the capacity held (a replica taken for more than it is:
+the planner's or the default figure, before ``throughput`` learned better), the scale-out need
+is also computed at that capacity, for a demand at least what the queue's growth shows now (the
+logs count requests as they end, so the forecast cannot see above what the saturated replicas
+end); when it asks for more, that is the target (reason ``load``), every pass, as the forecast's
+and the backlog's are: several replicas at once, not one per cool-down.
 
 Scale in, with hysteresis: each decision notes the count the demand (the larger of now and the
 point forecast, with the backlog left as above) needs at ``scale_in_band x target_utilisation``
@@ -81,7 +90,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from fabricnode.elastic import need
@@ -511,6 +520,7 @@ class ForecastPolicy(_Observer):
         self._load: tuple[float, LoadSample] | None = None
         self._prev_load: tuple[float, LoadSample] | None = None
         self._ttft: tuple[float, float] | None = None
+        self._saturated_since: float | None = None  # every load sample since was saturated
         self._band: deque[tuple[float, int]] = deque()  # (time, need), needs decreasing
         self._band_since = -math.inf  # the window holds needs from here on
         self._last_out = -math.inf
@@ -525,6 +535,10 @@ class ForecastPolicy(_Observer):
     def observe_load(self, now: float, load: LoadSample) -> None:
         self._prev_load = self._load
         self._load = (self._clock(now), load)
+        if not self._saturated(load):
+            self._saturated_since = None
+        elif self._saturated_since is None:
+            self._saturated_since = self._now
 
     def observe_ttft(self, now: float, p95_s: float) -> None:
         self._ttft = (self._clock(now), p95_s)
@@ -578,6 +592,35 @@ class ForecastPolicy(_Observer):
         out, band = at(fc.upper), at(_larger(fc.now, fc.ahead))
         return out, band
 
+    def _saturated(self, load: LoadSample) -> bool:
+        """Every serving replica has requests waiting or its KV cache full."""
+        full = zip(load.waiting, load.kv_usage, strict=True)
+        return bool(load.waiting) and all(w > 0 or kv >= self.config.kv_high for w, kv in full)
+
+    def _saturated_need(
+        self, now: float, fc: Forecast, state: ReplicaState, load: LoadSample | None
+    ) -> int:
+        """The need when every serving replica is saturated (requests waiting or its KV cache
+        full): each does all it can, so the demand the logs show now (requests count when they
+        end) over them is what one sustains; when that is below the capacity held, the need of
+        the same arithmetic (``need``) at that capacity, for a demand that stays at least what
+        the queue's growth shows now. 0 unless the fleet has been saturated for a forecast bin
+        (a burst that has just arrived has not yet shown in the requests ending: the queue's
+        backlog sizes it meanwhile)."""
+        since = self._saturated_since
+        if load is None or since is None or now - since < self.config.forecast.bin_s:
+            return 0
+        cap = state.capacity
+        share = cap.work(fc.now) / len(load.waiting)
+        if not 0 < share < 1:
+            return 0
+        seen = ReplicaCapacity(cap.prefill_tokens_per_s * share, cap.decode_tokens_per_s * share)
+        out, _ = self._needs(now, fc, replace(state, capacity=seen), load)
+        # the forecast of requests that end cannot see above what the saturated replicas end
+        rate_now = self._rate_now(now, seen.work(fc.now), seen.work(self.forecaster.request()))
+        steady = need.Need(max(out.rate, rate_now), out.backlog_left, out.drain_s)
+        return state.clamp(need.replicas(steady, self.config.target_utilisation))
+
     def resume(self, since: float) -> None:
         """Count the scale-in hold from ``since`` rather than from the first decision: a
         controller that takes over passes the last scale-out as Slurm shows it (the newest job
@@ -624,8 +667,11 @@ class ForecastPolicy(_Observer):
             if target > cur:
                 self._scaled_out(now)
             return Decision(target, "bounds")
-        if out_need > cur:
+        saturated = self._saturated_need(now, fc, state, load)
+        if max(out_need, saturated) > cur:
             self._scaled_out(now)
+            if saturated > out_need:  # the capacity held is more than the replicas do
+                return Decision(saturated, "load")
             by_rate = state.clamp(replicas_for(fc.upper, cap, cfg.target_utilisation))
             return Decision(out_need, "backlog" if out_need > by_rate else "forecast")
 

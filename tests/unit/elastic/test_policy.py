@@ -411,6 +411,45 @@ def test_a_queue_left_when_a_replica_would_arrive_adds_every_replica_it_needs_at
     assert abs(d.replicas - expected) <= 1  # the forecast's headroom may add one
 
 
+def test_a_saturated_fleet_is_sized_at_the_capacity_it_shows_not_one_per_cool_down() -> None:
+    """The capacity the policy holds is ten times what a replica does (a slowed engine): the
+    forecast asks for nothing more. Both replicas queue: saturated, they do all they can, so
+    the requests ending per second over them is one replica's capacity, and the queue grows
+    by mu requests/s on top. The need at that capacity asks for several replicas at once
+    (``load``), every pass, not one per cool-down. With one replica idle the fleet is not
+    saturated (its throughput is the demand's): a confirmation adds one."""
+    mu = 1.0 / work_per_request()  # requests/s a replica really serves
+    prior = ReplicaCapacity(CAPACITY.prefill_tokens_per_s * 10, CAPACITY.decode_tokens_per_s * 10)
+    s = ReplicaState(2, 0, 1, 20, 60.0, prior)
+
+    def fed() -> ForecastPolicy:
+        policy = ForecastPolicy(PolicyConfig(confirm_cooldown_s=30.0))
+        for t in arrivals(lambda _: 2 * mu, 290.0):  # the logs: what the two complete
+            policy.observe_arrival(t, PROMPT)
+            policy.observe_completion(t, OUTPUT)
+        return policy
+
+    policy = fed()
+    grown = round(5 + 10 * mu / 2)  # a demand of 3 mu: the queue grows by mu requests/s
+    policy.observe_load(290.0, LoadSample((0.5, 0.5), (5, 5)))
+    # saturated for less than a forecast bin: a burst that may just have come, nothing yet
+    assert policy.desired_replicas(291.0, s) == Decision(2)
+    policy.observe_load(300.0, LoadSample((0.5, 0.5), (grown, grown)))
+    d = policy.desired_replicas(300.0, s)
+    # 3 mu of demand and the queue: at least 3 / 0.7 replicas
+    assert d.reason == "load" and d.replicas >= 5, d
+    # the next pass, replicas starting, the queue still growing: no more than the need
+    more = policy.desired_replicas(
+        302.0, ReplicaState(d.replicas, d.replicas - 2, 1, 20, 60, prior)
+    )
+    assert more.replicas == d.replicas
+    # one replica idle: the fleet is not saturated, its throughput is the demand's: one more
+    other = fed()
+    other.observe_load(300.0, LoadSample((0.3, 0.5), (0, 8)))
+    other.observe_ttft(300.0, 5.0)
+    assert other.desired_replicas(300.0, s) == Decision(3, "objective")
+
+
 def test_stale_signals_are_ignored() -> None:
     policy = ForecastPolicy(PolicyConfig(signal_max_age_s=30.0))
     policy.observe_ttft(0.0, 10.0)
@@ -554,4 +593,5 @@ def test_a_jump_from_one_replicas_capacity_to_four_gets_its_replicas_in_one_or_t
     first_to_four = next(i for i, u in enumerate(jump) if u[1] >= 4)
     assert first_to_four <= 1, jump  # one or two scale-ups
     assert jump[first_to_four][0] <= 625, jump  # within a cold start of the jump
-    assert any(u[2] == "backlog" for u in jump), jump
+    # by the queue: the backlog's need, or a load confirmation sized by the same need
+    assert any(u[2] in ("backlog", "load") for u in jump), jump
