@@ -23,7 +23,9 @@ Rules
     logged when they end, so they count as arrivals then;
   - the p95 TTFT of the last ``ttft_window_s`` of polls, when the service has a ``ttft_p95``
     objective (without one the policy never scales on latency);
-  - the gossiped load of the model's SERVING replicas;
+  - the gossiped load of the model's SERVING replicas, and the requests the ingresses hold
+    for it waiting for a replica (``observe.wanted_held``: the counts of their
+    ``fabric.wanted`` labels), both backlog;
   - what the controller holds (``vocab.Fleet``: serving and starting units, the learned
     cold start) and the replica's capacity: the prior (``capacity``: the planner's for a
     catalog model on its first GPU type, or the GPU type its replicas run on; else
@@ -53,6 +55,7 @@ from fabricnode.elastic.observe import (
     capacity,
     load_sample,
     serving_gpu_type,
+    wanted_held,
 )
 from fabricnode.elastic.policy import (
     Decision,
@@ -181,8 +184,10 @@ class ForecastScaler:
                     continue
                 state.policy.observe_arrivals(fed_at, sums.requests, sums.prompt_tokens_estimate)
                 state.policy.observe_completions(fed_at, sums.output_known, sums.output_tokens)
+        waiting = wanted_held(self.core)  # at the ingresses, for a replica
         for plan in following:
             state = self.models[plan.model]
+            state.policy.observe_held(now, waiting.get(plan.model, 0))
             p95 = state.ttft.p95(now)
             if p95 is not None and plan.service.ttft_p95_s is not None:
                 state.policy.observe_ttft(now, p95)

@@ -13,7 +13,9 @@ Rules
    - ``observe_load(now, LoadSample)``: the gossiped load of the serving replicas, per replica
      the KV-cache use (vLLM's ``kv_cache_usage_perc``) and waiting requests;
    - ``observe_ttft(now, p95_s)``: the p95 time to first token the controller measured over
-     its recent window.
+     its recent window;
+   - ``observe_held(now, requests)`` (``ForecastPolicy`` only): requests the ingresses hold
+     waiting for a replica (their ``fabric.wanted`` labels), backlog as the replicas' queues.
 
    A policy uses what it needs and ignores the rest, so the three policies here are
    interchangeable: ``ForecastPolicy`` (the controller's), ``ReactivePolicy`` and
@@ -520,6 +522,7 @@ class ForecastPolicy(_Observer):
         self._load: tuple[float, LoadSample] | None = None
         self._prev_load: tuple[float, LoadSample] | None = None
         self._ttft: tuple[float, float] | None = None
+        self._held: tuple[float, int] | None = None
         self._saturated_since: float | None = None  # every load sample since was saturated
         self._band: deque[tuple[float, int]] = deque()  # (time, need), needs decreasing
         self._band_since = -math.inf  # the window holds needs from here on
@@ -542,6 +545,11 @@ class ForecastPolicy(_Observer):
 
     def observe_ttft(self, now: float, p95_s: float) -> None:
         self._ttft = (self._clock(now), p95_s)
+
+    def observe_held(self, now: float, requests: int) -> None:
+        """Requests the ingresses hold for the model, waiting for a replica (their
+        ``fabric.wanted`` labels): backlog, as the requests waiting at the replicas are."""
+        self._held = (self._clock(now), max(0, requests))
 
     def _rate_now(self, now: float, forecast_now: float, per_request: float) -> float:
         """The demand now, in fully busy replicas: while the serving replicas queue, they are
@@ -575,7 +583,9 @@ class ForecastPolicy(_Observer):
         higher), with the queue the fresh load shows."""
         cap = state.capacity
         per_request = cap.work(self.forecaster.request())
-        backlog = per_request * sum(load.waiting) if load is not None else 0.0
+        fresh = self._held is not None and now - self._held[0] <= self.config.signal_max_age_s
+        held = self._held[1] if self._held is not None and fresh else 0
+        backlog = per_request * ((sum(load.waiting) if load is not None else 0) + held)
         serving = len(load.kv_usage) if load is not None else state.replicas - state.starting
         rate_now = self._rate_now(now, cap.work(fc.now), per_request)
 

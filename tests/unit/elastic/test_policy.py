@@ -450,6 +450,23 @@ def test_a_saturated_fleet_is_sized_at_the_capacity_it_shows_not_one_per_cool_do
     assert other.desired_replicas(300.0, s) == Decision(3, "objective")
 
 
+def test_requests_the_ingresses_hold_are_backlog() -> None:
+    """A model starting from zero with 400 requests held at the ingresses (their wanted labels'
+    counts): work that no replica drains before one arrives in 60 s, drained over 60 s: four
+    replicas at once. A stale count is ignored."""
+    s = ReplicaState(1, 1, 1, 20, 60.0, CAPACITY)
+    policy = ForecastPolicy()
+    assert policy.desired_replicas(0.0, s) == Decision(1)
+    policy.observe_held(1.0, 400)
+    prior = ForecastConfig()  # no request seen yet: the mean request is the priors'
+    per_request = CAPACITY.work(TokenDemand(prior.prompt_tokens_prior, prior.output_tokens_prior))
+    expected = math.ceil(400 * per_request / 60.0 / PolicyConfig().target_utilisation)
+    assert policy.desired_replicas(1.0, s) == Decision(expected, "backlog") and expected == 4
+    stale = ForecastPolicy()
+    stale.observe_held(0.0, 400)
+    assert stale.desired_replicas(100.0, s) == Decision(1)
+
+
 def test_stale_signals_are_ignored() -> None:
     policy = ForecastPolicy(PolicyConfig(signal_max_age_s=30.0))
     policy.observe_ttft(0.0, 10.0)
