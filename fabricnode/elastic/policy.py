@@ -66,8 +66,9 @@ replicas cannot drain meanwhile with the capacity the current demand leaves them
 is over before then, its queue drained by the replicas there are, is no reason to start one.
 Confirmation, as SageServe confirms its forecast with thresholds: when the forecast asks for no
 more but the measured p95 TTFT is above the objective (``objective``), or the KV caches are
-nearly full or requests queue that would still queue when a replica arrives (``load``), and no
-replica is already starting, the policy adds one, at most once per ``confirm_cooldown_s``.
+nearly full or requests queue that would still queue when a replica arrives and have queued
+for a forecast bin (``load``), and no replica is already starting, the policy adds one, at most
+once per ``confirm_cooldown_s``.
 
 Saturated replicas (every serving one with requests waiting or its KV cache full, in every load
 sample of the last forecast bin) do all they can: the requests ending per second over them is
@@ -524,6 +525,7 @@ class ForecastPolicy(_Observer):
         self._ttft: tuple[float, float] | None = None
         self._held: tuple[float, int] | None = None
         self._saturated_since: float | None = None  # every load sample since was saturated
+        self._queued_since: float | None = None  # every load sample since had requests waiting
         self._band: deque[tuple[float, int]] = deque()  # (time, need), needs decreasing
         self._band_since = -math.inf  # the window holds needs from here on
         self._last_out = -math.inf
@@ -542,6 +544,10 @@ class ForecastPolicy(_Observer):
             self._saturated_since = None
         elif self._saturated_since is None:
             self._saturated_since = self._now
+        if not sum(load.waiting):
+            self._queued_since = None
+        elif self._queued_since is None:
+            self._queued_since = self._now
 
     def observe_ttft(self, now: float, p95_s: float) -> None:
         self._ttft = (self._clock(now), p95_s)
@@ -601,6 +607,10 @@ class ForecastPolicy(_Observer):
 
         out, band = at(fc.upper), at(_larger(fc.now, fc.ahead))
         return out, band
+
+    def _queued_for(self, now: float) -> float:
+        """How long every load sample has shown requests waiting (0: none now)."""
+        return 0.0 if self._queued_since is None else now - self._queued_since
 
     def _saturated(self, load: LoadSample) -> bool:
         """Every serving replica has requests waiting or its KV cache full."""
@@ -692,10 +702,15 @@ class ForecastPolicy(_Observer):
                 reason = "objective"
             elif load is not None and (
                 load.mean_kv_usage >= cfg.kv_high
-                or (load.waiting_per_replica >= cfg.waiting_high and out.backlog_left > 0)
+                or (
+                    load.waiting_per_replica >= cfg.waiting_high
+                    and out.backlog_left > 0
+                    and self._queued_for(now) >= cfg.forecast.bin_s
+                )
             ):
                 # a queue the serving replicas drain before a new one could arrive is no
-                # reason to start one (``need``)
+                # reason to start one (``need``); nor is one younger than a forecast bin: the
+                # need at the capacity the saturated replicas show sizes it then, at once
                 reason = "load"
             if reason:
                 self._last_confirm = now
