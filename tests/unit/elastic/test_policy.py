@@ -450,6 +450,26 @@ def test_a_saturated_fleet_is_sized_at_the_capacity_it_shows_not_one_per_cool_do
     assert other.desired_replicas(300.0, s) == Decision(3, "objective")
 
 
+def test_a_queue_confirms_a_replica_only_once_it_has_lasted_a_forecast_bin() -> None:
+    """One of two replicas queues (the other idle: the fleet is not saturated), more than the
+    two drain before a replica could arrive. A queue just formed confirms nothing (the need
+    sizes a saturated fleet once it has lasted a bin; one replica added before would arrive
+    alone); one that lasted a bin adds one."""
+    policy = ForecastPolicy()
+    for t in arrivals(lambda _: 1.0, 300.0):
+        policy.observe_arrival(t, PROMPT)
+        policy.observe_completion(t, OUTPUT)
+    s = state(replicas=2)
+    policy.observe_load(300.0, LoadSample((0.2, 0.6), (0, 0)))
+    decisions = []
+    for k in range(1, 7):
+        now = 300.0 + 2.0 * k
+        policy.observe_load(now, LoadSample((0.2, 0.6), (0, 4 * k)))
+        decisions.append((now, policy.desired_replicas(now, s)))
+    assert [d for _, d in decisions[:4]] == [Decision(2)] * 4  # queued for under 10 s
+    assert (decisions[5][1].replicas, decisions[5][1].reason) == (3, "load")
+
+
 def test_requests_the_ingresses_hold_are_backlog() -> None:
     """A model starting from zero with 400 requests held at the ingresses (their wanted labels'
     counts): work that no replica drains before one arrives in 60 s, drained over 60 s: four
