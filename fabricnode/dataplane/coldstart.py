@@ -10,8 +10,9 @@ Rules
    ``RETRY_FAILED_AFTER_S`` after its arrival (the circuit breaker still ejects them).
 2. ``ReplicaRoom`` bounds the waiters: past ``max_waiting`` in all, a newcomer is refused at
    once (503 ``replica_starting``, Retry-After 30). It counts waiters per model and says when a
-   model starts or stops waiting (the agent labels its entry so that the acting controller
-   starts a replica).
+   model starts or stops waiting, or its count crosses a step of ``mesh.schema.held_step`` (the
+   agent labels its entry with the models and their counts, so that the acting controller
+   starts the replicas they need).
 3. ``ReplicaWait.poll(now, lookup)`` is the wait's one decision: the routes to dispatch to once
    one of them has an eligible node (``lookup``, the shell's route table and filters), the
    refusal once its deadline passed (503 ``replica_starting``: "no replica served within
@@ -32,6 +33,7 @@ from collections.abc import Callable, Mapping
 
 from fabricnode.dataplane.request import Rejection
 from fabricnode.dataplane.routetable import Route
+from fabricnode.mesh.schema import held_step
 
 # A request waiting for a replica after every node failed tries those nodes again after this.
 RETRY_FAILED_AFTER_S = 5.0
@@ -67,16 +69,17 @@ class ReplicaRoom:
         return None
 
     def add(self, model: str, delta: int) -> bool:
-        """One more (or fewer) waiter for ``model``: True when a model started or stopped
-        waiting (the set of models with waiters changed)."""
+        """One more (or fewer) waiter for ``model``: True when what the agent's label says
+        changed: a model started or stopped waiting, or its count crossed a step of
+        ``held_step`` (two an octave: a queue of n changes it about 2 log2 n times)."""
         waiting = self.waiting
-        before = len(waiting)
-        n = waiting.get(model, 0) + delta
+        before = waiting.get(model, 0)
+        n = before + delta
         if n > 0:
             waiting[model] = n
         else:
             waiting.pop(model, None)
-        return len(waiting) != before
+        return held_step(max(0, n)) != held_step(before)
 
     def snapshot(self) -> Mapping[str, int]:
         return dict(self.waiting)

@@ -14,6 +14,8 @@ below it, and nothing imports the loop):
 * ``slurmctl``    the Slurm command lines: submit, list and cancel the controller's (tagged) jobs,
   or dry-run them.
 * ``capacity``    what one replica sustains, from the planner or a low default.
+* ``throughput``  what one replica sustains, learned from replicas seen saturated (the gossiped
+  load and the request logs, fed by ``follow``), over the prior ``capacity`` gives (pure).
 * ``jobs``        ``Job``: one of the controller's Slurm jobs as squeue shows it (pure).
 * ``vocab``       the words the others share: a model's plan, goals, actions, decisions and
   their reasons (``Reason``: the metric's labels), the fleet, the scaler protocol.

@@ -3,12 +3,13 @@
 Rules
 -----
 * **Scale from zero.** An ingress holding requests for a declared model that has no replica
-  labels its own entry ``fabric.wanted=<model> [<model> ...]`` (``WANTED_LABEL``; set and
-  cleared as the first request starts and the last stops waiting; ``wanted_labels`` spreads
-  many models over ``fabric.wanted.1`` ... so that every value fits the registry's label
-  limit). A model wanted by any agent the control plane counts (``observe.wanted_models``:
-  standing at least ``mesh.schema.CONTROL_COUNTS``) gets a target of at least one replica, at
-  once.
+  labels its own entry ``fabric.wanted=<model>=<held> [...]`` (``WANTED_LABEL``; set as the
+  first request starts waiting, updated as the count held crosses a step of
+  ``mesh.schema.held_step``, cleared as the last stops waiting; ``wanted_labels`` spreads many
+  models over ``fabric.wanted.1`` ... so that every value fits the registry's label limit).
+  The counts are the backlog the scaling policy adds (``follow``). A model wanted by any
+  agent the control plane counts (``observe.wanted_models``: standing at least
+  ``mesh.schema.CONTROL_COUNTS``) gets a target of at least one replica, at once.
 * **Idle to zero.** A model whose service allows zero replicas (``min_replicas = 0``) stays at
   one or more while it was active within its ``idle_to_zero`` time (``activity``): a request
   wanted it, a replica of it had requests in flight or waiting (the gossiped load), a unit of
@@ -33,7 +34,7 @@ ingress the declared models and how long a request for each may wait.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from fabricnode.elastic.activity import Activity, Evidence
@@ -50,21 +51,24 @@ from fabricnode.elastic.vocab import MIN_REPLICAS, Fleet, ModelPlan, Reason, Why
 from fabricnode.errors import FabricError
 from fabricnode.mesh.core import MeshCore
 from fabricnode.mesh.registry import MAX_LABEL_VALUE
-from fabricnode.mesh.schema import WANTED_LABEL
+from fabricnode.mesh.schema import WANTED_LABEL, wanted_items
 
 MAX_WANTED_LABELS = 8
 
 
-def wanted_labels(models: Iterable[str]) -> tuple[tuple[str, str], ...]:
-    """The ``fabric.wanted`` labels for ``models`` held: space-separated names, each value
-    within the registry's limit, at most ``MAX_WANTED_LABELS`` labels (the rest wait for a
-    place: they are added as the first ones stop waiting)."""
+def wanted_labels(held: Mapping[str, int]) -> tuple[tuple[str, str], ...]:
+    """The ``fabric.wanted`` labels for the requests ``held`` per model: space-separated
+    ``<model>=<count>`` items (``mesh.schema.wanted_items``: the count rounded down to two
+    steps an octave), each value within the registry's limit, at most ``MAX_WANTED_LABELS``
+    labels (the rest wait for a place: they are added as the first ones stop waiting)."""
     values: list[str] = []
-    for model in sorted(models):
-        if values and len(values[-1]) + 1 + len(model) <= MAX_LABEL_VALUE:
-            values[-1] += " " + model
+    for item in wanted_items(held):
+        if len(item) > MAX_LABEL_VALUE:
+            continue
+        if values and len(values[-1]) + 1 + len(item) <= MAX_LABEL_VALUE:
+            values[-1] += " " + item
         elif len(values) < MAX_WANTED_LABELS:
-            values.append(model)
+            values.append(item)
     keys = [WANTED_LABEL] + [f"{WANTED_LABEL}.{i}" for i in range(1, MAX_WANTED_LABELS)]
     return tuple(zip(keys, values, strict=False))
 

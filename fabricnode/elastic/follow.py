@@ -23,10 +23,16 @@ Rules
     logged when they end, so they count as arrivals then;
   - the p95 TTFT of the last ``ttft_window_s`` of polls, when the service has a ``ttft_p95``
     objective (without one the policy never scales on latency);
-  - the gossiped load of the model's SERVING replicas;
+  - the gossiped load of the model's SERVING replicas, and the requests the ingresses hold
+    for it waiting for a replica (``observe.wanted_held``: the counts of their
+    ``fabric.wanted`` labels), both backlog;
   - what the controller holds (``vocab.Fleet``: serving and starting units, the learned
-    cold start) and the replica's capacity (``capacity``: the planner's for a catalog model
-    on its first GPU type, or the GPU type its replicas run on; else ``DEFAULT_CAPACITY``).
+    cold start) and the replica's capacity: the prior (``capacity``: the planner's for a
+    catalog model on its first GPU type, or the GPU type its replicas run on; else
+    ``DEFAULT_CAPACITY``) scaled by what the model's ``throughput.ThroughputLearner`` learned
+    from its replicas seen saturated. The learner is fed the same load each pass and, per poll
+    that counted every agent, the requests that ended since the previous such poll; it is kept
+    when the policy is rebuilt for new knobs (a replica sustains what it did).
 * A model that cannot go above its floor polls nothing and behaves as the rules say.
 """
 
@@ -42,12 +48,14 @@ from fabricnode.elastic.demand import DemandScaler
 from fabricnode.elastic.observe import (
     AgentClient,
     CapacityOf,
+    ModelSums,
     WorkloadClient,
     WorkloadPoller,
     agent_urls,
     capacity,
     load_sample,
     serving_gpu_type,
+    wanted_held,
 )
 from fabricnode.elastic.policy import (
     Decision,
@@ -56,6 +64,7 @@ from fabricnode.elastic.policy import (
     ReplicaCapacity,
     ReplicaState,
 )
+from fabricnode.elastic.throughput import LearnerConfig, ThroughputLearner
 from fabricnode.elastic.vocab import Fleet, ModelPlan, Reason, Why
 from fabricnode.mesh.core import MeshCore
 from fabricnode.requestlog.ttft import ttft_quantile
@@ -98,6 +107,7 @@ class _Model:
     knobs: tuple[float | None, float | None]  # the service's objective and scale-in hold
     policy: ForecastPolicy
     ttft: TtftWindow
+    learner: ThroughputLearner  # what one replica sustains, from its saturated windows
     why: Why | None = None  # the reason of the policy's last change of count
 
 
@@ -114,10 +124,12 @@ class ForecastScaler:
     ttft_min_samples: int = 20
     load_max_age_s: float = 30.0  # three of the agents' load refreshes
     capacity_of: CapacityOf = catalog_capacity
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
     models: dict[str, _Model] = field(default_factory=dict)
     _fleet: Fleet = field(default_factory=Fleet)
     _capacities: dict[tuple[str, str, int], ReplicaCapacity | None] = field(default_factory=dict)
     _polled_bin: int | None = None
+    _polled_at: float | None = None  # the last poll that counted every agent
 
     def __post_init__(self) -> None:
         if self.rules is None:
@@ -141,13 +153,15 @@ class ForecastScaler:
         for plan in following:
             current = self.models.get(plan.model)
             if current is None or current.knobs != _knobs(plan):
-                self.models[plan.model] = self._new_model(plan)
+                # what a replica sustains does not change with the knobs: the learner stays
+                self.models[plan.model] = self._new_model(plan, current)
                 held = fleet.held.get(plan.model)
                 if held is not None and held.newest_at is not None:
                     # after a takeover the scale-in hold runs from the last scale-out
                     self.models[plan.model].policy.resume(min(now, held.newest_at))
         if not following:
             self._polled_bin = None
+            self._polled_at = None
             return
         await self._capacities_of(following)
         b = math.floor(now / self.bin_s)
@@ -155,22 +169,32 @@ class ForecastScaler:
             self._polled_bin = b
             poll = await self.poller.poll(agent_urls(self.core), now)
             fed_at = b * self.bin_s - 1e-3  # in the bin that just ended
+            since, self._polled_at = self._polled_at, now if poll.complete else None
             for plan in following:
                 sums = poll.sums.get(plan.model)
                 state = self.models[plan.model]
                 state.ttft.add(now, sums.ttft if sums is not None else {})
+                if since is not None and poll.complete:
+                    # what ended since the last poll, for the replicas' throughput
+                    served = sums or ModelSums()
+                    state.learner.observe_served(
+                        now, since, served.requests, served.prompt_tokens, served.output_tokens
+                    )
                 if sums is None:
                     continue
                 state.policy.observe_arrivals(fed_at, sums.requests, sums.prompt_tokens_estimate)
                 state.policy.observe_completions(fed_at, sums.output_known, sums.output_tokens)
+        waiting = wanted_held(self.core)  # at the ingresses, for a replica
         for plan in following:
             state = self.models[plan.model]
+            state.policy.observe_held(now, waiting.get(plan.model, 0))
             p95 = state.ttft.p95(now)
             if p95 is not None and plan.service.ttft_p95_s is not None:
                 state.policy.observe_ttft(now, p95)
             load = load_sample(self.core, plan.model, now, self.load_max_age_s)
             if load is not None:
                 state.policy.observe_load(now, load)
+                state.learner.observe_load(now, load)
 
     def target(self, plan: ModelPlan, now: float) -> tuple[int, Why]:
         assert self.rules is not None
@@ -187,7 +211,7 @@ class ForecastScaler:
             min_replicas=max(plan.service.min_replicas, 1),
             max_replicas=plan.service.max_replicas,
             cold_start_s=cold_start_s,
-            capacity=self._capacity(plan),
+            capacity=state.learner.capacity(self._capacity(plan)),
         )
         decision = state.policy.desired_replicas(now, replica_state)
         if decision.reason:
@@ -207,7 +231,7 @@ class ForecastScaler:
         assert self.rules is not None
         return self.rules.idle_at(plan, now)
 
-    def _new_model(self, plan: ModelPlan) -> _Model:
+    def _new_model(self, plan: ModelPlan, current: _Model | None = None) -> _Model:
         config = self.config
         objective_s = plan.service.ttft_p95_s
         if objective_s is not None:
@@ -218,6 +242,7 @@ class ForecastScaler:
             _knobs(plan),
             ForecastPolicy(config),
             TtftWindow(self.ttft_window_s, self.ttft_min_samples),
+            current.learner if current is not None else ThroughputLearner(self.learner),
         )
 
     def _capacity_key(self, plan: ModelPlan) -> tuple[str, str, int]:

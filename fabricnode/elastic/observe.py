@@ -21,8 +21,9 @@ only from here; ``reconcile`` and ``policy`` are pure).
   windows would count requests twice or miss them between asks. So one client, two queries.
   An agent that does not answer is no news (``None`` from ``requests_for``, a cursor kept by
   ``WorkloadPoller``).
-* **The registry.** The agents to ask (``agent_urls``), the models some ingress wants
-  (``wanted_models``, the ``fabric.wanted*`` labels), the replicas of the controller's jobs
+* **The registry.** The agents to ask (``agent_urls``), the models some ingress wants and
+  the requests it holds for them (``wanted_models``, ``wanted_held``: the ``fabric.wanted*``
+  labels), the replicas of the controller's jobs
   (``replicas``), their gossiped load (``load_sample``; ``busy_models``: requests in flight),
   the GPU type a model is served on (``serving_gpu_type``) and the acting controller
   (``acting_controller``). The label keys are the registry's (``mesh.schema``); which nodes
@@ -66,6 +67,7 @@ from fabricnode.mesh.schema import (
     SERVING_SINCE_LABEL,
     SLURM_JOB_LABEL,
     WANTED_LABEL,
+    parse_wanted,
 )
 from fabricnode.requestlog.cursor import CURSOR_END, parse_cursor
 from fabricnode.requestlog.ttft import TTFT_BUCKETS
@@ -202,11 +204,18 @@ def _requests_for(
 
 @dataclass(frozen=True)
 class Poll:
-    """One poll of the agents' logs: the sums per model and how many agents answered."""
+    """One poll of the agents' logs: the sums per model, how many agents were asked, how many
+    answered and, of those, how many were counted (a first answer only places the cursor)."""
 
     sums: Mapping[str, ModelSums]
     asked: int
     answered: int
+    counted: int = 0
+
+    @property
+    def complete(self) -> bool:
+        """Every agent asked was counted: the sums are all that ended since the last poll."""
+        return self.asked > 0 and self.counted == self.asked
 
 
 @dataclass
@@ -241,14 +250,16 @@ class WorkloadPoller:
             for sid, url in agents:
                 nursery.start_soon(one, sid, url)
         sums: dict[str, ModelSums] = {}
+        counted = 0
         for sid, (cursor, models) in answers.items():
             fresh = sid in self._cursors  # a first answer only places the cursor
             self._cursors[sid] = (cursor, now)
             if not fresh:
                 continue
+            counted += 1
             for model, row in models.items():
                 sums[model] = sums.get(model, ModelSums()) + row
-        return Poll(sums, len(agents), len(answers))
+        return Poll(sums, len(agents), len(answers), counted)
 
 
 def agent_urls(core: MeshCore) -> list[tuple[str, str]]:
@@ -262,15 +273,26 @@ def agent_urls(core: MeshCore) -> list[tuple[str, str]]:
     return out
 
 
+def wanted_held(core: MeshCore) -> dict[str, int]:
+    """Model -> requests held for it by the agents the control plane counts
+    (``CONTROL_COUNTS``), from their ``fabric.wanted*`` labels (``mesh.schema.parse_wanted``:
+    each agent's count per model bounded, the largest of its labels; summed over agents)."""
+    out: dict[str, int] = {}
+    for entry in core.entries(CONTROL_COUNTS):
+        mine: dict[str, int] = {}
+        for key, value in entry.body.labels:
+            if key.startswith(WANTED_LABEL):
+                for model, n in parse_wanted(value).items():
+                    mine[model] = max(mine.get(model, 0), n)
+        for model, n in mine.items():
+            out[model] = out.get(model, 0) + n
+    return out
+
+
 def wanted_models(core: MeshCore) -> set[str]:
     """Models some agent the control plane counts (``CONTROL_COUNTS``) holds requests for (its
     ``fabric.wanted*`` labels)."""
-    out: set[str] = set()
-    for entry in core.entries(CONTROL_COUNTS):
-        values = [v for k, v in entry.body.labels if k.startswith(WANTED_LABEL)]
-        for value in values:
-            out.update(value.split())
-    return out
+    return set(wanted_held(core))
 
 
 def replicas(core: MeshCore) -> list[Replica]:

@@ -13,7 +13,9 @@ Rules
    - ``observe_load(now, LoadSample)``: the gossiped load of the serving replicas, per replica
      the KV-cache use (vLLM's ``kv_cache_usage_perc``) and waiting requests;
    - ``observe_ttft(now, p95_s)``: the p95 time to first token the controller measured over
-     its recent window.
+     its recent window;
+   - ``observe_held(now, requests)`` (``ForecastPolicy`` only): requests the ingresses hold
+     waiting for a replica (their ``fabric.wanted`` labels), backlog as the replicas' queues.
 
    A policy uses what it needs and ignores the rest, so the three policies here are
    interchangeable: ``ForecastPolicy`` (the controller's), ``ReactivePolicy`` and
@@ -57,17 +59,27 @@ Scale out, for the demand the new replica will meet (``need``): a replica submit
 from ``now + cold_start_s``, so the policy asks for ``ceil((work(upper forecast at now +
 cold_start_s) + backlog left then / drain) / target_utilisation)`` replicas, in one decision
 (reason ``forecast``, or ``backlog`` when the queue is what asks for more than the forecast
-alone). The backlog is the requests waiting at the serving replicas (the fresh load), each the
-mean request's work (``DemandForecaster.request``); what is left of it at the arrival time is
-what the serving replicas cannot drain meanwhile with the capacity the current demand leaves
-them. The current demand is the forecast's level, or, while the replicas have queued through
-the last ``GROWTH_BASE_S`` at least, the replicas fully busy plus the queue's growth over that
-time. A burst that is over before then, its queue drained by the replicas there are, is no
-reason to start one. Confirmation, as SageServe confirms its forecast with thresholds: when the
-forecast asks for no more but the measured p95 TTFT is above the objective while a backlog
-would still be left when a replica arrives (``objective``), or the KV caches are nearly full or
-requests queue that would still queue when a replica arrives (``load``), and no replica is
-already starting, the policy adds one, at most once per ``confirm_cooldown_s``.
+alone). The backlog is the requests waiting at the serving replicas (the fresh load) and those
+the ingresses hold for a replica (``observe_held``), each the mean request's work
+(``DemandForecaster.request``); what is left of it at the arrival time is what the serving
+replicas cannot drain meanwhile with the capacity the current demand leaves them. The current
+demand is the forecast's level, or, while the replicas have queued through the last
+``GROWTH_BASE_S`` at least, the replicas fully busy plus the queue's growth over that time. A
+burst that is over before then, its queue drained by the replicas there are, is no reason to
+start one. Confirmation, as SageServe confirms its forecast with thresholds: when the forecast
+asks for no more but the measured p95 TTFT is above the objective while a backlog would still be
+left when a replica arrives (``objective``), or the KV caches are nearly full or requests queue
+that would still queue when a replica arrives and have queued for a forecast bin (``load``), and
+no replica is already starting, the policy adds one, at most once per ``confirm_cooldown_s``.
+
+Saturated replicas (every serving one with requests waiting or its KV cache full, in every load
+sample of the last forecast bin) do all they can: the requests ending per second over them is
+what one sustains. When that is below the capacity held (a replica taken for more than it is:
+the planner's or the default figure, before ``throughput`` learned better), the scale-out need
+is also computed at that capacity, for a demand at least what the queue's growth shows now (the
+logs count requests as they end, so the forecast cannot see above what the saturated replicas
+end); when it asks for more, that is the target (reason ``load``), every pass, as the forecast's
+and the backlog's are: several replicas at once, not one per cool-down.
 
 Scale in, with hysteresis: each decision notes the count the demand (the larger of now and the
 point forecast, with the backlog left as above) needs at ``scale_in_band x target_utilisation``
@@ -83,7 +95,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from fabricnode.elastic import need
@@ -519,6 +531,9 @@ class ForecastPolicy(_Observer):
         self._load: tuple[float, LoadSample] | None = None
         self._loads: deque[tuple[float, LoadSample]] = deque()  # the last GROWTH_BASE_S of them
         self._ttft: tuple[float, float] | None = None
+        self._held: tuple[float, int] | None = None
+        self._saturated_since: float | None = None  # every load sample since was saturated
+        self._queued_since: float | None = None  # every load sample since had requests waiting
         self._band: deque[tuple[float, int]] = deque()  # (time, need), needs decreasing
         self._band_since = -math.inf  # the window holds needs from here on
         self._last_out = -math.inf
@@ -536,9 +551,22 @@ class ForecastPolicy(_Observer):
         # keep one sample at least GROWTH_BASE_S old: the queue's growth is measured from it
         while len(self._loads) > 1 and self._loads[1][0] <= self._load[0] - GROWTH_BASE_S:
             self._loads.popleft()
+        if not self._saturated(load):
+            self._saturated_since = None
+        elif self._saturated_since is None:
+            self._saturated_since = self._now
+        if not sum(load.waiting):
+            self._queued_since = None
+        elif self._queued_since is None:
+            self._queued_since = self._now
 
     def observe_ttft(self, now: float, p95_s: float) -> None:
         self._ttft = (self._clock(now), p95_s)
+
+    def observe_held(self, now: float, requests: int) -> None:
+        """Requests the ingresses hold for the model, waiting for a replica (their
+        ``fabric.wanted`` labels): backlog, as the requests waiting at the replicas are."""
+        self._held = (self._clock(now), max(0, requests))
 
     def _rate_now(self, now: float, forecast_now: float, per_request: float) -> float:
         """The demand now, in fully busy replicas: while the serving replicas have queued
@@ -576,7 +604,9 @@ class ForecastPolicy(_Observer):
         higher), with the queue the fresh load shows."""
         cap = state.capacity
         per_request = cap.work(self.forecaster.request())
-        backlog = per_request * sum(load.waiting) if load is not None else 0.0
+        fresh = self._held is not None and now - self._held[0] <= self.config.signal_max_age_s
+        held = self._held[1] if self._held is not None and fresh else 0
+        backlog = per_request * ((sum(load.waiting) if load is not None else 0) + held)
         serving = len(load.kv_usage) if load is not None else state.replicas - state.starting
         rate_now = self._rate_now(now, cap.work(fc.now), per_request)
 
@@ -592,6 +622,39 @@ class ForecastPolicy(_Observer):
 
         out, band = at(fc.upper), at(_larger(fc.now, fc.ahead))
         return out, band
+
+    def _queued_for(self, now: float) -> float:
+        """How long every load sample has shown requests waiting (0: none now)."""
+        return 0.0 if self._queued_since is None else now - self._queued_since
+
+    def _saturated(self, load: LoadSample) -> bool:
+        """Every serving replica has requests waiting or its KV cache full."""
+        full = zip(load.waiting, load.kv_usage, strict=True)
+        return bool(load.waiting) and all(w > 0 or kv >= self.config.kv_high for w, kv in full)
+
+    def _saturated_need(
+        self, now: float, fc: Forecast, state: ReplicaState, load: LoadSample | None
+    ) -> int:
+        """The need when every serving replica is saturated (requests waiting or its KV cache
+        full): each does all it can, so the demand the logs show now (requests count when they
+        end) over them is what one sustains; when that is below the capacity held, the need of
+        the same arithmetic (``need``) at that capacity, for a demand that stays at least what
+        the queue's growth shows now. 0 unless the fleet has been saturated for a forecast bin
+        (a burst that has just arrived has not yet shown in the requests ending: the queue's
+        backlog sizes it meanwhile)."""
+        since = self._saturated_since
+        if load is None or since is None or now - since < self.config.forecast.bin_s:
+            return 0
+        cap = state.capacity
+        share = cap.work(fc.now) / len(load.waiting)
+        if not 0 < share < 1:
+            return 0
+        seen = ReplicaCapacity(cap.prefill_tokens_per_s * share, cap.decode_tokens_per_s * share)
+        out, _ = self._needs(now, fc, replace(state, capacity=seen), load)
+        # the forecast of requests that end cannot see above what the saturated replicas end
+        rate_now = self._rate_now(now, seen.work(fc.now), seen.work(self.forecaster.request()))
+        steady = need.Need(max(out.rate, rate_now), out.backlog_left, out.drain_s)
+        return state.clamp(need.replicas(steady, self.config.target_utilisation))
 
     def resume(self, since: float) -> None:
         """Count the scale-in hold from ``since`` rather than from the first decision: a
@@ -639,8 +702,11 @@ class ForecastPolicy(_Observer):
             if target > cur:
                 self._scaled_out(now)
             return Decision(target, "bounds")
-        if out_need > cur:
+        saturated = self._saturated_need(now, fc, state, load)
+        if max(out_need, saturated) > cur:
             self._scaled_out(now)
+            if saturated > out_need:  # the capacity held is more than the replicas do
+                return Decision(saturated, "load")
             by_rate = state.clamp(replicas_for(fc.upper, cap, cfg.target_utilisation))
             return Decision(out_need, "backlog" if out_need > by_rate else "forecast")
 
@@ -653,10 +719,15 @@ class ForecastPolicy(_Observer):
                 reason = "objective"
             elif load is not None and (
                 load.mean_kv_usage >= cfg.kv_high
-                or (load.waiting_per_replica >= cfg.waiting_high and out.backlog_left > 0)
+                or (
+                    load.waiting_per_replica >= cfg.waiting_high
+                    and out.backlog_left > 0
+                    and self._queued_for(now) >= cfg.forecast.bin_s
+                )
             ):
                 # a queue the serving replicas drain before a new one could arrive is no
-                # reason to start one (``need``)
+                # reason to start one (``need``); nor is one younger than a forecast bin: the
+                # need at the capacity the saturated replicas show sizes it then, at once
                 reason = "load"
             if reason:
                 self._last_confirm = now

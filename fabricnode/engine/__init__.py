@@ -27,6 +27,9 @@ Modules, in reading order:
                 ``fabric.sleeping``.
 * ``liveness``  ``EngineLiveness`` (pure): a missed health check weighed against the engine's
               progress (CPU, token counters): healthy, busy (stays SERVING) or hung.
+* ``drain``     ``Drain`` (pure): a leaving node's drain: stop accepting, let the engine's
+                requests finish, hand the rest over at the deadline, stop the engine, close
+                the doors after what the ingress still relays.
 * ``service``   ``EngineService``: spawn, SERVING, load scraping, DOWN on exit or hang,
                 restarts; start reading here. Every change to the node's entry goes through
                 the gossip service, which sends it at once.

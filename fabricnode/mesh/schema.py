@@ -36,9 +36,10 @@ key (value)                    written by                      read by
                                job's agent                     load and GPU type), ``fabric
                                                                services``
 ``fabric.wanted``,             ``agent`` (``elastic.demand.    ``elastic.observe.wanted_
-``fabric.wanted.1`` ...        wanted_labels``) while its      models``: ``elastic.demand``
-(models, space-separated)      ingress holds requests for a    scales a declared model from
-                               model with no replica (prefix)  zero
+``fabric.wanted.1`` ...        wanted_labels``) while its      held``: ``elastic.demand``
+(``model=held`` items,         ingress holds requests for a    scales a declared model from
+space-separated:               model with no replica (prefix;  zero, ``elastic.follow`` counts
+``wanted_items``)              ``held_step`` counts)           the held in the backlog
 ``fabric.serving_since``       ``engine.service`` as its       ``elastic.observe.replicas``:
 (unix time)                    session first serves            a job's start-up time, learned
                                                                also by a controller that took
@@ -87,6 +88,7 @@ The module is pure: no I/O, no clock, nothing but the mesh's own enums.
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 
 from fabricnode.mesh.membership import Liveness
 from fabricnode.mesh.registry import EntryBody, ModelInfo, State
@@ -116,7 +118,8 @@ PLAN_LABEL = "fabric.plan"
 PLAN_STATUS_LABEL = "fabric.plan_status"
 # The declared model a controller-submitted job serves.
 SERVICE_LABEL = "fabric.service"
-# Models an ingress holds requests for with no replica; also WANTED_LABEL.1 ... (the prefix).
+# Models an ingress holds requests for with no replica, and how many (``wanted_items``,
+# ``parse_wanted``); also WANTED_LABEL.1 ... (the prefix).
 WANTED_LABEL = "fabric.wanted"
 # When this session's engine first served (unix time): a job's start-up time, for the controller.
 SERVING_SINCE_LABEL = "fabric.serving_since"
@@ -163,6 +166,48 @@ def model_parents(body: EntryBody) -> dict[str, str]:
             p = int(item)
             if p < len(models) and p != i:
                 out[models[i].id] = models[p].id
+    return out
+
+
+# What one ingress may say it holds for one model: a count above is read as this. An
+# ingress holds at most ``IngressConfig.max_waiting_for_replica`` (1,024) in all.
+MAX_WANTED_HELD = 100_000
+_MAX_COUNT_DIGITS = 6
+
+
+def held_step(n: int) -> int:
+    """What a ``fabric.wanted`` label says of ``n`` requests held: ``n`` rounded down to 1, 2,
+    3, 4, 6, 8, 12, 16, 24, ... (two steps an octave) and at most ``MAX_WANTED_HELD``, so the
+    label (a signed entry, gossiped) changes a few times as a queue grows, not per request."""
+    n = min(n, MAX_WANTED_HELD)
+    if n <= 4:
+        return max(0, n)
+    p = 1 << (n.bit_length() - 1)
+    return p + p // 2 if n >= p + p // 2 else p
+
+
+def wanted_items(held: Mapping[str, int]) -> list[str]:
+    """The items of ``fabric.wanted`` values for ``held`` (model -> requests held, models
+    holding none left out), sorted: ``<model>=<count>``, the count by ``held_step``. A model id
+    has no spaces (the service file's rule) but may hold ``=``: the count is after the last."""
+    return [f"{m}={held_step(n)}" for m, n in sorted(held.items()) if n > 0]
+
+
+def parse_wanted(value: str) -> dict[str, int]:
+    """Model -> requests held, from one ``fabric.wanted`` value (peer input: read with care).
+    An item is ``<model>=<count>``, the count 1 to 6 ASCII digits, clamped to 1 ..
+    ``MAX_WANTED_HELD``; an item without one (a peer of the format before the counts, or one
+    that does not parse) says the model is wanted, count 1. A model listed twice keeps its
+    largest count."""
+    out: dict[str, int] = {}
+    for item in value.split():
+        model, sep, count = item.rpartition("=")
+        digits = 0 < len(count) <= _MAX_COUNT_DIGITS and count.isascii() and count.isdigit()
+        if sep and model and digits:
+            n = min(MAX_WANTED_HELD, max(1, int(count)))
+            out[model] = max(out.get(model, 0), n)
+            continue
+        out[item] = max(out.get(item, 0), 1)
     return out
 
 

@@ -3,7 +3,9 @@ engines: a service file applied through `fabric services apply`, two controller 
 acts), jobs of two minutes kept at two SERVING replicas across their time limits, a job's
 agent killed and replaced, the acting controller killed and its standby taking over, squeue
 watched the whole time for a duplicate job, a steady client load that sees no failure, and a
-service file Slurm refuses reported without touching what serves.
+service file Slurm refuses reported without touching what serves. A model whose load jumps
+fourfold gets its replicas in one or two passes, and the requests sent once they serve meet the
+TTFT objective.
 
 Timings are printed (run with ``-s``). ``FABRIC_ELASTIC_MINUTES`` (default 2.5) sets how long the
 keep-alive run lasts; the acceptance run of docs/services.md uses 10.
@@ -17,7 +19,7 @@ import re
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import median
@@ -317,7 +319,13 @@ def test_a_scaled_to_zero_model_starts_on_its_first_request_and_returns_to_zero_
 
 
 # A simulated engine 100 times slower than the roofline: a 150-token stream takes ~45 s, so the
-# requests held while the replica started are all still running when the controller dies.
+# requests held while the replica started are all still running when the controller dies. It
+# runs 12 at most (all of those), so that the jump test below, which keeps its replica, can
+# saturate it with a few requests a second.
+RAMP_ENGINE = (
+    "{fabric} sim-engine --model {{model}} --gpu H100 --port {{port}} --slowdown 100 "
+    "--max-num-seqs 12"
+)
 RAMP = """
 [limits]
 max_jobs = 4
@@ -325,7 +333,7 @@ max_gpus = 4
 
 [[model]]
 name = "ramp"
-engine = "{fabric} sim-engine --model {{model}} --gpu H100 --port {{port}} --slowdown 100"
+engine = "{engine}"
 gpus_per_replica = 1
 min_replicas = 0
 max_replicas = 1
@@ -346,7 +354,7 @@ def test_a_standby_that_takes_over_during_a_ramp_from_zero_keeps_the_starting_re
     mesh, ingress = elastic.mesh, elastic.ingress
     controllers = elastic.ensure_controllers(2)
     service = tmp_path / "ramp.toml"
-    service.write_text(RAMP.format(fabric=FABRIC))
+    service.write_text(RAMP.format(engine=RAMP_ENGINE.format(fabric=FABRIC)))
     assert fabric(mesh, ingress, "services", "apply", str(service)).returncode == 0
     results: dict[int, str] = {}
     ended: dict[int, float] = {}
@@ -395,6 +403,177 @@ def test_a_standby_that_takes_over_during_a_ramp_from_zero_keeps_the_starting_re
     doc = json.loads(fabric(mesh, standby, "services", "--json").stdout)
     ramp = [d for d in doc["decisions"] if d["model"] == "ramp" and killed_at <= d["at"] <= done_at]
     assert ramp == [], ramp  # neither cancelled nor submitted again while the requests ran
+
+
+# The ramp model again, kept at one to five replicas (the cluster has four GPUs: the limits
+# stop at four), with a TTFT objective; no scale-in within the test.
+JUMP = """
+[limits]
+max_jobs = 4
+max_gpus = 4
+
+[[model]]
+name = "ramp"
+engine = "{engine}"
+gpus_per_replica = 1
+min_replicas = 1
+max_replicas = 5
+ttft_p95 = "3s"
+scale_in_hold = "10m"
+hold_requests = "2m"
+partitions = ["high"]
+time_limit = "10:00"
+"""
+# One replica of RAMP_ENGINE saturates at ~1.3 requests/s of 32 output tokens (12 at a time,
+# ~9 s each). The load: half that, then four times as much. Half, not the policy's target
+# utilisation (0.7): the cluster's four GPUs stop the fleet at four replicas (the need says five)
+# and the first keeps the queue it built during the cold start, so the three new ones carry the
+# new requests: at 0.7 that would make them 0.93 busy, past any TTFT objective.
+JUMP_TOKENS = 32
+JUMP_BASE_RPS = 0.65
+JUMP_OBJECTIVE_S = 3.0
+
+
+@dataclass
+class Asked:
+    """One request of the jump test: when it was sent, its time to first token, how it ended."""
+
+    sent: float
+    ttft: float | None = None
+    outcome: str = ""
+
+
+def ask_timed(url: str, asked: Asked, i: int) -> None:
+    """A streamed request; its first event's time (the first token) and outcome."""
+    body = {"model": "ramp", "messages": [{"role": "user", "content": f"hi {i}"}],
+            "max_tokens": JUMP_TOKENS, "stream": True}  # fmt: skip
+    try:
+        with (
+            httpx.Client(base_url=url, timeout=180) as client,
+            client.stream("POST", "/v1/chat/completions", json=body) as r,
+        ):
+            if r.status_code != 200:
+                asked.outcome = str(r.status_code)
+                return
+            for line in r.iter_lines():
+                if asked.ttft is None and line.startswith("data:") and "[DONE]" not in line:
+                    asked.ttft = time.monotonic() - asked.sent
+            asked.outcome = "ok" if asked.ttft is not None else "empty"
+    except httpx.HTTPError as exc:
+        asked.outcome = type(exc).__name__
+
+
+def scale_out_passes(decisions: list[dict[str, object]], since: float) -> list[tuple[str, int]]:
+    """The ramp model's submits after ``since`` (wall clock), one entry per controller pass: its
+    reason (a pass's submits share it) and how many jobs it submitted."""
+    passes: list[tuple[str, int]] = []
+    for d in decisions:
+        if d["model"] != "ramp" or d["action"] != "submit" or float(str(d["at"])) < since:
+            continue
+        reason = str(d["reason"])
+        if passes and passes[-1][0] == reason:
+            passes[-1] = (reason, passes[-1][1] + 1)
+        else:
+            passes.append((reason, 1))
+    return passes
+
+
+def test_a_load_jump_to_four_replicas_capacity_gets_them_in_one_or_two_passes(
+    slurm_cluster: SlurmCluster, elastic: Elastic, tmp_path: Path
+) -> None:
+    """One replica serving (the ramp model's, kept), its load at half its saturation; within
+    10 s it quadruples. The replica queues, the controller learns what it sustains and asks for
+    the replicas the need says in one or two passes (the decisions show it); of the requests
+    sent once they are SERVING, 99% meet the TTFT objective (the old replica keeps its queue:
+    the ingress sends new requests to the idle ones)."""
+    mesh, ingress = elastic.mesh, elastic.ingress
+    elastic.ensure_controllers(1)
+    service = tmp_path / "jump.toml"
+    service.write_text(JUMP.format(engine=RAMP_ENGINE.format(fabric=FABRIC)))
+    assert fabric(mesh, ingress, "services", "apply", str(service)).returncode == 0
+    t0 = time.monotonic()
+
+    def one_serving() -> bool:  # exactly one replica, nothing else of the model in the queue
+        jobs = [j for j, state, tag in controller_jobs(slurm_cluster) if tag.model == "ramp"]
+        return len(jobs) == 1 and serving_count(ingress.http_url, "ramp") == 1
+
+    while not one_serving():
+        assert time.monotonic() - t0 < 90, slurm_cluster.squeue()
+        time.sleep(0.5)
+    asked: list[Asked] = []
+    threads: list[threading.Thread] = []
+    stop = threading.Event()
+
+    def send(rate: Callable[[float], float]) -> None:  # open loop: at the rate, whatever happens
+        start = time.monotonic()
+        owed = 0.0
+        last = start
+        while not stop.is_set():
+            now = time.monotonic()
+            owed += rate(now - start) * (now - last)
+            last = now
+            while owed >= 1.0:
+                owed -= 1.0
+                a = Asked(time.monotonic())
+                asked.append(a)
+                args = (ingress.http_url, a, len(asked))
+                t = threading.Thread(target=ask_timed, args=args, daemon=True)
+                t.start()
+                threads.append(t)
+            time.sleep(0.02)
+
+    base_s = 30.0  # the controller's forecast sees a few polls of the base load
+    jump_s = 10.0
+
+    def rate(t: float) -> float:
+        return JUMP_BASE_RPS * (1 + 3 * min(1.0, max(0.0, t - base_s) / jump_s))
+
+    sender = threading.Thread(target=send, args=(rate,), daemon=True)
+    began = time.monotonic()
+    sender.start()
+    try:
+        while time.monotonic() - began < base_s:
+            time.sleep(0.5)
+        jump_at, jump_wall = time.monotonic(), time.time()
+        while (serving_count(ingress.http_url, "ramp") or 0) < 4:
+            assert time.monotonic() - jump_at < 120, slurm_cluster.squeue()
+            time.sleep(0.5)
+        serving_at = time.monotonic()
+        while time.monotonic() - serving_at < 30.0:  # the measure: what is sent from now on
+            time.sleep(0.5)
+    finally:
+        stop.set()
+        sender.join(10)
+    for t in threads:
+        t.join(timeout=180)
+    doc = json.loads(fabric(mesh, ingress, "services", "--json").stdout)
+    passes = scale_out_passes(doc["decisions"], jump_wall)
+    after = [a for a in asked if a.sent >= serving_at]
+    within = [a for a in after if a.outcome == "ok" and (a.ttft or 1e9) <= JUMP_OBJECTIVE_S]
+    outcomes = Counter(a.outcome for a in asked)
+    ttfts = sorted(a.ttft for a in after if a.ttft is not None)
+    share = len(within) / max(1, len(after))
+    print(
+        f"jump: 4 replicas SERVING {serving_at - jump_at:.1f} s after the jump began; scale-out "
+        f"passes {passes}; of {len(after)} requests sent after, {share:.1%} "
+        f"within {JUMP_OBJECTIVE_S:g} s (TTFT p50 {ttfts[len(ttfts) // 2] if ttfts else 0:.2f} s, "
+        f"max {ttfts[-1] if ttfts else 0:.2f} s); all {len(asked)} requests: {dict(outcomes)}; "
+        f"test {time.monotonic() - t0:.0f} s"
+    )
+    assert set(outcomes) == {"ok"}, outcomes
+    jobs = 0
+    for i, (_, n) in enumerate(passes):
+        jobs += n
+        if jobs >= 3:  # the three new replicas (four with the one serving)
+            assert i <= 1, passes
+            break
+    else:
+        raise AssertionError(f"fewer than three replicas submitted after the jump: {passes}")
+    assert passes[0][0].split(":")[0] in ("backlog", "load", "forecast", "objective"), passes
+    missed = [(round(a.sent - serving_at, 1), round(a.ttft or -1, 2)) for a in after
+              if a not in within]  # fmt: skip
+    print(f"jump: missed (sent after SERVING s, TTFT s): {missed}")
+    assert len(after) >= 60 and len(within) >= 0.99 * len(after), missed
 
 
 def cold_jobs(cluster: SlurmCluster) -> list[tuple[str, str]]:

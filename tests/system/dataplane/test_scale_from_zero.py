@@ -2,7 +2,7 @@
 declares but no node serves waits while a replica starts (here a simulated one started by the
 test where the controller would submit a job), and is answered once it serves, JSON and
 streamed through the official `openai` client with default settings. While it waits the
-ingress labels its entry `fabric.wanted=<model>` (what the acting controller acts on), the
+ingress labels its entry `fabric.wanted=<model>=<held>` (what the acting controller acts on), the
 stream gets SSE comments, `/v1/models` lists the model as scaled to zero; past the hold time the
 answer is 503 with Retry-After (a stream: the error event). An undeclared model is still 404."""
 
@@ -92,7 +92,8 @@ def test_requests_wait_for_a_replica_and_are_answered_json_and_streamed(
     threads = [threading.Thread(target=f) for f in (ask_json, ask_stream, ask_openai_stream)]
     for t in threads:
         t.start()
-    assert wait_until(lambda: wanted(ingress) == "cold", 10)  # what the controller acts on
+    # what the controller acts on: the model and the requests held for it
+    assert wait_until(lambda: wanted(ingress) == "cold=3", 10)
     time.sleep(11)  # long enough for an SSE comment (every 10 s)
     started = time.monotonic()
     mesh.start("replica", args=["--sim", "cold", "--sim-gpu", "H100"])

@@ -94,12 +94,24 @@ def test_the_room_is_bounded_and_says_when_a_model_starts_or_stops_waiting() -> 
     room = ReplicaRoom(max_waiting=2)
     assert room.enter("m1") is None
     assert room.add("m1", +1) is True  # m1 starts waiting
-    assert room.add("m1", +1) is False  # one more: no change in which models wait
+    assert room.add("m1", +1) is True  # two: the label's count changes
     full = room.enter("m2")
     assert isinstance(full, Rejection) and (full.status, full.code) == (503, "replica_starting")
     assert full.message == (
         "too many requests are waiting for replicas to start; 'm2' has none now"
     )
     assert full.headers == [(b"retry-after", b"30")]
-    assert room.add("m1", -1) is False
+    assert room.add("m1", -1) is True
     assert room.add("m1", -1) is True and room.snapshot() == {}
+
+
+def test_the_room_says_a_growing_queue_at_two_steps_an_octave() -> None:
+    """The agent relabels its entry (signed, gossiped) when the room says so: as a queue grows
+    to n, about 2 log2 n times, not once per request."""
+    room = ReplicaRoom(max_waiting=10_000)
+    changed = [n + 1 for n in range(1000) if room.add("m", +1)]
+    assert changed[:8] == [1, 2, 3, 4, 6, 8, 12, 16]
+    assert len(changed) <= 20
+    assert room.snapshot() == {"m": 1000}
+    gone = [n for n in range(999, -1, -1) if room.add("m", -1)]
+    assert len(gone) <= 20 and gone[-1] == 0 and room.snapshot() == {}

@@ -9,14 +9,22 @@ from collections.abc import Mapping
 
 import httpx
 import trio
+from hypothesis import given
+from hypothesis import strategies as st
 
 from fabricnode.elastic.demand import MAX_WANTED_LABELS, Declared, DemandScaler, wanted_labels
-from fabricnode.elastic.observe import ModelSums, agent_urls, wanted_models
+from fabricnode.elastic.observe import ModelSums, agent_urls, wanted_held, wanted_models
 from fabricnode.elastic.vocab import MIN_REPLICAS, Fleet, Held, Reason
 from fabricnode.mesh.core import MeshConfig
 from fabricnode.mesh.identity import Identity, OperatorKey
 from fabricnode.mesh.registry import MAX_LABEL_VALUE, Addresses, State
-from fabricnode.mesh.schema import WANTED_LABEL
+from fabricnode.mesh.schema import (
+    MAX_WANTED_HELD,
+    WANTED_LABEL,
+    held_step,
+    parse_wanted,
+    wanted_items,
+)
 from fabricnode.mesh.servicedoc import ServicesBody
 from fabricnode.mesh.wire import EntryMsg, Load
 from fabricnode.testing.simnet import SimNetwork, make_body
@@ -115,21 +123,61 @@ def test_declared_models_and_hold_times_follow_the_service_file() -> None:
 
 
 def test_many_wanted_models_spread_over_labels_that_fit_the_registry() -> None:
-    models = [f"org/model-{i:03d}-" + "x" * 40 for i in range(30)]
+    models = {f"org/model-{i:03d}-" + "x" * 40: i + 1 for i in range(30)}
     labels = wanted_labels(models)
     assert 1 < len(labels) <= MAX_WANTED_LABELS
     assert all(len(v) <= MAX_LABEL_VALUE for _, v in labels)
     assert labels[0][0] == WANTED_LABEL and labels[1][0] == f"{WANTED_LABEL}.1"
-    carried = {m for _, v in labels for m in v.split()}
-    assert carried <= set(models) and len(carried) >= 8  # what fits, never a cut name
+    carried = {m: n for _, v in labels for m, n in parse_wanted(v).items()}
+    assert set(carried) <= set(models) and len(carried) >= 8  # what fits, never a cut name
+    assert all(carried[m] == held_step(models[m]) for m in carried)
     net = mesh(2)
     node = list(net.nodes.values())[1]
     node.core.update_self(net.wall, labels=labels)  # signs: every value fits
     net.poke(node)
     net.run_for(3)
     first = next(iter(net.nodes.values()))
-    assert wanted_models(first.core) == carried
-    assert wanted_labels([]) == ()
+    assert wanted_models(first.core) == set(carried)
+    assert wanted_held(first.core) == carried
+    assert wanted_labels({}) == () and wanted_labels({"idle": 0}) == ()
+
+
+def test_the_held_counts_of_every_ingress_add_up_and_an_old_label_counts_one() -> None:
+    net = mesh(3)
+    nodes = list(net.nodes.values())
+    nodes[1].core.update_self(net.wall, labels=wanted_labels({"cold": 40, "warm": 3}))
+    # an ingress of the format before the counts: the model's name alone
+    nodes[2].core.update_self(net.wall, labels=((WANTED_LABEL, "cold"),))
+    for node in nodes[1:]:
+        net.poke(node)
+    net.run_for(3)
+    assert wanted_held(nodes[0].core) == {"cold": 32 + 1, "warm": 3}
+
+
+@given(st.text(max_size=MAX_LABEL_VALUE))
+def test_law_a_hostile_wanted_value_is_read_bounded(value: str) -> None:
+    """A label is peer input: whatever it says, every count is 1..MAX_WANTED_HELD, every
+    model a non-empty item of it, and there are no more models than items."""
+    held = parse_wanted(value)
+    assert len(held) <= len(value.split())
+    for model, n in held.items():
+        assert model and not any(c.isspace() for c in model)
+        assert isinstance(n, int) and 1 <= n <= MAX_WANTED_HELD
+
+
+@given(st.dictionaries(st.text("abc/=-.", min_size=1, max_size=12), st.integers(0, 10**7)))
+def test_law_wanted_items_read_back_as_their_steps(held: dict[str, int]) -> None:
+    read: dict[str, int] = {}
+    for item in wanted_items(held):
+        for model, n in parse_wanted(item).items():
+            read[model] = n
+    assert read == {m: held_step(n) for m, n in held.items() if n > 0}
+
+
+def test_held_step_is_two_steps_an_octave_and_bounded() -> None:
+    assert [held_step(n) for n in range(10)] == [0, 1, 2, 3, 4, 4, 6, 6, 8, 8]
+    assert held_step(100) == 96 and held_step(10**9) == held_step(MAX_WANTED_HELD) <= 10**5
+    assert all(held_step(n) <= n and 3 * held_step(n) >= 2 * n for n in range(1, 5000))
 
 
 def test_a_phantom_entry_no_probe_vouches_for_brings_no_demand() -> None:

@@ -238,6 +238,34 @@ def test_load_and_ttft_reach_the_policy() -> None:
     assert window.p95(65.0) is None  # the slow ones left the window
 
 
+def test_saturated_replicas_teach_the_scaler_what_a_replica_sustains() -> None:
+    """The planner's capacity is ten times what the replica does (a slowed engine): the one
+    replica always has a queue and ends 1.5 requests/s (0.09 of the prior's work). The learner
+    takes its throughput for the capacity, and the policy sizes by it, where the prior said one
+    is plenty."""
+    run = Run(HOT, serving=1)
+    prior = ReplicaCapacity(prefill_tokens_per_s=20_000.0, decode_tokens_per_s=2_000.0)
+    run.scaler.capacity_of = lambda model, gpu, gpus: prior
+    core = run.scaler.core
+    node = next(iter(run.net.nodes.values()))
+    labels = (("fabric.service", "hot"), ("slurm.job_id", "job1"))
+    node.core.update_self(run.net.wall, state=State.SERVING, labels=labels)
+    run.net.poke(node)
+    run.net.run_for(3)
+    sid = node.core.self_id
+    queue = 4
+    for i in range(40):  # 80 s: the queue at the replica grows by one request every 2 s
+        core.loads[sid] = Load(sid, i, queue + i, 8, 0.5, 12, run.now + STEP_S)
+        run.step(per_agent=1)
+    state = run.scaler.models["hot"]
+    factor = state.learner.factor(prior)
+    assert factor == pytest.approx((1500 / 20_000 + 30 / 2_000), rel=0.1)
+    assert state.learner.statistics().windows >= 5
+    learned = state.learner.capacity(prior)
+    assert learned.decode_tokens_per_s == pytest.approx(2_000 * factor)
+    assert run.history[-1][1] == 4  # the need at what a replica does: the maximum
+
+
 def test_malformed_workload_answers_are_refused() -> None:
     ok = {"requests": 2, "prompt_tokens": 10, "prompt_known": 1, "ttft": {"3": 2}}
     assert ModelSums.from_json(ok) == ModelSums(2, 10, 1, 0, 0, {3: 2})

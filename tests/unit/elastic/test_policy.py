@@ -411,7 +411,9 @@ def test_a_queue_s_growth_is_demand_only_while_the_replicas_queued_all_along() -
     growing.observe_load(310.0, LoadSample((0.5,) * 3, (30,) * 3))
     assert blip.desired_replicas(310.0, s) == calm.desired_replicas(310.0, s)
     d = growing.desired_replicas(310.0, s)
-    assert d.reason == "backlog" and d.replicas >= 5, d
+    # every replica queued for 10 s (a forecast bin): saturated, so also sized at the capacity
+    # the logs show them doing (``load``), which here is below the capacity held
+    assert d.reason in ("backlog", "load") and d.replicas >= 5, d
 
 
 def test_full_kv_caches_or_queues_add_a_replica_for_load() -> None:
@@ -442,6 +444,84 @@ def test_a_queue_left_when_a_replica_would_arrive_adds_every_replica_it_needs_at
     expected = math.ceil((w + left / 60.0) / cfg.target_utilisation)
     assert d.reason == "backlog" and d.replicas >= 4
     assert abs(d.replicas - expected) <= 1  # the forecast's headroom may add one
+
+
+def test_a_saturated_fleet_is_sized_at_the_capacity_it_shows_not_one_per_cool_down() -> None:
+    """The capacity the policy holds is ten times what a replica does (a slowed engine): the
+    forecast asks for nothing more. Both replicas queue: saturated, they do all they can, so
+    the requests ending per second over them is one replica's capacity, and the queue grows
+    by mu requests/s on top. The need at that capacity asks for several replicas at once
+    (``load``), every pass, not one per cool-down. With one replica idle the fleet is not
+    saturated (its throughput is the demand's): nothing says the capacity held is wrong, and at
+    that capacity the queue drains before a replica could arrive, so late first tokens confirm
+    none either (``objective`` only for a backlog that outlasts the cold start)."""
+    mu = 1.0 / work_per_request()  # requests/s a replica really serves
+    prior = ReplicaCapacity(CAPACITY.prefill_tokens_per_s * 10, CAPACITY.decode_tokens_per_s * 10)
+    s = ReplicaState(2, 0, 1, 20, 60.0, prior)
+
+    def fed() -> ForecastPolicy:
+        policy = ForecastPolicy(PolicyConfig(confirm_cooldown_s=30.0))
+        for t in arrivals(lambda _: 2 * mu, 290.0):  # the logs: what the two complete
+            policy.observe_arrival(t, PROMPT)
+            policy.observe_completion(t, OUTPUT)
+        return policy
+
+    policy = fed()
+    grown = round(5 + 10 * mu / 2)  # a demand of 3 mu: the queue grows by mu requests/s
+    policy.observe_load(290.0, LoadSample((0.5, 0.5), (5, 5)))
+    # saturated for less than a forecast bin: a burst that may just have come, nothing yet
+    assert policy.desired_replicas(291.0, s) == Decision(2)
+    policy.observe_load(300.0, LoadSample((0.5, 0.5), (grown, grown)))
+    d = policy.desired_replicas(300.0, s)
+    # 3 mu of demand and the queue: at least 3 / 0.7 replicas
+    assert d.reason == "load" and d.replicas >= 5, d
+    # the next pass, replicas starting, the queue still growing: no more than the need
+    more = policy.desired_replicas(
+        302.0, ReplicaState(d.replicas, d.replicas - 2, 1, 20, 60, prior)
+    )
+    assert more.replicas == d.replicas
+    # one replica idle: the fleet is not saturated, its throughput is the demand's
+    other = fed()
+    other.observe_load(300.0, LoadSample((0.3, 0.5), (0, 8)))
+    other.observe_ttft(300.0, 5.0)
+    assert other.desired_replicas(300.0, s) == Decision(2)
+
+
+def test_a_queue_confirms_a_replica_only_once_it_has_lasted_a_forecast_bin() -> None:
+    """One of two replicas queues (the other idle: the fleet is not saturated), more than the
+    two drain before a replica could arrive. A queue just formed confirms nothing (the need
+    sizes a saturated fleet once it has lasted a bin; one replica added before would arrive
+    alone); one that lasted a bin adds one."""
+    policy = ForecastPolicy()
+    for t in arrivals(lambda _: 1.0, 300.0):
+        policy.observe_arrival(t, PROMPT)
+        policy.observe_completion(t, OUTPUT)
+    s = state(replicas=2)
+    policy.observe_load(300.0, LoadSample((0.2, 0.6), (0, 0)))
+    decisions = []
+    for k in range(1, 7):
+        now = 300.0 + 2.0 * k
+        policy.observe_load(now, LoadSample((0.2, 0.6), (0, 4 * k)))
+        decisions.append((now, policy.desired_replicas(now, s)))
+    assert [d for _, d in decisions[:4]] == [Decision(2)] * 4  # queued for under 10 s
+    assert (decisions[5][1].replicas, decisions[5][1].reason) == (3, "load")
+
+
+def test_requests_the_ingresses_hold_are_backlog() -> None:
+    """A model starting from zero with 400 requests held at the ingresses (their wanted labels'
+    counts): work that no replica drains before one arrives in 60 s, drained over 60 s: four
+    replicas at once. A stale count is ignored."""
+    s = ReplicaState(1, 1, 1, 20, 60.0, CAPACITY)
+    policy = ForecastPolicy()
+    assert policy.desired_replicas(0.0, s) == Decision(1)
+    policy.observe_held(1.0, 400)
+    prior = ForecastConfig()  # no request seen yet: the mean request is the priors'
+    per_request = CAPACITY.work(TokenDemand(prior.prompt_tokens_prior, prior.output_tokens_prior))
+    expected = math.ceil(400 * per_request / 60.0 / PolicyConfig().target_utilisation)
+    assert policy.desired_replicas(1.0, s) == Decision(expected, "backlog") and expected == 4
+    stale = ForecastPolicy()
+    stale.observe_held(0.0, 400)
+    assert stale.desired_replicas(100.0, s) == Decision(1)
 
 
 def test_stale_signals_are_ignored() -> None:
@@ -587,4 +667,5 @@ def test_a_jump_from_one_replicas_capacity_to_four_gets_its_replicas_in_one_or_t
     first_to_four = next(i for i, u in enumerate(jump) if u[1] >= 4)
     assert first_to_four <= 1, jump  # one or two scale-ups
     assert jump[first_to_four][0] <= 625, jump  # within a cold start of the jump
-    assert any(u[2] == "backlog" for u in jump), jump
+    # by the queue: the backlog's need, or a load confirmation sized by the same need
+    assert any(u[2] in ("backlog", "load") for u in jump), jump
