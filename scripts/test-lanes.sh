@@ -20,6 +20,7 @@
 #            on every tests/<kind>/dataplane folder and tests/unit/requestlog: what runs where
 #            the compiled build is missing or stale, so it must stay correct too); it starts
 #            when the compute lane or a Slurm lane ends, whichever is first.
+#   agents-benches  BENCH_AGENTS (the benches' smoke runs with real agents), after interpreted.
 #   agents-late  LATE_AGENTS (the Batch API's, plan-apply and CLI agent tests), when the next of
 #            them ends: with them in it, the agents lane was the run's length (989 s of a fresh
 #            clone's 1,204 s) while two lanes had ended.
@@ -47,6 +48,8 @@ AGENTS=(tests/system)
 # CLI's views of a mesh: run as a tail (see below), so the agents lane is not the run's length.
 LATE_AGENTS=(tests/system/test_batch_api.py tests/system/test_batch_cli.py
     tests/system/test_plan_apply.py tests/system/test_cli.py)
+# The smoke runs of the benches that drive real agents: after the interpreted rerun, in its tail.
+BENCH_AGENTS=(tests/system/test_bench_tiers.py tests/system/test_bench_routing.py)
 # The elastic controller's tests wait out Slurm time limits, takeovers and ramps (most of
 # tests/slurm's time, at a fifth of a core): a Slurm of their own, beside the rest of tests/slurm.
 SLURM_ELASTIC=(tests/slurm/test_elastic.py tests/slurm/test_elastic_qos.py
@@ -92,7 +95,7 @@ ignoring() { # ignoring PATH...: pytest's --ignore for each
     local path
     for path in "$@"; do printf -- '--ignore=%s\n' "$path"; done
 }
-mapfile -t late_ignored < <(ignoring "${LATE_AGENTS[@]}")
+mapfile -t late_ignored < <(ignoring "${LATE_AGENTS[@]}" "${BENCH_AGENTS[@]}")
 mapfile -t elastic_ignored < <(ignoring "${SLURM_ELASTIC[@]}")
 lane agents -- -m "not compute" "${late_ignored[@]}" "${AGENTS[@]}" &
 lane slurm -- "${elastic_ignored[@]}" "${SLURM[@]}" &
@@ -104,19 +107,20 @@ slurm_elastic=$!
 # after the next (which end first depends on the machine, and on whether Slurm and vLLM are
 # there at all). The agents lane, the longest, is never followed.
 declare -A lane_of=([$compute]=compute [$slurm]=slurm [$slurm_elastic]=slurm-elastic)
-tails=("interpreted FABRIC_NATIVE=0 -- ${DATAPLANE_TESTS[*]}"
-    "agents-late -- -m not@compute ${LATE_AGENTS[*]}")
 after=()
-for tail in "${tails[@]}"; do
-    wait -n -p ended "${!lane_of[@]}"
-    after+=("${lane_of[$ended]}")
-    unset "lane_of[$ended]"
-    read -r -a args <<<"$tail"
-    lane "${args[@]//@/ }" &
-done
+wait -n -p ended "${!lane_of[@]}"
+after+=("${lane_of[$ended]}")
+unset "lane_of[$ended]"
+(
+    lane interpreted FABRIC_NATIVE=0 -- "${DATAPLANE_TESTS[@]}"
+    lane agents-benches -- -m "not compute" "${BENCH_AGENTS[@]}"
+) &
+wait -n -p ended "${!lane_of[@]}"
+after+=("${lane_of[$ended]}")
+lane agents-late -- -m "not compute" "${LATE_AGENTS[@]}" &
 wait
 
-LANES=(compute compute-system agents slurm slurm-elastic interpreted agents-late)
+LANES=(compute compute-system agents slurm slurm-elastic interpreted agents-benches agents-late)
 failed_lanes=0
 for name in "${LANES[@]}"; do
     read -r status took <"$WORK/$name.status" 2>/dev/null || { status=1 took=0; }
