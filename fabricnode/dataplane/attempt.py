@@ -208,24 +208,12 @@ class Attempts:
         if self.leaving or origin is None:
             self._forwards_served("unavailable").inc()
             why = "node is leaving" if self.leaving else "no serving engine on this node"
-            await send_error(
-                conn,
-                503,
-                why,
-                "node_unavailable",
-                extra=[(b"retry-after", b"%d" % self.config.retry_after_s)],
-                path=path,
-            )
+            await self._unavailable(conn, why, path)
             return True
         if self.local_asleep and not await self._wake_local():
             self._forwards_served("unavailable").inc()
-            await send_error(
-                conn,
-                503,
-                "the engine of this node is asleep and did not wake up",
-                "node_unavailable",
-                extra=[(b"retry-after", b"%d" % self.config.retry_after_s)],
-                path=path,
+            await self._unavailable(
+                conn, "the engine of this node is asleep and did not wake up", path
             )
             return True
         started = self.clock.now()
@@ -250,14 +238,7 @@ class Attempts:
             if failed.kind == failure.LEAVING:
                 # Handed over as this node leaves: a 503, which the ingress fails over without
                 # counting an engine failure against the request (the poison guard).
-                await send_error(
-                    conn,
-                    503,
-                    "node is leaving: the request was handed over",
-                    "node_unavailable",
-                    extra=[(b"retry-after", b"%d" % self.config.retry_after_s)],
-                    path=path,
-                )
+                await self._unavailable(conn, "node is leaving: the request was handed over", path)
             else:
                 # Our own engine failed before answering: tell the ingress to fail over.
                 await send_error(
@@ -266,3 +247,8 @@ class Attempts:
             return True
         self._forwards_served("served").inc()
         return not job.close
+
+    async def _unavailable(self, conn: ClientConn, why: str, path: bytes) -> None:
+        """The 503 a forward gets from a node that cannot serve it now: its ingress fails over."""
+        extra = [(b"retry-after", b"%d" % self.config.retry_after_s)]
+        await send_error(conn, 503, why, "node_unavailable", extra=extra, path=path)
