@@ -79,7 +79,6 @@ import sys
 import time
 from bisect import bisect_right
 from collections import deque
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -95,7 +94,7 @@ from scheduler.catalog import builtin_catalog
 from scheduler.replica import ReplicaPerf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from autoscale import ATTRIBUTION, TRACE, Trace, diurnal_trace, load_trace
+from autoscale import ATTRIBUTION, TRACE, Trace, diurnal_trace, load_trace, percentile
 
 INF = math.inf
 GPU = "A100-80G"
@@ -493,12 +492,6 @@ def simulate(trace: Trace, fleet: Fleet, rules: Rules, args: argparse.Namespace)
 
 
 # -- figures -------------------------------------------------------------------------------------
-
-
-def percentile(sorted_values: Sequence[float], q: float) -> float:
-    if not sorted_values:
-        return math.nan
-    return sorted_values[max(0, math.ceil(q * len(sorted_values)) - 1)]
 
 
 @dataclass(frozen=True)
