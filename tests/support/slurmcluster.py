@@ -803,7 +803,7 @@ def cluster_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def _install_or_skip(*, accounting: bool = False) -> None:
+def install_or_skip(*, accounting: bool = False) -> None:
     """install_slurm, or skip the test (fail on CI) when Slurm cannot be installed here."""
     if os.environ.get("FABRIC_SKIP_SLURM") == "1":
         pytest.skip("real Slurm tests disabled: FABRIC_SKIP_SLURM=1")
@@ -831,7 +831,7 @@ def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmClu
     Skips when Slurm cannot be installed here (not root, no apt, no Debian mirror) or with
     ``FABRIC_SKIP_SLURM=1``; on CI (``CI=true``) the first two fail instead of skipping.
     """
-    _install_or_skip()
+    install_or_skip()
     cluster = SlurmCluster(cluster_root(tmp_path_factory))
     cluster.start()
     print(f"\nslurm: {cluster.version[2]} up in {cluster.started_in_s:.2f} s at {cluster.root}")
@@ -852,7 +852,7 @@ def slurm_accounting_cluster(
 
     Its own directory and ports: it may run while the session's ``slurm_cluster`` is up.
     """
-    _install_or_skip(accounting=True)
+    install_or_skip(accounting=True)
     cluster = SlurmCluster(cluster_root(tmp_path_factory), SlurmClusterConfig(accounting=True))
     cluster.start()
     print(
