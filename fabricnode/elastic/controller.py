@@ -73,6 +73,8 @@ class ControllerStatus:
     commands: tuple[str, ...] = ()  # dry-run: what it would have run
     # model -> its TTFT p95 objective (seconds), for those the service file gives one
     objectives: dict[str, float] = field(default_factory=dict)
+    # model -> what this controller learned of it (the scaler's, and the start-up time)
+    learned: dict[str, dict[str, object]] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -82,7 +84,9 @@ class ControllerStatus:
             "error": self.error or None,
             "last_pass_at": self.last_pass_at or None,
             "dry_run": self.dry_run,
-            "models": [m.to_json() for m in self.models],
+            "models": [
+                {**m.to_json(), "learned": self.learned.get(m.model, {})} for m in self.models
+            ],
             "commands": list(self.commands),
             "objectives": dict(self.objectives),
         }
@@ -166,6 +170,15 @@ class Controller:
             target = max(service.min_replicas, min(service.max_replicas, want))
             goals.append(Goal(plan, target, why, self.scaler.idle_at(plan, now)))
         result = reconcile(now, goals, jobs, replicas(self.core), self.memory, plans.limits)
+        # after the pass: what it learned includes the jobs it saw serving now
+        self.status.learned = {
+            p.model: {
+                "cold_start_s": round(self.memory.cold_start_s(p.model, p.placements(), now), 1),
+                "cold_start_learned": any(m == p.model for m, _ in self.memory.lead),
+                **self.scaler.learned(p),
+            }
+            for p in plans.models
+        }
         refused: dict[str, str] = {}
         for action in result.actions:
             if isinstance(action, Submit):

@@ -131,6 +131,9 @@ class DemandScaler:
             return 1, Why(Reason.ACTIVE, said)
         return 0, Why(Reason.IDLE, f"idle for {idle_s:g} s")
 
+    def learned(self, plan: ModelPlan) -> dict[str, object]:
+        return {}
+
     def idle_at(self, plan: ModelPlan, now: float) -> float | None:
         """When the idle rule takes the model to zero unless a request comes (None: it never
         does, or it is wanted now)."""

@@ -231,6 +231,26 @@ class ForecastScaler:
         assert self.rules is not None
         return self.rules.idle_at(plan, now)
 
+    def learned(self, plan: ModelPlan) -> dict[str, object]:
+        """What one replica sustains: the planner's estimate for its GPU (``catalog``) until
+        the learner has seen replicas saturated, then that scaled by what they did
+        (``saturated``), with the evidence behind it."""
+        state = self.models.get(plan.model)
+        if state is None:
+            return {}
+        prior = self._capacity(plan)
+        capacity = state.learner.capacity(prior)
+        stats = state.learner.statistics()
+        return {
+            "replica_capacity": {
+                "prefill_tokens_per_s": round(capacity.prefill_tokens_per_s, 1),
+                "decode_tokens_per_s": round(capacity.decode_tokens_per_s, 1),
+                "source": "catalog" if capacity == prior else "saturated",
+                "saturated_windows": stats.windows,
+                "saturated_replica_s": round(stats.replica_s, 1),
+            }
+        }
+
     def _new_model(self, plan: ModelPlan, current: _Model | None = None) -> _Model:
         config = self.config
         objective_s = plan.service.ttft_p95_s

@@ -252,6 +252,11 @@ class Scaler(Protocol):
         """When the model goes to zero if no request comes (``Goal.idle_at``), None: never."""
         ...
 
+    def learned(self, plan: ModelPlan) -> dict[str, object]:
+        """What the scaler learned of the model, as ``fabric services --json`` shows it under
+        each model's ``learned`` ({}: it learns nothing)."""
+        ...
+
 
 class MinReplicas:
     """The scaler without demand signals: every model at its ``min_replicas``."""
@@ -264,6 +269,9 @@ class MinReplicas:
 
     def idle_at(self, plan: ModelPlan, now: float) -> float | None:
         return None
+
+    def learned(self, plan: ModelPlan) -> dict[str, object]:
+        return {}
 
 
 @dataclass(frozen=True)

@@ -153,6 +153,11 @@ def test_replicas_are_matched_to_jobs_through_the_registry() -> None:
     trio.run(ctl.tick)
     (status,) = ctl.status.models
     assert (status.serving, status.pending, status.state) == (1, 1, "ok")
+    # what it learned: nothing (squeue gives no submit time here, the scaler learns nothing);
+    # the start-up time it plans with is the default
+    (shown,) = ctl.status.to_json()["models"]  # type: ignore[misc]
+    default = ctl.memory.tuning.default_lead_s
+    assert shown["learned"] == {"cold_start_s": default, "cold_start_learned": False}
     # preempted, it left within its grace time: squeue says COMPLETED, its record PreemptTime
     slurm.jobs[job] = ("COMPLETED", slurm.jobs[job][1])
     slurm.preempted.add(job)

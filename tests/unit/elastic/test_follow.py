@@ -246,6 +246,7 @@ def test_saturated_replicas_teach_the_scaler_what_a_replica_sustains() -> None:
     run = Run(HOT, serving=1)
     prior = ReplicaCapacity(prefill_tokens_per_s=20_000.0, decode_tokens_per_s=2_000.0)
     run.scaler.capacity_of = lambda model, gpu, gpus: prior
+    assert run.scaler.learned(run.plan) == {}  # nothing polled yet
     core = run.scaler.core
     node = next(iter(run.net.nodes.values()))
     labels = (("fabric.service", "hot"), ("slurm.job_id", "job1"))
@@ -264,6 +265,10 @@ def test_saturated_replicas_teach_the_scaler_what_a_replica_sustains() -> None:
     learned = state.learner.capacity(prior)
     assert learned.decode_tokens_per_s == pytest.approx(2_000 * factor)
     assert run.history[-1][1] == 4  # the need at what a replica does: the maximum
+    shown = run.scaler.learned(run.plan)["replica_capacity"]  # as `fabric services --json` shows
+    assert isinstance(shown, dict) and shown["source"] == "saturated"
+    assert shown["decode_tokens_per_s"] == pytest.approx(2_000 * factor, abs=0.1)
+    assert shown["saturated_windows"] == state.learner.statistics().windows
 
 
 def test_malformed_workload_answers_are_refused() -> None:
