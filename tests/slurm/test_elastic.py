@@ -331,8 +331,7 @@ def test_a_scaled_to_zero_model_starts_on_its_first_request_and_returns_to_zero_
 
 # A simulated engine 100 times slower than the roofline: a 150-token stream takes ~45 s, so the
 # requests held while the replica started are all still running when the controller dies. It
-# runs 12 at most (all of those), so that the jump test below, which keeps its replica, can
-# saturate it with a few requests a second.
+# runs 12 at most (all of those).
 RAMP_ENGINE = (
     "{fabric} sim-engine --model {{model}} --gpu H100 --port {{port}} --slowdown 100 "
     "--max-num-seqs 12"
