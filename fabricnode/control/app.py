@@ -34,6 +34,10 @@ Endpoints (all GET; HEAD is answered like GET without a body):
   With ``after=<cursor>`` instead (``end`` to start): only what the log gained after the
   cursor, per model (requests, prompt and output tokens, a TTFT histogram:
   ``requestlog.sums.recent_sums``), and the next ``cursor``; the elastic controller polls it.
+  With ``history=<seconds>&bin=<seconds>``: the same sums by bin (aligned to multiples of
+  ``bin``) over the last ``history`` seconds, the ``cursor`` after them, and ``covers_from``
+  (null: the log holds every request this agent ever answered; else the time from which its
+  kept files do): a controller that takes over replays them into its scaling policy.
 * ``/fabric/v1/stats`` — per model, requests/s, output tokens/s, errors and TTFT and
   end-to-end p50/p95 in 10-second buckets over the last ``window`` seconds (at most 600) and a
   summary of the last minute: the whole mesh's (every live agent asked, ``meshstats``), or
@@ -110,10 +114,15 @@ from fabricnode.metricfamilies import (
     gauges_by,
     registry_of,
 )
-from fabricnode.requestlog.cursor import parse_cursor, read_request_log_after
+from fabricnode.requestlog.cursor import (
+    CURSOR_END,
+    parse_cursor,
+    read_request_log_after,
+    read_request_log_since,
+)
 from fabricnode.requestlog.format import TraceRecord
 from fabricnode.requestlog.reader import read_request_log, request_log_files
-from fabricnode.requestlog.sums import recent_sums, workload_sums
+from fabricnode.requestlog.sums import binned_sums, recent_sums, workload_sums
 
 log = logging.getLogger("fabricnode.control.app")
 
@@ -130,6 +139,9 @@ UI_PREFIX = "/ui/"
 MAX_POST_BYTES = 1024 * 1024
 MAX_ASSIGNMENTS_PER_POST = 4096
 DEFAULT_WORKLOAD_WINDOW_S = 3600.0
+# ?history=: at most a day back, in at most this many bins (the answer stays small)
+MAX_WORKLOAD_HISTORY_S = 86400.0
+MAX_WORKLOAD_BINS = 8640
 NODE_FILTERS = ("state", "model", "gpu", "label")
 
 
@@ -608,13 +620,17 @@ class AdminApp:
 
     async def workload(self, query: list[tuple[str, str]]) -> Response:
         params = dict(query)
-        unknown = set(params) - {"window", "after"}
+        unknown = set(params) - {"window", "after", "history", "bin"}
         if unknown:
             raise HttpError(
                 400,
-                f"unknown query parameter {sorted(unknown)[0]!r} (use window or after)",
+                f"unknown query parameter {sorted(unknown)[0]!r} (use window, after or history)",
                 "invalid_parameter",
             )
+        if len({"window", "after", "history"} & set(params)) > 1:
+            raise HttpError(400, "give one of window, after or history", "invalid_parameter")
+        if "history" in params or "bin" in params:
+            return await self._workload_history(params.get("history", ""), params.get("bin", ""))
         if "after" in params:
             if "window" in params:
                 raise HttpError(400, "give window or after, not both", "invalid_parameter")
@@ -636,6 +652,48 @@ class AdminApp:
         recent = [r for r in records if r.t >= now - window]
         return json_response(
             {"window_s": window, "models": workload_sums(recent), "request_log": str(path)}
+        )
+
+    async def _workload_history(self, history: str, bin_: str) -> Response:
+        """The log's last ``history`` seconds in bins of ``bin_`` (``binned_sums``), with the
+        cursor after what was read and how far back the kept files are complete."""
+        history_s, bin_s = _seconds(history), _seconds(bin_)
+        if not 0 < history_s <= MAX_WORKLOAD_HISTORY_S:
+            raise HttpError(
+                400,
+                f"history: expected seconds, more than 0, at most {MAX_WORKLOAD_HISTORY_S:g}",
+                "invalid_parameter",
+            )
+        if not (1 <= bin_s <= history_s and history_s / bin_s <= MAX_WORKLOAD_BINS):
+            raise HttpError(
+                400,
+                f"bin: expected seconds, at least 1 and at most history "
+                f"(at most {MAX_WORKLOAD_BINS} bins)",
+                "invalid_parameter",
+            )
+        now = self.wall_clock()
+        start = math.floor((now - history_s) / bin_s) * bin_s
+        doc: dict[str, object] = {"history_s": history_s, "bin_s": bin_s, "start": start}
+        path = self.request_log_path
+        if path is None:
+            return json_response(
+                {**doc, "cursor": CURSOR_END, "covers_from": None, "bins": [], "request_log": None}
+            )
+        try:
+            records, cursor, covers_from = await trio.to_thread.run_sync(
+                read_request_log_since, path, start
+            )
+        except FabricError as exc:
+            raise HttpError(500, str(exc), "request_log_unreadable") from None
+        bins = [{"start": t, "models": sums} for t, sums in binned_sums(records, start, bin_s)]
+        return json_response(
+            {
+                **doc,
+                "cursor": cursor,
+                "covers_from": covers_from,
+                "bins": bins,
+                "request_log": str(path),
+            }
         )
 
     async def _workload_after(self, cursor: str) -> Response:
@@ -810,6 +868,14 @@ class AdminMetrics(Collector):
 
 def _provider(app: AdminApp) -> str:
     return app.core.self_entry.body.provider
+
+
+def _seconds(text: str) -> float:
+    """A query parameter's seconds (NaN when it is not a number: every range check fails)."""
+    try:
+        return float(text)
+    except ValueError:
+        return math.nan
 
 
 def _read_log(path: Path) -> list[TraceRecord]:

@@ -49,6 +49,7 @@ from fabricnode.elastic.observe import (
     AgentClient,
     CapacityOf,
     ModelSums,
+    Poll,
     WorkloadClient,
     WorkloadPoller,
     agent_urls,
@@ -123,6 +124,7 @@ class ForecastScaler:
     ttft_window_s: float = 60.0
     ttft_min_samples: int = 20
     load_max_age_s: float = 30.0  # three of the agents' load refreshes
+    history_s: float = 600.0  # the least of the logs' past a new controller replays
     capacity_of: CapacityOf = catalog_capacity
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     models: dict[str, _Model] = field(default_factory=dict)
@@ -150,8 +152,11 @@ class ForecastScaler:
         for model in list(self.models):
             if model not in names:
                 del self.models[model]
+        fresh: list[ModelPlan] = []
         for plan in following:
             current = self.models.get(plan.model)
+            if current is None:
+                fresh.append(plan)
             if current is None or current.knobs != _knobs(plan):
                 # what a replica sustains does not change with the knobs: the learner stays
                 self.models[plan.model] = self._new_model(plan, current)
@@ -167,7 +172,14 @@ class ForecastScaler:
         b = math.floor(now / self.bin_s)
         if b != self._polled_bin:
             self._polled_bin = b
-            poll = await self.poller.poll(agent_urls(self.core), now)
+            # a controller that has just begun to act replays the logs' past (``_replay``):
+            # the longest scale-in hold, and enough for the forecast, at most an hour
+            holds = [self.models[p.model].policy.config.scale_in_hold_s for p in fresh]
+            history_s = min(3600.0, max([self.history_s, *holds])) if fresh else 0.0
+            poll = await self.poller.poll(agent_urls(self.core), now, (history_s, self.bin_s))
+            if poll.history_from is not None:
+                for plan in fresh:
+                    self._replay(plan, poll, now)
             fed_at = b * self.bin_s - 1e-3  # in the bin that just ended
             since, self._polled_at = self._polled_at, now if poll.complete else None
             for plan in following:
@@ -196,23 +208,45 @@ class ForecastScaler:
                 state.policy.observe_load(now, load)
                 state.learner.observe_load(now, load)
 
+    def _replica_state(self, plan: ModelPlan, state: _Model) -> ReplicaState:
+        held = self._fleet.held.get(plan.model)
+        serving, starting = (held.serving, held.starting) if held is not None else (0, 0)
+        return ReplicaState(
+            replicas=serving + starting,
+            starting=starting,
+            min_replicas=max(plan.service.min_replicas, 1),
+            max_replicas=plan.service.max_replicas,
+            cold_start_s=self._fleet.cold_start_s.get(plan.model, 0.0),
+            capacity=state.learner.capacity(self._capacity(plan)),
+        )
+
+    def _replay(self, plan: ModelPlan, poll: Poll, now: float) -> None:
+        """A new policy (this controller has just begun to act) lives through the agents'
+        request logs' recent past, bin by bin, as if it had been acting: its forecast starts
+        from the demand the mesh saw, and the scale-in hold from needs it can show (the
+        decisions are not acted on; the fleet is the one held now)."""
+        assert poll.history_from is not None
+        state = self.models[plan.model]
+        replica_state = self._replica_state(plan, state)
+        bins = dict(poll.history.get(plan.model, ()))
+        t = math.ceil(poll.history_from / self.bin_s) * self.bin_s
+        while t < now:
+            sums = bins.get(t)
+            if sums is not None:  # the bin now is in is fed too: the cursor is after it
+                at = min(t + self.bin_s - 1e-3, now)
+                state.policy.observe_arrivals(at, sums.requests, sums.prompt_tokens_estimate)
+                state.policy.observe_completions(at, sums.output_known, sums.output_tokens)
+            if t + self.bin_s <= now:
+                state.policy.desired_replicas(t + self.bin_s, replica_state)
+            t += self.bin_s
+
     def target(self, plan: ModelPlan, now: float) -> tuple[int, Why]:
         assert self.rules is not None
         floor, floor_why = self.rules.target(plan, now)
         state = self.models.get(plan.model)
         if state is None or floor == 0 or not follows_demand(plan):
             return floor, floor_why
-        held = self._fleet.held.get(plan.model)
-        serving, starting = (held.serving, held.starting) if held is not None else (0, 0)
-        cold_start_s = self._fleet.cold_start_s.get(plan.model, 0.0)
-        replica_state = ReplicaState(
-            replicas=serving + starting,
-            starting=starting,
-            min_replicas=max(plan.service.min_replicas, 1),
-            max_replicas=plan.service.max_replicas,
-            cold_start_s=cold_start_s,
-            capacity=state.learner.capacity(self._capacity(plan)),
-        )
+        replica_state = self._replica_state(plan, state)
         decision = state.policy.desired_replicas(now, replica_state)
         if decision.reason:
             state.why = self._why(plan.model, state, decision, now, replica_state)

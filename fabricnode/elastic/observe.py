@@ -153,6 +153,20 @@ class WorkloadClient(Protocol):
         """What one agent's request log gained after ``cursor``, and the cursor after it."""
         ...
 
+    def history(self, url: str, history_s: float, bin_s: float) -> History:
+        """One agent's request log over the last ``history_s`` in bins of ``bin_s``."""
+        ...
+
+
+@dataclass(frozen=True)
+class History:
+    """One agent's answer to ``?history=&bin=``: the cursor after what it read, the time from
+    which its kept log is complete (None: all of it), and its sums by bin start."""
+
+    cursor: str
+    covers_from: float | None
+    bins: Sequence[tuple[float, Mapping[str, ModelSums]]]
+
 
 @dataclass(frozen=True)
 class AgentClient:
@@ -175,10 +189,38 @@ class AgentClient:
         parse_cursor(new)
         return new, {str(m): ModelSums.from_json(row) for m, row in doc["models"].items()}
 
+    def history(self, url: str, history_s: float, bin_s: float) -> History:
+        doc = self._get(url, {"history": f"{history_s:g}", "bin": f"{bin_s:g}"})
+        if not isinstance(doc, dict) or not isinstance(doc.get("bins"), list):
+            raise ValueError("not a workload history")
+        cursor = doc.get("cursor")
+        if not isinstance(cursor, str):
+            raise ValueError("the answer has no cursor")
+        parse_cursor(cursor)
+        covers = doc.get("covers_from")
+        if covers is not None and not _finite(covers):
+            raise ValueError(f"covers_from is not a time: {covers!r}")
+        if len(doc["bins"]) > math.ceil(history_s / bin_s) + 1:
+            raise ValueError("more bins than asked for")
+        bins = []
+        for row in doc["bins"]:
+            if not isinstance(row, dict) or not _finite(row.get("start")):
+                raise ValueError("a bin without a start")
+            models = row.get("models")
+            if not isinstance(models, dict):
+                raise ValueError("a bin without models")
+            sums = {str(m): ModelSums.from_json(r) for m, r in models.items()}
+            bins.append((float(row["start"]), sums))
+        return History(cursor, None if covers is None else float(covers), sorted(bins))
+
     def _get(self, url: str, params: Mapping[str, str]) -> Any:
         r = httpx.get(f"{url}{WORKLOAD_PATH}", params=params, timeout=self.timeout_s)
         r.raise_for_status()
         return r.json()
+
+
+def _finite(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 async def requests_for(
@@ -211,6 +253,10 @@ class Poll:
     asked: int
     answered: int
     counted: int = 0
+    # the first poll of a poller asked for history: per model, the sums of every agent by bin
+    # start, from ``history_from`` on (every agent's log complete since), all agents answered
+    history: Mapping[str, Sequence[tuple[float, ModelSums]]] = field(default_factory=dict)
+    history_from: float | None = None
 
     @property
     def complete(self) -> bool:
@@ -226,14 +272,24 @@ class WorkloadPoller:
     max_concurrent: int = 8
     forget_after_s: float = 60.0  # a cursor unanswered this long starts again at the end
     _cursors: dict[str, tuple[str, float]] = field(default_factory=dict)  # sid -> (cursor, at)
+    _polled: bool = False
 
-    async def poll(self, agents: Sequence[tuple[str, str]], now: float) -> Poll:
+    async def poll(
+        self, agents: Sequence[tuple[str, str]], now: float, history: tuple[float, float] = (0, 0)
+    ) -> Poll:
         """Ask every agent in ``agents`` (session id, URL) in worker threads (module
-        docstring); ``now`` on the controller's clock, for the cursors' ages."""
+        docstring); ``now`` on the controller's clock, for the cursors' ages. The first poll
+        with ``history`` (seconds, bin seconds) asks for that much of each log's past by bin
+        instead (``Poll.history``: what a controller that takes over replays); a first poll
+        without it only places the cursors."""
         listed = {sid for sid, _ in agents}
         for sid in list(self._cursors):
             if sid not in listed or now - self._cursors[sid][1] > self.forget_after_s:
                 del self._cursors[sid]
+        if not self._polled and history[0] > 0:
+            self._polled = True
+            return await self._history(agents, now, *history)
+        self._polled = True
         answers: dict[str, tuple[str, Mapping[str, ModelSums]]] = {}
         limiter = trio.CapacityLimiter(self.max_concurrent)
 
@@ -260,6 +316,44 @@ class WorkloadPoller:
             for model, row in models.items():
                 sums[model] = sums.get(model, ModelSums()) + row
         return Poll(sums, len(agents), len(answers), counted)
+
+    async def _history(
+        self, agents: Sequence[tuple[str, str]], now: float, history_s: float, bin_s: float
+    ) -> Poll:
+        """The first poll: every agent's past by bin, and its cursor after it. The history is
+        given only when every agent answered (a missing one would read as no demand), from the
+        latest time every log is complete."""
+        answers: dict[str, History] = {}
+        limiter = trio.CapacityLimiter(self.max_concurrent)
+
+        async def one(sid: str, url: str) -> None:
+            try:
+                answers[sid] = await trio.to_thread.run_sync(
+                    self.client.history, url, history_s, bin_s, limiter=limiter
+                )
+            except (httpx.HTTPError, ValueError, FabricError) as exc:
+                log.info("no request log history from %s: %s", sid[:8], exc)
+
+        async with trio.open_nursery() as nursery:
+            for sid, url in agents:
+                nursery.start_soon(one, sid, url)
+        for sid, answer in answers.items():
+            self._cursors[sid] = (answer.cursor, now)
+        if not agents or len(answers) < len(agents):
+            return Poll({}, len(agents), len(answers))
+        since = max((a.covers_from for a in answers.values() if a.covers_from is not None),
+                    default=now - history_s)  # fmt: skip
+        since = max(since, now - history_s)
+        merged: dict[str, dict[float, ModelSums]] = {}
+        for answer in answers.values():
+            for start, models in answer.bins:
+                if start < since:
+                    continue  # a bin some log does not hold whole
+                for model, row in models.items():
+                    per = merged.setdefault(model, {})
+                    per[start] = per.get(start, ModelSums()) + row
+        history = {m: sorted(per.items()) for m, per in merged.items()}
+        return Poll({}, len(agents), len(answers), 0, history, since)
 
 
 def agent_urls(core: MeshCore) -> list[tuple[str, str]]:

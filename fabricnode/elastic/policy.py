@@ -536,6 +536,7 @@ class ForecastPolicy(_Observer):
         self._queued_since: float | None = None  # every load sample since had requests waiting
         self._band: deque[tuple[float, int]] = deque()  # (time, need), needs decreasing
         self._band_since = -math.inf  # the window holds needs from here on
+        self._first_decision = -math.inf  # the band's evidence starts here (``resume``)
         self._last_out = -math.inf
         self._last_confirm = -math.inf
 
@@ -659,8 +660,10 @@ class ForecastPolicy(_Observer):
     def resume(self, since: float) -> None:
         """Count the scale-in hold from ``since`` rather than from the first decision: a
         controller that takes over passes the last scale-out as Slurm shows it (the newest job
-        it started for demand), so a takeover does not restart the hold. Only before the first
-        decision."""
+        it started for demand). Only before the first decision. The window is full only once
+        needs were seen for the whole hold as well: from the first decision, which a scaler
+        that replays the request logs' history (``follow``) makes in the past, so a takeover
+        keeps the hold it can show evidence for, and restarts it otherwise."""
         if self._band_since == -math.inf and math.isfinite(since):
             self._band_since = since
             self._last_out = max(self._last_out, since)
@@ -696,6 +699,8 @@ class ForecastPolicy(_Observer):
 
         if self._band_since == -math.inf:
             self._band_since = now  # the hold window starts with the first decision (``resume``)
+        if self._first_decision == -math.inf:
+            self._first_decision = now
         if cur != state.clamp(cur):
             target = max(out_need, state.min_replicas) if cur < state.min_replicas else out_need
             target = state.clamp(max(target, state.clamp(cur)))
@@ -734,7 +739,9 @@ class ForecastPolicy(_Observer):
                 self._scaled_out(now)
                 return Decision(cur + 1, reason)
 
-        window_full = now - self._band_since >= cfg.scale_in_hold_s
+        # full: no scale-out for the hold, and needs seen for all of it (a controller that took
+        # over has seen them only from its first decision, or the replayed history's)
+        window_full = now - max(self._band_since, self._first_decision) >= cfg.scale_in_hold_s
         if held < cur and window_full and state.starting == 0:
             calm = (ttft is None or ttft <= cfg.scale_in_ttft_fraction * cfg.ttft_objective_s) and (
                 load is None

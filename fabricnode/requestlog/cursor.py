@@ -104,3 +104,36 @@ def _cursor_at_end(file: Path, ino: int, size: int) -> str:
         raise ConfigError(f"cannot read request log {file}: {exc.strerror}") from exc
     end = at + data.rfind(b"\n") + 1
     return f"{ino}:{end}"
+
+
+def read_request_log_since(path: Path, since: float) -> tuple[list[TraceRecord], str, float | None]:
+    """The records of the request log at ``path`` and its rotated files that ended at or after
+    ``since`` (unix time), the cursor after the last of them (so that asking after it next
+    counts nothing twice and loses nothing), and the time from which the kept files hold every
+    record: the first record's when a rotated file is kept (older files may have been dropped),
+    else None (the current file is the log's first: it holds everything this log ever had).
+    Blocking file I/O: call it from a worker thread."""
+    files = request_log_files(path)
+    if not files:
+        return [], "0:0", None
+    records: list[TraceRecord] = []
+    cursor = "0:0"
+    first: float | None = None
+    for file in files:
+        try:
+            ino = os.stat(file).st_ino
+        except FileNotFoundError:  # rotated away between the listing and now
+            continue
+        except OSError as exc:
+            raise ConfigError(f"cannot read request log {file}: {exc.strerror}") from exc
+        data = _read_from(file, 0)
+        whole = data.rfind(b"\n") + 1
+        for line in data[:whole].splitlines():
+            record = parse_line(line) if line.strip() else None
+            if record is None:
+                continue
+            first = record.t if first is None else min(first, record.t)
+            if record.t >= since:
+                records.append(record)
+        cursor = f"{ino}:{whole}"
+    return records, cursor, first if len(files) > 1 else None

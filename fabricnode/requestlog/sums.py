@@ -171,3 +171,19 @@ def recent_sums(records: Iterable[TraceRecord]) -> dict[str, dict[str, Any]]:
             key = str(ttft_bucket(r.ttft_s))
             row["ttft"][key] = row["ttft"].get(key, 0) + 1
     return out
+
+
+def binned_sums(
+    records: Iterable[TraceRecord], start: float, bin_s: float
+) -> list[tuple[float, dict[str, dict[str, Any]]]]:
+    """``recent_sums`` of ``records`` by the bin of ``bin_s`` seconds, counted from ``start``,
+    that each ended in: ``(bin start, sums)`` for the bins that have records, in time order
+    (records before ``start`` are left out). A controller that takes over replays them into its
+    scaling policy (``/fabric/v1/workload?history=``)."""
+    if not (bin_s > 0 and math.isfinite(bin_s) and math.isfinite(start)):
+        raise ValueError("bins need a finite start and a positive width")
+    by_bin: dict[int, list[TraceRecord]] = {}
+    for r in records:
+        if r.t >= start:
+            by_bin.setdefault(int((r.t - start) // bin_s), []).append(r)
+    return [(start + k * bin_s, recent_sums(by_bin[k])) for k in sorted(by_bin)]

@@ -522,3 +522,46 @@ async def test_workload_after_a_cursor_sums_only_what_the_log_gained(
     for bad in ({"after": "x:1"}, {"after": "end", "window": "60"}):
         r = await get(app, "/fabric/v1/workload", **bad)
         assert_openai_error(r, 400, "invalid_parameter")
+
+
+async def test_workload_history_gives_the_logs_past_by_bin_and_a_cursor_after_it(
+    mesh: Mesh, tmp_path: Path
+) -> None:
+    """``history=&bin=``: the sums by bin aligned to multiples of ``bin`` over the last
+    ``history`` seconds, the cursor after what was read (asking after it counts nothing
+    twice), and ``covers_from`` null while the log was never rotated."""
+    log_path = tmp_path / "requests.jsonl"
+    app = AdminApp(mesh.core, wall_clock=lambda: NOW + 1, request_log_path=log_path)
+    log = RequestLog(log_path)
+    log.append(TraceRecord(NOW - 100, "m", 100, 10, 1.0))  # before the history asked for
+    log.append(TraceRecord(NOW - 35, "m", 40, 4, 1.0))
+    log.append(TraceRecord(NOW - 34, "m", 60, 6, 1.0))
+    log.append(TraceRecord(NOW - 3, "other", 7, 1, 1.0))
+    log.flush()
+    doc = (await get(app, "/fabric/v1/workload", history="60", bin="10")).json()
+    start = (NOW + 1 - 60) // 10 * 10
+    assert doc["start"] == start and doc["bin_s"] == 10 and doc["covers_from"] is None
+    bins = {b["start"]: b["models"] for b in doc["bins"]}
+    assert all((t - start) % 10 == 0 for t in bins)
+    m = bins[(NOW - 35 - start) // 10 * 10 + start]["m"]
+    assert (m["requests"], m["prompt_tokens"], m["output_tokens"]) == (2, 100, 10)
+    assert sum(row.get("m", {}).get("requests", 0) for row in bins.values()) == 2
+    assert bins[(NOW - 3 - start) // 10 * 10 + start]["other"]["requests"] == 1
+    after = (await get(app, "/fabric/v1/workload", after=doc["cursor"])).json()
+    assert after["models"] == {}  # nothing counted twice
+    log.append(TraceRecord(NOW, "m", 1, 1, 1.0))
+    log.flush()
+    after = (await get(app, "/fabric/v1/workload", after=doc["cursor"])).json()
+    assert after["models"]["m"]["requests"] == 1  # nothing lost
+    for bad in (
+        {"history": "0", "bin": "10"},
+        {"history": "60"},
+        {"bin": "10"},
+        {"history": "60", "bin": "0.5"},
+        {"history": "60", "bin": "120"},
+        {"history": "86400", "bin": "1"},
+        {"history": "nan", "bin": "10"},
+        {"history": "60", "bin": "10", "after": "end"},
+    ):
+        r = await get(app, "/fabric/v1/workload", **bad)
+        assert_openai_error(r, 400, "invalid_parameter")

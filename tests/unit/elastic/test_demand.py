@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fabricnode.elastic.demand import MAX_WANTED_LABELS, Declared, DemandScaler, wanted_labels
-from fabricnode.elastic.observe import ModelSums, agent_urls, wanted_held, wanted_models
+from fabricnode.elastic.observe import History, ModelSums, agent_urls, wanted_held, wanted_models
 from fabricnode.elastic.vocab import MIN_REPLICAS, Fleet, Held, Reason
 from fabricnode.mesh.core import MeshConfig
 from fabricnode.mesh.identity import Identity, OperatorKey
@@ -58,6 +58,9 @@ class Logs:
 
     def after(self, url: str, cursor: str) -> tuple[str, Mapping[str, ModelSums]]:
         raise AssertionError("the demand rules ask by window, never by cursor")
+
+    def history(self, url: str, history_s: float, bin_s: float) -> History:
+        raise AssertionError("the demand rules ask by window, never for history")
 
 
 def test_wanted_starts_then_request_logs_keep_it_up_until_it_is_idle() -> None:

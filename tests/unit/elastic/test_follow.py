@@ -6,6 +6,7 @@ controller, the policy's reason is the decision's."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import trio
 from fabricnode.elastic.controller import Controller
 from fabricnode.elastic.demand import DemandScaler
 from fabricnode.elastic.follow import ForecastScaler, TtftWindow, follows_demand
-from fabricnode.elastic.observe import ModelSums
+from fabricnode.elastic.observe import History, ModelSums
 from fabricnode.elastic.policy import REASONS, ReplicaCapacity
 from fabricnode.elastic.slurmctl import SlurmControl
 from fabricnode.elastic.vocab import Fleet, Held, ModelPlan, Reason, ServicePlans
@@ -56,14 +57,18 @@ class Logs:
     """Every agent's request log as lists of requests; a cursor is a position in one (the
     agents' workload endpoint, ``observe.WorkloadClient``)."""
 
-    def __init__(self, urls: Sequence[str]) -> None:
-        self.logged: dict[str, list[tuple[str, int, int]]] = {u: [] for u in urls}
+    def __init__(self, urls: Sequence[str], created: float = 0.0) -> None:
+        self.created = created  # the logs hold every request from here on
+        # per agent: (ended at, model, prompt tokens, output tokens)
+        self.logged: dict[str, list[tuple[float, str, int, int]]] = {u: [] for u in urls}
         self.down: set[str] = set()
         self.asked = 0
+        self.now = 0.0
 
-    def requests(self, model: str, per_agent: int) -> None:
+    def requests(self, model: str, per_agent: int, now: float) -> None:
+        self.now = now
         for entries in self.logged.values():
-            entries.extend([(model, PROMPT, OUTPUT)] * per_agent)
+            entries.extend([(now, model, PROMPT, OUTPUT)] * per_agent)
 
     def after(self, url: str, cursor: str) -> tuple[str, Mapping[str, ModelSums]]:
         self.asked += 1
@@ -72,9 +77,24 @@ class Logs:
         entries = self.logged[url]
         start = len(entries) if cursor == "end" else int(cursor.split(":")[1])
         sums: dict[str, ModelSums] = {}
-        for model, prompt, output in entries[start:]:
+        for _, model, prompt, output in entries[start:]:
             sums[model] = sums.get(model, ModelSums()) + ModelSums(1, prompt, 1, output, 1)
         return f"0:{len(entries)}", sums
+
+    def history(self, url: str, history_s: float, bin_s: float) -> History:
+        """``GET /fabric/v1/workload?history=&bin=``: the sums by bin, aligned as the agent
+        aligns them; each log complete from when it was created."""
+        self.asked += 1
+        if url in self.down:
+            raise httpx.ConnectError("refused")
+        entries = self.logged[url]
+        start = math.floor((self.now - history_s) / bin_s) * bin_s
+        bins: dict[float, dict[str, ModelSums]] = {}
+        for t, model, prompt, output in entries:
+            if t >= start:
+                row = bins.setdefault(start + (t - start) // bin_s * bin_s, {})
+                row[model] = row.get(model, ModelSums()) + ModelSums(1, prompt, 1, output, 1)
+        return History(f"0:{len(entries)}", self.created, sorted(bins.items()))
 
     def requests_in(self, url: str, window_s: float) -> Mapping[str, float]:
         """The demand rules' idleness check (``GET /fabric/v1/workload?window=``)."""
@@ -115,18 +135,18 @@ class Run:
     def __init__(self, plan: ModelPlan, serving: int, n: int = 3) -> None:
         self.net = mesh(n)
         self.urls = [node.core.self_entry.body.addresses.http for node in self.net.nodes.values()]
-        self.logs = Logs(self.urls)
+        self.now = 1000.0
+        self.logs = Logs(self.urls, created=self.now)  # the traffic starts with the run
         self.scaler = scaler_for(self.net, self.logs)
         self.plan = plan
         self.replicas = Replicas(serving)
-        self.now = 1000.0
         self.history: list[tuple[float, int, str]] = []
 
     def step(self, per_agent: int) -> tuple[int, str]:
         """One pass: the traffic of the last ``STEP_S`` is logged, then the scaler decides and
         the controller applies the target (clamped, as the controller does)."""
         self.now += STEP_S
-        self.logs.requests(self.plan.model, per_agent)
+        self.logs.requests(self.plan.model, per_agent, self.now)
         fleet = self.replicas.fleet(self.plan.model, self.now)
         trio.run(self.scaler.observe, [self.plan], self.now, fleet)
         want, why = self.scaler.target(self.plan, self.now)
@@ -317,12 +337,12 @@ def test_the_controller_logs_and_counts_the_policys_reason() -> None:
     )
     announce(run.net, ctl, node, 1.0)
     apply(run.net, node, "follow")
-    clock[0] = run.net.wall
+    clock[0] = run.logs.created = run.net.wall  # the traffic starts with the controller
 
     async def passes(n: int, per_agent: int) -> None:
         for _ in range(n):
             clock[0] += STEP_S
-            run.logs.requests("m", per_agent)
+            run.logs.requests("m", per_agent, clock[0])
             await ctl.tick()
 
     trio.run(passes, 60, 2)
@@ -339,3 +359,57 @@ def test_every_reason_of_the_policy_is_a_reason_of_the_controller() -> None:
     """The scaler turns the policy's reason into ``Reason(decision.reason)``: every one the
     policy may give must be there, with the same words (they are the metric's labels)."""
     assert {Reason(r).label for r in REASONS} == set(REASONS)
+
+
+def takeover(run: Run, last_scale_out_s: float) -> None:
+    """The acting controller dies: a new scaler on the same mesh and logs, the fleet showing
+    the model's last scale-out ``last_scale_out_s`` ago (Slurm's submit time)."""
+    held_by = run.replicas.fleet
+
+    def fleet(model: str, now: float) -> Fleet:
+        f = held_by(model, now)
+        h = f.held[model]
+        newest = Held(h.serving, h.starting, newest_at=now - last_scale_out_s)
+        return Fleet({model: newest}, f.cold_start_s)
+
+    run.replicas.fleet = fleet  # type: ignore[method-assign]
+    run.scaler = scaler_for(run.net, run.logs)
+
+
+def test_a_takeover_under_steady_load_keeps_the_replicas_the_load_needs() -> None:
+    """Steady load that needs three replicas for 15 min; the last scale-out 20 min ago. The new
+    controller replays the request logs' last ten minutes: it neither scales in on a demand it
+    has not seen (before the replay it went to one at its first pass, then back up to four)
+    nor asks for more."""
+    run = Run(HOT, serving=1)
+    run.run(900, per_agent=2)
+    assert run.history[-1][1] == 3
+    takeover(run, last_scale_out_s=1200)
+    after = run.run(120, per_agent=2)
+    assert {target for _, target, _ in after} == {3}, after[:5]
+
+
+def test_a_takeover_keeps_the_scale_in_hold_it_has_evidence_for() -> None:
+    """The load falls 200 s before the takeover: the new controller scales in 100 s after it,
+    when the first controller would have (the hold's 300 s of low needs, seen in the replayed
+    logs), not 300 s after it (a restarted hold) nor at once."""
+    run = Run(HOT, serving=1)
+    run.run(900, per_agent=2)
+    run.run(200, per_agent=0)
+    assert run.history[-1][1] == 3
+    takeover(run, last_scale_out_s=1200)
+    took_over = run.now
+    after = run.run(240, per_agent=0)
+    first_in = next(at for at, target, _ in after if target < 3)
+    assert 90 <= first_in - took_over <= 120, after
+
+
+def test_without_every_agents_history_a_takeover_restarts_the_hold() -> None:
+    """One agent's log does not answer the history: no replay (its requests would read as no
+    demand), and the hold runs from the new controller's first decision."""
+    run = Run(HOT, serving=1)
+    run.run(900, per_agent=2)
+    takeover(run, last_scale_out_s=1200)
+    run.logs.down.add(run.urls[0])
+    after = run.run(60, per_agent=2)
+    assert {target for _, target, _ in after} == {3}, after[:5]

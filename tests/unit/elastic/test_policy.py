@@ -605,6 +605,9 @@ def test_inconsistent_state_is_a_value_error() -> None:
 
 
 def test_a_takeover_resumes_the_scale_in_hold_from_the_last_scale_out() -> None:
+    """A controller that takes over keeps the hold it has evidence for: from the last
+    scale-out Slurm shows (``resume``) and the needs it replayed from the request logs (its
+    decisions in the past); with the scale-out alone and no replay, the hold restarts."""
     cfg = PolicyConfig(scale_in_hold_s=300.0)
     quiet = state(replicas=4)  # no demand at all: one replica would do
 
@@ -619,7 +622,12 @@ def test_a_takeover_resumes_the_scale_in_hold_from_the_last_scale_out() -> None:
     assert first_scale_in(fresh, 1000.0) >= 300.0  # the hold counts from its first decision
     resumed = ForecastPolicy(cfg)
     resumed.resume(1000.0 - 280.0)  # the last scale-out, as Slurm shows it
+    for t in range(720, 1000, 10):  # the replayed past: quiet since the scale-out
+        resumed.desired_replicas(float(t), quiet)
     assert first_scale_in(resumed, 1000.0) <= 25.0
+    unseen = ForecastPolicy(cfg)
+    unseen.resume(1000.0 - 280.0)  # no replay: no needs seen before its first decision
+    assert first_scale_in(unseen, 1000.0) >= 300.0
     late = ForecastPolicy(cfg)
     late.desired_replicas(1000.0, quiet)
     late.resume(0.0)  # only before the first decision

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from fabricnode.requestlog.cursor import read_request_log_after
+from fabricnode.requestlog.cursor import read_request_log_after, read_request_log_since
 from fabricnode.requestlog.format import TraceRecord
 from fabricnode.requestlog.writer import RequestLog
 from tests.unit.requestlog.test_format import record
@@ -49,3 +49,33 @@ def test_the_tail_after_a_cursor_is_read_once_whole_lines_only_across_rotations(
     assert records == new
     with pytest.raises(ValueError):
         read_request_log_after(path, "12:x")
+
+
+def test_the_past_since_a_time_comes_with_a_cursor_after_it_and_how_far_back_it_is_whole(
+    tmp_path: Path,
+) -> None:
+    """``read_request_log_since``: the records since a time across the kept files, the cursor
+    after the last (asking after it gives only what came next), and while no file was rotated
+    ``None`` (the log holds all it ever had), after a rotation the first kept record's time."""
+    path = tmp_path / "log.jsonl"
+    assert read_request_log_since(path, 0.0) == ([], "0:0", None)
+    line_bytes = len(json.dumps(record().as_dict(), separators=(",", ":"))) + 1
+    log = RequestLog(path, rotate_bytes=3 * line_bytes, keep=1)
+
+    def write(*ts: float) -> list[TraceRecord]:
+        out = [record(t=t) for t in ts]
+        for r in out:
+            log.append(r)
+            log.flush()
+        return out
+
+    write(1.0, 2.0)
+    records, cursor, covers = read_request_log_since(path, 2.0)
+    assert [r.t for r in records] == [2.0] and covers is None
+    new = write(3.0)
+    assert read_request_log_after(path, cursor)[0] == new
+    write(4.0, 5.0, 6.0, 7.0)  # rotated past what one kept file holds: 1 to 3 dropped
+    records, cursor, covers = read_request_log_since(path, 0.0)
+    assert covers == records[0].t and covers > 1.0
+    assert [r.t for r in records] == sorted(r.t for r in records)
+    assert read_request_log_after(path, cursor)[0] == []
