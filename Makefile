@@ -43,11 +43,12 @@ lint: $(STAMP)
 types: $(STAMP)
 	$(BIN)/mypy fabricnode scheduler cli
 
-# The suite in four lanes side by side: the tests that keep a core busy (unit, shell, browser),
-# the real agents (tests/system), tests/slurm and the elastic controller's Slurm tests; then two
-# tails, the data plane's own tests (every tests/<kind>/dataplane folder) once more on the
-# interpreted sources (FABRIC_NATIVE=0: what runs where the build is missing or stale, so it must
-# stay correct too) and the agent tests held back to shorten the agents lane.
+# The suite in four lanes side by side: the tests that keep a core busy (unit, shell, browser;
+# then the emulated sites of tests/sites), the real agents (tests/system), tests/slurm and the
+# elastic controller's Slurm tests; then two tails, the data plane's own tests (every
+# tests/<kind>/dataplane folder) once more on the interpreted sources (FABRIC_NATIVE=0: what runs
+# where the build is missing or stale, so it must stay correct too) and the agent tests held
+# back to shorten the agents lane.
 # scripts/test-lanes.sh says why and how.
 unit: native vllm-env
 	BIN=$(BIN) scripts/test-lanes.sh

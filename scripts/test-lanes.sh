@@ -7,7 +7,11 @@
 #            fake network under MockClock (the mesh simulations at 20-60 nodes are the slowest)
 #            and one headless Chromium; they keep a core busy and seldom wait. Then the tests of
 #            tests/system marked `compute` (the benches of a model, a simulation or a solver in
-#            one process: no agents to wait for), as "compute-system".
+#            one process: no agents to wait for), as "compute-system". Then tests/sites, as
+#            "sites": the emulated sites (network namespaces, a WAN router process; about 25 s,
+#            mostly waiting out round trips). Their own lane would start them beside every other
+#            at the busiest moment; at the end of this one, which ends third (after the two Slurm
+#            lanes, minutes before the agents lane), they lengthen no lane the run waits on.
 #   agents   tests/system but the `compute` ones and LATE_AGENTS: real agents and simulated
 #            engines as subprocesses on 127.0.0.1. Most of its time is waiting (an agent starting, a
 #            simulated engine pacing its tokens, gossip converging, a replay running its trace
@@ -55,6 +59,8 @@ BENCH_AGENTS=(tests/system/test_bench_tiers.py tests/system/test_bench_routing.p
 SLURM_ELASTIC=(tests/slurm/test_elastic.py tests/slurm/test_elastic_qos.py
     tests/slurm/test_dashboard_controller.py)
 SLURM=(tests/slurm)
+# The emulated sites (tests/support/sites.py): after compute-system, in the compute lane's tail.
+SITES=(tests/sites)
 # Every tests/<kind>/dataplane folder, and the request log's tests (three of its modules are
 # compiled with the data plane: fabricnode.native.COMPANIONS): run again on the interpreted
 # sources (FABRIC_NATIVE=0).
@@ -89,6 +95,7 @@ cpu() { # cpu NAME: "user+sys CPU s, N cores" of a finished lane
 (
     lane compute -- "${COMPUTE[@]}"
     lane compute-system -- -m compute "${AGENTS[@]}"
+    lane sites -- "${SITES[@]}"
 ) &
 compute=$!
 ignoring() { # ignoring PATH...: pytest's --ignore for each
@@ -120,7 +127,8 @@ after+=("${lane_of[$ended]}")
 lane agents-late -- -m "not compute" "${LATE_AGENTS[@]}" &
 wait
 
-LANES=(compute compute-system agents slurm slurm-elastic interpreted agents-benches agents-late)
+LANES=(compute compute-system sites agents slurm slurm-elastic interpreted agents-benches
+    agents-late)
 failed_lanes=0
 for name in "${LANES[@]}"; do
     read -r status took <"$WORK/$name.status" 2>/dev/null || { status=1 took=0; }

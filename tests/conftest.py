@@ -10,6 +10,10 @@ from hypothesis import settings
 
 from cli.localmesh import LocalMesh
 from tests.support.browser import chromium  # noqa: F401 (the dashboard tests' browser)
+from tests.support.sites import (  # noqa: F401 (fixtures for the emulated-sites tests)
+    three_sites,
+    three_sites_module,
+)
 from tests.support.slurmcluster import (  # noqa: F401 (fixtures for the real-Slurm tests)
     slurm,
     slurm_accounting_cluster,
