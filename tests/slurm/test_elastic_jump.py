@@ -31,12 +31,7 @@ from tests.support.elasticmesh import (
     serving_count,
 )
 from tests.support.meshview import fabric
-from tests.support.slurmcluster import (
-    SlurmCluster,
-    SlurmClusterConfig,
-    cluster_root,
-    install_or_skip,
-)
+from tests.support.slurmcluster import SlurmCluster, SlurmClusterConfig, throwaway_cluster
 
 pytestmark = pytest.mark.slow
 
@@ -71,16 +66,8 @@ time_limit = "10:00"
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
-    install_or_skip()
-    cluster = SlurmCluster(cluster_root(tmp_path_factory), SlurmClusterConfig(gpus=6))
-    cluster.start()
-    print(f"\nslurm: {cluster.version[2]} with 6 GPUs up in {cluster.started_in_s:.2f} s")
-    try:
+    with throwaway_cluster(tmp_path_factory, SlurmClusterConfig(gpus=6)) as cluster:
         yield cluster
-    finally:
-        left = cluster.close()
-        if left:
-            print(f"\nslurm: SIGKILLed {len(left)} processes left at teardown: {left}")
 
 
 @pytest.fixture(scope="module")

@@ -824,6 +824,26 @@ def _print_errors(cluster: SlurmCluster, daemons: Iterable[str]) -> None:
             print(f"--- {cluster.logs_dir / daemon}.log (errors) ---\n{errors}")
 
 
+@contextlib.contextmanager
+def throwaway_cluster(
+    tmp_path_factory: pytest.TempPathFactory, config: SlurmClusterConfig | None = None
+) -> Iterator[SlurmCluster]:
+    """A cluster of its own directory and ports (it may run beside others), installed with apt
+    if needed, skipped or failed as ``slurm_cluster`` says; closed on exit."""
+    install_or_skip()
+    cluster = SlurmCluster(cluster_root(tmp_path_factory), config or SlurmClusterConfig())
+    cluster.start()
+    gpus = cluster.config.gpus
+    print(f"\nslurm: {cluster.version[2]} with {gpus} GPUs up in {cluster.started_in_s:.2f} s"
+          f" at {cluster.root}")  # fmt: skip
+    try:
+        yield cluster
+    finally:
+        left = cluster.close()
+        if left:
+            print(f"\nslurm: SIGKILLed {len(left)} processes left at teardown: {left}")
+
+
 @pytest.fixture(scope="session")
 def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
     """One throw-away Slurm cluster for the whole session, installed with apt if needed.
@@ -831,16 +851,8 @@ def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmClu
     Skips when Slurm cannot be installed here (not root, no apt, no Debian mirror) or with
     ``FABRIC_SKIP_SLURM=1``; on CI (``CI=true``) the first two fail instead of skipping.
     """
-    install_or_skip()
-    cluster = SlurmCluster(cluster_root(tmp_path_factory))
-    cluster.start()
-    print(f"\nslurm: {cluster.version[2]} up in {cluster.started_in_s:.2f} s at {cluster.root}")
-    try:
+    with throwaway_cluster(tmp_path_factory) as cluster:
         yield cluster
-    finally:
-        left = cluster.close()
-        if left:
-            print(f"\nslurm: SIGKILLed {len(left)} processes left at teardown: {left}")
 
 
 @pytest.fixture(scope="module")

@@ -13,20 +13,30 @@ from fabricnode.requestlog.writer import RequestLog
 from tests.unit.requestlog.test_format import record
 
 
+def three_lines_a_file(path: Path, keep: int) -> RequestLog:
+    """A request log rotated every three records, ``keep`` rotated files kept."""
+    line_bytes = len(json.dumps(record().as_dict(), separators=(",", ":"))) + 1
+    return RequestLog(path, rotate_bytes=3 * line_bytes, keep=keep)
+
+
+def logged(log: RequestLog, *ts: float) -> list[TraceRecord]:
+    """Records ending at ``ts``, each written at once."""
+    out = [record(t=t) for t in ts]
+    for r in out:
+        log.append(r)
+        log.flush()
+    return out
+
+
 def test_the_tail_after_a_cursor_is_read_once_whole_lines_only_across_rotations(
     tmp_path: Path,
 ) -> None:
     path = tmp_path / "log.jsonl"
     assert read_request_log_after(path, "end") == ([], "0:0")  # nothing logged yet
-    line_bytes = len(json.dumps(record().as_dict(), separators=(",", ":"))) + 1
-    log = RequestLog(path, rotate_bytes=3 * line_bytes, keep=2)
+    log = three_lines_a_file(path, keep=2)
 
     def write(*ts: float) -> list[TraceRecord]:
-        out = [record(t=t) for t in ts]
-        for r in out:
-            log.append(r)
-            log.flush()
-        return out
+        return logged(log, *ts)
 
     write(1.0, 2.0)
     records, cursor = read_request_log_after(path, "end")
@@ -59,15 +69,10 @@ def test_the_past_since_a_time_comes_with_a_cursor_after_it_and_how_far_back_it_
     ``None`` (the log holds all it ever had), after a rotation the first kept record's time."""
     path = tmp_path / "log.jsonl"
     assert read_request_log_since(path, 0.0) == ([], "0:0", None)
-    line_bytes = len(json.dumps(record().as_dict(), separators=(",", ":"))) + 1
-    log = RequestLog(path, rotate_bytes=3 * line_bytes, keep=1)
+    log = three_lines_a_file(path, keep=1)
 
     def write(*ts: float) -> list[TraceRecord]:
-        out = [record(t=t) for t in ts]
-        for r in out:
-            log.append(r)
-            log.flush()
-        return out
+        return logged(log, *ts)
 
     write(1.0, 2.0)
     records, cursor, covers = read_request_log_since(path, 2.0)
