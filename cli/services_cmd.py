@@ -119,6 +119,7 @@ def status_doc(held: Json, nodes: list[Json], controller: Json | None) -> Json:
                 "state": st.get("state", "no controller"),
                 "note": st.get("note", ""),
                 "reason": st.get("reason", ""),
+                "learned": st.get("learned", {}),  # what the acting controller learned of it
             }
         )
     return {

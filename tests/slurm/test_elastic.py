@@ -21,13 +21,12 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from statistics import median
 
 import httpx
 import openai
 import pytest
 
-from cli.localmesh import AgentProcess
+from cli.localmesh import AgentProcess, LocalMesh
 from fabricnode.control.client import AdminClient
 from fabricnode.errors import AgentApiError
 from tests.support import REPO
@@ -176,7 +175,7 @@ def test_the_controller_keeps_replicas_across_time_limits_kills_and_its_own_fail
         roles = {a.name: controller_role(a) for a in controllers}
         acting = next(a for a in controllers if roles[a.name] == "acting")
         standby = next(a for a in controllers if a is not acting)
-        before = json.loads(fabric(mesh, acting, "services", "--json").stdout)["decisions"]
+        first_start_up = learned_start_up(mesh, acting)
         acting.kill()
         killed_at = time.time()
         t0 = time.monotonic()
@@ -184,6 +183,11 @@ def test_the_controller_keeps_replicas_across_time_limits_kills_and_its_own_fail
             assert time.monotonic() - t0 < 10, "the standby did not take over within 10 s"
             time.sleep(0.2)
         print(f"standby acting {time.monotonic() - t0:.1f} s after the acting controller died")
+        # what the standby plans successors with, after its first pass: the start-up time it
+        # learned of the jobs it inherited, from their agents (not from their ages)
+        while (second_start_up := learned_start_up(mesh, standby, after=killed_at)) is None:
+            assert time.monotonic() - t0 < 20, "the standby made no pass"
+            time.sleep(0.5)
 
         while time.monotonic() < end:
             time.sleep(1.0)
@@ -212,16 +216,31 @@ def test_the_controller_keeps_replicas_across_time_limits_kills_and_its_own_fail
     assert back - crashed_at <= 60.0, w.dips
     assert share >= 0.99, w.dips
     assert any("time limit" in d["reason"] for d in decisions)
-    # the successor's lead (a successor is submitted this long before its job's end) is the
-    # first controller's: it learned the start-up of the jobs it inherited from their agents
-    first = successor_leads(before)
-    second = successor_leads([d for d in decisions if d["at"] > killed_at])
-    print(f"successor leads: first controller {first}, after the takeover {second}")
-    assert first and second, (before, decisions)
-    assert abs(median(second) - median(first)) <= 0.1 * median(first)
+    # the successors' lead is the first controller's: the start-up time it plans with (the
+    # lead is that, times a safety factor, plus the agents' leave margin). The leads in the
+    # decisions' reasons are no measure of it here: with two-minute jobs the lead is longer
+    # than a job serves, so each successor is submitted when its job begins to serve, and the
+    # reason gives the time left then (the job's start-up, which varies with the machine's load)
+    print(f"learned start-up: first controller {first_start_up}, after the takeover "
+          f"{second_start_up}; time-limit successors' time left, before "
+          f"{successor_leads([d for d in decisions if d['at'] <= killed_at])}, after "
+          f"{successor_leads([d for d in decisions if d['at'] > killed_at])}")  # fmt: skip
+    assert first_start_up is not None
+    assert abs(second_start_up - first_start_up) <= 0.1 * first_start_up
 
 
 TIME_LIMIT = re.compile(r"time limit of job \S+ in (\d+) s")
+
+
+def learned_start_up(mesh: LocalMesh, controller: AgentProcess, after: float = 0.0) -> float | None:
+    """The start-up time (sbatch to SERVING) ``controller`` plans with for MODEL, once it
+    learned one in a pass after ``after`` (wall clock); None before."""
+    doc = json.loads(fabric(mesh, controller, "services", "--json").stdout)
+    if (doc["controller"]["last_pass_at"] or 0.0) <= after:
+        return None
+    model = next(m for m in doc["models"] if m["model"] == MODEL)
+    learned = model["learned"]
+    return float(learned["cold_start_s"]) if learned["cold_start_learned"] else None
 
 
 def successor_leads(decisions: list[dict[str, object]]) -> list[int]:
