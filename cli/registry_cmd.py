@@ -2,6 +2,8 @@
 
 Each asks the agent named by ``--agent`` (``fabricnode.control.client``) and prints a table, or
 the agent's JSON with ``--json``. Times are shown kubectl-style (``45s``, ``12m``, ``5h``).
+The tables' columns are always the same, one site or many: ``SITE`` in ``fabric nodes``,
+``SITES`` (nodes per site, ``A:2,C:1``) in ``fabric models``.
 """
 
 from __future__ import annotations
@@ -23,13 +25,14 @@ from cli.common import (
     usage_error,
 )
 from fabricnode.mesh.schema import SLEEPING_LABEL
+from fabricnode.mesh.sites import site_problem
 
 commands = command_group()
 
 STATES = ("join", "serving", "down", "left")
 
 NODE_COLUMNS = (
-    "SESSION", "PROVIDER", "STATE", "LIVENESS", "HOST", "GPUS", "MODELS", "LOAD", "AGE"
+    "SESSION", "SITE", "PROVIDER", "STATE", "LIVENESS", "HOST", "GPUS", "MODELS", "LOAD", "AGE"
 )  # fmt: skip
 
 
@@ -43,6 +46,7 @@ def nodes(
         str | None, typer.Option(metavar="MODEL", help="Only nodes serving it.")
     ] = None,
     gpu: Annotated[str | None, typer.Option(metavar="TYPE", help="Only this GPU type.")] = None,
+    site: Annotated[str | None, typer.Option(metavar="SITE", help="Only this site's.")] = None,
     label: Annotated[
         list[str] | None, typer.Option(metavar="KEY=VALUE", help="Label (repeatable).")
     ] = None,
@@ -50,10 +54,16 @@ def nodes(
 ) -> None:
     if state is not None and state.lower() not in STATES:
         raise typer.BadParameter(f"{state!r}: choose {'|'.join(STATES)}", param_hint="--state")
+    if site is not None and site_problem(site):
+        raise typer.BadParameter(f"{site!r}: {site_problem(site)}", param_hint="--site")
     labels = check_labels(label)
     with agent_client("nodes") as client:
         found = client.nodes(
-            state=state.lower() if state else None, model=model, gpu=gpu, labels=labels
+            state=state.lower() if state else None,
+            model=model,
+            gpu=gpu,
+            labels=labels,
+            site=site,
         )
     if as_json:
         print_json({"nodes": found})
@@ -65,6 +75,7 @@ def nodes(
     for n in found:
         table.add_row(
             n["session_id"][:12],
+            n.get("site") or "-",  # an agent from before sites: "-"
             n["provider"],
             _state(n),
             n["liveness"],
@@ -118,8 +129,8 @@ def models(as_json: JsonOption = False) -> None:
         print("no models announced in the mesh yet")
         return
     table = Table(box=None, header_style="bold", pad_edge=False)
-    columns = ("MODEL", "NODES", "SERVING", "ASLEEP", "GPU TYPES", "GPUS", "WAITING", "RUNNING")
-    for column in (*columns, "KV"):
+    columns = ("MODEL", "NODES", "SERVING", "ASLEEP", "SITES", "GPU TYPES", "GPUS", "WAITING")
+    for column in (*columns, "RUNNING", "KV"):
         table.add_column(column)
     for m in found:
         load = m["load"]
@@ -129,6 +140,7 @@ def models(as_json: JsonOption = False) -> None:
             str(m["nodes"]),
             str(m["serving"]),
             str(m.get("asleep", 0)),
+            _sites(m.get("sites")),
             ", ".join(m["gpu_types"]) or "-",
             str(m["gpus"]),
             str(load["waiting"]),
@@ -136,6 +148,11 @@ def models(as_json: JsonOption = False) -> None:
             "-" if kv is None else f"{kv:.0%}",
         )
     console().print(table)
+
+
+def _sites(rows: list[dict[str, Any]] | None) -> str:
+    """Nodes per site, ``A:2,C:1`` (one word, for ``awk``); ``-`` from an agent before sites."""
+    return ",".join(f"{r['site']}:{r['nodes']}" for r in rows or ()) or "-"
 
 
 def _state(n: dict[str, Any]) -> str:

@@ -60,6 +60,13 @@ def start(
     provider: Annotated[
         str | None, typer.Option(metavar="NAME", help="Provider name (default $USER).")
     ] = None,
+    site: Annotated[
+        str | None,
+        typer.Option(
+            metavar="NAME",
+            help="Site of this agent ($FABRIC_SITE, else the Slurm cluster's name, else default).",
+        ),
+    ] = None,
     engine_url: Annotated[
         str | None,
         typer.Option(metavar="URL", help="Where the engine serves (default: from its --port)."),
@@ -303,6 +310,7 @@ def start(
             cluster_key=cluster_key,
             provider=provider,
             provider_key=provider_key,
+            site=site,
             engine_cmd=engine_cmd or (),
             engine_url=engine_url,
             sim=sim,

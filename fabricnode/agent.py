@@ -233,6 +233,7 @@ class Agent:
             updated_at=now,
             expires_at=expires,
             provider_cert=cert,
+            site=cfg.site,
         )
 
     def _batch(
@@ -345,9 +346,10 @@ class Agent:
         )
         self.core, self.gossip = core, gossip
         log.info(
-            "session %s provider %s gossip %s http %s seeds %d",
+            "session %s provider %s site %s gossip %s http %s seeds %d",
             core.self_id,
             cfg.provider,
+            cfg.site,
             gossip_addr,
             http_url,
             len(seeds),

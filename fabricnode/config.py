@@ -10,7 +10,8 @@ gossip addresses), ``FABRIC_CLUSTER_KEY`` (path of the cluster keyring), ``USER`
 ``FABRIC_RENDEZVOUS`` (the rendezvous file, default ``$FABRIC_HOME/rendezvous``),
 ``FABRIC_LOG_DIR`` (logs, default ``$FABRIC_HOME/logs``), ``FABRIC_JOB_LOG_DIR`` (this agent's
 own log directory, set by the sbatch wrapper: ``engine.log`` and ``requests.jsonl`` go straight
-into it), ``FABRIC_LEAVE_BEFORE_END`` (seconds, as ``--leave-before-end``).
+into it), ``FABRIC_LEAVE_BEFORE_END`` (seconds, as ``--leave-before-end``), ``FABRIC_SITE``
+(as ``--site``; else ``SLURM_CLUSTER_NAME``, which Slurm sets in a job, else ``default``).
 
 Advertised address (what peers and clients are told to contact): ``--advertise`` if given; else
 the gossip bind host when it is a specific address (a loopback bind advertises the loopback
@@ -46,14 +47,23 @@ from fabricnode.engine.command import (
 from fabricnode.engine.template import EngineTemplate, parse_template
 from fabricnode.errors import ConfigError
 from fabricnode.host.hardware import parse_sim_gpu
-from fabricnode.host.slurm import DEFAULT_LEAVE_BEFORE_END_S, find_sbatch_script, job_id_of
+from fabricnode.host.slurm import (
+    DEFAULT_LEAVE_BEFORE_END_S,
+    cluster_name_of,
+    find_sbatch_script,
+    job_id_of,
+)
 from fabricnode.mesh.core import MeshConfig
 from fabricnode.mesh.registry import MAX_LABEL_KEY, MAX_LABEL_VALUE
+from fabricnode.mesh.sites import DEFAULT_SITE, SITE_LABEL, site_problem
 
 DEFAULT_HTTP = "0.0.0.0:8080"
 MAX_BATCH_CONCURRENCY = 4096
 DEFAULT_GOSSIP = "0.0.0.0:7946"
 LOG_LEVELS = ("debug", "info", "warning", "error")
+# --label flags at most: the rest of the registry's MAX_LABELS is the fabric's own labels'
+# (about 20 at most, fabric.wanted's included) and the site's.
+MAX_OPERATOR_LABELS = 32
 
 
 @dataclass(frozen=True)
@@ -77,6 +87,7 @@ class AgentConfig:
     provider: str
     advertise_host: str
     provider_key_path: Path | None = None  # certifies our session key (verified provider)
+    site: str = DEFAULT_SITE  # the site this agent belongs to (mesh.sites), in its entry
     engine: EngineCommand | None = None  # the supervised child; None: a JOIN-only node
     # A JOIN-only node with a template launches its engine when an operator assigns a model.
     engine_template: EngineTemplate | None = None
@@ -176,6 +187,7 @@ def load_config(
     cluster_key: str | None = None,
     provider: str | None = None,
     provider_key: str | None = None,
+    site: str | None = None,
     engine_cmd: Sequence[str] = (),
     engine_url: str | None = None,
     sim: str | None = None,
@@ -271,6 +283,7 @@ def load_config(
         cluster_key_path=key_path,
         rendezvous_path=rendezvous_path,
         provider=_provider(provider, env),
+        site=_site(site, env),
         provider_key_path=Path(provider_key).expanduser() if provider_key else None,
         engine=engine,
         engine_template=template,
@@ -480,7 +493,11 @@ def parse_labels(items: Iterable[str]) -> tuple[tuple[str, str], ...]:
             raise ConfigError(f"--label {key}: value longer than {MAX_LABEL_VALUE} characters")
         if not (key + value).isprintable():  # shown in tables and logs on every agent
             raise ConfigError(f"--label {item!r}: a control, format or line-separator character")
+        if key == SITE_LABEL:
+            raise ConfigError(f"--label {key}: the site is set with --site NAME")
         out[key] = value
+    if len(out) > MAX_OPERATOR_LABELS:
+        raise ConfigError(f"--label: {len(out)} labels, at most {MAX_OPERATOR_LABELS}")
     return tuple(sorted(out.items()))
 
 
@@ -620,6 +637,26 @@ def _provider(flag: str | None, env: Mapping[str, str]) -> str:
         raise ConfigError("no provider name: pass --provider NAME or set USER")
     if len(name) > 64:
         raise ConfigError(f"--provider {name!r}: longer than 64 characters")
+    return name
+
+
+def _site(flag: str | None, env: Mapping[str, str]) -> str:
+    """``--site``, else ``$FABRIC_SITE``, else the Slurm cluster of the job we run in, else
+    ``default``; a name that breaks the rules of ``mesh.sites`` is refused, naming its source."""
+    if flag is not None:
+        name, source = flag.strip(), "--site"
+    elif env.get("FABRIC_SITE", "").strip():
+        name, source = env["FABRIC_SITE"].strip(), "FABRIC_SITE"
+    else:
+        cluster = cluster_name_of(env)
+        if cluster is None:
+            return DEFAULT_SITE
+        name, source = cluster, "SLURM_CLUSTER_NAME"
+    problem = site_problem(name)
+    if problem:
+        if source == "SLURM_CLUSTER_NAME":  # not the user's choice: say what to do instead
+            problem = f"(the default site) {problem}; pass --site NAME"
+        raise ConfigError(f"{source} {name[:64]!r}: {problem}")
     return name
 
 

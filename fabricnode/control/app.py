@@ -12,7 +12,8 @@ Endpoints (all GET; HEAD is answered like GET without a body):
   answers for one engine; the mesh may run several kinds and versions).
 * ``/fabric/v1/self`` — this agent's own entry (the entry view of ``views``).
 * ``/fabric/v1/nodes`` — ``{"nodes": [...]}``; query filters ``state``, ``model``, ``gpu``,
-  ``label=K=V`` (repeatable, all must match).
+  ``site`` (exact; 400 for a name no site can have), ``label=K=V`` (repeatable, all must
+  match).
 * ``/fabric/v1/nodes/{session_id}`` — one entry; a unique prefix of the id is accepted
   (404 unknown, 409 ambiguous prefix).
 * ``/fabric/v1/models`` — ``{"models": [...]}``, see ``views.models_view``.
@@ -106,6 +107,7 @@ from fabricnode.mesh.core import MeshCore
 from fabricnode.mesh.registry import SignedEntry, State
 from fabricnode.mesh.service import TransportStatistics
 from fabricnode.mesh.servicedoc import MAX_SERVICES_BYTES, SERVICES_PATH, SignedServices
+from fabricnode.mesh.sites import site_problem
 from fabricnode.metricfamilies import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from fabricnode.metricfamilies import (
     counter,
@@ -142,7 +144,7 @@ DEFAULT_WORKLOAD_WINDOW_S = 3600.0
 # ?history=: at most a day back, in at most this many bins (the answer stays small)
 MAX_WORKLOAD_HISTORY_S = 86400.0
 MAX_WORKLOAD_BINS = 8640
-NODE_FILTERS = ("state", "model", "gpu", "label")
+NODE_FILTERS = ("state", "model", "gpu", "site", "label")
 
 
 class HasTransportStatistics(Protocol):
@@ -440,6 +442,9 @@ class AdminApp:
                 state = State.parse(filters["state"])
             except ValueError as exc:
                 raise HttpError(400, str(exc), "invalid_parameter") from None
+        site = filters.get("site") or None
+        if site is not None and site_problem(site):
+            raise HttpError(400, f"site {site[:64]!r}: {site_problem(site)}", "invalid_parameter")
         views = node_views(
             self.core,
             self.wall_clock(),
@@ -447,6 +452,7 @@ class AdminApp:
             model=filters.get("model") or None,
             gpu=filters.get("gpu") or None,
             labels=labels,
+            site=site,
         )
         return json_response({"nodes": views})
 

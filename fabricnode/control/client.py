@@ -184,9 +184,10 @@ class AdminClient(_AgentClient):
         model: str | None = None,
         gpu: str | None = None,
         labels: Iterable[str] = (),
+        site: str | None = None,
     ) -> list[Json]:
         params: list[tuple[str, str]] = []
-        for key, value in (("state", state), ("model", model), ("gpu", gpu)):
+        for key, value in (("state", state), ("model", model), ("gpu", gpu), ("site", site)):
             if value:
                 params.append((key, value))
         params.extend(("label", label) for label in labels)

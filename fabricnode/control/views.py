@@ -6,13 +6,14 @@ about itself), this agent's *local* liveness view of it (a crashed node cannot s
 death, so liveness is never part of the entry), and the latest unsigned load report. Keys are
 stable and always present (``null`` when unknown), so scripts can rely on the shape.
 
-Entry view keys, in order: ``session_id, provider, verified_provider, state, version,
+Entry view keys, in order: ``session_id, provider, verified_provider, site, state, version,
 liveness, addresses{http,gossip}, hardware{gpu_type,gpu_count,gpu_memory_gb,host},
 engine{kind,version,url}, models[{id,max_model_len,quantization,parent}], labels{},
 load{waiting,running,kv_usage,inflight,updated_at}|null, started_at, updated_at, expires_at``
 (times are Unix seconds; ``parent`` is an adapter's base model, else ``null``).
 ``verified_provider`` is the fingerprint of a provider key that certified the session, or
-``null``: the free-text ``provider`` is only a claim.
+``null``: the free-text ``provider`` is only a claim. ``site`` is the site the owner signed
+(``mesh.sites``; ``default`` for an entry signed before sites existed).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ def entry_view(core: MeshCore, entry: SignedEntry, now: float) -> Json:
         "session_id": body.session_id,
         "provider": body.provider,
         "verified_provider": entry.verified_provider(now, core.verifier),
+        "site": body.site,
         "state": body.state.label,
         "version": body.version,
         "liveness": liveness_of(core, entry),
@@ -107,9 +109,10 @@ def node_views(
     model: str | None = None,
     gpu: str | None = None,
     labels: Iterable[tuple[str, str]] = (),
+    site: str | None = None,
 ) -> list[Json]:
     """Entries matching every filter given, ordered by session id (stable across calls)."""
-    entries = core.registry.query(state=state, model=model, gpu=gpu, labels=labels)
+    entries = core.registry.query(state=state, model=model, gpu=gpu, labels=labels, site=site)
     return [entry_view(core, e, now) for e in sorted(entries, key=lambda e: e.session_id)]
 
 
@@ -138,7 +141,9 @@ def models_view(core: MeshCore, now: float) -> list[Json]:
     reports summed; ``kv_usage`` their mean) are of the ``nodes`` nodes, so a crashed node's
     hardware and last report drop out. ``max_model_len``, ``quantizations`` and
     ``providers`` are of every announcing entry; ``parent`` (an adapter's base model, else
-    ``null``) is the first such entry's, by session id.
+    ``null``) is the first such entry's, by session id. ``sites`` breaks the counts down by
+    site: one row ``{"site", "nodes", "serving", "asleep", "gpus"}`` per site of an announcing
+    entry, sorted by name (a site whose entries are all JOIN or not counted has 0 nodes).
     """
     acc: dict[str, Json] = {}
     for entry in sorted(core.registry, key=lambda e: e.session_id):
@@ -165,6 +170,7 @@ def models_view(core: MeshCore, now: float) -> list[Json]:
                     "quantizations": set(),
                     "providers": set(),
                     "load": {"waiting": 0, "running": 0, "inflight": 0, "kv_usage": []},
+                    "sites": {},
                 },
             )
             if m.max_model_len is not None:
@@ -174,16 +180,18 @@ def models_view(core: MeshCore, now: float) -> list[Json]:
             if row["parent"] is None:
                 row["parent"] = parents.get(m.id)  # an adapter's base model (LoRA)
             row["providers"].add(body.provider)
+            at_site = row["sites"].setdefault(body.site, _site_row(body.site))
             if not counted:
                 continue
-            row["nodes"] += 1
-            if live == Liveness.ALIVE.label:
-                row["serving"] += 1
-            if asleep:
-                row["asleep"] += 1
+            for counts in (row, at_site):
+                counts["nodes"] += 1
+                if live == Liveness.ALIVE.label:
+                    counts["serving"] += 1
+                if asleep:
+                    counts["asleep"] += 1
+                counts["gpus"] += body.hardware.gpu_count
             if body.hardware.gpu_type:
                 row["gpu_types"].add(body.hardware.gpu_type)
-            row["gpus"] += body.hardware.gpu_count
             if load is not None:
                 row["load"]["waiting"] += load.waiting
                 row["load"]["running"] += load.running
@@ -196,5 +204,10 @@ def models_view(core: MeshCore, now: float) -> list[Json]:
         row["load"]["kv_usage"] = sum(usages) / len(usages) if usages else None
         for key in ("gpu_types", "quantizations", "providers"):
             row[key] = sorted(row[key])
+        row["sites"] = [row["sites"][site] for site in sorted(row["sites"])]
         out.append(row)
     return out
+
+
+def _site_row(site: str) -> Json:
+    return {"site": site, "nodes": 0, "serving": 0, "asleep": 0, "gpus": 0}

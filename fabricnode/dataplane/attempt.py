@@ -91,6 +91,7 @@ class Attempts:
         else what failed (``failure.Failed``); a ``Failed`` right away when the node cannot be
         tried."""
         sid = route.info.session_id
+        job.site = route.info.site
         if job.retag:
             self._tag_response(job, sid)
         slot = job.slot

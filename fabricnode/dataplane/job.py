@@ -62,6 +62,7 @@ class Job:
         "resumes",
         "retag",
         "served_by",
+        "site",
         "slot",
         "splice",
         "started",
@@ -100,6 +101,8 @@ class Job:
         self.http10 = False  # an HTTP/1.0 client: no chunked coding, the body ends at close
         self.close = False  # the client connection must close after this response
         self.served_by = ""
+        # The site of the node of the latest attempt: the serving node's once served_by is set.
+        self.site = ""
         self.status = 0
         self.ttft_s: float | None = None
         # Its prompt's estimated tokens, counted on the prefill clock of each node it goes to

@@ -155,6 +155,7 @@ class RouteTable:
                     gpu_count=body.hardware.gpu_count,
                     max_model_len=model.max_model_len,
                     quantization=model.quantization,
+                    site=body.site,
                 )
                 route = Route(
                     info, origin, body.expires_at, body.session_id == core.self_id, priority

@@ -114,6 +114,7 @@ from typing import Protocol
 # What the policies know of a request: the base of the decoder's routed record.
 from fabricnode.dataplane.request import Requirements
 from fabricnode.dataplane.request import RouteRequest as RouteRequest
+from fabricnode.mesh.sites import DEFAULT_SITE
 
 # -- node facts and requests --------------------------------------------------------------------
 
@@ -131,6 +132,7 @@ class NodeInfo:
     gpu_count: int
     max_model_len: int | None  # context length for this model, None unknown
     quantization: str | None  # None (16-bit), "fp8", "awq", "gptq", "int8", "bitsandbytes", ...
+    site: str = DEFAULT_SITE  # the site the owner signed (mesh.sites)
 
 
 @dataclass(frozen=True, slots=True)

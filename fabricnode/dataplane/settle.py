@@ -149,6 +149,7 @@ class Settler:
                     temperature,
                     job.kind,
                     tier,
+                    job.site if job.served_by else "",
                 )
             )
 

@@ -1,4 +1,4 @@
-"""Slurm job facts: job id, partition, node list and when the job ends.
+"""Slurm job facts: job id, partition, node list, cluster name and when the job ends.
 
 Theory of operation
 -------------------
@@ -60,6 +60,12 @@ class SlurmJob:
 def job_id_of(env: Mapping[str, str]) -> str | None:
     """The Slurm job id, None outside Slurm (``SLURM_JOBID`` is its older spelling)."""
     return (env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID") or "").strip() or None
+
+
+def cluster_name_of(env: Mapping[str, str]) -> str | None:
+    """The name of the Slurm cluster a job runs on (``SLURM_CLUSTER_NAME``, which Slurm sets
+    in every job: ``ClusterName`` of slurm.conf), None when unset (outside Slurm)."""
+    return env.get("SLURM_CLUSTER_NAME", "").strip() or None
 
 
 def job_from_env(env: Mapping[str, str]) -> SlurmJob | None:

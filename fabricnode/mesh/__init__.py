@@ -19,6 +19,7 @@ Modules, in reading order:
 * ``keyring``     cluster keys: AEAD on every datagram and frame, a keyring for rotation.
 * ``codec``       strict, bounded msgpack decoding shared by every wire-facing module.
 * ``wire``        the versioned packet and message formats; the replay guard.
+* ``sites``       site names (their rules, the default) and how an entry carries its site.
 * ``registry``    the CRDT of owner-signed entries: rank, merge, leases, tombstones.
 * ``schema``      the registry's label keys (what each means, who writes and reads it) and
                   ``standing``: the one verdict on whether a node is routable, alive or gone.

@@ -23,6 +23,8 @@ Rules
    collected entry cannot come back through anti-entropy from a replica that still holds it.
 5. Wall-clock times are the owner's; receivers tolerate ``max_clock_skew_s`` and refuse entries
    dated further in the future.
+6. An entry names its owner's site (``EntryBody.site``, ``sites``): signed with the rest, so only
+   the owner says where a node is. Entries without one (signed before sites) are of the default.
 
 Theory of operation
 -------------------
@@ -54,6 +56,7 @@ from fabricnode.mesh.identity import (
     record_digest,
     session_id_for,
 )
+from fabricnode.mesh.sites import DEFAULT_SITE, SITE_LABEL, site_labels, site_problem, split_site
 
 ENTRY_DOMAIN = b"fabric/entry/v1"
 MAX_ENTRY_BYTES = 16 * 1024
@@ -128,6 +131,9 @@ class EntryBody:
     updated_at: float
     expires_at: float
     provider_cert: ProviderCert | None = None
+    # The site (``sites``): signed as a label of its own, appended to ``labels`` on the wire
+    # (none for the default site, so such an entry is what it was before sites existed).
+    site: str = DEFAULT_SITE
 
     def fields(self) -> list[object]:
         return [
@@ -145,7 +151,7 @@ class EntryBody:
             ],
             [self.engine.kind, self.engine.version, self.engine.url],
             [[m.id, m.max_model_len, m.quantization] for m in self.models],
-            [[k, v] for k, v in self.labels],
+            [[k, v] for k, v in self.labels] + site_labels(self.site),
             self.started_at,
             self.updated_at,
             self.expires_at,
@@ -161,6 +167,13 @@ class EntryBody:
         for key, value in self.labels:  # what peers would refuse must not be signed
             if len(key) > MAX_LABEL_KEY or len(value) > MAX_LABEL_VALUE:
                 raise ValueError(f"label {key[:64]!r}: key or value too long for the registry")
+            if key == SITE_LABEL:
+                raise ValueError(f"label {SITE_LABEL} is the site's: set EntryBody.site")
+        problem = site_problem(self.site)
+        if problem:
+            raise ValueError(f"site {self.site[:40]!r}: {problem}")
+        if len(self.labels) + len(site_labels(self.site)) > MAX_LABELS:
+            raise ValueError(f"more than {MAX_LABELS} labels (the site counts as one)")
         data = self.canonical_bytes()
         if len(data) > MAX_ENTRY_BYTES:
             raise ValueError(f"entry of {len(data)} bytes exceeds {MAX_ENTRY_BYTES}")
@@ -260,6 +273,10 @@ def parse_body(signed_bytes: bytes) -> EntryBody:
                 codec.take_str(v, max_len=MAX_LABEL_VALUE, what="label value"),
             )
         )
+    try:
+        site, labels = split_site(labels)
+    except ValueError as exc:
+        raise DecodeError(f"labels: {exc}") from None
     cert = None
     if f[14] is not None:
         provider, pkey, not_after, sig = codec.take_list(f[14], min_len=4, max_len=4, what="cert")
@@ -300,6 +317,7 @@ def parse_body(signed_bytes: bytes) -> EntryBody:
         updated_at=codec.take_float(f[12], what="updated_at"),
         expires_at=codec.take_float(f[13], what="expires_at"),
         provider_cert=cert,
+        site=site,
     )
 
 
@@ -546,6 +564,7 @@ class Registry:
         model: str | None = None,
         gpu: str | None = None,
         labels: Iterable[tuple[str, str]] = (),
+        site: str | None = None,
     ) -> list[SignedEntry]:
         wanted = list(labels)
         gpu_lower = gpu.lower() if gpu else None
@@ -557,6 +576,8 @@ class Registry:
             if model is not None and not any(m.id == model for m in body.models):
                 continue
             if gpu_lower is not None and body.hardware.gpu_type.lower() != gpu_lower:
+                continue
+            if site is not None and body.site != site:
                 continue
             if wanted and not all(pair in body.labels for pair in wanted):
                 continue

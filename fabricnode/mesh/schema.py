@@ -54,6 +54,10 @@ space-separated:               model with no replica (prefix;  zero, ``elastic.f
                                                                ``fabric nodes --label``
 ``fabric.name`` (a name)       operators and ``LocalMesh``     people: ``fabric nodes``, the
                                (``fabric start --label``)      demo
+``fabric.site`` (a site name)  ``registry.EntryBody`` on the   ``registry.parse_body``, into
+                               wire, for ``EntryBody.site``    ``EntryBody.site``: never left
+                               when not ``default``            among the labels (the key is
+                                                               spelled in ``mesh.sites``)
 =============================  ==============================  ================================
 
 Standing

@@ -8,12 +8,13 @@ One line (the LLMFabric trace schema plus ingress fields)::
     {"v": 1, "T": 1732270000.123, "M": "llama-3.3-70b", "I": 512, "O": 128,
      "latency_s": 2.41, "ttft_s": 0.18, "status": 200, "node": "<session id>",
      "key": "alice", "stream": true, "max_tokens": 256, "temperature": 0.7,
-     "endpoint": "chat", "tier": "interactive"}
+     "endpoint": "chat", "tier": "interactive", "site": "alps"}
 
 ``T`` is the arrival time (Unix seconds), ``M`` the requested model, ``I``/``O`` input/output
 tokens (null when unknown), ``endpoint`` the kind of endpoint (``dataplane.endpoints``:
 ``chat``, ``responses``, ``messages``, ``rerank``, ``transcriptions``, ...), ``tier`` the
-request's priority tier (``interactive`` or ``batch``: ``dataplane.tiers``); each is absent
+request's priority tier (``interactive`` or ``batch``: ``dataplane.tiers``), ``site`` the site
+of the node that served (``mesh.sites``; ``""`` when none did, like ``node``); each is absent
 from lines written before it existed, and read as null from them. There is deliberately no
 field that could hold prompt or output text: the trace is shareable the way the paper's is.
 
@@ -31,7 +32,7 @@ from typing import Any, TypeGuard
 import orjson
 
 ANONYMOUS = "anonymous"  # the key name of a request made without an API key
-MAX_MODEL_CHARS = 128  # the longest model, node, key, endpoint or tier name kept
+MAX_MODEL_CHARS = 128  # the longest model, node, key, endpoint, tier or site name kept
 TRACE_VERSION = 1
 _JSON_ERRORS = (ValueError, TypeError, RecursionError)  # what decoding untrusted JSON raises
 
@@ -62,6 +63,7 @@ class TraceRecord:
     temperature: float | None = None
     endpoint: str | None = None  # the endpoint's kind (None: a line from before it was logged)
     tier: str | None = None  # interactive | batch (None: a line from before it was logged)
+    site: str | None = None  # the serving node's site (None: a line from before it was logged)
 
     def as_dict(self) -> dict[str, Any]:
         """The JSON object of one log line (see the module docstring).
@@ -85,6 +87,7 @@ class TraceRecord:
             "temperature": _opt_float(self.temperature),
             "endpoint": None if self.endpoint is None else str(self.endpoint)[:MAX_MODEL_CHARS],
             "tier": None if self.tier is None else str(self.tier)[:MAX_MODEL_CHARS],
+            "site": None if self.site is None else str(self.site)[:MAX_MODEL_CHARS],
         }
 
     @classmethod
@@ -110,6 +113,7 @@ class TraceRecord:
             temperature=float(doc["temperature"]) if _is_number(doc.get("temperature")) else None,
             endpoint=doc["endpoint"] if isinstance(doc.get("endpoint"), str) else None,
             tier=doc["tier"] if isinstance(doc.get("tier"), str) else None,
+            site=doc["site"] if isinstance(doc.get("site"), str) else None,
         )
 
 
@@ -158,6 +162,7 @@ RawTrace = tuple[
     float | None,  # temperature (already a float)
     str,  # endpoint: the endpoint's kind
     str,  # tier: interactive | batch
+    str,  # site: the serving node's ("" if none served)
 ]
 
 
@@ -165,7 +170,7 @@ def raw_line(raw: RawTrace) -> bytes:
     """The log line of a ``RawTrace``: ``TraceRecord.as_dict`` for fields whose types the
     ingress guarantees (so only the rounding and the length caps are left to do)."""
     (t, model, inp, out, latency, ttft, status, node, key, stream, max_tokens, temperature,
-     endpoint, tier) = raw  # fmt: skip
+     endpoint, tier, site) = raw  # fmt: skip
     return dumps_line(
         {
             "v": TRACE_VERSION,
@@ -183,5 +188,6 @@ def raw_line(raw: RawTrace) -> bytes:
             "temperature": None if temperature is None else round(temperature, 6),
             "endpoint": endpoint,
             "tier": tier,
+            "site": site[:MAX_MODEL_CHARS],
         }
     )

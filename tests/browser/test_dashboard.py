@@ -1,6 +1,7 @@
 """The dashboard in a real headless browser (Debian's Chromium, through Selenium) against a live
-local mesh of agents with simulated engines: every view shows what the mesh holds, a node killed
-with SIGKILL turns dead on the page, the playground streams an answer, nothing logs an error.
+local mesh of agents with simulated engines at two sites: every view shows what the mesh holds,
+nodes are shown by site, a node killed with SIGKILL turns dead on the page, the playground
+streams an answer, nothing logs an error.
 
 Screenshots of each view go to ``$FABRIC_SCREENSHOTS`` (``make screenshots`` sets it to
 docs/screenshots, where the current ones are committed), else to the test's temporary folder.
@@ -41,7 +42,9 @@ class Mesh:
         self.shots = shots
         self.page = local.start("page", wait=False, args=["--sim", LLAMA, "--sim-gpu", "H100:2"])
         self.twin = local.start("twin", wait=False, args=["--sim", LLAMA, "--sim-gpu", "L40S"])
-        self.other = local.start("other", wait=False, args=["--sim", QWEN, "--sim-gpu", "A100-80G"])
+        self.other = local.start(
+            "other", wait=False, args=["--sim", QWEN, "--sim-gpu", "A100-80G", "--site", "B"]
+        )
         for agent in self.agents:
             agent.wait_ready(30.0)
 
@@ -150,6 +153,64 @@ def test_the_filters_narrow_the_list_like_the_cli(page: Any, mesh: Mesh) -> None
     wait_for(page, lambda d: len(rows(d)) == 3, 10, "every node again")
 
 
+SITES_JS = """
+const out = {};
+for (const section of document.querySelectorAll('#mesh-groups > section.site')) {
+  out[section.dataset.site] = [...section.querySelectorAll('tr[data-session]')]
+    .map((row) => row.dataset.session).sort();
+}
+return out;
+"""
+
+GROUPS_JS = """
+const out = {};
+for (const group of document.querySelectorAll('#mesh-groups .group')) {
+  out[group.dataset.group] = group.querySelectorAll('tr[data-session]').length;
+}
+return out;
+"""
+
+
+def test_nodes_of_two_sites_are_shown_by_site(page: Any, mesh: Mesh) -> None:
+    from selenium.webdriver.support.ui import Select
+
+    page.get(f"{mesh.url}/ui#/mesh")
+    group = Select(page.find_element("css selector", "#mesh-filters select[name=group]"))
+    group.select_by_value("model")
+    default = sorted([mesh.page.session_id, mesh.twin.session_id])
+    by_site = {"default": default, "B": [mesh.other.session_id]}
+    # A section per site, and inside each the groups chosen: the model's.
+    wait_for(
+        page,
+        lambda d: (
+            d.execute_script(SITES_JS) == by_site
+            and d.execute_script(GROUPS_JS) == {LLAMA: 2, QWEN: 1}
+        ),
+        15,
+        "a section per site, grouped by model",
+    )
+    assert "; 2 sites" in page.find_element("id", "mesh-summary").text
+    # Grouped by site: one group per site, no sections.
+    group.select_by_value("site")
+    wait_for(
+        page,
+        lambda d: (
+            d.execute_script(GROUPS_JS) == {"B": 1, "default": 2}
+            and d.execute_script(SITES_JS) == {}
+        ),
+        10,
+        "one group per site",
+    )
+    # The site filter, as `fabric nodes --site B`: one site left, named in the summary.
+    site = page.find_element("css selector", "#mesh-filters input[name=site]")
+    site.send_keys("B")
+    wait_for(page, lambda d: set(rows(d)) == {mesh.other.session_id}, 10, "only site B")
+    assert "; site B" in page.find_element("id", "mesh-summary").text
+    site.clear()
+    group.select_by_value("model")
+    wait_for(page, lambda d: len(rows(d)) == 3, 10, "every node again")
+
+
 def send_load(url: str, model: str, stop: threading.Event) -> int:
     sent = 0
     with httpx.Client(base_url=url, timeout=30.0) as client:
@@ -228,6 +289,7 @@ def test_the_node_view_shows_one_entry_in_full(page: Any, mesh: Mesh) -> None:
     )
     text = page.find_element("id", "node-detail").text
     assert sid in text and "L40S" in text and LLAMA in text and "sim" in text
+    assert "site\ndefault" in text or "site default" in text
     # The engine's command, which only the node's own agent knows: asked of it.
     assert "fabricnode.simengine" in text and "--model llama-3-8b" in text
     wait_for(

@@ -35,7 +35,7 @@ from fabricnode.control.client import AdminClient
 from fabricnode.errors import AgentApiError
 from tests.support import REPO
 from tests.support.meshload import run_load, run_streams, sim_engine_args
-from tests.support.slurmcluster import SlurmCluster
+from tests.support.slurmcluster import CLUSTER_NAME, SlurmCluster
 
 WRAPPER = REPO / "slurm" / "fabric-serve.sbatch"
 FABRIC = Path(sys.executable).parent / "fabric"
@@ -612,6 +612,7 @@ def test_wrapper_job_joins_the_mesh_and_serves_through_another_agent(
     entry = nodes_of(ingress.http_url)[job.session_id]  # type: ignore[index]
     labels = dict(entry["labels"])
     assert labels["slurm.job_id"] == str(job.job_id) and labels["slurm.partition"] == "low"
+    assert entry["site"] == CLUSTER_NAME  # the site's default: Slurm's SLURM_CLUSTER_NAME
     assert entry["hardware"]["gpu_count"] == 2 and entry["hardware"]["gpu_type"] == "H100"
     assert entry["models"] == [
         {"id": MODEL, "max_model_len": 4096, "quantization": None, "parent": None}

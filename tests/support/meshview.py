@@ -21,6 +21,7 @@ ENTRY_KEYS = [
     "session_id",
     "provider",
     "verified_provider",
+    "site",
     "state",
     "version",
     "liveness",

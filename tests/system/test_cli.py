@@ -366,6 +366,7 @@ MODEL_KEYS = [
     "quantizations",
     "providers",
     "load",
+    "sites",
 ]
 
 
@@ -436,10 +437,11 @@ def test_nodes_table_shows_every_column_for_every_node(
     assert result.exit_code == 0, result.output
     lines = result.stdout.strip().splitlines()
     assert lines[0].split() == [
-        "SESSION", "PROVIDER", "STATE", "LIVENESS", "HOST", "GPUS", "MODELS", "LOAD", "AGE"
+        "SESSION", "SITE", "PROVIDER", "STATE", "LIVENESS", "HOST", "GPUS", "MODELS", "LOAD", "AGE"
     ]  # fmt: skip
     assert lines[-1] == "3 nodes"
     rows = {line.split()[0]: line.split() for line in lines[1:-1]}
+    assert {row.pop(1) for row in rows.values()} == {"default"}
     llama = rows[sim_mesh.llama.session_id[:12]]
     assert llama[1:4] == ["lab", "serving", "alive"]
     assert llama[5:7] == ["2xH100", "llama-3-8b"]
@@ -549,6 +551,9 @@ def test_models_show_nodes_gpu_types_and_aggregate_load(
         assert list(m) == MODEL_KEYS
         assert list(m["load"]) == ["waiting", "running", "inflight", "kv_usage"]
         assert (m["nodes"], m["serving"], m["asleep"], m["providers"]) == (1, 1, 0, ["lab"])
+        assert m["sites"] == [
+            {"site": "default", "nodes": 1, "serving": 1, "asleep": 0, "gpus": m["gpus"]}
+        ]
     assert (llama["gpu_types"], llama["gpus"]) == (["H100"], 2)
     assert (qwen["gpu_types"], qwen["gpus"]) == (["L40S"], 1)
 
@@ -556,12 +561,12 @@ def test_models_show_nodes_gpu_types_and_aggregate_load(
     assert table.exit_code == 0
     lines = table.stdout.strip().splitlines()
     assert lines[0].split() == [
-        "MODEL", "NODES", "SERVING", "ASLEEP", "GPU", "TYPES", "GPUS", "WAITING", "RUNNING",
-        "KV",
+        "MODEL", "NODES", "SERVING", "ASLEEP", "SITES", "GPU", "TYPES", "GPUS", "WAITING",
+        "RUNNING", "KV",
     ]  # fmt: skip
     rows = {line.split()[0]: line.split() for line in lines[1:]}
-    assert rows["llama-3-8b"][1:6] == ["1", "1", "0", "H100", "2"]
-    assert rows["qwen2.5-7b"][1:6] == ["1", "1", "0", "L40S", "1"]
+    assert rows["llama-3-8b"][1:7] == ["1", "1", "0", "default:1", "H100", "2"]
+    assert rows["qwen2.5-7b"][1:7] == ["1", "1", "0", "default:1", "L40S", "1"]
 
 
 @pytest.mark.slow

@@ -24,6 +24,7 @@ def test_agent_env_drops_the_callers_fabric_settings(
         "FABRIC_LOG_DIR": str(elsewhere / "logs"),
         "FABRIC_JOB_LOG_DIR": str(elsewhere / "job"),
         "FABRIC_LEAVE_BEFORE_END": "5",
+        "FABRIC_SITE": "elsewhere",
     }
     for name, value in caller.items():
         monkeypatch.setenv(name, value)
@@ -44,6 +45,7 @@ def test_agent_env_drops_the_callers_fabric_settings(
     assert config.request_log_path is not None
     assert config.request_log_path.is_relative_to(mesh.workdir)
     assert config.leave_before_end_s == DEFAULT_LEAVE_BEFORE_END_S
+    assert config.site != "elsewhere"
 
 
 def test_agent_env_keeps_what_the_caller_passes_explicitly(tmp_path: Path) -> None:

@@ -204,3 +204,66 @@ def test_the_batch_workers_input_buffer_is_set_in_mib_and_bounded(tmp_path: Path
     for bad in (0.5, float("nan"), 1e9):
         with pytest.raises(ConfigError, match="--batch-input-buffer-mb"):
             load_config(env=env_in(tmp_path), batch_input_buffer_mb=bad)
+
+
+# -- the site -------------------------------------------------------------------------------------
+
+
+def test_outside_slurm_without_a_site_the_agent_is_of_the_default_site(tmp_path: Path) -> None:
+    assert load_config(env=env_in(tmp_path)).site == "default"
+    assert load_config(env=env_in(tmp_path, FABRIC_SITE="  ")).site == "default"
+
+
+def test_in_a_slurm_job_the_site_defaults_to_the_clusters_name(tmp_path: Path) -> None:
+    env = env_in(tmp_path, SLURM_JOB_ID="7", SLURM_CLUSTER_NAME="alps")
+    assert load_config(env=env).site == "alps"
+
+
+@pytest.mark.parametrize(
+    ("flag", "env", "expected"),
+    [
+        ("C-2", {"FABRIC_SITE": "B", "SLURM_CLUSTER_NAME": "alps"}, "C-2"),
+        (None, {"FABRIC_SITE": "B", "SLURM_CLUSTER_NAME": "alps"}, "B"),
+        (None, {"FABRIC_SITE": " B ", "SLURM_CLUSTER_NAME": "bad name"}, "B"),
+        (" lumi_c ", {}, "lumi_c"),
+    ],
+)
+def test_the_site_flag_wins_over_the_environment_which_wins_over_slurm(
+    tmp_path: Path, flag: str | None, env: dict[str, str], expected: str
+) -> None:
+    assert load_config(site=flag, env=env_in(tmp_path, SLURM_JOB_ID="7", **env)).site == expected
+
+
+@pytest.mark.parametrize(
+    ("flag", "env", "source"),
+    [
+        ("", {}, "--site ''"),
+        ("a b", {}, "--site 'a b'"),
+        ("-east", {}, "--site '-east'"),
+        ("x" * 33, {}, "--site 'xxx"),
+        ("zürich", {}, "--site 'zürich'"),
+        (None, {"FABRIC_SITE": "a.b"}, "FABRIC_SITE 'a.b'"),
+        (None, {"SLURM_CLUSTER_NAME": "a.b"}, "SLURM_CLUSTER_NAME 'a.b'"),
+    ],
+)
+def test_a_site_name_that_breaks_the_rules_is_one_config_error_naming_its_source(
+    tmp_path: Path, flag: str | None, env: dict[str, str], source: str
+) -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_config(site=flag, env=env_in(tmp_path, SLURM_JOB_ID="7", **env))
+    line = str(caught.value)
+    assert line.startswith(source) and "\n" not in line
+    if "SLURM" in source:
+        assert "--site NAME" in line
+
+
+def test_the_site_label_is_not_an_operator_label(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="--site"):
+        load_config(labels=["fabric.site=alps"], env=env_in(tmp_path))
+
+
+def test_labels_leave_room_for_the_fabrics_own_and_the_site(tmp_path: Path) -> None:
+    many = [f"k{i}=v" for i in range(33)]
+    assert len(load_config(labels=many[:32], env=env_in(tmp_path)).labels) == 32
+    with pytest.raises(ConfigError, match="at most 32"):
+        load_config(labels=many, env=env_in(tmp_path))

@@ -228,7 +228,7 @@
   function meshQuery() {
     const form = $("mesh-filters");
     const q = new URLSearchParams();
-    for (const name of ["state", "model", "gpu"]) {
+    for (const name of ["state", "model", "gpu", "site"]) {
       const value = form.elements[name].value.trim();
       if (value) q.set(name, value);
     }
@@ -303,30 +303,63 @@
       `${count((n) => n.liveness === "alive")} alive, ${count((n) => n.liveness === "suspect")} suspect, ` +
       `${count((n) => n.liveness === "dead")} dead`;
     const by = $("mesh-filters").elements.group.value;
+    const sites = groupBy(nodes, (n) => [siteOf(n)]);
+    $("mesh-summary").textContent += sites.size > 1
+      ? `; ${sites.size} sites`
+      : sites.size ? `; site ${[...sites.keys()][0]}` : "";
+    const box = $("mesh-groups");
+    clear(box);
+    if (!nodes.length) box.append(el("p", { class: "summary", text: "No node matches." }));
+    // Nodes of several sites: a section per site, the chosen groups inside it.
+    if (sites.size > 1 && by !== "site") {
+      for (const site of [...sites.keys()].sort()) {
+        const members = sites.get(site);
+        box.append(
+          el(
+            "section",
+            { class: "site", dataset: { site } },
+            el("h2", {}, `site ${site}`, " ", el("span", { class: "count", text: `(${members.length})` })),
+            ...nodeGroups(members, by, "h3"),
+          ),
+        );
+      }
+      return;
+    }
+    box.append(...nodeGroups(nodes, by, "h2"));
+  }
+
+  function siteOf(n) {
+    return n.site || "default"; // an agent from before sites shows none
+  }
+
+  // Map of key -> the nodes `keysOf` files under it (a node may be under several).
+  function groupBy(nodes, keysOf) {
     const groups = new Map();
     for (const n of nodes) {
-      let keys = ["all nodes"];
-      if (by === "model") keys = (n.models || []).length ? n.models.map((m) => m.id) : ["(no model)"];
-      if (by === "host") keys = [(n.hardware && n.hardware.host) || "(unknown host)"];
-      for (const key of keys) {
+      for (const key of keysOf(n)) {
         if (!groups.has(key)) groups.set(key, []);
         groups.get(key).push(n);
       }
     }
-    const box = $("mesh-groups");
-    clear(box);
-    if (!nodes.length) box.append(el("p", { class: "summary", text: "No node matches." }));
-    for (const key of [...groups.keys()].sort()) {
+    return groups;
+  }
+
+  function nodeGroups(nodes, by, heading) {
+    const groups = groupBy(nodes, (n) => {
+      if (by === "model") return (n.models || []).length ? n.models.map((m) => m.id) : ["(no model)"];
+      if (by === "host") return [(n.hardware && n.hardware.host) || "(unknown host)"];
+      if (by === "site") return [siteOf(n)];
+      return ["all nodes"];
+    });
+    return [...groups.keys()].sort().map((key) => {
       const members = groups.get(key);
-      box.append(
-        el(
-          "div",
-          { class: "group", dataset: { group: key } },
-          el("h2", {}, key, " ", el("span", { class: "count", text: `(${members.length})` })),
-          nodeTable(members),
-        ),
+      return el(
+        "div",
+        { class: "group", dataset: { group: key } },
+        el(heading, {}, key, " ", el("span", { class: "count", text: `(${members.length})` })),
+        nodeTable(members),
       );
-    }
+    });
   }
 
   // -- charts ----------------------------------------------------------------------------------
@@ -465,6 +498,7 @@
         figure("running", fmt.num(load.running, 0), "running"),
         figure("KV cache (mean)", fmt.pct(load.kv_usage), "kv"),
         figure("replicas serving", `${m.serving} of ${m.nodes}`, "serving"),
+        figure("replicas by site", (m.sites || []).map((x) => `${x.site}: ${x.nodes}`).join(" · ") || "–", "sites"),
         figure("starting", String(plan ? plan.starting : starting), "starting"),
         figure("pending (Slurm)", plan ? String(plan.pending) : "–", "pending"),
         figure("errors (last min)", fmt.num(sum.errors, 0), "errors"),
@@ -531,6 +565,7 @@
         el("span", { class: `live live-${n.liveness}`, text: n.liveness })),
       kvList([
         ["provider", n.provider + (n.verified_provider ? ` (verified ${n.verified_provider})` : " (unverified)")],
+        ["site", siteOf(n)],
         ["entry version", String(n.version)],
         ["host", (n.hardware && n.hardware.host) || "–"],
         ["GPUs", `${gpus(n.hardware)}${n.hardware && n.hardware.gpu_memory_gb ? `, ${n.hardware.gpu_memory_gb} GB each` : ""}`],

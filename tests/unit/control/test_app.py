@@ -79,10 +79,11 @@ def build_mesh() -> Mesh:
         models=(llama, qwen),
         labels=(("team", "vision"),),
         provider="bob",
+        site="B",
     )
     add_entry(mesh, "joining", 4, provider="carol")
     add_entry(mesh, "gone", 5, state=State.LEFT, provider="dave")
-    add_entry(mesh, "crashed", 6, state=State.SERVING, hardware=a100, models=(qwen,))
+    add_entry(mesh, "crashed", 6, state=State.SERVING, hardware=a100, models=(qwen,), site="B")
     add_entry(mesh, "flaky", 7)
     accuser = mesh.ids["serving-a100"]
     core.members.apply_accusation(Accusation.make(accuser, DEAD, mesh.sid("crashed"), 0), NOW)
@@ -194,7 +195,9 @@ async def test_nodes_lists_every_entry_with_the_spec_keys(app: AdminApp, mesh: M
         {"id": "llama-3-8b", "max_model_len": 8192, "quantization": None, "parent": None},
         {"id": "qwen-7b", "max_model_len": 32768, "quantization": "fp8", "parent": None},
     ]
-    assert h100["labels"] == {"team": "vision"}
+    assert h100["labels"] == {"team": "vision"}, "the site is no label"
+    assert h100["site"] == "B"
+    assert by_id[mesh.sid("serving-a100")]["site"] == "default"
     assert h100["addresses"]["gossip"] == "10.0.0.3:7946"
 
 
@@ -249,6 +252,10 @@ async def test_load_is_null_without_a_report_and_shown_with_one(app: AdminApp, m
         ({"label": "team=nlp"}, {"serving-a100"}),
         ({"state": "serving", "model": "llama-3-8b", "gpu": "H100"}, {"serving-h100"}),
         ({"model": "no-such-model"}, set()),
+        ({"site": "B"}, {"serving-h100", "crashed"}),
+        ({"site": "b"}, set()),  # names are compared exactly
+        ({"site": "B", "model": "llama-3-8b"}, {"serving-h100"}),
+        ({"site": "default", "state": "serving"}, {"serving-a100"}),
     ],
 )
 async def test_nodes_filters_combine(
@@ -269,7 +276,14 @@ async def test_repeated_label_filters_must_all_match(app: AdminApp, mesh: Mesh) 
 
 @pytest.mark.parametrize(
     "params",
-    [{"state": "sleeping"}, {"label": "no-equals-sign"}, {"label": "=v"}, {"colour": "red"}],
+    [
+        {"state": "sleeping"},
+        {"label": "no-equals-sign"},
+        {"label": "=v"},
+        {"colour": "red"},
+        {"site": "a b"},
+        {"site": "x" * 33},
+    ],
 )
 async def test_bad_filters_are_400_with_an_openai_error(
     app: AdminApp, params: dict[str, str]
@@ -336,6 +350,23 @@ async def test_models_aggregate_nodes_gpu_types_and_load(app: AdminApp) -> None:
     assert qwen["gpu_types"] == ["H100"]
     assert qwen["quantizations"] == ["fp8"]
     assert qwen["max_model_len"] == 32768
+
+
+async def test_models_break_their_counts_down_by_site(app: AdminApp) -> None:
+    models = {m["id"]: m for m in (await get(app, "/fabric/v1/models")).json()["models"]}
+    row = {"nodes": 1, "serving": 1, "asleep": 0}
+    assert models["llama-3-8b"]["sites"] == [
+        {"site": "B", **row, "gpus": 8},
+        {"site": "default", **row, "gpus": 4},
+    ]
+    # The crashed node is of site B too, and counted nowhere.
+    assert models["qwen-7b"]["sites"] == [{"site": "B", **row, "gpus": 8}]
+
+
+async def test_self_shows_this_agents_site(mesh: Mesh) -> None:
+    mesh.core.update_self(NOW + 1, site="C-2")
+    app = AdminApp(mesh.core, wall_clock=lambda: NOW + 1)
+    assert (await get(app, "/fabric/v1/self")).json()["site"] == "C-2"
 
 
 def test_models_view_counts_only_serving_nodes_not_known_dead() -> None:

@@ -104,3 +104,26 @@ def test_an_adapter_is_listed_with_its_parent_and_routed_like_any_model() -> Non
     ]
     routes = table.routes("lora")
     assert routes is not None and [r.info.session_id for r in routes] == [server.core.self_id]
+
+
+def test_a_route_names_the_site_its_owner_signed() -> None:
+    """The site travels with the entry through gossip and reaches the routes (the request log
+    names the serving node's site from there)."""
+    net = SimNetwork(seed=5)
+    ingress = net.add_node(0)
+    servers = [net.add_node(i, seeds=[ingress.addr]) for i in (1, 2)]
+    for i, (node, site) in enumerate(zip(servers, ("alps", "default"), strict=True), 1):
+        node.core.update_self(
+            net.wall,
+            state=State.SERVING,
+            models=(ModelInfo("m1", 4096),),
+            addresses=Addresses(http=f"http://10.0.0.{i + 1}:8080", gossip=node.addr),
+            site=site,
+        )
+        net.poke(node)
+    net.run_for(5)
+    routes = RouteTable(ingress.core, lambda: net.wall).routes("m1") or []
+    assert {(r.info.session_id, r.info.site) for r in routes} == {
+        (servers[0].core.self_id, "alps"),
+        (servers[1].core.self_id, "default"),
+    }

@@ -19,6 +19,7 @@ from fabricnode.host.slurm import (
     LeavePlan,
     SlurmJob,
     SubmitRequest,
+    cluster_name_of,
     discover_job,
     find_sbatch_script,
     job_from_env,
@@ -444,3 +445,10 @@ def test_find_sbatch_script_in_the_checkout_or_from_the_environment(tmp_path: Pa
     assert find_sbatch_script({"FABRIC_SBATCH_SCRIPT": str(mine)}) == mine
     assert find_sbatch_script({"FABRIC_SBATCH_SCRIPT": str(tmp_path / "none")}) is None
     assert find_sbatch_script({}, checkout=tmp_path) is None
+
+
+def test_the_cluster_name_is_slurms_and_absent_outside_slurm() -> None:
+    assert cluster_name_of({"SLURM_JOB_ID": "1", "SLURM_CLUSTER_NAME": " alps\n"}) == "alps"
+    assert cluster_name_of({"SLURM_JOB_ID": "1"}) is None
+    assert cluster_name_of({"SLURM_CLUSTER_NAME": ""}) is None
+    assert cluster_name_of({}) is None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any
 
 import msgpack
@@ -16,13 +17,16 @@ from fabricnode.mesh import codec
 from fabricnode.mesh.identity import Identity, ProviderKey, Verifier
 from fabricnode.mesh.registry import (
     ENTRY_DOMAIN,
+    MAX_LABELS,
     Addresses,
     EngineInfo,
     EntryBody,
     Hardware,
     ModelInfo,
     State,
+    parse_body,
 )
+from fabricnode.mesh.sites import DEFAULT_SITE, MAX_SITE_CHARS, SITE_LABEL, site_problem
 from fabricnode.mesh.wire import (
     DEAD,
     MAX_MESSAGES,
@@ -102,7 +106,13 @@ models = st.builds(
     st.none() | st.integers(0, 2**40),
     st.none() | st.text(max_size=64),
 )
-labels = st.tuples(st.text(min_size=1, max_size=64), st.text(max_size=256))
+labels = st.tuples(
+    st.text(min_size=1, max_size=64).filter(lambda k: k != SITE_LABEL), st.text(max_size=256)
+)
+# Site names as ``sites`` allows them (the default one most often: it costs no bytes).
+site_names = st.just(DEFAULT_SITE) | st.from_regex(
+    rf"[A-Za-z0-9]([A-Za-z0-9_-]{{0,{MAX_SITE_CHARS - 2}}}[A-Za-z0-9])?", fullmatch=True
+)
 PROVIDER_IDENTITY = Identity.from_seed(b"wire-provider")
 certs = st.builds(
     lambda name, not_after: ProviderKey(name, PROVIDER_IDENTITY).certify(
@@ -139,6 +149,7 @@ def entry_bodies(draw: st.DrawFn) -> EntryBody:
         updated_at=updated,
         expires_at=draw(st.floats(min_value=updated, max_value=1e18)),
         provider_cert=draw(st.none() | certs),
+        site=draw(site_names),
     )
 
 
@@ -262,7 +273,7 @@ def raw_packet(
     return codec.pack([version, sender, seq, 1000, messages])
 
 
-def valid_entry_wire() -> list[Any]:
+def valid_entry_wire(site: str = DEFAULT_SITE) -> list[Any]:
     entry = EntryBody.sign(
         EntryBody(
             SID,
@@ -278,15 +289,16 @@ def valid_entry_wire() -> list[Any]:
             T0,
             T0,
             T0 + 60,
+            site=site,
         ),
         OWNER,
     )
     return [EntryMsg.TAG, *entry.to_wire()]
 
 
-def signed_bytes_with(index: int, value: Any) -> list[Any]:
+def signed_bytes_with(index: int, value: Any, site: str = DEFAULT_SITE) -> list[Any]:
     """A (badly signed) entry message whose body field ``index`` is replaced by ``value``."""
-    tag, signed_bytes, sig = valid_entry_wire()
+    tag, signed_bytes, sig = valid_entry_wire(site)
     fields = msgpack.unpackb(signed_bytes, raw=False)
     fields[index] = value
     return [tag, msgpack.packb(fields, use_bin_type=True), sig]
@@ -373,6 +385,15 @@ BAD_PACKETS = {
     "entry too many models": raw_packet([signed_bytes_with(9, [["m", None, None]] * 65)]),
     "entry empty model id": raw_packet([signed_bytes_with(9, [["", None, None]])]),
     "entry label as map": raw_packet([signed_bytes_with(10, [{"k": "v"}])]),
+    "entry site empty": raw_packet([signed_bytes_with(10, [[SITE_LABEL, ""]])]),
+    "entry site too long": raw_packet([signed_bytes_with(10, [[SITE_LABEL, "s" * 33]])]),
+    "entry site with a space": raw_packet([signed_bytes_with(10, [[SITE_LABEL, "a b"]])]),
+    "entry site with a dot": raw_packet([signed_bytes_with(10, [[SITE_LABEL, "a.b"]])]),
+    "entry site ends with a hyphen": raw_packet([signed_bytes_with(10, [[SITE_LABEL, "a-"]])]),
+    "entry site not ASCII": raw_packet([signed_bytes_with(10, [[SITE_LABEL, "zürich"]])]),
+    "entry site twice": raw_packet(
+        [signed_bytes_with(10, [[SITE_LABEL, "a"], ["k", "v"], [SITE_LABEL, "a"]])]
+    ),
     "entry expiry infinite": raw_packet([signed_bytes_with(13, math.inf)]),
     "entry short session id": raw_packet([signed_bytes_with(1, SID[:-1])]),
     "entry cert too short": raw_packet([signed_bytes_with(14, ["p", b"k" * 32, 1.0])]),
@@ -630,3 +651,81 @@ def test_any_address_text_decodes_to_a_resolvable_form_or_is_refused(addr: str) 
     assert isinstance(msg, PingReq)
     host, _ = split_hostport(msg.target_addr)
     host.encode("idna")  # what the lookup does first: never a UnicodeError
+
+
+# -- sites --------------------------------------------------------------------------------------
+
+
+def test_an_entry_of_the_default_site_is_the_bytes_of_an_entry_before_sites() -> None:
+    """No wire cost for a mesh of one site: the entry signs exactly the 15 fields agents that
+    predate sites sign and decode, and such an old entry decodes as the default site."""
+    tag, signed_bytes, sig = valid_entry_wire()
+    fields = msgpack.unpackb(signed_bytes, raw=False)
+    assert len(fields) == 15 and fields[10] == []
+    (msg,) = decode_packet(raw_packet([[tag, signed_bytes, sig]]))[0].messages
+    assert isinstance(msg, EntryMsg)
+    assert msg.entry.body.site == DEFAULT_SITE and msg.entry.verify(Verifier())
+
+
+def test_an_entry_of_another_site_carries_it_as_one_signed_label() -> None:
+    """What an agent that predates sites decodes (and relays) unchanged: a label."""
+    _, signed_bytes, _ = valid_entry_wire("alps")
+    _, default_bytes, _ = valid_entry_wire()
+    fields = msgpack.unpackb(signed_bytes, raw=False)
+    assert len(fields) == 15 and fields[10] == [[SITE_LABEL, "alps"]]
+    assert len(signed_bytes) - len(default_bytes) == len(SITE_LABEL) + len("alps") + 3
+    body = parse_body(signed_bytes)
+    assert (body.site, body.labels) == ("alps", ())
+
+
+def test_the_site_label_decodes_wherever_it_sits_among_the_labels() -> None:
+    tag, _, sig = signed_bytes_with(10, [["a", "1"], [SITE_LABEL, "C-2"], ["b", "2"]])
+    (msg,) = decode_packet(raw_packet([[tag, _, sig]]))[0].messages
+    assert isinstance(msg, EntryMsg)
+    assert msg.entry.body.site == "C-2"
+    assert msg.entry.body.labels == (("a", "1"), ("b", "2"))
+
+
+def test_a_forged_site_fails_the_owners_signature() -> None:
+    """The site is signed: moving another node's entry to a site breaks its signature."""
+    tag, signed_bytes, sig = valid_entry_wire("alps")
+    fields = msgpack.unpackb(signed_bytes, raw=False)
+    fields[10] = [[SITE_LABEL, "elsewhere"]]
+    forged = msgpack.packb(fields, use_bin_type=True)
+    (msg,) = decode_packet(raw_packet([[tag, forged, sig]]))[0].messages
+    assert isinstance(msg, EntryMsg)
+    assert msg.entry.body.site == "elsewhere" and not msg.entry.verify(Verifier())
+
+
+@pytest.mark.parametrize(
+    ("site", "labels", "match"),
+    [
+        ("", (), "empty"),
+        ("a" * (MAX_SITE_CHARS + 1), (), "at most"),
+        ("-a", (), "beginning"),
+        ("a/b", (), "letters"),
+        (DEFAULT_SITE, ((SITE_LABEL, "alps"),), "the site's"),
+        ("alps", tuple((f"k{i}", "v") for i in range(MAX_LABELS)), "labels"),
+    ],
+)
+def test_an_entry_peers_would_refuse_for_its_site_is_never_signed(
+    site: str, labels: tuple[tuple[str, str], ...], match: str
+) -> None:
+    _, signed_bytes, _ = valid_entry_wire()
+    body = parse_body(signed_bytes)
+    with pytest.raises(ValueError, match=match):
+        replace(body, site=site, labels=labels).sign(OWNER)
+
+
+@FAST
+@given(st.text(max_size=40))
+def test_site_names_are_short_ascii_tokens(name: str) -> None:
+    ok = not site_problem(name)
+    token = (
+        0 < len(name) <= MAX_SITE_CHARS
+        and name.isascii()
+        and name[0].isalnum()
+        and name[-1].isalnum()
+        and all(c.isalnum() or c in "-_" for c in name)
+    )
+    assert ok == token

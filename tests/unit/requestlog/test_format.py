@@ -69,6 +69,7 @@ def test_request_log_holds_counts_never_prompt_or_output_text(tmp_path: Path) ->
         "temperature",
         "endpoint",
         "tier",
+        "site",
     }
     assert (line["T"], line["M"], line["I"], line["O"]) == (1000.0, "m", 12, 3)
     assert not any(isinstance(v, str) and len(v) > 40 for v in line.values())
@@ -114,6 +115,7 @@ def test_client_values_smuggled_into_numeric_fields_are_not_logged(tmp_path: Pat
     temperature=st.none() | st.floats(0, 2),
     endpoint=st.sampled_from(["chat", "responses", "messages", "rerank", "transcriptions"]),
     tier=st.sampled_from(["interactive", "batch"]),
+    site=st.text(max_size=200),
 )
 @settings(max_examples=60, deadline=None)
 def test_a_raw_trace_tuple_logs_the_same_line_as_its_trace_record(
@@ -130,11 +132,12 @@ def test_a_raw_trace_tuple_logs_the_same_line_as_its_trace_record(
     temperature: float | None,
     endpoint: str,
     tier: str,
+    site: str,
 ) -> None:
     """The ingress hands the log tuples (cheap on the event loop): same lines as records."""
     fields = (
         t, model, *tokens, latency, ttft, status, *names, stream, max_tokens, temperature,
-        endpoint, tier,
+        endpoint, tier, site,
     )  # fmt: skip
     path = tmp_path_factory.mktemp("raw") / "log.jsonl"
     log = RequestLog(path)
@@ -154,3 +157,21 @@ def test_the_tier_is_logged_and_lines_from_before_it_read_as_null(tmp_path: Path
     with path.open("a") as f:
         f.write(json.dumps(older) + "\n")
     assert [(r.t, r.tier) for r in read_request_log(path)] == [(1.0, "batch"), (2.0, None)]
+
+
+def test_the_serving_site_is_logged_and_lines_from_before_it_read_as_null(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "log.jsonl"
+    log = RequestLog(path)
+    log.append(TraceRecord(1.0, "m", 1, 1, 0.1, node="ab" * 16, site="alps"))
+    log.append(TraceRecord(2.0, "m", 1, None, 0.1, status=503, site=""))  # no node served
+    assert log.flush() == 2
+    older = {"v": 1, "T": 3.0, "M": "m", "I": 1, "O": 1, "latency_s": 0.1, "tier": "batch"}
+    with path.open("a") as f:
+        f.write(json.dumps(older) + "\n")
+    assert [(r.t, r.site) for r in read_request_log(path)] == [
+        (1.0, "alps"),
+        (2.0, ""),
+        (3.0, None),
+    ]
