@@ -32,6 +32,8 @@ below it, and nothing imports the loop):
 * ``need``        scale by need: the replicas a model's work needs when a replica submitted now
   arrives (the forecast's rate then, and the queue still left), in one step (pure).
 * ``leader``      which of the ``--controller`` agents acts.
+* ``startups``    the learned start-up times on the acting controller's entry, and those the
+  next one to act takes over (pure).
 * ``activity``    when each model was last in demand, from every evidence (wanted, in flight,
   logged, a job started for it), for the idle rule; rebuilt after a takeover (pure).
 """

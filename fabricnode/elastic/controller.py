@@ -37,9 +37,11 @@ from dataclasses import dataclass, field
 
 import trio
 
+from fabricnode.elastic.leader import candidate_since
 from fabricnode.elastic.observe import SlurmCalls, acting_controller, replicas
 from fabricnode.elastic.reconcile import Memory, ModelStatus, holdings, reconcile
 from fabricnode.elastic.slurmctl import SlurmControl, SlurmRefused
+from fabricnode.elastic.startups import inherited_start_ups, start_up_labels
 from fabricnode.elastic.vocab import (
     Cancel,
     Decision,
@@ -107,6 +109,8 @@ class Controller:
     decisions: Counter[tuple[str, str]] = field(default_factory=Counter)
     _digest: str = ""
     _calls: SlurmCalls = field(init=False)
+    _acted: bool = False  # has acted since it started (the first pass inherits start-ups)
+    _published: tuple[tuple[str, str], ...] = ()  # the start-up labels on our entry
 
     def __post_init__(self) -> None:
         self._calls = SlurmCalls(self.slurm)
@@ -133,7 +137,36 @@ class Controller:
         self.status.role = role
         self.status.acting = leader.session_id if leader else ""
         if role == "acting":
+            if not self._acted:
+                self._acted = True
+                self._inherit()
             await self.run_pass()
+            self._publish()
+
+    def _inherit(self) -> None:
+        """Begin to act from the start-up times the controller that acted before learned
+        (``elastic.startups``), read from its entry (dead ones stay in the registry a while)."""
+        since = candidate_since(self.core.self_entry.body.labels)
+        if since is None:
+            return
+        entries = ((e.session_id, e.body.labels) for e in self.core.registry)
+        lead = inherited_start_ups(entries, self.core.self_id, since)
+        if lead:
+            said = ", ".join(f"{m}@{p or '-'} {s:.1f} s" for (m, p), s in sorted(lead.items()))
+            log.info("controller: start-up times taken over: %s", said)
+            self.memory.inherit(lead)
+
+    def _publish(self) -> None:
+        """Our learned start-up times on our entry, when they changed (``elastic.startups``)."""
+        labels = start_up_labels(self.memory.lead)
+        if labels == self._published:
+            return
+        own = self.core.self_entry.body.labels
+        candidate = next(((k, v) for k, v in own if k == CONTROLLER_LABEL), None)
+        if candidate is None:
+            return
+        self._published = labels
+        self.relabel((candidate, *labels))
 
     async def run_pass(self) -> None:
         now = self.wall_clock()

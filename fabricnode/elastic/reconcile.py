@@ -147,6 +147,9 @@ class Memory:
     # reasons of their replacements
     ended: dict[str, list[Why]] = field(default_factory=dict)
     completing: dict[str, float] = field(default_factory=dict)  # served job -> first seen so
+    # start-up times taken over from the controller that acted before (``inherit``): the jobs
+    # serving at the next pass are not learned from again
+    inherited: bool = False
 
     def lead_s(self, model: str, partition: str, time_limit_s: int | None = None) -> float:
         """How long before a job's end its successor is submitted: the learned time to
@@ -178,6 +181,13 @@ class Memory:
             return self.lead[(model, place.partition)]
         learned = [s for (m, _), s in self.lead.items() if m == model]
         return max(learned) if learned else self.tuning.default_lead_s
+
+    def inherit(self, lead: Mapping[tuple[str, str], float]) -> None:
+        """Start from the learned start-up times of the controller that acted before
+        (``elastic.startups``), as if learned here: it learned them from the jobs serving now,
+        so the next pass does not learn from those again."""
+        self.lead.update(lead)
+        self.inherited = bool(lead)
 
     def observe(self, model: str, partition: str, seconds: float) -> None:
         w = self.tuning.learn_weight
@@ -456,9 +466,10 @@ def _learn(now: float, jobs: Sequence[Job], by_job: Mapping[str, Replica], memor
         if replica is not None and replica.state == "serving" and j.job_id not in memory.served:
             memory.served.add(j.job_id)
             served_at = _served_at(now, j, replica, seen_before)
-            if served_at is not None:
+            if served_at is not None and not memory.inherited:
                 learned.append((served_at, j))
             memory.failures.pop(j.model, None)  # rule 6; Slurm's refusals still hold (rule 5)
+    memory.inherited = False
     for served_at, j in sorted(learned, key=lambda x: x[0]):  # in the order they served
         assert j.submitted_at is not None
         memory.observe(j.model, j.partition, served_at - j.submitted_at)

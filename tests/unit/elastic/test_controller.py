@@ -10,7 +10,9 @@ from pathlib import Path
 import trio
 
 from fabricnode.elastic.controller import Controller
+from fabricnode.elastic.leader import candidate_since
 from fabricnode.elastic.slurmctl import SlurmControl, comment_for, mesh_tag
+from fabricnode.elastic.startups import parse_start_ups
 from fabricnode.elastic.vocab import ServicePlans
 from fabricnode.errors import ConfigError
 from fabricnode.mesh.core import MeshConfig
@@ -134,6 +136,32 @@ def test_one_controller_acts_and_a_takeover_never_submits_twice() -> None:
     assert second.status.role == "acting"
     assert len(slurm.submitted) == 2  # the two jobs are counted, none is submitted again
     assert second.status.models[0].pending == 2
+
+
+def test_a_takeover_starts_from_the_start_up_times_the_last_acting_controller_learned() -> None:
+    """The acting controller labels its entry with what it learned (``elastic.startups``); a
+    candidate that takes over reads them from its dead entry and plans with the same lead,
+    not with what the jobs it inherits would teach it again (nor the default)."""
+    net = mesh(4)
+    nodes = list(net.nodes.values())
+    slurm = FakeSlurm()
+    first, second = controller(net, nodes[1], slurm), controller(net, nodes[2], slurm)
+    announce(net, first, nodes[1], 100.0)
+    announce(net, second, nodes[2], 200.0)
+    apply(net, nodes[0], "two")
+    trio.run(first.tick)
+    first.memory.observe("m", "gpu", 42.0)  # as if it had seen a job go from sbatch to SERVING
+    trio.run(first.tick)
+    net.run_for(5)
+    seen = nodes[2].core.registry.get(nodes[1].core.self_id)
+    assert seen is not None and parse_start_ups(seen.body.labels) == {("m", "gpu"): 42.0}
+    assert candidate_since(seen.body.labels) == 100.0  # the candidate label is kept
+    net.crash(nodes[1].addr)
+    net.run_for(15)
+    trio.run(second.tick)
+    assert second.status.role == "acting"
+    assert second.memory.lead == {("m", "gpu"): 42.0}
+    assert second.memory.lead_s("m", "gpu") == first.memory.lead_s("m", "gpu")
 
 
 def test_replicas_are_matched_to_jobs_through_the_registry() -> None:
