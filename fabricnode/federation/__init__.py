@@ -12,7 +12,12 @@ Modules, from the bottom:
   read from the registry (pure).
 * ``view``     the latest summary and RTT per peer site; routable or not (pure, time passed in).
 * ``protocol`` the link's framing and messages (pure).
+* ``settings`` ``FederationConfig``: the gateway's flags as ``fabricnode.config`` checks them.
+* ``link``     the trio shell: the federation port (mutual TLS), dialing the peers, sending our
+  summary, feeding theirs into the view; ``Gateway`` is what the agent starts.
+* ``metrics``  the ``fabric_federation_*`` families on the agent's ``/metrics`` page.
 
-Imports the mesh (the registry a summary is built from) and the shared modules. Start
-reading at ``view``.
+Imports the mesh (the registry a summary is built from) and the shared modules; the agent
+starts the link, the admin API reads the view (``GET /fabric/v1/sites``). Start reading at
+``view``.
 """
