@@ -8,8 +8,9 @@ line at start); ``run`` then, in its own nursery:
 * dials every pinned peer site at the addresses ``--federation-peer`` gave and those its latest
   summary lists, keeping one connection of its own to each, reconnecting with bounded
   exponential backoff (jittered);
-* rebuilds our site's summary from the registry every ``summary_period_s`` and signs a new one
-  (new ``seq``) when it changed and at least every ``keepalive_s``;
+* once the agent has joined its site's mesh, rebuilds our site's summary from the registry
+  every ``summary_period_s`` and signs a new one (new ``seq``) when it changed and at least
+  every ``keepalive_s``;
 * over each connection, sends the latest summary (only over one connection per site: the
   oldest up), pings every ``ping_interval_s``, and feeds what it receives into the
   ``FederationView``: summaries (``view.accept``) and round trips (``view.observe_rtt``).
@@ -187,10 +188,16 @@ class Gateway:
     # -- running -----------------------------------------------------------------------------
 
     async def run(
-        self, core: MeshCore, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED
+        self,
+        core: MeshCore,
+        joined: Callable[[], bool] = lambda: True,
+        *,
+        task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         """Serve the federation port, dial the peers and publish our summary until cancelled;
-        reports the bound ``HOST:PORT`` when listening."""
+        reports the bound ``HOST:PORT`` when listening. No summary is signed before
+        ``joined()``: a gateway that has not joined its site's mesh yet would say its site
+        serves nothing."""
         cfg = self.config
         listeners = await trio.open_tcp_listeners(cfg.listen_port, host=cfg.listen_host)
         sockname = listeners[0].socket.getsockname()
@@ -205,17 +212,19 @@ class Gateway:
         )
         async with trio.open_nursery() as nursery:
             nursery.start_soon(trio.serve_listeners, self._incoming_connection, listeners)
-            nursery.start_soon(self._publish, core)
+            nursery.start_soon(self._publish, core, joined)
             for site in self.peers.sites:
                 nursery.start_soon(self._dial_site, site)
             task_status.started(self.listen_addr)
 
-    async def _publish(self, core: MeshCore) -> None:
+    async def _publish(self, core: MeshCore, joined: Callable[[], bool]) -> None:
         """Our site's summary: rebuilt every period, signed anew when it changed or is due."""
         cfg = self.config
         last_content: object = None
         last_signed = -1e18
         seq = 0
+        while not joined():
+            await trio.sleep(cfg.summary_period_s)
         while True:
             now = self.wall_clock()
             gateways = gateways_of(core, self.site, cfg.gateway)
