@@ -1,4 +1,4 @@
-"""``fabric keys ...``: cluster keyrings, provider and operator keys, ingress API keys.
+"""``fabric keys ...``: cluster keyrings, provider, operator and site keys, ingress API keys.
 
 Every command takes its file as an argument or option and defaults to the path under
 ``$FABRIC_HOME`` that ``fabricnode.config`` names, so ``fabric start`` finds what these create.
@@ -26,7 +26,9 @@ from fabricnode.errors import ConfigError, KeyFileError
 from fabricnode.mesh.identity import OperatorKey, ProviderKey
 from fabricnode.mesh.keyring import KEY_ID_BYTES, Keyring, new_cluster_key
 
-keys_app = command_group("Cluster keys (create, rotate), provider keys and ingress API keys.")
+keys_app = command_group(
+    "Cluster keys (create, rotate), provider, operator and site keys, and ingress API keys."
+)
 
 
 ClusterKeyOption = Annotated[
@@ -191,6 +193,63 @@ def keys_new_operator(
         return
     print(f"created operator key {target}, fingerprint {key.fingerprint}")
     print(f"agents act on its plans when started with --trust-operator {key.fingerprint}")
+
+
+@keys_app.command(
+    "site-new",
+    help="Create a site key for a gateway (--gateway): DIR/site.key (private, 0600) and "
+    "DIR/site.pem, its certificate, which the operators of peer sites copy into their "
+    "--peer-sites directory. Prints the fingerprint they compare.",
+)
+@handled
+def keys_site_new(
+    site: Annotated[str, typer.Option(metavar="NAME", help="The site's name.")],
+    out: Annotated[Path, typer.Option(metavar="DIR", help="Where to write the two files.")],
+    force: Annotated[bool, typer.Option("--force", help="Overwrite an existing key.")] = False,
+    as_json: JsonOption = False,
+) -> None:
+    from fabricnode.federation.keygen import generate_site_key
+    from fabricnode.federation.sitekey import KEY_FILE, check_site_name
+
+    try:
+        check_site_name(site, "--site")
+    except ConfigError as exc:
+        usage_error("keys site-new", str(exc))
+    if (out / KEY_FILE).exists() and not force:
+        raise KeyFileError(
+            f"{out / KEY_FILE} already exists (peer sites pin its certificate); "
+            "pass --force to replace it"
+        )
+    key = generate_site_key(site, out)
+    if as_json:
+        print_json(
+            {
+                "site": key.site,
+                "fingerprint": key.fingerprint,
+                "key": str(key.key_path),
+                "certificate": str(key.cert_path),
+            }
+        )
+        return
+    print(f"created site key {key.key_path} for site {site!r}, fingerprint {key.fingerprint}")
+    print(f"peer sites federate with {site!r} by copying {key.cert_path} into their --peer-sites")
+
+
+@keys_app.command(
+    "site-show", help="The site and fingerprint of a site certificate (or of a site key's)."
+)
+@handled
+def keys_site_show(
+    path: Annotated[Path, typer.Argument(help="A site certificate (.pem) or site key (.key).")],
+    as_json: JsonOption = False,
+) -> None:
+    from fabricnode.federation.sitekey import SiteCert, SiteKey
+
+    cert = SiteKey.load(path).cert if path.suffix == ".key" else SiteCert.load(path)
+    if as_json:
+        print_json({"site": cert.site, "fingerprint": cert.fingerprint, "path": str(path)})
+        return
+    print(f"site {cert.site} fingerprint {cert.fingerprint}")
 
 
 ApiKeysFileOption = Annotated[

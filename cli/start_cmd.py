@@ -296,8 +296,48 @@ def start(
             help="Like --controller, but only show the sbatch/scancel commands it would run.",
         ),
     ] = False,
+    gateway: Annotated[
+        str | None,
+        typer.Option(
+            metavar="HOST:PORT",
+            help="Make this agent a gateway of its site: the address other sites reach its "
+            "federation port at (TCP, mutual TLS; docs/federation.md). Needs --site-key and "
+            "--peer-sites.",
+        ),
+    ] = None,
+    federation_listen: Annotated[
+        str | None,
+        typer.Option(
+            metavar="HOST:PORT",
+            help="Where the federation port listens (default 0.0.0.0 and --gateway's port).",
+        ),
+    ] = None,
+    site_key: Annotated[
+        str | None,
+        typer.Option(
+            metavar="FILE",
+            help="The site key (site.key, its certificate site.pem beside it; "
+            "`fabric keys site-new`).",
+        ),
+    ] = None,
+    peer_sites: Annotated[
+        str | None,
+        typer.Option(
+            metavar="DIR",
+            help="The certificates (*.pem) of the sites this gateway federates with: only "
+            "they may connect, and only their summaries are taken.",
+        ),
+    ] = None,
+    federation_peer: Annotated[
+        list[str] | None,
+        typer.Option(
+            metavar="SITE=HOST:PORT",
+            help="A gateway of a peer site to dial (repeatable); more are learned from its "
+            "summaries.",
+        ),
+    ] = None,
 ) -> None:
-    from fabricnode.config import ConnectionLimits, TierLimits, load_config
+    from fabricnode.config import ConnectionLimits, GatewayFlags, TierLimits, load_config
 
     try:
         config = load_config(
@@ -350,6 +390,9 @@ def start(
             controller=controller,
             controller_dry_run=controller_dry_run,
             serve=serve,
+            gateway=GatewayFlags(
+                gateway, federation_listen, site_key, peer_sites, tuple(federation_peer or ())
+            ),
         )
     except ConfigError as exc:
         usage_error("start", str(exc))

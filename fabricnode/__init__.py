@@ -12,6 +12,8 @@ Packages:
                  account; compiled with mypyc when built.
 * ``requestlog`` the request log: its line format, the writer the ingress appends to, reading
                  it whole or after a cursor, the sums the planner and the controller read.
+* ``federation`` one fabric across sites: site keys, signed site summaries, the view of peer
+                 sites and the gateways' mutual-TLS link.
 * ``engine``     the supervised engine child and the node's lifecycle JOIN -> SERVING -> DOWN;
                  following an operator's assignments.
 * ``host``       GPUs, the Slurm job and its lease, the rendezvous file.

@@ -5,8 +5,9 @@ order: the UDP+TCP gossip transport and the ``GossipService`` driving the ``Mesh
 re-reads the cluster keyring file when it changes, so rotation needs no restart); the ingress
 (``dataplane``) with the admin app inline or on its own hypercorn port; the engine service, or
 for a JOIN-only node the assignment follower (``engine.follower``); the rendezvous watcher
-(``host.rendezvous``), the member log (``control.memberlog``) and, in a Slurm job, the follower
-of the job's end (``host.lease``). Each behaviour lives in the package that owns it; this module
+(``host.rendezvous``), the member log (``control.memberlog``), in a Slurm job the follower
+of the job's end (``host.lease``) and, with ``--gateway``, the federation link
+(``federation.link.Gateway``). Each behaviour lives in the package that owns it; this module
 only wires them, prints the ready lines and orders the leave. Services start with
 ``nursery.start`` and report ready through ``task_status``; cancelling the nursery stops them.
 
@@ -85,6 +86,8 @@ from fabricnode.engine.drain import deadline_s as drain_deadline_s
 from fabricnode.engine.follower import AssignmentFollower
 from fabricnode.engine.service import KILL_MARGIN_S, EngineService, EngineStatistics
 from fabricnode.errors import FabricError
+from fabricnode.federation.link import Gateway
+from fabricnode.federation.metrics import render as render_federation_metrics
 from fabricnode.host import rendezvous
 from fabricnode.host.hardware import default_host
 from fabricnode.host.hardware import discover as discover_gpus
@@ -174,6 +177,10 @@ class Agent:
         )
         # A malformed API keys file stops the start: an ingress must not run open by mistake.
         self.api_keys = ApiKeyStore.load(config.api_keys_path) if config.api_keys_path else None
+        # --gateway: the site key and the pinned peer certificates, read now for the same reason.
+        self.gateway = (
+            Gateway.load(config.federation, wall_clock=wall_clock) if config.federation else None
+        )
         self.ingress: Ingress | None = None
         self.core: MeshCore | None = None
         self.gossip: GossipService | None = None
@@ -452,10 +459,14 @@ class Agent:
 
         batch_worker = self._batch(core, ingress, http_sock, declared, tracker)
         batch_metrics = render_batch_metrics(batch_worker.statistics) if batch_worker else None
+        gateway = self.gateway
+        federation_metrics = render_federation_metrics(gateway.statistics) if gateway else None
 
         def data_plane_metrics() -> bytes:
             page = ingress.render_metrics()
-            return page + batch_metrics() if batch_metrics is not None else page
+            if batch_metrics is not None:
+                page += batch_metrics()
+            return page + federation_metrics() if federation_metrics is not None else page
 
         # The dashboard's figures: this ingress's counts, the mesh's on demand; each node's
         # recent load, sampled from the gossiped reports.
@@ -483,6 +494,7 @@ class Agent:
                 stats=stats,
                 load_history=load_history,
                 engine_command=engine_argv,
+                sites=gateway.sites_doc if gateway is not None else None,
             )
 
         # The public port is the data plane; paths outside /v1 go to the control app inline.
@@ -522,6 +534,8 @@ class Agent:
                 await nursery.start(batch_worker.run)
             if job is not None:
                 self._start_job_follower(nursery, job, gossip)
+            if gateway is not None:
+                await nursery.start(gateway.run, core, tracker.is_ready)
             task_status.started(AgentAddresses(core.self_id, http_url, gossip_addr, admin_url))
 
             if job is not None:

@@ -46,6 +46,8 @@ from fabricnode.engine.command import (
 )
 from fabricnode.engine.template import EngineTemplate, parse_template
 from fabricnode.errors import ConfigError
+from fabricnode.federation.settings import FederationConfig, federation_config
+from fabricnode.federation.summary import GATEWAY_LABEL
 from fabricnode.host.hardware import parse_sim_gpu
 from fabricnode.host.slurm import (
     DEFAULT_LEAVE_BEFORE_END_S,
@@ -135,6 +137,8 @@ class AgentConfig:
     # The Batch API's files and batches (shared by every job: $FABRIC_HOME/batches); None: off.
     batch_dir: Path | None = None
     batch: BatchConfig = field(default_factory=BatchConfig)
+    # --gateway: this agent is one of its site's gateways (fabricnode.federation); None: not.
+    federation: FederationConfig | None = None
 
     @property
     def http_bind(self) -> str:
@@ -216,6 +220,7 @@ def load_config(
     controller: bool = False,
     controller_dry_run: bool = False,
     serve: str | None = None,
+    gateway: GatewayFlags | None = None,
     env: Mapping[str, str] | None = None,
     mesh: MeshConfig | None = None,
 ) -> AgentConfig:
@@ -267,7 +272,19 @@ def load_config(
         control = replace(control, output=str(log_dir / "slurm-%j.out"))
     if serve is not None and (template is None or not serve.strip()):
         raise ConfigError("--serve MODEL renders --engine-template: give both")
+    flags = gateway or GatewayFlags()
+    federation = federation_config(
+        gateway=flags.gateway,
+        listen=flags.listen,
+        site_key=flags.site_key,
+        peer_sites=flags.peer_sites,
+        peers=flags.peers,
+    )
+    own_labels = parse_labels(labels)
+    if federation is not None:  # the site's summary lists every gateway its registry knows
+        own_labels = tuple(sorted({**dict(own_labels), GATEWAY_LABEL: federation.gateway}.items()))
     return AgentConfig(
+        federation=federation,
         controller=control,
         serve_model=serve.strip() if serve is not None else None,
         api_keys_path=keys_path,
@@ -300,12 +317,24 @@ def load_config(
         admin_host=admin_host,
         admin_port=admin_port,
         join=join_addrs,
-        labels=parse_labels(labels),
+        labels=own_labels,
         log_level=level,
         job_id=job_id,
         host_env=dict(env),
         mesh=replace(mesh or MeshConfig(), trusted_operators=operators),
     )
+
+
+@dataclass(frozen=True)
+class GatewayFlags:
+    """``fabric start``'s federation flags as given (None/empty: not given); see
+    ``fabricnode.federation.settings``."""
+
+    gateway: str | None = None  # --gateway HOST:PORT
+    listen: str | None = None  # --federation-listen HOST:PORT
+    site_key: str | None = None  # --site-key FILE
+    peer_sites: str | None = None  # --peer-sites DIR
+    peers: tuple[str, ...] = ()  # --federation-peer SITE=HOST:PORT
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,10 @@ Endpoints (all GET; HEAD is answered like GET without a body):
 * ``/fabric/v1/nodes/{session_id}/load`` — that node's recent load reports
   (``loadhistory``): ``{"session_id", "samples": [{"at", "waiting", "running", "kv_usage",
   "inflight"}]}``.
+* ``/fabric/v1/sites`` — on a gateway (``--gateway``): its site, key fingerprint and federation
+  address, and per peer site whether it is routable, its summary's age and content (models and
+  their capacity, gateways), the RTT and the links up (``federation.link.Gateway.sites_doc``);
+  404 on an agent that is not a gateway.
 * ``/metrics`` — Prometheus text, every name prefixed ``fabric_``.
 * ``/ui`` (and ``/ui/<file>``) — the dashboard's files (``fabricnode.ui``), with a strict
   Content-Security-Policy; ``/`` redirects a browser (``Accept: text/html``) there, and
@@ -133,6 +137,7 @@ Scope = Mapping[str, Any]
 NODES_PREFIX = "/fabric/v1/nodes/"
 WORKLOAD_PATH = "/fabric/v1/workload"
 FLEET_PATH = "/fabric/v1/fleet"
+SITES_PATH = "/fabric/v1/sites"
 LOAD_SUFFIX = "/load"
 ENGINE_SUFFIX = "/engine"
 UI_PATH = "/ui"
@@ -247,8 +252,10 @@ class AdminApp:
         stats: MeshStats | None = None,
         load_history: LoadHistory | None = None,
         engine_command: Callable[[], Sequence[str] | None] = lambda: None,
+        sites: Callable[[], Json] | None = None,
     ) -> None:
         self.core = core
+        self.sites = sites  # a gateway's view of the peer sites (None: not a gateway)
         self.engine_command = engine_command  # this node's engine argv (None: no engine)
         self.stats = stats  # the dashboard's rates and latencies (None: no data plane)
         self.load_history = load_history
@@ -380,6 +387,8 @@ class AdminApp:
                 return self.services
             if path == CONTROLLER_PATH:
                 return self.controller_status
+            if path == SITES_PATH:
+                return self.sites_view
             if path == WORKLOAD_PATH:
                 return lambda query: json_response({})  # answered in __call__ (async)
             if path == "/metrics":
@@ -551,6 +560,13 @@ class AdminApp:
             doc = {**current.describe(), "text": current.body.text}
         trusted = sorted(self.core.services.trusted)
         return json_response({"services": doc, "trusted_operators": trusted})
+
+    def sites_view(self, query: list[tuple[str, str]]) -> Response:
+        if self.sites is None:
+            raise HttpError(
+                404, "this agent is not a gateway of its site (fabric start --gateway)", "not_found"
+            )
+        return json_response(self.sites())
 
     def controller_status(self, query: list[tuple[str, str]]) -> Response:
         if self.controller is None:

@@ -270,6 +270,24 @@ CONTRACT_BREACHES = (
         "fabricnode.batch.validate -> fabricnode.batch.worker",
     ),
     Breach(
+        "federation-pure",
+        "fabricnode/federation/view.py",
+        "import ssl",
+        "fabricnode.federation.view -> ssl",
+    ),
+    Breach(
+        "federation-pure",
+        "fabricnode/federation/summary.py",
+        "from fabricnode.federation import link",
+        "fabricnode.federation.summary -> fabricnode.federation.link",
+    ),
+    Breach(
+        "layers",
+        "fabricnode/federation/summary.py",
+        "from fabricnode.dataplane import routing",
+        "fabricnode.federation.summary -> fabricnode.dataplane.routing",
+    ),
+    Breach(
         "scheduler-pure",
         "scheduler/roofline.py",
         "import time",

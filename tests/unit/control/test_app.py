@@ -596,3 +596,13 @@ async def test_workload_history_gives_the_logs_past_by_bin_and_a_cursor_after_it
     ):
         r = await get(app, "/fabric/v1/workload", **bad)
         assert_openai_error(r, 400, "invalid_parameter")
+
+
+async def test_sites_are_a_gateways_view_and_404_elsewhere(mesh: Mesh) -> None:
+    plain = AdminApp(mesh.core, wall_clock=lambda: NOW)
+    message = assert_openai_error(await get(plain, "/fabric/v1/sites"), 404, "not_found")
+    assert "not a gateway" in message
+    doc = {"site": "A", "sites": [{"site": "C", "routable": False, "summary": None}]}
+    gateway = AdminApp(mesh.core, wall_clock=lambda: NOW, sites=lambda: doc)
+    response = await get(gateway, "/fabric/v1/sites")
+    assert response.status_code == 200 and response.json() == doc
