@@ -280,8 +280,10 @@ def load_config(
         peer_sites=flags.peer_sites,
         peers=flags.peers,
     )
+    agent_site = _site(site, env)
     own_labels = parse_labels(labels)
     if federation is not None:  # the site's summary lists every gateway its registry knows
+        federation = replace(federation, site=agent_site)  # its key must be this site's
         own_labels = tuple(sorted({**dict(own_labels), GATEWAY_LABEL: federation.gateway}.items()))
     return AgentConfig(
         federation=federation,
@@ -300,7 +302,7 @@ def load_config(
         cluster_key_path=key_path,
         rendezvous_path=rendezvous_path,
         provider=_provider(provider, env),
-        site=_site(site, env),
+        site=agent_site,
         provider_key_path=Path(provider_key).expanduser() if provider_key else None,
         engine=engine,
         engine_template=template,

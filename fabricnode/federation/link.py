@@ -174,7 +174,7 @@ class Gateway:
         if config.site is not None and config.site != key.site:
             raise KeyFileError(
                 f"{key.cert_path} is the key of site {key.site!r}, not of this agent's site "
-                f"{config.site!r}"
+                f"{config.site!r} (give the gateway --site {key.site})"
             )
         peers = PeerSites.load(config.peer_sites_dir, own=key.cert)
         for site, addr in config.peers:

@@ -27,8 +27,8 @@ class FederationConfig:
     site_key_path: Path  # site.key; its certificate is site.pem beside it
     peer_sites_dir: Path  # the pinned peer certificates (*.pem)
     peers: tuple[tuple[str, str], ...] = ()  # (site, HOST:PORT): where to dial first
-    # Our site; None: the one the site key's certificate names. (Wired to the agent's --site
-    # once entries carry a site: the gateway then refuses a key of another site.)
+    # Our site (the agent's --site): the gateway refuses a site key of another site; None (only
+    # in tests that build the config by hand): the one the site key's certificate names.
     site: str | None = None
     summary_period_s: float = 1.0  # rebuild our summary this often; send it when it changed
     keepalive_s: float = 2.0  # and send a fresh one at least this often

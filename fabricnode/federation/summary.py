@@ -214,11 +214,9 @@ def next_seq(last: int, now: float) -> int:
 
 
 def entry_site(entry: SignedEntry) -> str | None:
-    """The site an entry says its node belongs to; None while entries carry no site.
-
-    SEAM: entries gain a ``site`` field in another branch; once they do, return it here, and
-    ``capacity_of`` counts only the nodes of our own site."""
-    return None
+    """The site an entry says its node belongs to (signed by its owner; ``default`` for an
+    entry of a version before sites)."""
+    return entry.body.site
 
 
 def in_site(entry: SignedEntry, site: str) -> bool:

@@ -37,6 +37,7 @@ def closed_tls(agent: AgentProcess) -> float:
 
 def gateway_args(key: SiteKey, peers: Path, port: int, *dial: str) -> list[str]:
     args = [
+        "--site", key.site,
         "--gateway", f"127.0.0.1:{port}",
         "--site-key", str(key.key_path),
         "--peer-sites", str(peers),
@@ -65,7 +66,8 @@ def test_sites_exchange_summaries_partition_and_heal(tmp_path: Path) -> None:
     c_args = gateway_args(keys["C"], peers_c, port_c, f"A=127.0.0.1:{port_a}")
     with LocalMesh(tmp_path / "site-a") as site_a, LocalMesh(tmp_path / "site-c") as site_c:
         started = time.monotonic()
-        site_c.start("c-node", args=["--sim", MODEL])
+        site_c.start("c-node", args=["--site", "C", "--sim", MODEL])
+        site_c.start("c-stray", args=["--site", "B", "--sim", "stray"])  # not C's: not summed
         gw_c = site_c.start("c-gateway", args=c_args)
         gw_a = site_a.start(
             "a-gateway", args=gateway_args(keys["A"], peers_a, port_a, f"C=127.0.0.1:{port_c}")
@@ -85,6 +87,7 @@ def test_sites_exchange_summaries_partition_and_heal(tmp_path: Path) -> None:
         row = sites_of(gw_a)["C"]
         assert row["links_up"] >= 1 and row["rtt_ms"] is not None
         assert f"127.0.0.1:{port_c}" in row["summary"]["gateways"]
+        assert "stray" not in row["summary"]["models"]  # a node of another site in C's mesh
 
         # a partition: C's gateway dies; A keeps C's summary, not routable
         gw_c.kill()

@@ -62,12 +62,18 @@ def config(key: SiteKey, peers: Path, dial: tuple[tuple[str, str], ...] = ()) ->
     )
 
 
-def serving_core(model: str) -> MeshCore:
+def serving_core(model: str, site: str) -> MeshCore:
+    """A gateway's core whose registry has one SERVING node of ``site`` serving ``model``."""
     me = Identity.from_seed(b"gw-core")
     core = MeshCore(me, Keyring.with_key(b"k" * 32), make_body(me, "10.0.0.1:7946", NOW), NOW)
     node = Identity.from_seed(b"node")
     entry = make_body(
-        node, "10.0.0.2:7946", NOW, state=State.SERVING, models=(ModelInfo(model, 4096, None),)
+        node,
+        "10.0.0.2:7946",
+        NOW,
+        state=State.SERVING,
+        models=(ModelInfo(model, 4096, None),),
+        site=site,
     ).sign(node)
     core.registry.merge(entry, NOW)
     core.members.learn_address(entry.session_id, "10.0.0.2:7946", NOW)
@@ -100,13 +106,13 @@ async def test_summaries_cross_partitions_keep_the_site_and_healing_restores_it(
 ) -> None:
     gw_c = Gateway.load(config(keys["C"], peer_dir(tmp_path, "C", keys["A"])), wall_clock=clock)
     async with trio.open_nursery() as nursery:
-        addr_c, scope_c = await start(nursery, gw_c, serving_core("llama"))
+        addr_c, scope_c = await start(nursery, gw_c, serving_core("llama", "C"))
         port_c = addr_c.rsplit(":", 1)[1]
         cfg_a = config(
             keys["A"], peer_dir(tmp_path, "A", keys["C"]), (("C", f"127.0.0.1:{port_c}"),)
         )
         gw_a = Gateway.load(cfg_a, wall_clock=clock)
-        await start(nursery, gw_a, serving_core("other"))
+        await start(nursery, gw_a, serving_core("other", "A"))
         await wait_for(lambda: gw_a.view.routable("C", clock()))
         assert gw_a.view.sites_serving("llama", clock()) == ["C"]
         doc = gw_a.sites_doc()["sites"][0]
@@ -119,7 +125,7 @@ async def test_summaries_cross_partitions_keep_the_site_and_healing_restores_it(
         assert gw_a.statistics().links_up["C"] == 0
 
         gw_c2 = Gateway.load(replace(gw_c.config, listen_port=int(port_c)), wall_clock=clock)
-        await start(nursery, gw_c2, serving_core("llama"))
+        await start(nursery, gw_c2, serving_core("llama", "C"))
         await wait_for(lambda: gw_a.view.routable("C", clock()))
         stats = gw_a.statistics()
         assert stats.accepted >= 2 and stats.refused["bad_signature"] == 0
@@ -131,11 +137,11 @@ async def test_a_wrong_pinned_certificate_is_refused_and_counted(
 ) -> None:
     gw_c = Gateway.load(config(keys["C"], peer_dir(tmp_path, "C", keys["A"])), wall_clock=clock)
     async with trio.open_nursery() as nursery:
-        addr_c, _ = await start(nursery, gw_c, serving_core("llama"))
+        addr_c, _ = await start(nursery, gw_c, serving_core("llama", "C"))
         # A was given an impostor's certificate for C
         cfg_a = config(keys["A"], peer_dir(tmp_path, "A", keys["C-fake"]), (("C", addr_c),))
         gw_a = Gateway.load(cfg_a, wall_clock=clock)
-        await start(nursery, gw_a, serving_core("other"))
+        await start(nursery, gw_a, serving_core("other", "A"))
         await wait_for(lambda: gw_a.statistics().closed["tls"] >= 2)
         assert not gw_a.view.routable("C", clock())
         assert gw_a.view.summary("C") is None
@@ -148,7 +154,7 @@ async def test_garbage_and_oversized_frames_are_dropped_and_counted(
 ) -> None:
     gw_c = Gateway.load(config(keys["C"], peer_dir(tmp_path, "C", keys["A"])), wall_clock=clock)
     async with trio.open_nursery() as nursery:
-        addr_c, _ = await start(nursery, gw_c, serving_core("llama"))
+        addr_c, _ = await start(nursery, gw_c, serving_core("llama", "C"))
         host, port = addr_c.rsplit(":", 1)
         # not TLS at all
         raw = await trio.open_tcp_stream(host, int(port))

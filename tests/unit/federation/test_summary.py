@@ -125,6 +125,7 @@ def _core() -> MeshCore:
 def _add(core: MeshCore, name: str, index: int, **kw: object) -> str:
     identity = Identity.from_seed(name.encode())
     addr = f"10.0.0.{index}:7946"
+    kw.setdefault("site", "A")  # the gateway's own site (another site's entries do not count)
     entry = make_body(identity, addr, NOW, **kw).sign(identity)  # type: ignore[arg-type]
     assert core.registry.merge(entry, NOW).changed
     core.members.learn_address(entry.session_id, addr, NOW)
@@ -138,6 +139,7 @@ def test_capacity_counts_serving_replicas_and_their_load() -> None:
     b = _add(core, "b", 3, state=State.SERVING, models=(llama,))
     _add(core, "joining", 4, models=(llama,))
     _add(core, "gone", 5, state=State.LEFT, models=(llama,))
+    _add(core, "of-b", 6, state=State.SERVING, models=(llama,), site="B")  # not our site's
     core.loads[a] = Load(a, 1, 0, 3, 0.5, 0, NOW)
     core.loads[b] = Load(b, 1, 2, 3, 0.3, 0, NOW)
     caps = capacity_of(core, "A", NOW)
