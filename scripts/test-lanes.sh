@@ -7,9 +7,9 @@
 #            fake network under MockClock (the mesh simulations at 20-60 nodes are the slowest)
 #            and one headless Chromium; they keep a core busy and seldom wait. Then the tests of
 #            tests/system marked `compute` (the benches of a model, a simulation or a solver in
-#            one process: no agents to wait for), as "compute-system". Then tests/sites, as
-#            "sites": the emulated sites (network namespaces, a WAN router process; about 25 s,
-#            mostly waiting out round trips). Their own lane would start them beside every other
+#            one process: no agents to wait for), as "compute-system". Then tests/sites and
+#            SITES_AGENTS, as "sites": the emulated sites (network namespaces, a WAN router
+#            process; about 25 s, mostly waiting out round trips) and the agents of several sites. Their own lane would start them beside every other
 #            at the busiest moment; at the end of this one, which ends third (after the two Slurm
 #            lanes, minutes before the agents lane), they lengthen no lane the run waits on.
 #   agents   tests/system but the `compute` ones and LATE_AGENTS: real agents and simulated
@@ -56,11 +56,16 @@ LATE_AGENTS=(tests/system/test_batch_api.py tests/system/test_batch_cli.py
 BENCH_AGENTS=(tests/system/test_bench_tiers.py tests/system/test_bench_routing.py)
 # The elastic controller's tests wait out Slurm time limits, takeovers and ramps (most of
 # tests/slurm's time, at a fifth of a core): a Slurm of their own, beside the rest of tests/slurm.
+# The load jump's test (a six-GPU Slurm of its own) too: in the slurm lane it made that lane end
+# second, and the interpreted rerun, which follows the first lane to end, two minutes later.
 SLURM_ELASTIC=(tests/slurm/test_elastic.py tests/slurm/test_elastic_qos.py
-    tests/slurm/test_dashboard_controller.py)
+    tests/slurm/test_dashboard_controller.py tests/slurm/test_elastic_jump.py)
 SLURM=(tests/slurm)
-# The emulated sites (tests/support/sites.py): after compute-system, in the compute lane's tail.
-SITES=(tests/sites)
+# The emulated sites (tests/support/sites.py), and the agent tests of sites and federation
+# (agents of several sites and meshes, gateways): after compute-system, in the compute lane's
+# tail, not in the agents lane, the run's length.
+SITES_AGENTS=(tests/system/test_sites.py tests/system/test_federation.py)
+SITES=(tests/sites "${SITES_AGENTS[@]}")
 # Every tests/<kind>/dataplane folder, and the request log's tests (three of its modules are
 # compiled with the data plane: fabricnode.native.COMPANIONS): run again on the interpreted
 # sources (FABRIC_NATIVE=0).
@@ -102,7 +107,7 @@ ignoring() { # ignoring PATH...: pytest's --ignore for each
     local path
     for path in "$@"; do printf -- '--ignore=%s\n' "$path"; done
 }
-mapfile -t late_ignored < <(ignoring "${LATE_AGENTS[@]}" "${BENCH_AGENTS[@]}")
+mapfile -t late_ignored < <(ignoring "${LATE_AGENTS[@]}" "${BENCH_AGENTS[@]}" "${SITES_AGENTS[@]}")
 mapfile -t elastic_ignored < <(ignoring "${SLURM_ELASTIC[@]}")
 lane agents -- -m "not compute" "${late_ignored[@]}" "${AGENTS[@]}" &
 lane slurm -- "${elastic_ignored[@]}" "${SLURM[@]}" &
