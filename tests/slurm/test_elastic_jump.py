@@ -195,7 +195,9 @@ def test_a_load_jump_to_four_replicas_capacity_gets_them_in_one_or_two_passes(
             assert time.monotonic() - jump_at < 150, cluster.squeue()
             time.sleep(0.5)
         serving_at = time.monotonic()
-        while time.monotonic() - serving_at < 30.0:  # the measure: what is sent from now on
+        # the measure: what is sent from now on, 45 s of it (~117 requests: one late first
+        # token, which a loaded machine may cause, is within the 1% the objective allows)
+        while time.monotonic() - serving_at < 45.0:
             time.sleep(0.5)
     finally:
         load.finish()
@@ -227,4 +229,4 @@ def test_a_load_jump_to_four_replicas_capacity_gets_them_in_one_or_two_passes(
     missed = [(round(a.sent - serving_at, 1), round(a.ttft or -1, 2)) for a in after
               if a not in within]  # fmt: skip
     print(f"jump: missed (sent after SERVING s, TTFT s): {missed}")
-    assert len(after) >= 60 and len(within) >= 0.99 * len(after), missed
+    assert len(after) >= 90 and len(within) >= 0.99 * len(after), missed
