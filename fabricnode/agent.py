@@ -401,6 +401,8 @@ class Agent:
             request_log=request_log,
             declared=declared.hold_s,
             declared_models=declared.models,
+            model_sites=declared.sites,
+            site=cfg.site,
             on_waiting=on_waiting,
             wake_local=self._wake_engine,
             # This agent's Batch API worker sends its requests with this secret in the batch

@@ -24,6 +24,9 @@ Modules, in reading order (pure first, then the shell that uses them):
                       error (OpenAI's, or Anthropic's on its paths) out; the
                       ``X-Fabric-Require``, ``X-Fabric-Providers`` and ``X-Fabric-Priority``
                       header grammars.
+* ``residency``       data residency: the sites a request may be served at (its key's, its
+                      ``X-Fabric-Require: site=``, its model's in the service file), their
+                      intersection, the 403's words, and the allowed set a forward carries.
 * ``routing``         the pure routing core: load scores, prompt prefix hashing, the policies
                       (``make_policy``: round robin, least load, p2c, prefix, prefix-pending).
 * ``prefill``         ``PrefillClocks``: the prompts sent to each node and not yet answered,

@@ -124,6 +124,13 @@ from fabricnode.dataplane.request import (
     prompt_text,
     route_headers,
 )
+from fabricnode.dataplane.residency import (
+    NO_COMMON_SITE,
+    NOT_SERVED_THERE,
+    SITE_NOT_ALLOWED,
+    narrow,
+    refusal_message,
+)
 from fabricnode.dataplane.responses import PinnedNode
 from fabricnode.dataplane.routetable import CircuitBreaker, Route, RouteTable, models_body, route_of
 from fabricnode.dataplane.settle import SETTLE_INTERVAL_S, Settler
@@ -133,6 +140,7 @@ from fabricnode.dataplane.upstream import UpstreamPool
 from fabricnode.dataplane.usage import UsageLedger
 from fabricnode.mesh.core import MeshCore
 from fabricnode.mesh.registry import State
+from fabricnode.mesh.sites import DEFAULT_SITE
 from fabricnode.requestlog.writer import RequestLog
 
 log = logging.getLogger("fabricnode.dataplane.ingress")
@@ -176,6 +184,8 @@ class Ingress:
         rng: random.Random | None = None,
         declared: Callable[[str], float | None] | None = None,
         declared_models: Callable[[], list[str]] | None = None,
+        model_sites: Callable[[str], frozenset[str] | None] | None = None,
+        site: str = DEFAULT_SITE,
         on_waiting: Callable[[Mapping[str, int]], None] | None = None,
         wake_local: Callable[[], Awaitable[bool]] | None = None,
         batch_token: str | None = None,
@@ -189,6 +199,10 @@ class Ingress:
         # models. Who is told which models have requests waiting: ``replica_waits``.
         self.declared = declared
         self.declared_models = declared_models
+        # Data residency (``residency``): the sites the service file lets serve a model (None:
+        # any), and this agent's own site, which a forward's allowed set must hold.
+        self.model_sites = model_sites
+        self.site = site
         self.config = cfg = config or IngressConfig()
         self._idle_s = cfg.stream_idle_timeout_s  # an app answer streamed to a stalled client
         self.wall_clock = wall_clock
@@ -280,6 +294,7 @@ class Ingress:
             serving_engine_url=serving_engine_url,
             local_engine_up=local_engine_up,
             wake_local=wake_local,
+            site=site,
         )
         self._batch_waiting = LabelCache(self.metrics.batch_waiting)
         self._waiting_labels: set[str] = set()  # batch_waiting labels set so far
@@ -563,11 +578,21 @@ class Ingress:
         if isinstance(routed, Rejection):
             return self._reject(conn, routed, path)
         model = routed.model
+        model_sites = self.model_sites(model) if self.model_sites is not None else None
+        if model_sites is not None:
+            routed.sites = narrow(routed.sites, model_sites)
         routes = self.table.routes(model)
         self._forget_removed()
         hold_s = None
         waking = False
-        if not routes:
+        if routed.sites is not None:
+            # Data residency: only the replicas at an allowed site (awake ones first), or the
+            # 403 when there are none and none may come.
+            within = self._routes_within(routed, model_sites, routes)
+            if isinstance(within, Rejection):
+                return self._reject(conn, within, path)
+            routes, waking = within
+        elif not routes:
             # Only sleeping replicas (if any): one is woken by the request (the cold path).
             routes = self.table.sleeping(model)
             waking = routes is not None
@@ -590,6 +615,7 @@ class Ingress:
                     path,
                 )
         job = Job(kind, model, routed.stream, body, path, headers, routed.key, started, doc)
+        job.sites = routed.sites
         if req.http_version == "1.0":
             job.http10 = True
         if waking:
@@ -609,6 +635,48 @@ class Ingress:
         if len(routes) > 1 and self.policy.name.startswith("prefix"):
             routed.prefix_blocks = routing.prompt_blocks(prompt_text(doc, kind))
         return self._dispatch(conn, job, routed, routes)
+
+    def _routes_within(
+        self, routed: Routed, model_sites: frozenset[str] | None, routes: list[Route] | None
+    ) -> tuple[list[Route] | None, bool] | Rejection:
+        """Data residency (``residency``): the routes of a request limited to sites, those at
+        an allowed site (the awake ones, else the sleeping ones, one of which it wakes: then
+        True), or the 403 when no allowed site may serve it: its allowed set is empty, or its
+        model has replicas (awake or asleep) but none at an allowed site and is not declared
+        (none may start). None, False: no replica anywhere (the 404, or the wait for one of a
+        declared model, that every request gets). ``eligible`` filters by the same set again
+        at every pick."""
+        sites = routed.sites
+        assert sites is not None
+        model = routed.model
+        asleep = self.table.sleeping(model)
+        if sites:
+            if routes:
+                within = [r for r in routes if r.info.site in sites]
+                if within:
+                    return within, False
+            if asleep:
+                within = [r for r in asleep if r.info.site in sites]
+                if within:
+                    return within, True
+            if not routes and not asleep:
+                return None, False
+            if self.declared is not None and self.declared(model):
+                return None, False  # scale from zero: a replica may start at an allowed site
+            reason = NOT_SERVED_THERE
+        else:
+            reason = NO_COMMON_SITE
+        self.metrics.residency_refusals.labels(reason).inc()
+        key = routed.key
+        requirements = routed.requirements
+        message = refusal_message(
+            model,
+            sites,
+            key_sites=key.sites if key is not None else None,
+            header_sites=requirements.sites if requirements is not None else None,
+            model_sites=model_sites,
+        )
+        return Rejection(403, message, SITE_NOT_ALLOWED)
 
     def _pinned_node(self, sid: str) -> PinnedNode:
         """What the mesh says of node ``sid`` (its registry state and ``schema.standing``
@@ -649,6 +717,7 @@ class Ingress:
             return self._reject(conn, route, path)
         # The query (``stream``, ``starting_after``) goes with it: the target is what is sent.
         job = Job(kind, "-", stream, b"", req.target, headers, checked, started, None)
+        job.sites = routed.sites
         job.method = req.method
         if req.http_version == "1.0":
             job.http10 = True
@@ -915,6 +984,7 @@ class Ingress:
             breaker=self.breaker,
             providers=routed.providers,
             requirements=routed.requirements,
+            sites=routed.sites,
         )
         if tried:
             eligible = [c for c in eligible if c.node.session_id not in tried]

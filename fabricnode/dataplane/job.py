@@ -63,6 +63,7 @@ class Job:
         "retag",
         "served_by",
         "site",
+        "sites",
         "slot",
         "splice",
         "started",
@@ -103,6 +104,8 @@ class Job:
         self.served_by = ""
         # The site of the node of the latest attempt: the serving node's once served_by is set.
         self.site = ""
+        # The sites that may serve it (``residency``; None: any): a forward carries them.
+        self.sites: frozenset[str] | None = None
         self.status = 0
         self.ttft_s: float | None = None
         # Its prompt's estimated tokens, counted on the prefill clock of each node it goes to

@@ -55,6 +55,7 @@ from fabricnode.dataplane.job import Job
 from fabricnode.dataplane.metrics import IngressMetrics
 from fabricnode.dataplane.prefill import PrefillClocks
 from fabricnode.dataplane.request import error_body
+from fabricnode.dataplane.residency import SITES_HEADER
 from fabricnode.dataplane.resume import (
     RESUME_HEADER,
     Delivered,
@@ -82,9 +83,13 @@ FORWARDED_REQUEST_HEADERS = (b"accept", b"x-request-id", b"openai-organization")
 SSE = b"text/event-stream"
 
 
-def upstream_request(job: Job, origin: Origin, *, forward: bytes | None) -> bytes:
+def upstream_request(
+    job: Job, origin: Origin, *, forward: bytes | None, sites: bytes | None = None
+) -> bytes:
     """The request sent to ``origin`` for ``job`` (``forward``: the signed header of an
-    agent-to-agent forward; None to our own engine), with its body."""
+    agent-to-agent forward, with ``sites``, the allowed sites it carries, None: any; None to
+    our own engine), with its body. The client's credentials never go on: a forward is
+    authenticated by the cluster key, and the key's limits travel as the allowed sites."""
     lines = [
         b"%s %s HTTP/1.1\r\nhost: %s:%d\r\ncontent-type: %s\r\ncontent-length: %d\r\n"
         % (job.method, job.path, origin[0].encode(), origin[1], job.content_type, len(job.body))
@@ -96,6 +101,8 @@ def upstream_request(job: Job, origin: Origin, *, forward: bytes | None) -> byte
             lines.append(name + b": " + value + b"\r\n")
     if forward is not None:
         lines.append(FORWARD_HEADER + b": " + forward + b"\r\n")
+        if sites is not None:
+            lines.append(SITES_HEADER + b": " + sites + b"\r\n")
         session = headers.get(b"x-session-id")
         if session is not None:
             lines.append(b"x-session-id: " + session + b"\r\n")

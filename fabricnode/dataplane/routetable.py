@@ -13,7 +13,9 @@ requests sent there carry the batch priority (``tiers``).
 
 Filter order (issue: filters before the policy): model served → SERVING, lease not expired,
 routable by ``schema.standing`` (a probed member, never DEAD/LEFT, nor an entry whose owner no
-probe vouches for; SUSPECT only when no ROUTABLE node is left) → provider allowlist
+probe vouches for; SUSPECT only when no ROUTABLE node is left) → the request's allowed sites
+(data residency, ``residency``: the key's, ``X-Fabric-Require: site=``'s and the model's, against
+the site the node's owner signed; never relaxed) → provider allowlist
 against the *verified* provider → ``X-Fabric-Require`` constraints → not ejected by the circuit
 breaker (unless every remaining node is: then they are tried anyway, a breaker must not turn a
 brief blip into an outage).
@@ -230,9 +232,12 @@ class RouteTable:
         breaker: CircuitBreaker,
         providers: frozenset[str],
         requirements: Requirements | None,
+        sites: frozenset[str] | None = None,
         exclude: str | None = None,
     ) -> list[Candidate]:
-        """Candidates that pass every filter, ALIVE ones before SUSPECT ones."""
+        """Candidates that pass every filter, ALIVE ones before SUSPECT ones. ``sites``: the
+        request's allowed sites (None: any); every pick of a node goes through here, so a node
+        outside them is never a candidate (``residency``)."""
         core = self.core
         alive: list[Candidate] = []
         suspect: list[Candidate] = []
@@ -244,6 +249,8 @@ class RouteTable:
                 continue
             standing = core.standing(sid, State.SERVING)  # the table holds SERVING entries only
             if standing < Standing.SUSPECT:
+                continue
+            if sites is not None and info.site not in sites:
                 continue
             if providers and not provider_allowed(info, providers):
                 continue
