@@ -870,8 +870,10 @@ class Ingress:
                 if not candidates and not left and self._may_go_out(job, routes):
                     # Every node of our site failed or none is eligible: another site.
                     left = True
-                    routes = self._out_routes(job.model)
-                    candidates = self._candidates(routes, routed, tried, now, wall)
+                    out = self._out_routes(job.model)
+                    if out:
+                        routes = out
+                        candidates = self._candidates(routes, routed, tried, now, wall)
                 if not tried:
                     observed = len(candidates)
                 if not candidates:

@@ -6,6 +6,7 @@ gateway and one of C's; killing the C gateway that carries the load fails no req
 from __future__ import annotations
 
 import json
+import statistics
 import threading
 import time
 from pathlib import Path
@@ -124,6 +125,12 @@ def test_a_model_only_another_site_serves_is_answered_through_the_gateways(
         served = [r for r in log_lines(request_log) if r.get("M") == MODEL]
         assert served and all(r["site"] == "C" and r["node"] == c_sid for r in served), served
 
+        # the latency the gateways add: sequential small requests at C's node itself and at
+        # A's ingress (three more hops: ingress -> gateway A -> gateway C -> C's node's agent)
+        direct_ms = _median_ms(c_node.http_url)
+        across_ms = _median_ms(url)
+        per_hop_ms = (across_ms - direct_ms) / 3
+
         # steady load while the C gateway carrying it is killed: no request fails
         carrying = _carrying(gw_c1, gw_c2)
         failures: list[str] = []
@@ -146,7 +153,28 @@ def test_a_model_only_another_site_serves_is_answered_through_the_gateways(
                         failures.append(repr(exc))
                     done[0] += 1
 
-        threads = [threading.Thread(target=load) for _ in range(4)]
+        streams = [0]
+
+        def stream_load() -> None:
+            with httpx.Client(timeout=60) as http:
+                while not stop.is_set():
+                    body = {
+                        "model": MODEL,
+                        "messages": [{"role": "user", "content": "a long answer"}],
+                        "max_tokens": 60,
+                        "stream": True,
+                    }
+                    try:
+                        with http.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+                            text = "".join(r.iter_text())
+                        if r.status_code != 200 or "data: [DONE]" not in text or '"error"' in text:
+                            failures.append(f"stream {r.status_code}: {text[-300:]}")
+                    except httpx.HTTPError as exc:
+                        failures.append(f"stream {exc!r}")
+                    streams[0] += 1
+
+        threads = [threading.Thread(target=load) for _ in range(3)]
+        threads += [threading.Thread(target=stream_load) for _ in range(2)]
         for t in threads:
             t.start()
         time.sleep(1.5)
@@ -159,10 +187,28 @@ def test_a_model_only_another_site_serves_is_answered_through_the_gateways(
             t.join(30)
         assert done[0] > before + 4, (before, done[0])
         assert not failures, failures[:5]
+        assert streams[0] >= 2
+        assert per_hop_ms < 10, (direct_ms, across_ms)
         print(
-            f"first cross-site answer in {first_s * 1000:.0f} ms; {done[0]} requests under load, "
-            f"{done[0] - before} after killing {carrying.name}, none failed"
+            f"first cross-site answer in {first_s * 1000:.0f} ms; median {direct_ms:.2f} ms at "
+            f"C's node, {across_ms:.2f} ms from A's ingress: {per_hop_ms:.2f} ms per hop; "
+            f"{done[0]} requests and {streams[0]} streams under load, {done[0] - before} "
+            f"requests after killing {carrying.name}, none failed"
         )
+
+
+def _median_ms(url: str, n: int = 60) -> float:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
+    times = []
+    with httpx.Client(timeout=30) as http:
+        for i in range(n + 5):
+            started = time.perf_counter()
+            r = http.post(f"{url}/v1/chat/completions", json=body)
+            elapsed = time.perf_counter() - started
+            assert r.status_code == 200, r.text
+            if i >= 5:  # warm: pooled connections open
+                times.append(elapsed * 1000)
+    return statistics.median(times)
 
 
 def _carrying(*gateways: AgentProcess) -> AgentProcess:
