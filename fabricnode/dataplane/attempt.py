@@ -17,6 +17,10 @@ the relay's, not one awaiting it, so no level of ``await`` is added on the way.
   routed to them, and the serving agent wakes its engine before relaying (``wake_local``); a
   node that does not wake answers 503 and the ingress fails over.
 
+* Across sites (``sites``): to a gateway of our site, as a forward signed for taking the
+  request out (target ``<session>/out``, ``X-Fabric-Out``); from a gateway to a peer site's
+  gateway over the link, naming our site (``X-Fabric-From-Site``) and no credentials.
+
 Served for another ingress (``serve_forward``): a request whose forward header verifies goes to
 our own engine as it came; while leaving, forwards are refused with 503 so the ingress fails
 over, and an engine that fails before answering is a 502 that tells it to.

@@ -10,6 +10,10 @@ before any request reaches the ingress: a connection over ``max_connections`` or
 a request whose head already shows it will get 401 (no body is read for it). An
 ``Expect: 100-continue`` gets its interim answer once the head passed those checks.
 
+A connection a peer site's gateway opened over the federation port (``adopt``) is served the
+same way, each request marked with ``sites.FROM_SITE_HEADER`` (the site the link authenticated);
+that header is deleted from every other connection's requests, so no client can set it.
+
 Deadlines, kept by the watchdog (``sockio.Watchdog``): a request that started has
 ``request_timeout_s`` to arrive whole; between requests a connection idles for
 ``keepalive_timeout_s``, or ``busy_keepalive_s`` while more than ``busy_connections`` are open;

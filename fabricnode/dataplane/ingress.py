@@ -29,6 +29,13 @@ continued elsewhere, the poison-request guard) is the ``failover.Failover`` mach
 The loop stays here because it holds a request's state across its attempts (the batch slot,
 the splice) and the waiting rooms' shells wake through the ingress (``mesh_changed``).
 
+Across sites (``sites``; docs/federation.md): a request for a model no node of our site serves
+leaves through a gateway (``_out_routes``: a gateway of our site, or from a gateway the peer
+sites' gateways), as does one whose every node of our site failed before answering; a gateway
+serves what another ingress of the site asks it to take out (``X-Fabric-Out``) and what a peer
+site's gateway sends over the link (``serve_remote``; marked ``X-Fabric-From-Site``), the latter
+routed inside our site only (``_handle_across``).
+
 Elsewhere: the client connections and what is refused on them (``frontdoor``); the checks
 before routing, the header grammars and a request's one routed record (``request.Routed``);
 the state of its attempts (``job``); the request each node gets and the forwards we serve
