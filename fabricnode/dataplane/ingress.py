@@ -493,6 +493,12 @@ class Ingress:
                     return self._handle_across(conn, req, path, kind, forward)
                 return self._route(conn, req, path, kind)
             return self._method_not_allowed(conn, b"POST", path)
+        if FROM_SITE_HEADER in req.headers:
+            # A peer site's gateway reaches our model-routed endpoints only: not the Batch API,
+            # stored responses, nor this agent's control app.
+            return self._answer_error(
+                conn, 403, "only model-routed endpoints are served to other sites", "site", path
+            )
         if path.startswith(b"/v1/"):
             return self._handle_v1(conn, req, path)
         return self._handle_control(conn, req)

@@ -6,6 +6,8 @@ gateway and one of C's; killing the C gateway that carries the load fails no req
 from __future__ import annotations
 
 import json
+import socket
+import ssl
 import statistics
 import threading
 import time
@@ -17,6 +19,7 @@ import pytest
 
 from cli.localmesh import AgentProcess, LocalMesh, wait_until
 from fabricnode.federation.keygen import generate_site_key
+from fabricnode.federation.sitekey import SiteKey
 from tests.support.meshview import free_port
 from tests.system.test_federation import gateway_args, peer_dir, sites_of
 
@@ -120,6 +123,25 @@ def test_a_model_only_another_site_serves_is_answered_through_the_gateways(
                 model="no-such-model", messages=[{"role": "user", "content": "x"}]
             )
 
+        # a client cannot mark its request as from another site (it would stay inside A)
+        forged = httpx.post(
+            f"{url}/v1/chat/completions",
+            json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]},
+            headers={"X-Fabric-From-Site": "C"},
+            timeout=30,
+        )
+        assert forged.status_code == 200 and forged.headers["x-fabric-site"] == "C"
+        # over the link, a peer site reaches the model-routed endpoints only
+        assert _over_link(key_a, key_c, port_c1, b"GET /fabric/v1/self HTTP/1.1").startswith(
+            b"HTTP/1.1 403"
+        )
+        chat = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}]})
+        head = (
+            f"POST /v1/chat/completions HTTP/1.1\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(chat)}"
+        )
+        answer = _over_link(key_a, key_c, port_c1, head.encode(), chat.encode())
+        assert answer.startswith(b"HTTP/1.1 200") and b"x-fabric-site: c" in answer.lower()
         # the ingress's request log names C's node and site
         assert wait_until(lambda: len(log_lines(request_log)) >= 4, 10)
         served = [r for r in log_lines(request_log) if r.get("M") == MODEL]
@@ -209,6 +231,28 @@ def _median_ms(url: str, n: int = 60) -> float:
             if i >= 5:  # warm: pooled connections open
                 times.append(elapsed * 1000)
     return statistics.median(times)
+
+
+def _over_link(ours: SiteKey, theirs: SiteKey, port: int, head: bytes, body: bytes = b"") -> bytes:
+    """One request to a gateway's federation port as a gateway of site ``ours`` would send it
+    (TLS with our site certificate, ALPN fabric-http/1); the start of the answer."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    ctx.check_hostname = False
+    ctx.load_cert_chain(ours.cert_path, ours.key_path)
+    ctx.load_verify_locations(cadata=theirs.cert.pem.decode())
+    ctx.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN
+    ctx.set_alpn_protocols(["fabric-http/1"])
+    raw = socket.create_connection(("127.0.0.1", port), timeout=10)
+    with ctx.wrap_socket(raw) as tls:
+        tls.sendall(head + b"\r\nhost: x\r\nconnection: close\r\n\r\n" + body)
+        out = b""
+        while len(out) < 65536:
+            data = tls.recv(65536)
+            if not data:
+                break
+            out += data
+        return out
 
 
 def _carrying(*gateways: AgentProcess) -> AgentProcess:
