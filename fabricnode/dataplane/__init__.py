@@ -33,6 +33,9 @@ Modules, in reading order (pure first, then the shell that uses them):
                       as an estimate of its prefill work (pure, ``now`` passed in).
 * ``resume``          resuming a stream whose node died mid-answer: the pure ``Splicer``.
 * ``routetable``      the registry reduced to the candidates of each model, and the filters.
+* ``sites``           cross-site requests: the routes that leave the site (a gateway of ours,
+                      a peer site's gateway over the link), the chooser among peer sites, the
+                      no-bounce rule, the header marking a request from another site.
 * ``tiers``           priority tiers: the interactive/batch headers, when a node has room for
                       batch work, fair queueing of waiting batch requests between API keys.
 * ``failover``        the account of a request's attempts (nodes, time, refused connects,

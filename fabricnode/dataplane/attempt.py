@@ -17,6 +17,10 @@ the relay's, not one awaiting it, so no level of ``await`` is added on the way.
   routed to them, and the serving agent wakes its engine before relaying (``wake_local``); a
   node that does not wake answers 503 and the ingress fails over.
 
+* Across sites (``sites``): to a gateway of our site, as a forward signed for taking the
+  request out (target ``<session>/out``, ``X-Fabric-Out``); from a gateway to a peer site's
+  gateway over the link, naming our site (``X-Fabric-From-Site``) and no credentials.
+
 Served for another ingress (``serve_forward``): a request whose forward header verifies goes to
 our own engine as it came, unless the sites it carries (``residency``: ``X-Fabric-Sites``,
 covered by the forward's MAC) exclude this agent's site: then 403 ``site_not_allowed``;
@@ -40,11 +44,20 @@ from fabricnode.dataplane.job import BatchSlot, Job
 from fabricnode.dataplane.metrics import IngressMetrics, LabelCache
 from fabricnode.dataplane.relay import Relay, upstream_request
 from fabricnode.dataplane.routetable import Origin, Route, origin_of
+from fabricnode.dataplane.sites import (
+    FROM_SITE_HEADER,
+    HOP_GATEWAY,
+    HOP_NODE,
+    OUT_HEADER,
+    OUT_SUFFIX,
+)
 from fabricnode.dataplane.sockio import LoopClock
 from fabricnode.dataplane.tiers import PRIORITY_KINDS, prioritized
 from fabricnode.mesh.core import MeshCore
 from fabricnode.mesh.schema import Standing
 from fabricnode.mesh.sites import DEFAULT_SITE
+
+OUT_LINE = OUT_HEADER + b": 1\r\n"
 
 
 class Attempts:
@@ -97,6 +110,9 @@ class Attempts:
         tried."""
         sid = route.info.session_id
         job.site = route.info.site
+        job.cross = route.hop != HOP_NODE
+        if job.cross:
+            return self._across(conn, job, route, now)
         if job.retag:
             self._tag_response(job, sid)
         slot = job.slot
@@ -130,6 +146,32 @@ class Attempts:
         return self.relay.exchange(
             conn, job, route.origin, request, sid, self._node_ok(sid), now, local=False
         )
+
+    def _across(
+        self, conn: ClientConn, job: Job, route: Route, now: float
+    ) -> Coroutine[Any, Any, Failed | None]:
+        """An attempt that leaves the site (``sites``): to a gateway of our site, as a forward
+        signed for taking it out (``OUT_SUFFIX``), or from a gateway to a peer site's gateway
+        over the link, naming our site. The body goes as it came (a Responses request is not
+        retagged: the peer site's ingress does that for its node)."""
+        sid = route.info.session_id
+        if route.hop == HOP_GATEWAY:
+            forward = sign_forward(
+                self.core.keyring,
+                sender=self.core.self_id,
+                target=sid + OUT_SUFFIX,
+                method=job.method,
+                path=job.path,
+                body=job.body,
+                now=self.wall_clock(),
+            )
+            request = upstream_request(job, route.origin, forward=forward, extra=OUT_LINE)
+            return self.relay.exchange(
+                conn, job, route.origin, request, sid, self._node_ok(sid), now, local=False
+            )
+        extra = FROM_SITE_HEADER + b": " + self.site.encode() + b"\r\n"
+        request = upstream_request(job, route.origin, forward=None, extra=extra)
+        return self.relay.exchange(conn, job, route.origin, request, sid, None, now, local=False)
 
     def _tag_response(self, job: Job, sid: str) -> None:
         """A ``POST /v1/responses`` about to go to node ``sid``: its body names that node
