@@ -160,8 +160,8 @@ from fabricnode.dataplane.upstream import UpstreamPool
 from fabricnode.dataplane.usage import UsageLedger
 from fabricnode.mesh.core import MeshCore
 from fabricnode.mesh.registry import State
-from fabricnode.mesh.sites import DEFAULT_SITE
 from fabricnode.mesh.schema import Standing
+from fabricnode.mesh.sites import DEFAULT_SITE
 from fabricnode.requestlog.writer import RequestLog
 
 log = logging.getLogger("fabricnode.dataplane.ingress")
