@@ -317,10 +317,9 @@ class Ingress:
             wake_local=wake_local,
             site=site,
         )
-        # Cross-site (``sites``), set by the agent: our site, and on a gateway what it knows of
-        # the peer sites for a model (None: not a gateway). A request no node of our site can
-        # take leaves through a gateway (``_out_routes``).
-        self.site = ""
+        # Cross-site (``sites``), set by the agent: on a gateway what it knows of the peer
+        # sites for a model (None: not a gateway; our site is ``site`` above). A request no
+        # node of our site can take leaves through a gateway (``_out_routes``).
         self.site_offers: Callable[[str], list[SiteOffer]] | None = None
         self._conn_nursery: trio.Nursery | None = None
         self._batch_waiting = LabelCache(self.metrics.batch_waiting)
