@@ -301,18 +301,33 @@ def keys_api_new(
             "waiting batch requests: weight 2 is served twice as often as 1 (1).",
         ),
     ] = 1.0,
+    sites: Annotated[
+        str | None,
+        typer.Option(
+            metavar="A,B",
+            help="Data residency: only nodes of these sites serve its requests (default: any).",
+        ),
+    ] = None,
     keys_file: ApiKeysFileOption = None,
     as_json: JsonOption = False,
 ) -> None:
     from fabricnode.dataplane.apikeys import ApiKeyStore, RateLimit, check_key_name, check_weight
+    from fabricnode.dataplane.residency import check_sites
 
     allow: list[str] | None = None
+    limited: list[str] | None = None
     try:
         check_key_name(name)
         if providers is not None:
             allow = [p.strip() for p in providers.split(",")]
             if not all(allow):
                 raise ConfigError(f"--providers {providers!r}: expected NAME[,NAME...]")
+        if sites is not None:
+            limited = [s.strip() for s in sites.split(",")]
+            try:
+                check_sites(limited, f"--sites {sites!r}")
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
         if rate is not None:
             RateLimit.of(rate, burst)
         elif burst is not None:
@@ -323,7 +338,9 @@ def keys_api_new(
     path = _api_keys_path(keys_file)
     store = ApiKeyStore.load(path)
     try:
-        token, key = store.new_key(name, allow, rate, burst, admin=admin, weight=weight)
+        token, key = store.new_key(
+            name, allow, rate, burst, admin=admin, weight=weight, sites=limited
+        )
     except ConfigError as exc:
         usage_error("keys api-new", str(exc))
     if as_json:
@@ -359,8 +376,11 @@ def keys_api_list(
         print(f"no API keys file at {path}: the ingress runs open (no auth)")
         return
     table = Table(box=None, header_style="bold", pad_edge=False)
-    for column in ("KEY ID", "NAME", "STATUS", "SCOPE", "CREATED", "PROVIDERS", "RATE", "WEIGHT"):
-        table.add_column(column, no_wrap=column != "PROVIDERS")
+    for column in (
+        *("KEY ID", "NAME", "STATUS", "SCOPE", "CREATED"),
+        *("PROVIDERS", "SITES", "RATE", "WEIGHT"),
+    ):
+        table.add_column(column, no_wrap=column not in ("PROVIDERS", "SITES"))
     for k in found:
         table.add_row(
             k.key_id,
@@ -369,6 +389,7 @@ def keys_api_list(
             "admin" if k.admin else "api",
             _time.strftime("%Y-%m-%d %H:%M UTC", _time.gmtime(k.created_at)),
             ", ".join(k.providers) if k.providers is not None else "any",
+            ", ".join(sorted(k.sites)) if k.sites is not None else "any",
             f"{k.rate.rate_per_s:g}/s burst {k.rate.burst}" if k.rate else "-",
             f"{k.weight:g}",
         )

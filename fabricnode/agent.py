@@ -75,6 +75,7 @@ from fabricnode.control.meshstats import MeshStats
 from fabricnode.control.peers import PeerClient
 from fabricnode.dataplane.apikeys import ApiKeyStore
 from fabricnode.dataplane.ingress import Ingress
+from fabricnode.dataplane.sites import SiteOffer
 from fabricnode.elastic.controller import Controller
 from fabricnode.elastic.demand import Declared, wanted_labels
 from fabricnode.elastic.follow import ForecastScaler
@@ -401,6 +402,8 @@ class Agent:
             request_log=request_log,
             declared=declared.hold_s,
             declared_models=declared.models,
+            model_sites=declared.sites,
+            site=cfg.site,
             on_waiting=on_waiting,
             wake_local=self._wake_engine,
             # This agent's Batch API worker sends its requests with this secret in the batch
@@ -409,6 +412,9 @@ class Agent:
         )
         self.ingress = ingress
         gossip.on_change = ingress.mesh_changed  # load reports and nodes reach its waiters
+        ingress.site = ingress.attempts.site = cfg.site
+        if self.gateway is not None:
+            self._wire_gateway(self.gateway, ingress)
 
         def on_sleep_change(asleep: bool) -> None:
             ingress.local_asleep = asleep
@@ -551,6 +557,38 @@ class Agent:
                 await trio.to_thread.run_sync(request_log.flush)
             nursery.cancel_scope.cancel()
         log.info("left the mesh")
+
+    def _wire_gateway(self, gateway: Gateway, ingress: Ingress) -> None:
+        """Cross-site requests (docs/federation.md): the requests peer sites' gateways send
+        come in through the link to the data plane, and the data plane sends ours out through
+        the link, to the gateways the view says serve the model."""
+        gateway.http_handler = ingress.serve_remote
+        ingress.pool.dialer = gateway.dial_http
+        view = gateway.view
+        wall_clock = self.wall_clock
+
+        def offers(model: str) -> list[SiteOffer]:
+            now = wall_clock()
+            found = []
+            for site in view.sites:
+                summary = view.summary(site)
+                cap = summary.body.models.get(model) if summary is not None else None
+                if summary is None or cap is None:
+                    continue
+                found.append(
+                    SiteOffer(
+                        site,
+                        summary.body.gateways,
+                        view.routable(site, now),
+                        view.rtt(site),
+                        cap.replicas,
+                        cap.admitting,
+                        cap.waiting,
+                    )
+                )
+            return found
+
+        ingress.site_offers = offers
 
     async def _drain(self, ingress: Ingress, gossip: GossipService) -> None:
         """Leave as the drain decides (``engine.drain``); returns when the doors may close."""

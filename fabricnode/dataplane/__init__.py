@@ -24,12 +24,18 @@ Modules, in reading order (pure first, then the shell that uses them):
                       error (OpenAI's, or Anthropic's on its paths) out; the
                       ``X-Fabric-Require``, ``X-Fabric-Providers`` and ``X-Fabric-Priority``
                       header grammars.
+* ``residency``       data residency: the sites a request may be served at (its key's, its
+                      ``X-Fabric-Require: site=``, its model's in the service file), their
+                      intersection, the 403's words, and the allowed set a forward carries.
 * ``routing``         the pure routing core: load scores, prompt prefix hashing, the policies
                       (``make_policy``: round robin, least load, p2c, prefix, prefix-pending).
 * ``prefill``         ``PrefillClocks``: the prompts sent to each node and not yet answered,
                       as an estimate of its prefill work (pure, ``now`` passed in).
 * ``resume``          resuming a stream whose node died mid-answer: the pure ``Splicer``.
 * ``routetable``      the registry reduced to the candidates of each model, and the filters.
+* ``sites``           cross-site requests: the routes that leave the site (a gateway of ours,
+                      a peer site's gateway over the link), the chooser among peer sites, the
+                      no-bounce rule, the header marking a request from another site.
 * ``tiers``           priority tiers: the interactive/batch headers, when a node has room for
                       batch work, fair queueing of waiting batch requests between API keys.
 * ``failover``        the account of a request's attempts (nodes, time, refused connects,

@@ -17,7 +17,12 @@ Rules
    sees a malformed file appear turns auth on with no key (nobody gets in until it is fixed).
 4. A key may restrict which providers serve its requests (names or verified provider-key
    fingerprints) and carry a token-bucket rate limit (requests per second and a burst).
-5. A key has a ``weight`` (a number > 0, default 1): its share of the batch tier when several
+5. A key may be limited to sites (``sites``: data residency, ``residency``): its requests are
+   served only by nodes of those sites. A file holding such a key is written as version 2
+   (``SITES_FILE_VERSION``), which agents that predate residency refuse as a whole, keeping
+   the keys they last loaded: such an agent never serves a site-limited key it could not
+   limit (the key is unknown to it: 401). A version 1 file may not hold ``sites``.
+6. A key has a ``weight`` (a number > 0, default 1): its share of the batch tier when several
    keys' batch requests wait at an ingress (``tiers``: a key of weight 2 is released twice as
    often as one of weight 1 while both have requests waiting).
 
@@ -59,12 +64,14 @@ from fabricnode.dataplane.keytable import RateLimiterStats as RateLimiterStats
 from fabricnode.dataplane.keytable import bearer_token as bearer_token
 from fabricnode.dataplane.keytable import check_key_name as check_key_name
 from fabricnode.dataplane.keytable import check_weight as check_weight
+from fabricnode.dataplane.residency import check_sites
 from fabricnode.errors import ConfigError, KeyFileError
 from fabricnode.mesh.identity import write_private
 from fabricnode.mesh.keyring import file_signature
 
 FILE_FORMAT = "fabric-api-keys"
 FILE_VERSION = 1
+SITES_FILE_VERSION = 2  # a file with a site-limited key (rule 5)
 TOKEN_PREFIX = "fab-"
 SECRET_BYTES = 32
 SECRET_CHARS = 43  # unpadded urlsafe base64 of 32 bytes
@@ -105,8 +112,9 @@ def _parse_file(text: str, source: str) -> dict[str, ApiKey]:
     try:
         if not isinstance(doc, dict) or doc.get("format") != FILE_FORMAT:
             raise ValueError(f'"format" is not "{FILE_FORMAT}"')
-        if doc.get("version") != FILE_VERSION:
-            raise ValueError(f"unsupported version {doc.get('version')!r}")
+        version = doc.get("version")
+        if version not in (FILE_VERSION, SITES_FILE_VERSION) or isinstance(version, bool):
+            raise ValueError(f"unsupported version {version!r}")
         records = doc.get("keys")
         if not isinstance(records, list):
             raise ValueError('"keys" must be a list')
@@ -115,6 +123,11 @@ def _parse_file(text: str, source: str) -> dict[str, ApiKey]:
             key = ApiKey.from_record(record)
             if key.key_id in keys:
                 raise ValueError(f"key id {key.key_id} appears twice")
+            if key.sites is not None and version == FILE_VERSION:
+                raise ValueError(
+                    f"key {key.key_id} has sites: a file with site-limited keys is version "
+                    f"{SITES_FILE_VERSION}"
+                )
             keys[key.key_id] = key
     except ValueError as exc:
         raise KeyFileError(f"{source} is not a valid fabric API keys file: {exc}") from None
@@ -241,11 +254,19 @@ class ApiKeyStore:
         *,
         admin: bool = False,
         weight: float = DEFAULT_WEIGHT,
+        sites: Iterable[str] | None = None,
         now: float | None = None,
     ) -> tuple[str, ApiKey]:
-        """Create a key and save the file; returns (token, record). The token exists only here."""
+        """Create a key and save the file; returns (token, record). The token exists only here.
+        ``sites``: the only sites that may serve its requests (None: any)."""
         check_key_name(name)
         weight = check_weight(weight)
+        limited: frozenset[str] | None = None
+        if sites is not None:
+            try:
+                limited = check_sites([s.strip() for s in sites], "the key's sites")
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
         if _KEY_ID_RE.fullmatch(name):
             raise ConfigError(f"API key name {name!r} looks like a key id; choose another")
         allow: tuple[str, ...] | None = None
@@ -273,6 +294,7 @@ class ApiKeyStore:
             rate=rate,
             admin=admin,
             weight=weight,
+            sites=limited,
         )
         self._by_id = {**self._by_id, key_id: key}
         self._enabled = True
@@ -313,10 +335,12 @@ class ApiKeyStore:
         return revoked, True
 
     def to_json(self) -> str:
+        keys = self.list()
+        limited = any(k.sites is not None for k in keys)
         doc = {
             "format": FILE_FORMAT,
-            "version": FILE_VERSION,
-            "keys": [k.to_record() for k in self.list()],
+            "version": SITES_FILE_VERSION if limited else FILE_VERSION,
+            "keys": [k.to_record() for k in keys],
         }
         return json.dumps(doc, indent=2) + "\n"
 

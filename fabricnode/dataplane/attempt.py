@@ -17,8 +17,14 @@ the relay's, not one awaiting it, so no level of ``await`` is added on the way.
   routed to them, and the serving agent wakes its engine before relaying (``wake_local``); a
   node that does not wake answers 503 and the ingress fails over.
 
+* Across sites (``sites``): to a gateway of our site, as a forward signed for taking the
+  request out (target ``<session>/out``, ``X-Fabric-Out``); from a gateway to a peer site's
+  gateway over the link, naming our site (``X-Fabric-From-Site``) and no credentials.
+
 Served for another ingress (``serve_forward``): a request whose forward header verifies goes to
-our own engine as it came; while leaving, forwards are refused with 503 so the ingress fails
+our own engine as it came, unless the sites it carries (``residency``: ``X-Fabric-Sites``,
+covered by the forward's MAC) exclude this agent's site: then 403 ``site_not_allowed``;
+while leaving, forwards are refused with 503 so the ingress fails
 over, and an engine that fails before answering is a 502 that tells it to.
 """
 
@@ -28,7 +34,7 @@ import os
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
-from fabricnode.dataplane import failure, responses
+from fabricnode.dataplane import failure, residency, responses
 from fabricnode.dataplane.clientconn import ClientConn, send_error
 from fabricnode.dataplane.failure import Failed
 from fabricnode.dataplane.forward_auth import ForwardRejected, ForwardVerifier, sign_forward
@@ -38,10 +44,20 @@ from fabricnode.dataplane.job import BatchSlot, Job
 from fabricnode.dataplane.metrics import IngressMetrics, LabelCache
 from fabricnode.dataplane.relay import Relay, upstream_request
 from fabricnode.dataplane.routetable import Origin, Route, origin_of
+from fabricnode.dataplane.sites import (
+    FROM_SITE_HEADER,
+    HOP_GATEWAY,
+    HOP_NODE,
+    OUT_HEADER,
+    OUT_SUFFIX,
+)
 from fabricnode.dataplane.sockio import LoopClock
 from fabricnode.dataplane.tiers import PRIORITY_KINDS, prioritized
 from fabricnode.mesh.core import MeshCore
 from fabricnode.mesh.schema import Standing
+from fabricnode.mesh.sites import DEFAULT_SITE
+
+OUT_LINE = OUT_HEADER + b": 1\r\n"
 
 
 class Attempts:
@@ -59,6 +75,7 @@ class Attempts:
         serving_engine_url: Callable[[], str | None],
         local_engine_up: Callable[[], bool],
         wake_local: Callable[[], Awaitable[bool]] | None,
+        site: str = DEFAULT_SITE,
     ) -> None:
         self.core = core
         self.relay = relay
@@ -81,6 +98,7 @@ class Attempts:
         self.wake_local = wake_local
         self._local_origin_cache: tuple[str, Origin | None] | None = None
         self.leaving = False  # refuse forwards (503) so ingresses fail over
+        self.site = site  # this agent's site: a forward limited to sites must allow it
         self.forwards = ForwardVerifier(core.keyring, max_skew_s=config.forward_max_skew_s)
         self._forwards_served = LabelCache(metrics.forwards_served)
 
@@ -92,6 +110,9 @@ class Attempts:
         tried."""
         sid = route.info.session_id
         job.site = route.info.site
+        job.cross = route.hop != HOP_NODE
+        if job.cross:
+            return self._across(conn, job, route, now)
         if job.retag:
             self._tag_response(job, sid)
         slot = job.slot
@@ -110,6 +131,7 @@ class Attempts:
             return self.relay.exchange(
                 conn, job, origin, request, sid, self.local_engine_up, now, local=True
             )
+        sites = residency.encode(job.sites) if job.sites is not None else None
         forward = sign_forward(
             self.core.keyring,
             sender=self.core.self_id,
@@ -118,11 +140,38 @@ class Attempts:
             path=job.path,
             body=job.body,
             now=self.wall_clock(),
+            sites=sites,
         )
-        request = upstream_request(job, route.origin, forward=forward)
+        request = upstream_request(job, route.origin, forward=forward, sites=sites)
         return self.relay.exchange(
             conn, job, route.origin, request, sid, self._node_ok(sid), now, local=False
         )
+
+    def _across(
+        self, conn: ClientConn, job: Job, route: Route, now: float
+    ) -> Coroutine[Any, Any, Failed | None]:
+        """An attempt that leaves the site (``sites``): to a gateway of our site, as a forward
+        signed for taking it out (``OUT_SUFFIX``), or from a gateway to a peer site's gateway
+        over the link, naming our site. The body goes as it came (a Responses request is not
+        retagged: the peer site's ingress does that for its node)."""
+        sid = route.info.session_id
+        if route.hop == HOP_GATEWAY:
+            forward = sign_forward(
+                self.core.keyring,
+                sender=self.core.self_id,
+                target=sid + OUT_SUFFIX,
+                method=job.method,
+                path=job.path,
+                body=job.body,
+                now=self.wall_clock(),
+            )
+            request = upstream_request(job, route.origin, forward=forward, extra=OUT_LINE)
+            return self.relay.exchange(
+                conn, job, route.origin, request, sid, self._node_ok(sid), now, local=False
+            )
+        extra = FROM_SITE_HEADER + b": " + self.site.encode() + b"\r\n"
+        request = upstream_request(job, route.origin, forward=None, extra=extra)
+        return self.relay.exchange(conn, job, route.origin, request, sid, None, now, local=False)
 
     def _tag_response(self, job: Job, sid: str) -> None:
         """A ``POST /v1/responses`` about to go to node ``sid``: its body names that node
@@ -191,6 +240,7 @@ class Attempts:
         it came."""
         path = req.path
         target = req.target  # the path, and the query where the ingress kept one
+        carried = req.headers.get(residency.SITES_HEADER)
         try:
             self.forwards.verify(
                 forward,
@@ -199,10 +249,20 @@ class Attempts:
                 path=target,
                 body=req.body,
                 now=self.wall_clock(),
+                sites=carried,
             )
-        except ForwardRejected as exc:
+            allowed = residency.decode(carried) if carried is not None else None
+        except (ForwardRejected, ValueError) as exc:
             self._forwards_served("refused").inc()
             await send_error(conn, 403, f"forward refused: {exc}", "forward_refused", path=path)
+            return True
+        if allowed is not None and self.site not in allowed:
+            # Checked again here (``residency``): the ingress never picks a node outside the
+            # request's sites, and a node never serves one for a site it is not.
+            self._forwards_served("refused").inc()
+            self.metrics.residency_refusals.labels(residency.FORWARD_ELSEWHERE).inc()
+            message = residency.forward_message(self.site, allowed)
+            await send_error(conn, 403, message, residency.SITE_NOT_ALLOWED, path=path)
             return True
         url = self.serving_engine_url()
         origin = self._local_origin(url) if url is not None else None

@@ -5,14 +5,18 @@ An ingress that routes a request to another node's agent adds one header::
     X-Fabric-Forward: 1 <key id hex> <unix ms> <nonce hex> <ingress session id> <mac hex>
 
 ``mac = HMAC-SHA256(cluster key, "fabric/fwd/v1" | key id | ms | nonce | ingress | target
-session id | method | path | SHA-256(body))``. The serving agent recomputes it with the key of
-that id from its own keyring (so rotation works as it does for gossip), checks the time is
-within ``max_skew_s`` and that the MAC was not seen before (a bounded replay cache), and only
-then forwards to its engine. Binding the target session id means a forward captured on the way
-to one node cannot be replayed to another; binding the body means it cannot be reused for a
-different prompt. A peer without the cluster key cannot produce the header at all: anyone can
-still use a node's public ``/v1`` like any client, but only as an ingress that routes (and
-counts, and enforces API keys), never straight into the engine.
+session id | method | path | SHA-256(body) [| "sites=" sites])``. The serving agent
+recomputes it with the key of that id from its own keyring (so rotation works as it does for
+gossip), checks the time is within ``max_skew_s`` and that the MAC was not seen before (a
+bounded replay cache), and only then forwards to its engine. Binding the target session id
+means a forward captured on the way to one node cannot be replayed to another; binding the
+body means it cannot be reused for a different prompt. A forward limited to sites (data
+residency, ``residency``) carries them in ``X-Fabric-Sites``, and the MAC covers that value
+too (the last part, present only then, so a forward without it is the same as before
+residency): a forward cannot be re-sent with its sites widened or dropped. A peer without the
+cluster key cannot produce the header at all: anyone can still use a node's public ``/v1``
+like any client, but only as an ingress that routes (and counts, and enforces API keys),
+never straight into the engine.
 
 The same construction, under another domain string (``domain=``), signs the read-only
 requests agents make of each other on a dashboard's behalf (``control.peerauth``): a MAC made
@@ -50,10 +54,13 @@ def _mac(
     method: bytes,
     path: bytes,
     body: bytes,
+    sites: bytes | None = None,
 ) -> bytes:
     msg = b"|".join(
         (domain, kid, ms, nonce, sender, target, method, path, hashlib.sha256(body).digest())
     )
+    if sites is not None:
+        msg += b"|sites=" + sites
     return hmac.new(key, msg, hashlib.sha256).digest()
 
 
@@ -67,15 +74,19 @@ def sign_forward(
     body: bytes,
     now: float,
     domain: bytes = DOMAIN,
+    sites: bytes | None = None,
 ) -> bytes:
-    """The header value for one forward attempt (a fresh nonce every call)."""
+    """The header value for one forward attempt (a fresh nonce every call); ``sites``: the
+    ``X-Fabric-Sites`` value it goes with (None: the request has no such header)."""
     kid = keyring.primary
     key = keyring.keys[kid]
     kid_hex = kid.hex().encode()
     ms = b"%d" % int(now * 1000)
     nonce = os.urandom(8).hex().encode()
     sender_b = sender.encode()
-    mac = _mac(domain, key, kid_hex, ms, nonce, sender_b, target.encode(), method, path, body)
+    mac = _mac(
+        domain, key, kid_hex, ms, nonce, sender_b, target.encode(), method, path, body, sites
+    )
     return b" ".join((VERSION, kid_hex, ms, nonce, sender_b, mac.hex().encode()))
 
 
@@ -98,17 +109,33 @@ class ForwardVerifier:
         self.rejected = 0
 
     def verify(
-        self, value: bytes, *, own_session: str, method: bytes, path: bytes, body: bytes, now: float
+        self,
+        value: bytes,
+        *,
+        own_session: str,
+        method: bytes,
+        path: bytes,
+        body: bytes,
+        now: float,
+        sites: bytes | None = None,
     ) -> str:
-        """The ingress session id that sent it; ``ForwardRejected`` with the reason if not valid."""
+        """The ingress session id that sent it; ``ForwardRejected`` with the reason if not valid.
+        ``sites``: the request's ``X-Fabric-Sites`` value, None when it has none."""
         try:
-            return self._verify(value, own_session, method, path, body, now)
+            return self._verify(value, own_session, method, path, body, now, sites)
         except ForwardRejected:
             self.rejected += 1
             raise
 
     def _verify(
-        self, value: bytes, own_session: str, method: bytes, path: bytes, body: bytes, now: float
+        self,
+        value: bytes,
+        own_session: str,
+        method: bytes,
+        path: bytes,
+        body: bytes,
+        now: float,
+        sites: bytes | None,
     ) -> str:
         parts = value.split(b" ")
         if len(parts) != 6 or parts[0] != VERSION:
@@ -128,7 +155,17 @@ class ForwardVerifier:
         if abs(now - sent_at) > self.max_skew_s:
             raise ForwardRejected("forward header too old or from the future")
         expected = _mac(
-            self.domain, key, kid_hex, ms, nonce, sender, own_session.encode(), method, path, body
+            self.domain,
+            key,
+            kid_hex,
+            ms,
+            nonce,
+            sender,
+            own_session.encode(),
+            method,
+            path,
+            body,
+            sites,
         )
         if not hmac.compare_digest(mac, expected):
             raise ForwardRejected("forward header does not verify")

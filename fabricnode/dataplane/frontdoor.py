@@ -10,6 +10,10 @@ before any request reaches the ingress: a connection over ``max_connections`` or
 a request whose head already shows it will get 401 (no body is read for it). An
 ``Expect: 100-continue`` gets its interim answer once the head passed those checks.
 
+A connection a peer site's gateway opened over the federation port (``adopt``) is served the
+same way, each request marked with ``sites.FROM_SITE_HEADER`` (the site the link authenticated);
+that header is deleted from every other connection's requests, so no client can set it.
+
 Deadlines, kept by the watchdog (``sockio.Watchdog``): a request that started has
 ``request_timeout_s`` to arrive whole; between requests a connection idles for
 ``keepalive_timeout_s``, or ``busy_keepalive_s`` while more than ``busy_connections`` are open;
@@ -35,6 +39,7 @@ from fabricnode.dataplane.http1 import CONTINUE_RESPONSE, BodyBudget, Request, R
 from fabricnode.dataplane.ingress_config import IngressConfig
 from fabricnode.dataplane.metrics import IngressMetrics
 from fabricnode.dataplane.request import KEY_REJECTION, key_of, malformed_code
+from fabricnode.dataplane.sites import FROM_SITE_HEADER
 from fabricnode.dataplane.sockio import LoopClock, Reactor, SocketClosed, Watchdog, Watched
 from fabricnode.dataplane.tiers import OWNER_HEADER
 from fabricnode.logs import ThrottledErrors
@@ -115,7 +120,22 @@ class FrontDoor:
                 self.reactor.register(client)
                 nursery.start_soon(self._connection, client, peer)
 
-    async def _connection(self, sock: socket.socket, peer: str = "") -> None:
+    def adopt(self, sock: socket.socket, site: str, nursery: trio.Nursery) -> bool:
+        """Serve a connection from a peer site's gateway (``Ingress.serve_remote``): within
+        the same limits as any client's, each request marked with ``FROM_SITE_HEADER``."""
+        cfg = self.config
+        peer = "site:" + site
+        held = self._per_client.get(peer, 0)
+        if self.connections >= cfg.max_connections or held >= cfg.max_connections_per_client:
+            self.metrics.connections_refused.labels("total").inc()
+            return False
+        self._per_client[peer] = held + 1
+        sock.setblocking(False)
+        self.reactor.register(sock)
+        nursery.start_soon(self._connection, sock, peer, site.encode())
+        return True
+
+    async def _connection(self, sock: socket.socket, peer: str = "", site: bytes = b"") -> None:
         cfg = self.config
         busy = self.connections >= cfg.busy_connections
         watch = Watched(
@@ -138,6 +158,12 @@ class FrontDoor:
             while not conn.closing:
                 if parser.ready:
                     req = parser.ready.popleft()
+                    # The mark of a request from a peer site: set on the link's connections
+                    # only, never taken from a client (``sites``).
+                    if site:
+                        req.headers[FROM_SITE_HEADER] = site
+                    elif FROM_SITE_HEADER in req.headers:
+                        del req.headers[FROM_SITE_HEADER]
                     watch.deadline = math.inf  # our turn: no client timeout while we answer
                     reactor.request_started()
                     try:
@@ -168,7 +194,7 @@ class FrontDoor:
                     break
                 if parser.head_complete and not sent_continue:
                     pending = parser.pending
-                    if pending is not None and self._refused_by_head(pending):
+                    if pending is not None and not site and self._refused_by_head(pending):
                         # Checked from the head: a request that will be refused sends no body.
                         self.metrics.malformed.labels("401").inc()
                         await send_error(

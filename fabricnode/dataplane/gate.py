@@ -121,7 +121,7 @@ class BatchWaiter:
     def group(self) -> Hashable:
         """Waiters with the same filters see the same nodes (``tiers``' groups)."""
         r = self.routed
-        return (r.model, r.providers, r.requirements, r.pinned)
+        return (r.model, r.providers, r.requirements, r.sites, r.pinned)
 
 
 class BatchGate:

@@ -72,6 +72,7 @@ HOP_RESPONSE_HEADERS = frozenset(
         b"transfer-encoding",
         b"content-length",
         b"x-fabric-node",
+        b"x-fabric-site",
         b"server",
         b"date",
         b"proxy-connection",
@@ -351,6 +352,9 @@ class ResponseParser:
         self.content_type = b""
         # The header lines a proxy passes on (all but HOP_RESPONSE_HEADERS), ready to write.
         self.end_to_end = b""
+        # The X-Fabric-Node and X-Fabric-Site an agent upstream named (cross-site answers).
+        self.fabric_node = b""
+        self.fabric_site = b""
         self.messages = 0
         self._head_bytes = 0  # fed while no final head was complete (interim ones included)
         self._interim = False  # the message being parsed is a 1xx
@@ -419,6 +423,10 @@ class ResponseParser:
                     self.chunked = True
             elif lname == b"content-length" and value.isdigit():
                 self.content_length = int(value)
+            elif lname == b"x-fabric-node":
+                self.fabric_node = value
+            elif lname == b"x-fabric-site":
+                self.fabric_site = value
         self.end_to_end = b"".join(kept)
 
     def on_body(self, body: bytes) -> None:

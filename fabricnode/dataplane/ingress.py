@@ -29,6 +29,13 @@ continued elsewhere, the poison-request guard) is the ``failover.Failover`` mach
 The loop stays here because it holds a request's state across its attempts (the batch slot,
 the splice) and the waiting rooms' shells wake through the ingress (``mesh_changed``).
 
+Across sites (``sites``; docs/federation.md): a request for a model no node of our site serves
+leaves through a gateway (``_out_routes``: a gateway of our site, or from a gateway the peer
+sites' gateways), as does one whose every node of our site failed before answering; a gateway
+serves what another ingress of the site asks it to take out (``X-Fabric-Out``) and what a peer
+site's gateway sends over the link (``serve_remote``; marked ``X-Fabric-From-Site``), the latter
+routed inside our site only (``_handle_across``).
+
 Elsewhere: the client connections and what is refused on them (``frontdoor``); the checks
 before routing, the header grammars and a request's one routed record (``request.Routed``);
 the state of its attempts (``job``); the request each node gets and the forwards we serve
@@ -101,6 +108,7 @@ from fabricnode.dataplane.endpoints import (
 from fabricnode.dataplane.failover import Failover
 from fabricnode.dataplane.failure import RESUMED, TAKEN_BACK, Failed
 from fabricnode.dataplane.forward_auth import HEADER as FORWARD_HEADER
+from fabricnode.dataplane.forward_auth import ForwardRejected
 from fabricnode.dataplane.frontdoor import FrontDoor
 from fabricnode.dataplane.gate import BatchGate, BatchWaiter
 from fabricnode.dataplane.gatewait import GateWaits
@@ -124,15 +132,36 @@ from fabricnode.dataplane.request import (
     prompt_text,
     route_headers,
 )
+from fabricnode.dataplane.residency import (
+    NO_COMMON_SITE,
+    NOT_SERVED_THERE,
+    SITE_NOT_ALLOWED,
+    narrow,
+    refusal_message,
+)
 from fabricnode.dataplane.responses import PinnedNode
 from fabricnode.dataplane.routetable import CircuitBreaker, Route, RouteTable, models_body, route_of
 from fabricnode.dataplane.settle import SETTLE_INTERVAL_S, Settler
+from fabricnode.dataplane.sites import (
+    FROM_SITE_HEADER,
+    HOP_GATEWAY,
+    HOP_NODE,
+    OUT_HEADER,
+    OUT_SUFFIX,
+    SiteOffer,
+    choose,
+    may_leave,
+    site_allowed,
+    site_routes,
+)
 from fabricnode.dataplane.sockio import LoopClock, Reactor, Watchdog, close
 from fabricnode.dataplane.tiers import OWNER_HEADER, RoomRules, owner_of
 from fabricnode.dataplane.upstream import UpstreamPool
 from fabricnode.dataplane.usage import UsageLedger
 from fabricnode.mesh.core import MeshCore
 from fabricnode.mesh.registry import State
+from fabricnode.mesh.schema import Standing
+from fabricnode.mesh.sites import DEFAULT_SITE
 from fabricnode.requestlog.writer import RequestLog
 
 log = logging.getLogger("fabricnode.dataplane.ingress")
@@ -176,6 +205,8 @@ class Ingress:
         rng: random.Random | None = None,
         declared: Callable[[str], float | None] | None = None,
         declared_models: Callable[[], list[str]] | None = None,
+        model_sites: Callable[[str], frozenset[str] | None] | None = None,
+        site: str = DEFAULT_SITE,
         on_waiting: Callable[[Mapping[str, int]], None] | None = None,
         wake_local: Callable[[], Awaitable[bool]] | None = None,
         batch_token: str | None = None,
@@ -189,6 +220,10 @@ class Ingress:
         # models. Who is told which models have requests waiting: ``replica_waits``.
         self.declared = declared
         self.declared_models = declared_models
+        # Data residency (``residency``): the sites the service file lets serve a model (None:
+        # any), and this agent's own site, which a forward's allowed set must hold.
+        self.model_sites = model_sites
+        self.site = site
         self.config = cfg = config or IngressConfig()
         self._idle_s = cfg.stream_idle_timeout_s  # an app answer streamed to a stalled client
         self.wall_clock = wall_clock
@@ -280,7 +315,13 @@ class Ingress:
             serving_engine_url=serving_engine_url,
             local_engine_up=local_engine_up,
             wake_local=wake_local,
+            site=site,
         )
+        # Cross-site (``sites``), set by the agent: on a gateway what it knows of the peer
+        # sites for a model (None: not a gateway; our site is ``site`` above). A request no
+        # node of our site can take leaves through a gateway (``_out_routes``).
+        self.site_offers: Callable[[str], list[SiteOffer]] | None = None
+        self._conn_nursery: trio.Nursery | None = None
         self._batch_waiting = LabelCache(self.metrics.batch_waiting)
         self._waiting_labels: set[str] = set()  # batch_waiting labels set so far
         self.requests = 0
@@ -410,9 +451,11 @@ class Ingress:
             async with trio.open_nursery() as conn_nursery:
                 accept_scope = trio.CancelScope()
                 front = self.front
+                self._conn_nursery = conn_nursery
                 conn_nursery.start_soon(front.accept_loop, sock, conn_nursery, accept_scope)
                 task_status.started()
                 await shutdown.wait()
+                self._conn_nursery = None
                 accept_scope.cancel()
                 close(sock)
                 front.close_all()
@@ -423,6 +466,16 @@ class Ingress:
             self.pool.close_all()
             self.settle()
             nursery.cancel_scope.cancel()
+
+    def serve_remote(self, sock: socket.socket, site: str) -> bool:
+        """Serve a connection a peer site's gateway opened over the federation port (its
+        bytes carried by the link, ``federation.link``): as a client connection whose every
+        request is marked as arrived from ``site`` (``sites.FROM_SITE_HEADER``). False when
+        not serving or at the connection limit (the link closes it)."""
+        nursery = self._conn_nursery
+        if nursery is None:
+            return False
+        return self.front.adopt(sock, site, nursery)
 
     # == dispatch ============================================================================
 
@@ -448,11 +501,18 @@ class Ingress:
         kind = ENDPOINTS.get(path)
         if kind is not None:
             if req.method == b"POST":
-                forward = req.headers.get(FORWARD_HEADER)
-                if forward is not None:
-                    return self.attempts.serve_forward(conn, req, forward)
+                headers = req.headers
+                forward = headers.get(FORWARD_HEADER)
+                if forward is not None or FROM_SITE_HEADER in headers:
+                    return self._handle_across(conn, req, path, kind, forward)
                 return self._route(conn, req, path, kind)
             return self._method_not_allowed(conn, b"POST", path)
+        if FROM_SITE_HEADER in req.headers:
+            # A peer site's gateway reaches our model-routed endpoints only: not the Batch API,
+            # stored responses, nor this agent's control app.
+            return self._answer_error(
+                conn, 403, "only model-routed endpoints are served to other sites", "site", path
+            )
         if path.startswith(b"/v1/"):
             return self._handle_v1(conn, req, path)
         return self._handle_control(conn, req)
@@ -545,6 +605,78 @@ class Ingress:
 
     # == routing =============================================================================
 
+    def _handle_across(
+        self, conn: ClientConn, req: Request, path: bytes, kind: str, forward: bytes | None
+    ) -> Coroutine[Any, Any, bool]:
+        """A model-routed request that is not a client's own: one a peer site's gateway sent
+        over the link (``FROM_SITE_HEADER``, set by the frontdoor only on such connections),
+        one another ingress of our site asks us, a gateway, to take out of the site
+        (``OUT_HEADER``, its forward signed for that), or an ordinary forward to our engine."""
+        headers = req.headers
+        from_site = headers.get(FROM_SITE_HEADER)
+        if from_site is not None:
+            site = from_site.decode("ascii", "replace")
+            if not site_allowed(self.site, site):  # residency: the gateway taking it in
+                why = Rejection(403, f"site {site!r} may not use site {self.site!r}", "site")
+                return self._reject(conn, why, path)
+            # The link authenticated the peer site; the client's key stayed at its ingress.
+            routed = decode_as(kind, headers, req.body, None)
+            if isinstance(routed, Rejection):
+                return self._reject(conn, routed, path)
+            return self._route_decoded(conn, req, path, kind, routed, self.clock.now(), site)
+        assert forward is not None
+        if OUT_HEADER not in headers:
+            return self.attempts.serve_forward(conn, req, forward)
+        try:
+            self.attempts.forwards.verify(
+                forward,
+                own_session=self.core.self_id + OUT_SUFFIX,
+                method=req.method,
+                path=req.target,
+                body=req.body,
+                now=self.wall_clock(),
+            )
+        except ForwardRejected as exc:
+            why = Rejection(403, f"forward refused: {exc}", "forward_refused")
+            return self._reject(conn, why, path)
+        if self.site_offers is None:
+            why = Rejection(
+                503, "this agent is not a gateway", "no_eligible_node", [(b"retry-after", b"1")]
+            )
+            return self._reject(conn, why, path)
+        # The ingress that sent it checked the client's key; its credentials stayed there.
+        routed = decode_as(kind, headers, req.body, None)
+        if isinstance(routed, Rejection):
+            return self._reject(conn, routed, path)
+        return self._route_decoded(conn, req, path, kind, routed, self.clock.now(), "", True)
+
+    def _out_routes(self, model: str) -> list[Route]:
+        """Where a request our site cannot serve goes: a gateway sends it to the gateways of
+        the peer sites that serve ``model`` (``sites.choose``); another agent to the gateways of
+        our site, in turn (each asks its peer sites)."""
+        offers = self.site_offers
+        if offers is not None:
+            return site_routes(choose(offers(model)))
+        gateways = self.table.gateways()
+        n = len(gateways)
+        if n > 1:
+            first = self.requests % n  # spread requests over the site's gateways
+            gateways = gateways[first:] + gateways[:first]
+        return gateways
+
+    def _not_served(self, model: str, out: bool) -> Rejection:
+        """No node of our site, nor (``out``) a reachable peer site serves ``model``."""
+        offers = self.site_offers
+        if out and offers is not None and any(o.replicas for o in offers(model)):
+            return Rejection(
+                503,
+                f"no reachable site can take a request for model {model!r} now",
+                "no_eligible_node",
+                [(b"retry-after", b"%d" % self.config.retry_after_s)],
+            )
+        where = "any node" if offers is None else "any node of this site or a peer site"
+        return Rejection(404, f"model {model!r} is not served by {where}", "model_not_found")
+
     def _route(
         self, conn: ClientConn, req: Request, path: bytes, kind: str
     ) -> Coroutine[Any, Any, bool]:
@@ -562,12 +694,40 @@ class Ingress:
             routed = decode_as(kind, headers, body, owned[0], owned[1])
         if isinstance(routed, Rejection):
             return self._reject(conn, routed, path)
+        return self._route_decoded(conn, req, path, kind, routed, started)
+
+    def _route_decoded(
+        self,
+        conn: ClientConn,
+        req: Request,
+        path: bytes,
+        kind: str,
+        routed: Routed,
+        started: float,
+        from_site: str = "",
+        out: bool = False,
+    ) -> Coroutine[Any, Any, bool]:
+        """Route a checked request (``from_site``: it came from that peer site; ``out``: we,
+        a gateway, take it out of our site: to peer sites only)."""
+        body = req.body
+        headers = req.headers
         model = routed.model
-        routes = self.table.routes(model)
+        model_sites = self.model_sites(model) if self.model_sites is not None else None
+        if model_sites is not None:
+            routed.sites = narrow(routed.sites, model_sites)
+        routes = None if out else self.table.routes(model)
         self._forget_removed()
         hold_s = None
         waking = False
-        if not routes:
+        if routed.sites is not None and not out:
+            # Data residency: only the replicas at an allowed site (awake ones first), or the
+            # 403 when there are none and none may come. A request limited to sites never
+            # leaves this site until the gateways check residency (docs/federation.md).
+            within = self._routes_within(routed, model_sites, routes)
+            if isinstance(within, Rejection):
+                return self._reject(conn, within, path)
+            routes, waking = within
+        elif not routes and not out:
             # Only sleeping replicas (if any): one is woken by the request (the cold path).
             routes = self.table.sleeping(model)
             waking = routes is not None
@@ -581,15 +741,21 @@ class Ingress:
             if isinstance(pinned, Rejection):
                 return self._reject(conn, pinned, path)
             routes = pinned
-        if not routes:
+        if not routes and not out:
             hold_s = self.declared(model) if self.declared is not None else None
-            if not hold_s:
-                return self._reject(
-                    conn,
-                    Rejection(404, f"model {model!r} is not served by any node", "model_not_found"),
-                    path,
-                )
+        if not routes and not hold_s:
+            # No node of our site: another site's, through a gateway (never for a request
+            # that came from another site: one WAN crossing per attempt).
+            if may_leave(from_site, False) and kind != RESPONSES and routed.sites is None:
+                routes = self._out_routes(model)
+            if not routes:
+                return self._reject(conn, self._not_served(model, out), path)
         job = Job(kind, model, routed.stream, body, path, headers, routed.key, started, doc)
+        job.sites = routed.sites
+        if from_site:
+            job.from_site = from_site
+        if out:
+            job.out = True
         if req.http_version == "1.0":
             job.http10 = True
         if waking:
@@ -609,6 +775,48 @@ class Ingress:
         if len(routes) > 1 and self.policy.name.startswith("prefix"):
             routed.prefix_blocks = routing.prompt_blocks(prompt_text(doc, kind))
         return self._dispatch(conn, job, routed, routes)
+
+    def _routes_within(
+        self, routed: Routed, model_sites: frozenset[str] | None, routes: list[Route] | None
+    ) -> tuple[list[Route] | None, bool] | Rejection:
+        """Data residency (``residency``): the routes of a request limited to sites, those at
+        an allowed site (the awake ones, else the sleeping ones, one of which it wakes: then
+        True), or the 403 when no allowed site may serve it: its allowed set is empty, or its
+        model has replicas (awake or asleep) but none at an allowed site and is not declared
+        (none may start). None, False: no replica anywhere (the 404, or the wait for one of a
+        declared model, that every request gets). ``eligible`` filters by the same set again
+        at every pick."""
+        sites = routed.sites
+        assert sites is not None
+        model = routed.model
+        asleep = self.table.sleeping(model)
+        if sites:
+            if routes:
+                within = [r for r in routes if r.info.site in sites]
+                if within:
+                    return within, False
+            if asleep:
+                within = [r for r in asleep if r.info.site in sites]
+                if within:
+                    return within, True
+            if not routes and not asleep:
+                return None, False
+            if self.declared is not None and self.declared(model):
+                return None, False  # scale from zero: a replica may start at an allowed site
+            reason = NOT_SERVED_THERE
+        else:
+            reason = NO_COMMON_SITE
+        self.metrics.residency_refusals.labels(reason).inc()
+        key = routed.key
+        requirements = routed.requirements
+        message = refusal_message(
+            model,
+            sites,
+            key_sites=key.sites if key is not None else None,
+            header_sites=requirements.sites if requirements is not None else None,
+            model_sites=model_sites,
+        )
+        return Rejection(403, message, SITE_NOT_ALLOWED)
 
     def _pinned_node(self, sid: str) -> PinnedNode:
         """What the mesh says of node ``sid`` (its registry state and ``schema.standing``
@@ -649,6 +857,7 @@ class Ingress:
             return self._reject(conn, route, path)
         # The query (``stream``, ``starting_after``) goes with it: the target is what is sent.
         job = Job(kind, "-", stream, b"", req.target, headers, checked, started, None)
+        job.sites = routed.sites
         job.method = req.method
         if req.http_version == "1.0":
             job.http10 = True
@@ -731,6 +940,7 @@ class Ingress:
         observed = -1  # candidates for the first attempt, observed when the request is done
         refusal = ""  # why the batch gate sent the request away (GATE_FULL, GATE_TIMEOUT)
         slot = job.slot  # a batch request's (``tiers``); None for an interactive one
+        left = False  # the routes left the site (failover to a peer site)
         if slot is None:
             self.answering += 1
         try:
@@ -739,6 +949,13 @@ class Ingress:
                 candidates = self._candidates(
                     routes, routed, tried, now, wall, interactive=slot is None
                 )
+                if not candidates and not left and self._may_go_out(job, routes):
+                    # Every node of our site failed or none is eligible: another site.
+                    left = True
+                    out = self._out_routes(job.model)
+                    if out:
+                        routes = out
+                        candidates = self._candidates(routes, routed, tried, now, wall)
                 if not tried:
                     observed = len(candidates)
                 if not candidates:
@@ -755,7 +972,7 @@ class Ingress:
                     ranked, routes = admitted
                     now, wall = self.clock.now(), self.wall_clock()
                     fo.restart_clock(now)  # the time it waited is not failover time
-                elif len(candidates) == 1 or job.waking:
+                elif len(candidates) == 1 or job.waking or routes[0].hop != HOP_NODE:
                     # One candidate: nothing to choose and no use holding (the request would
                     # wait for the same node either way); the policy is skipped, as prompt
                     # hashing was.
@@ -884,6 +1101,21 @@ class Ingress:
         self._account(job, observed)
         return keep and not conn.closing
 
+    def _may_go_out(self, job: Job, routes: list[Route]) -> bool:
+        """Whether a request whose nodes in our site all failed (or none is eligible) may try
+        another site: an interactive request for a model, not already leaving (nor come from
+        another site: ``sites.may_leave``), not waking a sleeping replica."""
+        return (
+            may_leave(job.from_site, job.out)
+            and job.sites is None  # limited to sites: served in this site only, for now
+            and job.slot is None
+            and not job.waking
+            and job.model != "-"
+            and job.kind != RESPONSES
+            and bool(routes)
+            and routes[0].hop == HOP_NODE
+        )
+
     def _may_wait(self, job: Job) -> float | None:
         """The hold time of a declared model if a request no node answered may still wait
         for a replica (its hold time, counted from its arrival, is not over), else None."""
@@ -906,7 +1138,10 @@ class Ingress:
     ) -> list[routing.Candidate]:
         """Eligible nodes (``RouteTable.eligible``) this request has not tried yet, with their
         prefill backlogs; for an ``interactive`` request, with our batch requests it will not
-        wait for marked hidden (``routing.Candidate.hidden``)."""
+        wait for marked hidden (``routing.Candidate.hidden``). Routes that leave the site:
+        ``_gateway_candidates``."""
+        if routes and routes[0].hop != HOP_NODE:
+            return self._gateway_candidates(routes, tried, now)
         eligible = self.table.eligible(
             routes,
             now=now,
@@ -915,6 +1150,7 @@ class Ingress:
             breaker=self.breaker,
             providers=routed.providers,
             requirements=routed.requirements,
+            sites=routed.sites,
         )
         if tried:
             eligible = [c for c in eligible if c.node.session_id not in tried]
@@ -930,6 +1166,30 @@ class Ingress:
                 if sid in by_priority:
                     c.hidden = hidden.get(sid, 0)
         return eligible
+
+    def _gateway_candidates(
+        self, routes: list[Route], tried: set[str], now: float
+    ) -> list[routing.Candidate]:
+        """The gateways (ours, or a peer site's) not tried yet, in the routes' order: ours
+        while the mesh says they are up, a peer site's while its summary is routable (the
+        chooser kept only those); ejected ones last (a breaker must not turn a blip into an
+        outage)."""
+        core = self.core
+        breaker = self.breaker
+        inflight = self.remote_inflight
+        ok: list[routing.Candidate] = []
+        ejected: list[routing.Candidate] = []
+        for r in routes:
+            sid = r.info.session_id
+            if sid in tried:
+                continue
+            if r.hop == HOP_GATEWAY:
+                entry = core.registry.get(sid)
+                if entry is None or core.standing_of(entry) < Standing.LIVE:
+                    continue
+            cand = routing.Candidate(r.info, None, inflight.get(sid, 0))
+            (ejected if breaker.ejected(sid, now) else ok).append(cand)
+        return ok or ejected
 
     async def _hold(
         self,

@@ -43,8 +43,10 @@ class Job:
         "close",
         "completion_tokens",
         "content_type",
+        "cross",
         "doc",
         "ended",
+        "from_site",
         "headers",
         "held_head",
         "http10",
@@ -53,6 +55,7 @@ class Job:
         "last_event",
         "method",
         "model",
+        "out",
         "path",
         "prefill_tokens",
         "prompt_tokens",
@@ -63,6 +66,7 @@ class Job:
         "retag",
         "served_by",
         "site",
+        "sites",
         "slot",
         "splice",
         "started",
@@ -103,6 +107,14 @@ class Job:
         self.served_by = ""
         # The site of the node of the latest attempt: the serving node's once served_by is set.
         self.site = ""
+        # The sites that may serve it (``residency``; None: any): a forward carries them.
+        self.sites: frozenset[str] | None = None
+        # Cross-site (``sites``): the peer site this request came from over the federation
+        # link ("" from a client of ours); whether a gateway is taking it out of the site
+        # (``out``: to peer sites only); whether the latest attempt went through a gateway.
+        self.from_site = ""
+        self.out = False
+        self.cross = False
         self.status = 0
         self.ttft_s: float | None = None
         # Its prompt's estimated tokens, counted on the prefill clock of each node it goes to

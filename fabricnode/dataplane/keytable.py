@@ -18,6 +18,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from fabricnode.dataplane.residency import check_sites
 from fabricnode.errors import ConfigError
 
 KEY_ID_HEX = 8
@@ -120,6 +121,8 @@ class ApiKey:
     admin: bool = False
     # Its share of the batch tier against other keys' waiting batch requests (``tiers``).
     weight: float = DEFAULT_WEIGHT
+    # Data residency (``residency``): the sites that may serve its requests; None: any site.
+    sites: frozenset[str] | None = None
     _provider_set: frozenset[str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -149,6 +152,7 @@ class ApiKey:
             "revoked_at": self.revoked_at,
             "admin": self.admin,
             "weight": self.weight,
+            "sites": sorted(self.sites) if self.sites is not None else None,
         }
 
     def to_record(self) -> dict[str, Any]:
@@ -209,6 +213,11 @@ class ApiKey:
             weight = check_weight(doc.get("weight", DEFAULT_WEIGHT))
         except ConfigError as exc:
             raise ValueError(f"key {key_id}: {exc}") from None
+        sites = doc.get("sites")
+        if sites is not None:
+            if not isinstance(sites, list) or not all(isinstance(s, str) for s in sites):
+                raise ValueError(f"key {key_id}: sites must be a list of site names or null")
+            sites = check_sites(sites, f"key {key_id}: sites")
         return cls(
             key_id=key_id,
             name=name,
@@ -220,6 +229,7 @@ class ApiKey:
             revoked_at=float(revoked_at) if revoked_at is not None else None,
             admin=admin,
             weight=weight,
+            sites=sites,
         )
 
 

@@ -257,6 +257,15 @@ class IngressMetrics:
             ["outcome"],
             registry=r,
         )
+        self.residency_refusals = Counter(
+            "fabric_ingress_residency_refusals",
+            "Requests refused for data residency (403 site_not_allowed), by reason: the key,"
+            " X-Fabric-Require and the service file allow no site together (no_common_site),"
+            " the model has replicas but none at an allowed site (not_served_in_allowed_sites),"
+            " a forward whose allowed sites exclude this node's (forward_outside_site)",
+            ["reason"],
+            registry=r,
+        )
         self.inflight = Gauge(
             "fabric_ingress_inflight",
             "Requests in flight through this agent",

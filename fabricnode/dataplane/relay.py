@@ -55,6 +55,7 @@ from fabricnode.dataplane.job import Job
 from fabricnode.dataplane.metrics import IngressMetrics
 from fabricnode.dataplane.prefill import PrefillClocks
 from fabricnode.dataplane.request import error_body
+from fabricnode.dataplane.residency import SITES_HEADER
 from fabricnode.dataplane.resume import (
     RESUME_HEADER,
     Delivered,
@@ -64,6 +65,7 @@ from fabricnode.dataplane.resume import (
     plan_continuation,
     turned_off,
 )
+from fabricnode.dataplane.sites import SITE_HEADER
 from fabricnode.dataplane.sockio import LoopClock, Watchdog
 from fabricnode.dataplane.upstream import (
     BrokenResponse,
@@ -82,9 +84,19 @@ FORWARDED_REQUEST_HEADERS = (b"accept", b"x-request-id", b"openai-organization")
 SSE = b"text/event-stream"
 
 
-def upstream_request(job: Job, origin: Origin, *, forward: bytes | None) -> bytes:
+def upstream_request(
+    job: Job,
+    origin: Origin,
+    *,
+    forward: bytes | None,
+    sites: bytes | None = None,
+    extra: bytes = b"",
+) -> bytes:
     """The request sent to ``origin`` for ``job`` (``forward``: the signed header of an
-    agent-to-agent forward; None to our own engine), with its body."""
+    agent-to-agent forward, with ``sites``, the allowed sites it carries, None: any; None to
+    our own engine), with its body; ``extra``: header lines of our own (a cross-site hop's,
+    ``attempt``). The client's credentials never go on: a forward is authenticated by the
+    cluster key, and the key's limits travel as the allowed sites."""
     lines = [
         b"%s %s HTTP/1.1\r\nhost: %s:%d\r\ncontent-type: %s\r\ncontent-length: %d\r\n"
         % (job.method, job.path, origin[0].encode(), origin[1], job.content_type, len(job.body))
@@ -96,9 +108,13 @@ def upstream_request(job: Job, origin: Origin, *, forward: bytes | None) -> byte
             lines.append(name + b": " + value + b"\r\n")
     if forward is not None:
         lines.append(FORWARD_HEADER + b": " + forward + b"\r\n")
+        if sites is not None:
+            lines.append(SITES_HEADER + b": " + sites + b"\r\n")
         session = headers.get(b"x-session-id")
         if session is not None:
             lines.append(b"x-session-id: " + session + b"\r\n")
+    if extra:
+        lines.append(extra)
     lines.append(b"\r\n")
     lines.append(job.body)
     return b"".join(lines)
@@ -122,6 +138,10 @@ def response_head(conn: ClientConn, job: Job, ex: Exchange, sid: str) -> tuple[b
         framing = b"transfer-encoding: chunked\r\n"
     if conn.closing:
         framing += b"connection: close\r\n"
+    if job.cross or job.from_site:
+        # A cross-site answer names the site that served it (the ingress that sent the
+        # request out learns it from here, for its request log).
+        framing += SITE_HEADER + b": " + job.site.encode() + b"\r\n"
     parts = (
         status_line(job.status),
         ex.end_to_end,
@@ -132,6 +152,16 @@ def response_head(conn: ClientConn, job: Job, ex: Exchange, sid: str) -> tuple[b
         b"\r\n",
     )
     return b"".join(parts), chunked
+
+
+def served_across(job: Job, ex: Exchange) -> None:
+    """An answer that came through a gateway: the node and site it names served it."""
+    node = ex.fabric_node
+    if node:
+        job.served_by = node.decode("ascii", "replace")
+    site = ex.fabric_site
+    if site:
+        job.site = site.decode("ascii", "replace")
 
 
 class Relay:
@@ -281,10 +311,14 @@ class Relay:
                             f"the node answered {status} to a stream whose head is out",
                         )
                     job.served_by = sid
+                    if job.cross:
+                        served_across(job, ex)
                     return await self._relay_body(conn, job, ex, sid, b"", True)
                 job.status = status
                 job.served_by = sid
-                head, chunked = response_head(conn, job, ex, sid)
+                if job.cross:
+                    served_across(job, ex)
+                head, chunked = response_head(conn, job, ex, job.served_by)
                 if not ex.complete:
                     return await self._relay_body(conn, job, ex, sid, head, chunked)
                 # The whole response came with its head (any short JSON answer): one send, no

@@ -50,6 +50,7 @@ from fabricnode.dataplane.endpoints import (
 )
 from fabricnode.dataplane.keytable import ApiKey, KeyTable, RateLimiter, bearer_token
 from fabricnode.dataplane.multipart import form_fields
+from fabricnode.dataplane.residency import narrow, parse_alternatives
 
 # The OpenAI error ``type`` of each status (what the official clients map to exception classes).
 ERROR_TYPES = {
@@ -159,6 +160,7 @@ class Routed(RouteRequest):
         "pinned",
         "providers",
         "requirements",
+        "sites",
         "stream",
         "tenant",
     )
@@ -184,6 +186,9 @@ class Routed(RouteRequest):
         self.key = key  # the caller's API key; None when the ingress runs open
         self.providers = providers  # allowed providers; empty = any
         self.requirements = requirements  # X-Fabric-Require; None = no constraint
+        # Data residency (``residency``): the sites that may serve it, None = any. The decoder
+        # sets the key's and the header's; the ingress narrows it by the model's.
+        self.sites = allowed_sites(key, requirements)
         # The batch tier (``X-Fabric-Priority: batch``, or the batch owner header), and the
         # tenant it is queued under: its key's id, else the owner header's, else "-".
         self.batch = batch
@@ -372,6 +377,14 @@ def allowed_providers(headers: Mapping[bytes, bytes], key: ApiKey | None) -> fro
     return allowed
 
 
+def allowed_sites(key: ApiKey | None, requirements: Requirements | None) -> frozenset[str] | None:
+    """The sites both the key and ``X-Fabric-Require: site=`` allow (None: any)."""
+    return narrow(
+        key.sites if key is not None else None,
+        requirements.sites if requirements is not None else None,
+    )
+
+
 def requirements_of(headers: Mapping[bytes, bytes]) -> Requirements | None:
     raw = headers.get(b"x-fabric-require")
     return parse_require(raw.decode("latin-1")) if raw else None
@@ -470,6 +483,7 @@ class Requirements:
     gpu: frozenset[str] | None = None  # allowed GPU types
     min_quant_bits: int | None = None  # quantization bits >= this (16 = unquantized)
     min_context: int | None = None  # max_model_len >= this (unknown length fails the check)
+    sites: frozenset[str] | None = None  # the node's signed site is one of these (exact names)
 
     def __post_init__(self) -> None:
         if self.gpu is not None:
@@ -483,11 +497,12 @@ MAX_PROVIDERS = 32
 MAX_PROVIDER_CHARS = 128
 
 _TERM = re.compile(r"([A-Za-z_]+)\s*(>=|=)\s*(.*)")
-_TERM_HELP = "expected gpu=TYPE[|TYPE...], quant>=BITS or ctx>=TOKENS"
+_TERM_HELP = "expected gpu=TYPE[|TYPE...], quant>=BITS, ctx>=TOKENS or site=NAME[|NAME...]"
 
 
 def parse_require(header: str) -> Requirements:
-    """``gpu=H100|A100-80G,quant>=8,ctx>=32768`` -> Requirements; blank -> no constraint.
+    """``gpu=H100|A100-80G,quant>=8,ctx>=32768,site=A|B`` -> Requirements; blank -> no
+    constraint.
 
     Strict on purpose: a typo that silently dropped a constraint would route to hardware the
     user excluded. ValueError with one line naming the bad term.
@@ -499,6 +514,7 @@ def parse_require(header: str) -> Requirements:
     gpu: frozenset[str] | None = None
     quant: int | None = None
     ctx: int | None = None
+    sites: frozenset[str] | None = None
     seen: set[str] = set()
     for raw in header.split(","):
         term = raw.strip()
@@ -524,9 +540,11 @@ def parse_require(header: str) -> Requirements:
             quant = _bounded_int(value, 1, 32, shown, "BITS")
         elif key == "ctx" and op == ">=":
             ctx = _bounded_int(value, 1, MAX_CONTEXT_TOKENS, shown, "TOKENS")
+        elif key == "site" and op == "=":
+            sites = parse_alternatives(value, f"bad requirement {shown}")
         else:
             raise ValueError(f"bad requirement {shown}: {_TERM_HELP}")
-    return Requirements(gpu=gpu, min_quant_bits=quant, min_context=ctx)
+    return Requirements(gpu=gpu, min_quant_bits=quant, min_context=ctx, sites=sites)
 
 
 def _bounded_int(value: str, lo: int, hi: int, shown: str, what: str) -> int:

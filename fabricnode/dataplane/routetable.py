@@ -13,7 +13,9 @@ requests sent there carry the batch priority (``tiers``).
 
 Filter order (issue: filters before the policy): model served → SERVING, lease not expired,
 routable by ``schema.standing`` (a probed member, never DEAD/LEFT, nor an entry whose owner no
-probe vouches for; SUSPECT only when no ROUTABLE node is left) → provider allowlist
+probe vouches for; SUSPECT only when no ROUTABLE node is left) → the request's allowed sites
+(data residency, ``residency``: the key's, ``X-Fabric-Require: site=``'s and the model's, against
+the site the node's owner signed; never relaxed) → provider allowlist
 against the *verified* provider → ``X-Fabric-Require`` constraints → not ejected by the circuit
 breaker (unless every remaining node is: then they are tried anyway, a breaker must not turn a
 brief blip into an outage).
@@ -60,6 +62,9 @@ class Route:
     is_self: bool
     # Its engine serves waiting requests by their ``priority`` field (fabric.priority_scheduling).
     priority: bool = False
+    # What it leads to (``sites``): a node of our site (0), a gateway of our site that takes
+    # the request out (1), a gateway of a peer site over the federation link (2).
+    hop: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +119,7 @@ class RouteTable:
         self._by_model: dict[str, list[Route]] = {}
         self._sleeping: dict[str, list[Route]] = {}  # nodes whose engine sleeps, by model
         self._by_session: dict[str, Route] = {}  # one route of each SERVING node, asleep or not
+        self._gateways: list[Route] = []  # our site's gateways but us (``gateways``)
         self._listing: list[ModelListing] = []
         self._snapshots: dict[str, tuple[Load, LoadSnapshot]] = {}
         self.rebuilds = 0
@@ -131,8 +137,13 @@ class RouteTable:
         sleeping: dict[str, list[Route]] = {}
         parents: dict[str, dict[str, int]] = {}  # adapter -> parent -> entries that say so
         by_session: dict[str, Route] = {}
+        gateways: list[Route] = []
         for entry in core.registry:
             body = entry.body
+            if body.state in (State.JOIN, State.SERVING) and body.session_id != core.self_id:
+                gateway = _gateway_route(body.session_id, body.addresses.http, body.labels)
+                if gateway is not None:
+                    gateways.append(replace(gateway, expires_at=body.expires_at))
             if body.state != State.SERVING or not body.addresses.http:
                 continue
             origin = origin_of(body.addresses.http)
@@ -167,6 +178,8 @@ class RouteTable:
         self._by_model = by_model
         self._sleeping = sleeping
         self._by_session = by_session
+        gateways.sort(key=lambda r: r.info.session_id)
+        self._gateways = gateways
         self._listing = _listing(core, _merged(by_model, sleeping), parents)
         after = {r.info.session_id for routes in by_model.values() for r in routes}
         self.removed.extend(before - after)
@@ -189,6 +202,13 @@ class RouteTable:
         routed by node, not by model."""
         self._refresh()
         return self._by_session.get(sid)
+
+    def gateways(self) -> list[Route]:
+        """Routes to the gateways of our site but ourselves (entries labelled
+        ``sites.GATEWAY_LABEL``, joined or serving), by session id: a request no node of the
+        site serves leaves through one of them (``sites.HOP_GATEWAY``)."""
+        self._refresh()
+        return self._gateways
 
     def listing(self) -> list[ModelListing]:
         """Models with at least one routable node (standing ``SUSPECT`` or better: a probed
@@ -230,9 +250,12 @@ class RouteTable:
         breaker: CircuitBreaker,
         providers: frozenset[str],
         requirements: Requirements | None,
+        sites: frozenset[str] | None = None,
         exclude: str | None = None,
     ) -> list[Candidate]:
-        """Candidates that pass every filter, ALIVE ones before SUSPECT ones."""
+        """Candidates that pass every filter, ALIVE ones before SUSPECT ones. ``sites``: the
+        request's allowed sites (None: any); every pick of a node goes through here, so a node
+        outside them is never a candidate (``residency``)."""
         core = self.core
         alive: list[Candidate] = []
         suspect: list[Candidate] = []
@@ -244,6 +267,8 @@ class RouteTable:
                 continue
             standing = core.standing(sid, State.SERVING)  # the table holds SERVING entries only
             if standing < Standing.SUSPECT:
+                continue
+            if sites is not None and info.site not in sites:
                 continue
             if providers and not provider_allowed(info, providers):
                 continue
@@ -257,6 +282,29 @@ class RouteTable:
             else:
                 alive.append(cand)
         return alive or suspect or ejected
+
+
+GATEWAY_LABEL = "fabric.gateway"  # sites.GATEWAY_LABEL (sites imports this module)
+
+
+def _gateway_route(sid: str, url: str, labels: tuple[tuple[str, str], ...]) -> Route | None:
+    if not url or not any(key == GATEWAY_LABEL and value for key, value in labels):
+        return None
+    origin = origin_of(url)
+    if origin is None:
+        return None
+    info = NodeInfo(
+        session_id=sid,
+        url=url,
+        provider="",
+        verified_provider=None,
+        certified_name=None,
+        gpu_type="",
+        gpu_count=0,
+        max_model_len=None,
+        quantization=None,
+    )
+    return Route(info, origin, 0.0, False, False, 1)
 
 
 def _asleep(labels: tuple[tuple[str, str], ...]) -> bool:

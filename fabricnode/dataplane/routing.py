@@ -882,6 +882,8 @@ def meets(node: NodeInfo, req: Requirements) -> bool:
         return False
     if req.min_quant_bits is not None and quant_bits(node.quantization) < req.min_quant_bits:
         return False
+    if req.sites is not None and node.site not in req.sites:
+        return False
     return req.min_context is None or (
         node.max_model_len is not None and node.max_model_len >= req.min_context
     )

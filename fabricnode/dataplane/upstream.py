@@ -15,7 +15,7 @@ connection that fails before any response byte arrived is retried once on a fres
 from __future__ import annotations
 
 import socket
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import httptools
@@ -37,6 +37,7 @@ from fabricnode.dataplane.sockio import (
 )
 
 Origin = tuple[str, int]
+SITE_ORIGIN_PREFIX = "site:"  # sites.SITE_ORIGIN_PREFIX (sites imports routetable, not us)
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,11 @@ class UpstreamPool:
         # Work to do while a sent request is being answered (the owner's deferred bookkeeping):
         # the engine is busy with the request then, and this task would only wait.
         self.while_waiting: Callable[[], None] | None = None
+        # Dials a peer site's gateway through the federation link (a gateway's agent sets it):
+        # origins whose host starts with ``SITE_ORIGIN_PREFIX`` (``sites.site_origin``) are
+        # connected by it, the others by TCP. It returns a connected non-blocking socket whose
+        # bytes the link carries over TLS, or raises ``OSError``.
+        self.dialer: Callable[[Origin], Awaitable[socket.socket]] | None = None
         self.max_idle_per_origin = max_idle_per_origin
         self.max_idle_s = max_idle_s
         self.trust_recent_s = trust_recent_s
@@ -98,7 +104,13 @@ class UpstreamPool:
         return None
 
     async def new_connection(self, origin: Origin) -> socket.socket:
-        sock = await connect(origin[0], origin[1])
+        if origin[0].startswith(SITE_ORIGIN_PREFIX):
+            dialer = self.dialer
+            if dialer is None:
+                raise OSError("this agent is not a gateway: no link to other sites")
+            sock = await dialer(origin)
+        else:
+            sock = await connect(origin[0], origin[1])
         self.reactor.register(sock)
         self.connects += 1
         return sock
@@ -190,6 +202,16 @@ class Exchange:
     def content_type(self) -> bytes:
         """The first Content-Type header's value (b"" if none)."""
         return self._parser.content_type
+
+    @property
+    def fabric_node(self) -> bytes:
+        """The ``X-Fabric-Node`` the upstream named (an agent's answer; b"" from an engine)."""
+        return self._parser.fabric_node
+
+    @property
+    def fabric_site(self) -> bytes:
+        """The ``X-Fabric-Site`` the upstream named (a cross-site answer; b"" otherwise)."""
+        return self._parser.fabric_site
 
     @property
     def complete(self) -> bool:

@@ -155,12 +155,18 @@ _ACTIVE = {
 
 @dataclass
 class Declared:
-    """The declared models of the mesh's service file and their hold times, for the ingress
-    (parsed once per file)."""
+    """The declared models of the mesh's service file, their hold times and the sites each may
+    be served at (data residency), for the ingress (parsed once per file).
+
+    A file that does not parse declares nothing and holds nothing, but does not widen where a
+    model may be served: the sites of the last file that parsed stay (a model declared in a
+    file that is then replaced by a broken one keeps its limits until a valid file says
+    otherwise)."""
 
     core: MeshCore
     _digest: bytes = b""
     _holds: dict[str, float] = field(default_factory=dict)
+    _sites: dict[str, frozenset[str]] = field(default_factory=dict)
 
     def _current(self) -> dict[str, float]:
         current = self.core.services.current
@@ -174,6 +180,7 @@ class Declared:
                 self._holds = {}
             else:
                 self._holds = {m.name: m.hold_requests_s for m in spec.models}
+                self._sites = {m.name: frozenset(m.sites) for m in spec.models if m.sites}
         return self._holds
 
     def hold_s(self, model: str) -> float | None:
@@ -181,3 +188,8 @@ class Declared:
 
     def models(self) -> list[str]:
         return sorted(self._current())
+
+    def sites(self, model: str) -> frozenset[str] | None:
+        """The only sites whose nodes may serve ``model`` (None: any)."""
+        self._current()
+        return self._sites.get(model)

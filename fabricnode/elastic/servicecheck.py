@@ -378,4 +378,5 @@ def _model_of(values: Mapping[str, Any]) -> ModelService:
         sbatch_args=values.get("sbatch_args", ()),
         sleep_after_s=seconds(values.get("sleep_after")),
         scale_in_hold_s=seconds(values.get("scale_in_hold")),
+        sites=values.get("sites", ()),
     )

@@ -83,8 +83,13 @@ ROW_KEYS = (
 )
 # ...then the keys added since, each only up to the last one set: a file that sets none of them
 # has the row (and the digest) it always had, and agents that predate them still read it.
-ROW_EXTENSIONS = ("sleep_after", "gres_types", "scale_in_hold")
-MODEL_KEYS = (*ROW_KEYS[:4], "gres_types", *ROW_KEYS[4:], "sleep_after", "scale_in_hold")
+ROW_EXTENSIONS = ("sleep_after", "gres_types", "scale_in_hold", "sites")
+MODEL_KEYS = (
+    *ROW_KEYS[:4],
+    "gres_types",
+    *ROW_KEYS[4:],
+    *("sleep_after", "scale_in_hold", "sites"),
+)
 DEFAULT_KEYS = tuple(key for key in MODEL_KEYS if key not in ("name", "model_path"))
 
 
@@ -127,6 +132,8 @@ class ModelService:
     sleep_after_s: float | None = None  # the jobs' engines sleep after this idle time
     # how long demand must stay low before the controller scales in; None: the policy's default
     scale_in_hold_s: float | None = None
+    # data residency: the only sites whose nodes may serve it (sorted); () = any site
+    sites: tuple[str, ...] = ()
 
     @property
     def simulated(self) -> bool:
@@ -159,6 +166,7 @@ class ModelService:
             None if self.sleep_after_s is None else _ms(self.sleep_after_s),
             list(self.gres_types),
             None if self.scale_in_hold_s is None else _ms(self.scale_in_hold_s),
+            list(self.sites),
         ]
         while extensions and extensions[-1] in (None, []):
             extensions.pop()  # ROW_EXTENSIONS: only up to the last one set
@@ -185,6 +193,7 @@ class ModelService:
             "sbatch_args": list(self.sbatch_args),
             "sleep_after_s": self.sleep_after_s,
             "scale_in_hold_s": self.scale_in_hold_s,
+            "sites": list(self.sites),
         }
 
     def _toml_lines(self) -> list[str]:
@@ -208,6 +217,7 @@ class ModelService:
             ("sbatch_args", list(self.sbatch_args) or None),
             ("sleep_after", _duration_or_none(self.sleep_after_s)),
             ("scale_in_hold", _duration_or_none(self.scale_in_hold_s)),
+            ("sites", list(self.sites) or None),
         ]
         return [f"{key} = {_toml_value(value)}" for key, value in values if value is not None]
 

@@ -48,6 +48,7 @@ from fabricnode.engine.template import template_words
 from fabricnode.errors import ConfigError
 from fabricnode.host.slurm import parse_time_limit
 from fabricnode.mesh.assignment import MAX_MODEL_ID, MAX_PARALLEL
+from fabricnode.mesh.sites import site_problem
 
 # sbatch options the file may not pass in sbatch_args: the ones with a key of their own, and
 # the ones the controller must own to find, size, tag and replace its jobs. Value: what to use.
@@ -349,6 +350,21 @@ def _owned_short(arg: str, index: int) -> tuple[str | None, bool]:
     return None, False
 
 
+def _site(value: object) -> str:
+    if not isinstance(value, str):
+        raise Bad(f"expected a site name (a string), got {kind(value)}")
+    problem = site_problem(value)
+    if problem:
+        raise Bad(f"site {show(value)}: {problem}")
+    return value
+
+
+def _sites(value: object) -> tuple[str, ...]:
+    """The sites that may serve a model (data residency), sorted: their order means nothing
+    (names are compared exactly, so ``A`` and ``a`` are two sites)."""
+    return tuple(sorted(_list(_site, "site names", key_of=str)(value)))
+
+
 def field_checks(catalog: Catalog) -> dict[str, Callable[[object], Any]]:
     """Each ``[[model]]`` key's check (GPU types against ``catalog``)."""
     return {
@@ -370,4 +386,5 @@ def field_checks(catalog: Catalog) -> dict[str, Callable[[object], Any]]:
         "sbatch_args": _sbatch_args,
         "sleep_after": _duration_ms(False, MAX_SLEEP_AFTER_MS),
         "scale_in_hold": _duration_ms(True, MAX_SCALE_IN_HOLD_MS),
+        "sites": _sites,
     }

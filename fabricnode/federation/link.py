@@ -19,9 +19,17 @@ TLS: both sides present their site certificate and require the other's; the trus
 exactly the pinned peer certificates (self-signed, loaded as CA data; no name check: the
 certificate's key is what is pinned), and after the handshake the peer's certificate key maps
 the connection to its site (by fingerprint), or the connection is closed. The protocol on the
-port is chosen by ALPN: ``protocol.ALPN_LINK`` is this framed link; cross-site requests will
-negotiate a name of their own on the same port (docs/federation.md), so one port opened in a
-firewall carries both.
+port is chosen by ALPN: ``protocol.ALPN_LINK`` is this framed link; ``protocol.ALPN_HTTP``
+carries cross-site requests (HTTP/1.1) on the same port, so one port opened in a firewall
+carries both.
+
+Cross-site requests (docs/federation.md): the link only carries their bytes; the data plane
+speaks HTTP. A connection that negotiates ``ALPN_HTTP`` from a peer site is bridged to one end
+of a socket pair whose other end the agent hands its data plane (``http_handler``: served as a
+client connection marked as arrived from that site). The other way, ``dial_http`` opens a TLS
+connection with ``ALPN_HTTP`` to a peer site's gateway and returns the data plane's end of such
+a pair (the upstream pool's ``dialer``). Each bridge copies at most ``BRIDGE_CHUNK`` bytes at a
+time each way and holds nothing more; at most ``max_http_connections`` each way at once.
 
 Bounds: incoming connections at most ``max_connections`` at once; a frame at most
 ``protocol.MAX_FRAME_BYTES`` and nothing buffered past one frame; one summary slot per
@@ -36,6 +44,7 @@ from __future__ import annotations
 import itertools
 import logging
 import random
+import socket
 import ssl
 import time
 from collections import Counter
@@ -48,6 +57,7 @@ import trio
 from fabricnode.addr import split_hostport
 from fabricnode.errors import ConfigError, DecodeError, KeyFileError
 from fabricnode.federation.protocol import (
+    ALPN_HTTP,
     ALPN_LINK,
     MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
@@ -74,6 +84,7 @@ from fabricnode.mesh.core import MeshCore
 log = logging.getLogger("fabricnode.federation.link")
 
 RECEIVE_CHUNK = 64 * 1024
+BRIDGE_CHUNK = 64 * 1024
 MAX_PINGS_OUTSTANDING = 8
 # Why a connection ended or never began, as counted (``fabric_federation_connections_closed``).
 CLOSE_REASONS = (
@@ -85,6 +96,7 @@ CLOSE_REASONS = (
     "slow",  # took no bytes for send_timeout_s
     "closed",  # the peer closed it, or the network broke it
     "too_many",  # over max_connections incoming at once
+    "no_ingress",  # a request connection our data plane did not take
 )
 
 
@@ -106,6 +118,9 @@ class LinkStatistics:
     refused: dict[str, int]  # summaries refused by the view, by reason
     rtt_s: dict[str, float]  # per site with a measurement
     routable: dict[str, bool]
+    http_connections: dict[str, int] = field(default_factory=dict)  # open now, in and out
+    http_dials: int = 0  # request connections opened to peer sites (ALPN_HTTP)
+    http_dial_failures: int = 0
 
 
 @dataclass(eq=False)
@@ -150,9 +165,18 @@ class Gateway:
         )
         self.server_context = _context(site_key, peers, server=True)
         self.client_context = _context(site_key, peers, server=False)
+        self.http_context = _context(site_key, peers, server=False, alpn=ALPN_HTTP)
+        # Cross-site requests (module docstring): who serves those that come in (the agent's
+        # data plane: ``Ingress.serve_remote``), and the nursery the bridges run in.
+        self.http_handler: Callable[[socket.socket, str], bool] | None = None
+        self._nursery: trio.Nursery | None = None
+        self.http_open: Counter[str] = Counter()
+        self.http_dials = 0
+        self.http_dial_failures = 0
         self.listen_addr: str | None = None
         self._conns: list[_Conn] = []
         self._incoming = 0
+        self._handshaking = 0  # incoming connections in their TLS handshake now
         self._current: SiteSummary | None = None
         self._changed = trio.Event()
         self._nonces = itertools.count(1)
@@ -211,6 +235,7 @@ class Gateway:
             ", ".join(self.peers.sites) or "none",
         )
         async with trio.open_nursery() as nursery:
+            self._nursery = nursery
             nursery.start_soon(trio.serve_listeners, self._incoming_connection, listeners)
             nursery.start_soon(self._publish, core, joined)
             for site in self.peers.sites:
@@ -247,16 +272,106 @@ class Gateway:
     # -- connections -------------------------------------------------------------------------
 
     async def _incoming_connection(self, stream: trio.SocketStream) -> None:
-        if self._incoming >= self.config.max_connections:
+        if self._handshaking >= self.config.max_connections:
             self.closed["too_many"] += 1
             await trio.aclose_forcefully(stream)
             return
+        tls = trio.SSLStream(stream, self.server_context, server_side=True)
+        self._handshaking += 1
+        try:
+            cert, alpn = await self._handshake(tls)
+        except _Closed as exc:
+            self.closed[exc.reason] += 1
+            await trio.aclose_forcefully(tls)
+            return
+        except (trio.BrokenResourceError, trio.TooSlowError, ssl.SSLError, OSError):
+            self.closed["tls"] += 1
+            await trio.aclose_forcefully(tls)
+            return
+        finally:
+            self._handshaking -= 1
+        if alpn == ALPN_HTTP:
+            await self._incoming_http(tls, cert.site)
+            return
+        if self._incoming >= self.config.max_connections:
+            self.closed["too_many"] += 1
+            await trio.aclose_forcefully(tls)
+            return
         self._incoming += 1
         try:
-            tls = trio.SSLStream(stream, self.server_context, server_side=True)
-            await self._connection(tls, "in", expected_site=None)
+            await self._connection(tls, "in", expected_site=None, cert=cert)
         finally:
             self._incoming -= 1
+
+    # -- cross-site requests (ALPN_HTTP) -------------------------------------------------------
+
+    async def _incoming_http(self, tls: trio.SSLStream[trio.SocketStream], site: str) -> None:
+        """A peer site's gateway sends us requests: bridge them to our data plane."""
+        handler = self.http_handler
+        if handler is None or self.http_open["in"] >= self.config.max_http_connections:
+            self.closed["no_ingress" if handler is None else "too_many"] += 1
+            await trio.aclose_forcefully(tls)
+            return
+        ours, theirs = socket.socketpair()
+        if not handler(theirs, site):
+            theirs.close()
+            ours.close()
+            self.closed["no_ingress"] += 1
+            await trio.aclose_forcefully(tls)
+            return
+        await self._bridge(tls, ours, "in")
+
+    async def dial_http(self, origin: tuple[str, int]) -> socket.socket:
+        """A connection to a peer site's gateway for requests (``sites.site_origin``): TLS with
+        ``ALPN_HTTP``, bridged; the data plane's end (non-blocking), or ``OSError``."""
+        host = origin[0]
+        site, _, addr = host[len("site:") :].partition("/")
+        nursery = self._nursery
+        if nursery is None or self.peers.get(site) is None:
+            raise OSError(f"no link to site {site!r}")
+        if self.http_open["out"] >= self.config.max_http_connections:
+            raise OSError(f"{self.config.max_http_connections} request connections open")
+        self.http_dials += 1
+        tls: trio.SSLStream[trio.SocketStream] | None = None
+        try:
+            h, port = split_hostport(addr)
+            with trio.fail_after(self.config.dial_timeout_s):
+                stream = await trio.open_tcp_stream(h, port)
+                stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                tls = trio.SSLStream(stream, self.http_context, server_side=False)
+                cert, _ = await self._handshake(tls, alpn=ALPN_HTTP)
+            if cert.site != site:
+                raise OSError(f"{addr} is a gateway of site {cert.site!r}, not {site!r}")
+        except (trio.TooSlowError, trio.BrokenResourceError, ssl.SSLError, ConfigError) as exc:
+            self.http_dial_failures += 1
+            if tls is not None:
+                await trio.aclose_forcefully(tls)
+            raise OSError(f"site {site} gateway {addr}: {exc or 'timed out'}") from None
+        except (OSError, _Closed):
+            self.http_dial_failures += 1
+            if tls is not None:
+                await trio.aclose_forcefully(tls)
+            raise OSError(f"site {site} gateway {addr}: cannot connect") from None
+        ours, theirs = socket.socketpair()
+        theirs.setblocking(False)
+        nursery.start_soon(self._bridge, tls, ours, "out")
+        return theirs
+
+    async def _bridge(
+        self, tls: trio.SSLStream[trio.SocketStream], sock: socket.socket, direction: str
+    ) -> None:
+        """Copy bytes both ways between ``tls`` and our end of a socket pair until either side
+        closes; then close both."""
+        self.http_open[direction] += 1
+        local = trio.SocketStream(trio.socket.from_stdlib_socket(sock))
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_pump, tls, local, nursery.cancel_scope)
+                nursery.start_soon(_pump, local, tls, nursery.cancel_scope)
+        finally:
+            self.http_open[direction] -= 1
+            await trio.aclose_forcefully(local)
+            await trio.aclose_forcefully(tls)
 
     async def _dial_site(self, site: str) -> None:
         """Keep one connection of our own to ``site``; back off while none can be made."""
@@ -296,15 +411,26 @@ class Gateway:
         await self._connection(tls, "out", expected_site=site)
 
     async def _connection(
-        self, tls: trio.SSLStream[trio.SocketStream], direction: str, expected_site: str | None
+        self,
+        tls: trio.SSLStream[trio.SocketStream],
+        direction: str,
+        expected_site: str | None,
+        cert: SiteCert | None = None,
     ) -> None:
-        """Handshake, HELLO, then the link until it ends; every way it ends is counted."""
+        """Handshake (unless done: ``cert``), HELLO, then the link until it ends; every way it
+        ends is counted."""
         conn: _Conn | None = None
         try:
-            try:
-                cert = await self._handshake(tls)
-            except (trio.BrokenResourceError, trio.TooSlowError, ssl.SSLError, OSError) as exc:
-                raise _Closed("tls") from exc
+            if cert is None:
+                try:
+                    cert, _ = await self._handshake(tls, alpn=ALPN_LINK)
+                except (
+                    trio.BrokenResourceError,
+                    trio.TooSlowError,
+                    ssl.SSLError,
+                    OSError,
+                ) as exc:
+                    raise _Closed("tls") from exc
             if expected_site is not None and cert.site != expected_site:
                 raise _Closed("hello")
             conn = _Conn(cert.site, direction, tls, trio.current_time())
@@ -328,10 +454,15 @@ class Gateway:
                 self._wake()  # another connection to the site may carry summaries now
             await trio.aclose_forcefully(tls)
 
-    async def _handshake(self, tls: trio.SSLStream[trio.SocketStream]) -> SiteCert:
+    async def _handshake(
+        self, tls: trio.SSLStream[trio.SocketStream], alpn: str | None = None
+    ) -> tuple[SiteCert, str]:
+        """The pinned certificate of the peer and the protocol negotiated (``alpn``, or either
+        of ours when None: a connection taken on the port)."""
         with trio.fail_after(self.config.handshake_timeout_s):
             await tls.do_handshake()
-        if tls.selected_alpn_protocol() != ALPN_LINK:
+        selected = tls.selected_alpn_protocol()
+        if selected not in ((ALPN_LINK, ALPN_HTTP) if alpn is None else (alpn,)):
             raise _Closed("alpn")
         der = tls.getpeercert(binary_form=True)
         if not der:
@@ -343,7 +474,7 @@ class Gateway:
         pinned = self.peers.by_fingerprint(presented.fingerprint)
         if pinned is None or pinned.site != presented.site:
             raise _Closed("tls")
-        return pinned
+        return pinned, str(selected)
 
     async def _hello(self, conn: _Conn) -> None:
         cfg = self.config
@@ -467,6 +598,9 @@ class Gateway:
             refused=dict(view.refused),
             rtt_s={s.site: s.rtt_s for s in view.sites if s.rtt_s is not None},
             routable={s.site: s.routable for s in view.sites},
+            http_connections={d: self.http_open.get(d, 0) for d in ("in", "out")},
+            http_dials=self.http_dials,
+            http_dial_failures=self.http_dial_failures,
         )
 
     def sites_doc(self) -> dict[str, Any]:
@@ -487,6 +621,23 @@ class Gateway:
         }
 
 
+async def _pump(
+    source: trio.abc.ReceiveStream, sink: trio.abc.SendStream, scope: trio.CancelScope
+) -> None:
+    """One direction of a bridge: until ``source`` ends or either side breaks; then both
+    directions end (``scope``)."""
+    try:
+        while True:
+            data = await source.receive_some(BRIDGE_CHUNK)
+            if not data:
+                break
+            await sink.send_all(data)
+    except (trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError, OSError):
+        pass
+    finally:
+        scope.cancel()
+
+
 async def _receive(conn: _Conn) -> bytes:
     try:
         data = await conn.stream.receive_some(RECEIVE_CHUNK)
@@ -497,7 +648,9 @@ async def _receive(conn: _Conn) -> bytes:
     return bytes(data)
 
 
-def _context(site_key: SiteKey, peers: PeerSites, *, server: bool) -> ssl.SSLContext:
+def _context(
+    site_key: SiteKey, peers: PeerSites, *, server: bool, alpn: str = ALPN_LINK
+) -> ssl.SSLContext:
     """TLS 1.3, our certificate, and exactly the pinned peers trusted (module docstring)."""
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER if server else ssl.PROTOCOL_TLS_CLIENT)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_3
@@ -511,7 +664,8 @@ def _context(site_key: SiteKey, peers: PeerSites, *, server: bool) -> ssl.SSLCon
         ctx.load_verify_locations(cadata=peers.ca_data())
     # a pinned certificate is its own trust anchor (self-signed, not a CA)
     ctx.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN
-    ctx.set_alpn_protocols([ALPN_LINK])
+    # A server offers both uses of the port; a client asks for the one it dials for.
+    ctx.set_alpn_protocols([ALPN_LINK, ALPN_HTTP] if server else [alpn])
     return ctx
 
 

@@ -62,6 +62,22 @@ class FederationCollector(Collector):
             s.closed,
         )
         yield counter("fabric_federation_dials_total", "Connections tried to peer sites", s.dials)
+        yield from gauges_by(
+            "fabric_federation_http_connections",
+            "Connections carrying cross-site requests open now (ALPN fabric-http/1), by direction",
+            "direction",
+            {d: float(n) for d, n in s.http_connections.items()},
+        )
+        yield counter(
+            "fabric_federation_http_dials_total",
+            "Request connections opened to peer sites' gateways",
+            s.http_dials,
+        )
+        yield counter(
+            "fabric_federation_http_dial_failures_total",
+            "Request connections to peer sites' gateways that could not be opened",
+            s.http_dial_failures,
+        )
         yield counter(
             "fabric_federation_summaries_sent_total", "Our summaries sent to peer sites",
             s.summaries_sent,

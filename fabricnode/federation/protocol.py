@@ -29,6 +29,9 @@ PROTOCOL_VERSION = 1
 # ALPN protocol name of the framed link on the federation port; another use of the same port
 # (cross-site requests) negotiates a name of its own (docs/federation.md).
 ALPN_LINK = "fabric-fed/1"
+# ALPN protocol name of a connection carrying cross-site requests (HTTP/1.1, keep-alive) from a
+# peer site's gateway to ours (``link``: bridged to our data plane).
+ALPN_HTTP = "fabric-http/1"
 HELLO, SUMMARY, PING, PONG = 1, 2, 3, 4
 HEADER = struct.Struct(">I")
 MAX_FRAME_BYTES = MAX_SUMMARY_BYTES + 1024

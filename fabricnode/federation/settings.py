@@ -39,7 +39,9 @@ class FederationConfig:
     dial_timeout_s: float = 5.0
     backoff_min_s: float = 0.5
     backoff_max_s: float = 15.0
-    max_connections: int = 64  # incoming, at once
+    max_connections: int = 64  # incoming links, at once
+    # Cross-site requests (ALPN fabric-http/1): connections carrying them, at once, each way.
+    max_http_connections: int = 256
     stale_floor_s: float = 5.0  # see view.ViewConfig
     rtt_factor: float = 4.0
 

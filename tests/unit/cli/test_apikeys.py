@@ -176,3 +176,30 @@ def test_api_revoke_json_says_whether_it_changed_anything(
     assert set(doc) == {"path", "changed", *ApiKeyStore.load(keys_file).list()[0].public()}
     again = json.loads(runner.invoke(app, ["keys", "api-revoke", doc["key_id"], "--json"]).stdout)
     assert again["changed"] is False and again["key_id"] == doc["key_id"]
+
+
+def test_api_new_records_the_sites_and_api_list_shows_them(
+    runner: CliRunner, keys_file: Path
+) -> None:
+    eu = runner.invoke(app, ["keys", "api-new", "eu", "--sites", "eu-1, A", "--json"])
+    anywhere = runner.invoke(app, ["keys", "api-new", "anywhere", "--json"])
+    assert eu.exit_code == anywhere.exit_code == 0, eu.output + anywhere.output
+    assert json.loads(eu.stdout)["sites"] == ["A", "eu-1"]
+    assert json.loads(anywhere.stdout)["sites"] is None
+    by_name = {k.name: k.sites for k in ApiKeyStore.load(keys_file).list()}
+    assert by_name == {"eu": frozenset({"A", "eu-1"}), "anywhere": None}
+    listed = runner.invoke(app, ["keys", "api-list", "--json"])
+    assert [k["sites"] for k in json.loads(listed.stdout)["keys"]] == [["A", "eu-1"], None]
+    table = runner.invoke(app, ["keys", "api-list"]).stdout.splitlines()
+    assert "SITES" in table[0]
+    assert "A, eu-1" in next(line for line in table if " eu " in line)
+
+
+@pytest.mark.parametrize("sites", ["", "A,,B", "a b", "-A"])
+def test_api_new_bad_sites_are_one_line_usage_errors(
+    runner: CliRunner, keys_file: Path, sites: str
+) -> None:
+    result = runner.invoke(app, ["keys", "api-new", "eu", "--sites", sites])
+    assert result.exit_code == 2
+    assert "--sites" in one_error_line(result.stderr)
+    assert not keys_file.exists()

@@ -364,3 +364,57 @@ def test_rate_limiter_memory_is_bounded_when_every_key_is_busy() -> None:
     stats = limiter.statistics()
     assert stats.buckets <= 10 and stats.evicted >= 40
     assert limiter.check("k49", 0.001, 1, now=0.0) > 0, "the most recent keys are kept"
+
+
+def test_a_keys_sites_round_trip_and_make_the_file_version_2(path: Path) -> None:
+    store = ApiKeyStore.load(path)
+    _, anywhere = store.new_key("anywhere")
+    assert json.loads(path.read_text())["version"] == 1  # no key has sites: as before
+    _, key = store.new_key("eu", sites=[" eu-1", "A"])
+    assert key.sites == frozenset({"eu-1", "A"})
+    doc = json.loads(path.read_text())
+    assert doc["version"] == 2
+    assert [k.get("sites") for k in doc["keys"]] == [None, ["A", "eu-1"]]
+    loaded = ApiKeyStore.load(path)
+    assert loaded.get(key.key_id) == key and loaded.get(anywhere.key_id) == anywhere
+    assert key.public()["sites"] == ["A", "eu-1"] and anywhere.public()["sites"] is None
+
+
+def test_a_version_1_file_may_not_hold_sites(path: Path) -> None:
+    """An agent that predates residency reads version 1 files and would ignore ``sites``: a
+    site-limited key is only ever in a version 2 file, which such an agent refuses whole."""
+    store = ApiKeyStore.load(path)
+    store.new_key("eu", sites=["A"])
+    doc = json.loads(path.read_text())
+    doc["version"] = 1
+    path.write_text(json.dumps(doc))
+    with pytest.raises(KeyFileError, match="has sites: a file with site-limited keys is version 2"):
+        ApiKeyStore.load(path)
+
+
+@pytest.mark.parametrize(
+    ("sites", "reason"),
+    [
+        ("A", "sites must be a list"),
+        ([1], "sites must be a list"),
+        ([], "no site named"),
+        (["a b"], "ASCII letters"),
+        (["x" * 33], "at most 32"),
+    ],
+)
+def test_record_with_bad_sites_is_one_clear_line(path: Path, sites: object, reason: str) -> None:
+    store = ApiKeyStore.load(path)
+    store.new_key("eu", sites=["A"])
+    doc = json.loads(path.read_text())
+    doc["keys"][0]["sites"] = sites
+    path.write_text(json.dumps(doc))
+    with pytest.raises(KeyFileError, match=reason) as caught:
+        ApiKeyStore.load(path)
+    assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("sites", [[], ["a b"], ["A", ""]])
+def test_new_key_refuses_bad_sites(path: Path, sites: list[str]) -> None:
+    with pytest.raises(ConfigError, match="sites"):
+        ApiKeyStore.load(path).new_key("eu", sites=sites)
+    assert not path.exists()

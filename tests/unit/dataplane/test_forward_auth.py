@@ -29,6 +29,7 @@ def sign(
     path: bytes = PATH,
     body: bytes = BODY,
     now: float = NOW,
+    sites: bytes | None = None,
 ) -> bytes:
     return sign_forward(
         keyring or Keyring.with_key(KEY),
@@ -38,6 +39,7 @@ def sign(
         path=path,
         body=body,
         now=now,
+        sites=sites,
     )
 
 
@@ -57,8 +59,17 @@ def verify(
     path: bytes = PATH,
     body: bytes = BODY,
     now: float = NOW,
+    sites: bytes | None = None,
 ) -> str:
-    return v.verify(value, own_session=own_session, method=method, path=path, body=body, now=now)
+    return v.verify(
+        value,
+        own_session=own_session,
+        method=method,
+        path=path,
+        body=body,
+        now=now,
+        sites=sites,
+    )
 
 
 def test_a_signed_forward_verifies_and_names_its_sender() -> None:
@@ -246,3 +257,15 @@ def _same_hex(a: bytes, b: bytes) -> bool:
         return bytes.fromhex(a.decode("ascii")) == bytes.fromhex(b.decode("ascii"))
     except (ValueError, UnicodeDecodeError):
         return False
+
+
+def test_the_sites_a_forward_carries_are_bound_to_its_mac() -> None:
+    """Data residency: a forward's allowed sites cannot be widened, dropped or added on the
+    way; a forward without them verifies as it always did."""
+    assert verify(verifier(), sign(sites=b"A,B"), sites=b"A,B") == SENDER
+    for carried in (None, b"A,B,C", b"A", b""):
+        with pytest.raises(ForwardRejected, match="does not verify"):
+            verify(verifier(), sign(sites=b"A,B"), sites=carried)
+    with pytest.raises(ForwardRejected, match="does not verify"):
+        verify(verifier(), sign(), sites=b"A")
+    assert verify(verifier(), sign(sites=None), sites=None) == SENDER

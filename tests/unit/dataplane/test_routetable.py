@@ -127,3 +127,48 @@ def test_a_route_names_the_site_its_owner_signed() -> None:
         (servers[0].core.self_id, "alps"),
         (servers[1].core.self_id, "default"),
     }
+
+
+def test_a_node_outside_the_allowed_sites_is_never_a_candidate() -> None:
+    """Data residency: ``eligible`` drops a node whose signed site is not allowed, even when
+    it is the last one left (no fallback, unlike the circuit breaker's), and whatever else
+    the request asks."""
+    net = SimNetwork(seed=5)
+    ingress = net.add_node(0)
+    servers = [net.add_node(i, seeds=[ingress.addr]) for i in (1, 2, 3)]
+    for i, (node, site) in enumerate(zip(servers, ("A", "B", "C"), strict=True), 1):
+        node.core.update_self(
+            net.wall,
+            state=State.SERVING,
+            models=(ModelInfo("m1", 4096),),
+            addresses=Addresses(http=f"http://10.0.0.{i + 1}:8080", gossip=node.addr),
+            site=site,
+        )
+        net.poke(node)
+    net.run_for(5)
+    table = RouteTable(ingress.core, lambda: net.wall)
+    routes = table.routes("m1") or []
+    by_site = {s.core.self_id: site for s, site in zip(servers, "ABC", strict=True)}
+    breaker = CircuitBreaker()
+
+    def sites_of(sites: frozenset[str] | None) -> set[str]:
+        found = table.eligible(
+            routes,
+            now=0.0,
+            wall_now=net.wall,
+            inflight={},
+            breaker=breaker,
+            providers=frozenset(),
+            requirements=None,
+            sites=sites,
+        )
+        return {by_site[c.node.session_id] for c in found}
+
+    assert sites_of(None) == {"A", "B", "C"}
+    assert sites_of(frozenset({"A", "C"})) == {"A", "C"}
+    assert sites_of(frozenset({"a"})) == set()  # names are compared exactly
+    assert sites_of(frozenset()) == set()
+    # the breaker's last resort (every node ejected: try them anyway) stays within the sites
+    for sid in by_site:
+        breaker.failed(sid, 0.0)
+    assert sites_of(frozenset({"B"})) == {"B"}

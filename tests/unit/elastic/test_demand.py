@@ -125,6 +125,27 @@ def test_declared_models_and_hold_times_follow_the_service_file() -> None:
     assert declared.models() == []  # an invalid file declares nothing
 
 
+def test_declared_sites_follow_the_service_file_and_a_broken_file_never_widens_them() -> None:
+    net = mesh(1)
+    (node,) = net.nodes.values()
+    declared = Declared(node.core)
+    assert declared.sites("eu") is None
+
+    def publish(text: str, at: float) -> None:
+        signed = ServicesBody(net.wall + at, text, OPERATOR.public_key).sign(OPERATOR)
+        node.core.publish_services(signed, net.wall + at)
+
+    head = '[limits]\nmax_jobs = 2\nmax_gpus = 2\n\n[[model]]\nname = "eu"\nengine = "sim"\n'
+    publish(head + 'sites = ["B", "A"]\n\n[[model]]\nname = "any"\nengine = "sim"\n', 0)
+    assert declared.sites("eu") == frozenset({"A", "B"})
+    assert declared.sites("any") is None and declared.sites("unknown") is None
+    publish("[[model]]\nname = 1\n", 1)
+    assert declared.models() == []  # an invalid file declares nothing...
+    assert declared.sites("eu") == frozenset({"A", "B"})  # ...but widens nothing
+    publish(head, 2)
+    assert declared.sites("eu") is None  # a valid file without sites lifts the limit
+
+
 def test_many_wanted_models_spread_over_labels_that_fit_the_registry() -> None:
     models = {f"org/model-{i:03d}-" + "x" * 40: i + 1 for i in range(30)}
     labels = wanted_labels(models)

@@ -901,7 +901,7 @@ def test_from_canonical_accepts_only_canonical_bytes_that_check() -> None:
         (packed(domain, version, [32, 0], models), "max_gpus"),
         (packed(domain, version, limits, models[::-1]), "not in canonical form"),
         (packed(domain, version, limits, [models[0][:14]]), "malformed model"),
-        (packed(domain, version, limits, [[*models[0], None, None]]), "malformed model"),
+        (packed(domain, version, limits, [[*models[0], None, None, None]]), "malformed model"),
         (packed(domain, version, limits, [[*models[1], None]]), "not in canonical form"),
         (packed(domain, version, limits, [[*models[0][:3], ["B200"], *models[0][4:]]]), "B200"),
         (packed(domain, version, limits, [[*models[0][:7], "2s", *models[0][8:]]]), "ttft_p95"),
@@ -923,6 +923,9 @@ SBATCH = st.lists(
     unique=True,
     max_size=3,
 ).map(tuple)
+
+
+SITE_NAMES = st.from_regex(r"[A-Za-z0-9]([A-Za-z0-9_-]{0,6}[A-Za-z0-9])?", fullmatch=True)
 
 
 @st.composite
@@ -962,6 +965,7 @@ def model_services(draw: st.DrawFn, name: str) -> ModelService:
         sbatch_args=draw(SBATCH),
         sleep_after_s=draw(st.none() | ms.map(lambda n: n / 1000)),
         scale_in_hold_s=draw(st.none() | st.integers(0, 86_400_000).map(lambda n: n / 1000)),
+        sites=tuple(sorted(draw(st.lists(SITE_NAMES, unique=True, max_size=3)))),
     )
 
 
@@ -1056,6 +1060,7 @@ LIKELY: dict[str, list[object]] = {
     "hold_requests": ["3m", 0, -1],
     "sleep_after": ["5m", 30, 0, "8d"],
     "scale_in_hold": ["5m", "0s", 30, "25h"],
+    "sites": [["A"], ["eu-1", "us_2"], [], "A", ["a b"], ["A", "A"], ["A", "a"], ["-x"]],
     "partitions": [["gpu"], ["a", "b"], [], "gpu", ["a,b"], ["a", "a"]],
     "account": ["proj", "a b", ""],
     "qos": ["normal", 3],
@@ -1201,3 +1206,51 @@ def test_scale_in_hold_is_a_bounded_duration_and_absent_it_signs_as_before() -> 
     for bad in ('"25h"', '"soon"', "-1"):
         with pytest.raises(ServiceFileError, match="scale_in_hold"):
             parse(FULL.replace('qos = "normal"\n', f'qos = "normal"\nscale_in_hold = {bad}\n', 1))
+
+
+def test_sites_limit_where_a_model_is_served_and_absent_it_signs_as_before() -> None:
+    without = parse(FULL)
+    text = FULL.replace('name = "tiny-sim"\n', 'name = "tiny-sim"\nsites = ["eu-2", "A"]\n', 1)
+    with_it = parse(text)
+    assert {m.name: m.sites for m in with_it.models}["tiny-sim"] == ("A", "eu-2")  # sorted
+    assert {m.sites for m in without.models} == {()}
+    assert without.canonical() == parse(FULL).canonical()
+    rows = {row[0]: row for row in msgpack.unpackb(with_it.canonical(), raw=False)[3]}
+    assert rows["tiny-sim"][18] == ["A", "eu-2"] and len(rows["qwen2.5-72b"]) == 15
+    assert from_canonical(with_it.canonical()) == with_it
+    assert parse(with_it.to_toml()) == with_it
+    assert with_it.model("tiny-sim").to_json()["sites"] == ["A", "eu-2"]  # type: ignore[union-attr]
+    # the order the file lists them in means nothing: the same spec, the same signature
+    swapped = parse(text.replace('["eu-2", "A"]', '["A", "eu-2"]'))
+    assert swapped.canonical() == with_it.canonical()
+
+
+def test_sites_in_defaults_apply_to_every_model_that_does_not_set_its_own() -> None:
+    text = FULL.replace('qos = "normal"\n', 'qos = "normal"\nsites = ["A"]\n', 1)
+    text = text.replace('name = "tiny-sim"\n', 'name = "tiny-sim"\nsites = ["C"]\n', 1)
+    assert {m.name: m.sites for m in parse(text).models} == {
+        "llama-3.1-8b": ("A",),
+        "qwen2.5-72b": ("A",),
+        "tiny-sim": ("C",),
+    }
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ('"A"', 'expected a list of site names (write ["A"])'),
+        ("[]", "empty list: omit the key instead"),
+        ('["A", "A"]', '"A" is listed twice'),
+        ('["A", "a b"]', "ASCII letters, digits"),
+        ('["-x"]', "beginning and ending with a letter or a digit"),
+        (f'["{"x" * 33}"]', "at most 32 characters"),
+        ("[3]", "expected a site name (a string), got an integer"),
+    ],
+)
+def test_a_bad_sites_value_is_reported_at_its_line(value: str, message: str) -> None:
+    text = f'{LIMITS}\n[[model]]\nname = "m"\nengine = "sim"\nsites = {value}  # <-\n'
+    found = problems(text)
+    assert len(found) == 1
+    line, where, key, said = found[0]
+    assert (line, where, key) == (marked_line(text), '[[model]] "m"', "sites")
+    assert message in said

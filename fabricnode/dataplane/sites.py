@@ -1,0 +1,143 @@
+"""Cross-site requests as the data plane sees them: the routes that leave the site. Pure.
+
+A request for a model no node of our site can take leaves the site through a gateway
+(``docs/federation.md``, "Cross-site requests"), in at most two hops of this data plane:
+
+* ``HOP_GATEWAY``: an ingress that is not a gateway sends it to a gateway of its own site (an
+  agent whose entry carries ``GATEWAY_LABEL``), as an agent-to-agent forward whose signed
+  target is the gateway's session id plus ``OUT_SUFFIX``: only a holder of the cluster key can
+  ask a gateway to take a request out of the site, and a forward made for a node never passes
+  for one made to leave (nor the reverse).
+* ``HOP_SITE``: a gateway sends it over the federation port (TLS, ALPN ``fabric-http/1``) to a
+  gateway of the chosen peer site. Its origin is a *site origin* (``site_origin``): not a
+  host, but the site and the gateway's federation address, which the upstream pool dials
+  through the gateway's link (``upstream.UpstreamPool.dialer``).
+
+The receiving gateway serves a request that came over the link with its own data plane, routed
+inside its site only. The frontdoor marks each request read from such a connection with
+``FROM_SITE_HEADER`` (the peer site the TLS handshake authenticated) and strips that header from
+every other client's request, so the mark cannot be forged from outside. The rules:
+
+1. **No bounce** (``may_leave``): a request that arrived from another site, or that a gateway
+   is already taking out (``out``), is never sent out again; so every attempt crosses the WAN
+   at most once, and a request never travels between sites in a loop.
+2. **Chooser** (``choose``): among the peer sites whose summary serves the model and that are
+   routable, those with a replica that can admit a request now come first, then by measured
+   round trip (unknown last), then by fewer waiting requests, then by name (one answer for
+   every gateway); within a site its gateways in the summary's order (the summary lists the
+   signing gateway first). Every gateway of every chosen site is a route: failover before the
+   first byte goes to the next gateway of the same site, then to the next site.
+3. **Credentials never cross**: the request a gateway sends carries none of the client's
+   headers but those ``relay.FORWARDED_REQUEST_HEADERS`` lets through (no ``Authorization``,
+   no ``x-api-key``); the receiving gateway trusts the authenticated link instead.
+4. **Residency** (``site_allowed``): the hook where the allowed set of sites of a request is
+   checked at a gateway, once built (issue 40, residency): today every site is allowed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fabricnode.dataplane import routetable
+from fabricnode.dataplane.routetable import Origin, Route
+from fabricnode.dataplane.routing import NodeInfo
+
+# The label a gateway's entry carries (its federation address): ``federation.summary``'s
+# ``GATEWAY_LABEL``, named again in ``routetable`` so the data plane needs nothing of the
+# federation.
+GATEWAY_LABEL = routetable.GATEWAY_LABEL
+# Set by the frontdoor on each request that came over the federation port: the peer site.
+FROM_SITE_HEADER = b"x-fabric-from-site"
+# A forward asking a gateway of our site to take the request out of the site.
+OUT_HEADER = b"x-fabric-out"
+OUT_SUFFIX = "/out"
+# Response header naming the site whose node served (cross-site answers only).
+SITE_HEADER = b"x-fabric-site"
+# What a route leads to.
+HOP_NODE = 0  # a node of our site (or our own engine)
+HOP_GATEWAY = 1  # a gateway of our site, which takes the request out
+HOP_SITE = 2  # a gateway of a peer site, over the federation link
+# The host part of a site origin: ``site:<site>/<gateway address>``; the port is 0.
+SITE_ORIGIN_PREFIX = "site:"
+
+
+@dataclass(frozen=True, slots=True)
+class SiteOffer:
+    """What a gateway knows of one peer site for one model (its summary and the link)."""
+
+    site: str
+    gateways: tuple[str, ...]  # federation addresses, as the summary lists them
+    routable: bool
+    rtt_s: float | None
+    replicas: int
+    admitting: int
+    waiting: int
+
+
+def may_leave(from_site: str, out: bool) -> bool:
+    """Whether a request may be sent to another site: not if it came from one (``from_site``)
+    nor if it is already on its way out (``out``: a gateway took it to send it out)."""
+    return not from_site and not out
+
+
+def site_allowed(site: str, from_site: str) -> bool:
+    """Residency hook: whether a request may be served at ``site`` (checked by the gateway
+    that takes it out, per peer site, and by the gateway that takes it in, ``from_site``
+    the requester's). Every site until residency is built."""
+    return True
+
+
+def choose(offers: list[SiteOffer]) -> list[tuple[str, str]]:
+    """``(site, gateway address)`` pairs to try, best first (rule 2 of the module docstring)."""
+    usable = [o for o in offers if o.routable and o.replicas > 0 and o.gateways]
+    usable.sort(
+        key=lambda o: (
+            o.admitting <= 0,
+            o.rtt_s is None,
+            o.rtt_s if o.rtt_s is not None else 0.0,
+            o.waiting,
+            o.site,
+        )
+    )
+    out: list[tuple[str, str]] = []
+    for offer in usable:
+        for addr in offer.gateways:
+            out.append((offer.site, addr))
+    return out
+
+
+def site_origin(site: str, addr: str) -> Origin:
+    """The origin of a peer site's gateway (module docstring)."""
+    return (SITE_ORIGIN_PREFIX + site + "/" + addr, 0)
+
+
+def parse_site_origin(origin: Origin) -> tuple[str, str] | None:
+    """``(site, gateway address)`` of a site origin, None for an ordinary one."""
+    host = origin[0]
+    if not host.startswith(SITE_ORIGIN_PREFIX):
+        return None
+    site, sep, addr = host[len(SITE_ORIGIN_PREFIX) :].partition("/")
+    if not sep or not site or not addr:
+        return None
+    return site, addr
+
+
+def site_routes(pairs: list[tuple[str, str]]) -> list[Route]:
+    """The routes to peer sites' gateways (``choose``'s pairs, in order)."""
+    routes: list[Route] = []
+    for site, addr in pairs:
+        sid = "site:" + site + "/" + addr  # a name for the breaker and the request log
+        info = NodeInfo(
+            session_id=sid,
+            url="fabric-http://" + addr,
+            provider="site:" + site,
+            verified_provider=None,
+            certified_name=None,
+            gpu_type="",
+            gpu_count=0,
+            max_model_len=None,
+            quantization=None,
+            site=site,
+        )
+        routes.append(Route(info, site_origin(site, addr), float("inf"), False, False, HOP_SITE))
+    return routes
