@@ -46,11 +46,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 BIN=${BIN:-.venv/bin}
-COMPUTE=(tests/unit)
-# tests/shell and tests/browser in a lane of their own beside it (with compute-system and the
-# sites after them): one compute lane was the run's length (865 s of tests/unit, tests/shell and
-# tests/browser, then 218 s more) at 0.42 cores, with the machine not fully busy.
-COMPUTE_REST=(tests/shell tests/browser)
+# One lane: split in two (tests/unit beside tests/shell and tests/browser), every lane ran slower
+# (a fresh clone's run went from 21 min 59 s to 22 min 45 s, the agents lane 999 to 1,121 s).
+COMPUTE=(tests/unit tests/shell tests/browser)
 AGENTS=(tests/system)
 # Agent tests that wait on the Batch API's worker, on plans applied through the mesh and on the
 # CLI's views of a mesh: run as a tail (see below), so the agents lane is not the run's length.
@@ -102,13 +100,12 @@ cpu() { # cpu NAME: "user+sys CPU s, N cores" of a finished lane
         "$WORK/$1.time" 2>/dev/null
 }
 
-lane compute -- "${COMPUTE[@]}" &
-compute=$!
 (
-    lane compute-rest -- "${COMPUTE_REST[@]}"
+    lane compute -- "${COMPUTE[@]}"
     lane compute-system -- -m compute "${AGENTS[@]}"
     lane sites -- "${SITES[@]}"
 ) &
+compute=$!
 ignoring() { # ignoring PATH...: pytest's --ignore for each
     local path
     for path in "$@"; do printf -- '--ignore=%s\n' "$path"; done
@@ -138,8 +135,8 @@ after+=("${lane_of[$ended]}")
 lane agents-late -- -m "not compute" "${LATE_AGENTS[@]}" &
 wait
 
-LANES=(compute compute-rest compute-system sites agents slurm slurm-elastic interpreted
-    agents-benches agents-late)
+LANES=(compute compute-system sites agents slurm slurm-elastic interpreted agents-benches
+    agents-late)
 failed_lanes=0
 for name in "${LANES[@]}"; do
     read -r status took <"$WORK/$name.status" 2>/dev/null || { status=1 took=0; }
