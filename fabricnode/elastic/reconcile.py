@@ -13,7 +13,8 @@ the sentence the log shows.
 1. **Units.** Each of our jobs for the model is PENDING, STARTING (running, no SERVING replica
    yet) or SERVING (its agent's entry, matched by the ``slurm.job_id`` label, is SERVING and
    alive). A time-limit successor and the job it replaces (``replaces=``) count as one unit
-   until the old job is gone; jobs being drained by a cancel do not count.
+   until the old job is gone; jobs being drained by a cancel, and jobs whose agent has left
+   the mesh (signed LEFT, draining before its time limit or a signal), do not count.
 2. **Time limits, make-before-break.** A SERVING job whose end is nearer than the model's lead
    time (``Memory.lead_s``: the learned time from ``sbatch`` to SERVING on that partition, times
    ``lead_factor`` and at least ``lead_slack_s`` more, plus the agent's leave margin) gets a
@@ -252,10 +253,10 @@ def reconcile(
     """One pass (see the module docstring). Updates ``memory`` with what it learned."""
     jobs = list(jobs)
     t = memory.tuning
-    by_job: dict[str, Replica] = {}
+    replicas = list(replicas)
+    by_job = _present(replicas)
+    leaving = _leaving(replicas, by_job)
     for r in replicas:
-        if r.job_id and r.alive and r.state not in ("left",):
-            by_job[r.job_id] = r
         if r.job_id and r.error:
             memory.errors[r.job_id] = r.error
     _learn(now, jobs, by_job, memory)
@@ -292,7 +293,7 @@ def reconcile(
             return True
 
         mine = [j for j in jobs if j.model == goal.model and not j.ending]
-        live = [j for j in mine if j.job_id not in memory.draining]
+        live = [j for j in mine if j.job_id not in memory.draining and j.job_id not in leaving]
         phase = {j.job_id: _phase(j, by_job) for j in live}
         successors = {j.replaces for j in live if j.replaces}
         units = [j for j in live if j.job_id not in successors]  # a handover pair counts once
@@ -378,7 +379,7 @@ def reconcile(
                 sum(1 for j in live if phase[j.job_id] == SERVING),
                 counts[STARTING],
                 counts[PENDING],
-                sum(1 for j in mine if j.job_id in memory.draining),
+                sum(1 for j in mine if j.job_id in memory.draining or j.job_id in leaving),
                 state,
                 note,
                 goal.why.text,
@@ -445,6 +446,21 @@ def _victims(
         (j, by_id[j.replaces]) if j.replaces in by_id else (j,) for j in units
     ]
     return sorted(paired, key=key)[:surplus]
+
+
+def _present(replicas: Iterable[Replica]) -> dict[str, Replica]:
+    """Per job, its agent's replica while the agent is in the mesh (alive, not LEFT)."""
+    return {r.job_id: r for r in replicas if r.job_id and r.alive and r.state != "left"}
+
+
+def _leaving(replicas: Iterable[Replica], present: Mapping[str, Replica]) -> set[str]:
+    """Jobs whose agent has left the mesh (signed LEFT: its time limit near, a SIGTERM, a
+    preemption) and is not back as a new session: still RUNNING in squeue while it drains,
+    but serving nobody and never again, so no unit (rule 1). Counted as one, such a job kept
+    its replacement from being submitted until squeue let it go, and, when the successor
+    that paired it had ended first (a drain slower than the successor's whole life), made
+    the pair's next successor a surplus unit the scale-down cancelled."""
+    return {r.job_id for r in replicas if r.job_id and r.state == "left"} - set(present)
 
 
 def _phase(job: Job, by_job: Mapping[str, Replica]) -> str:
@@ -542,8 +558,14 @@ def _placement_of(job: Job, goal: Goal, places: Sequence[Placement]) -> Placemen
 
 def holdings(jobs: Iterable[Job], replicas: Iterable[Replica], memory: Memory) -> dict[str, Held]:
     """Per model, the units the next pass starts from (``Held``), for the scaling policy."""
-    by_job = {r.job_id: r for r in replicas if r.job_id and r.alive and r.state != "left"}
-    live = [j for j in jobs if not j.ending and j.job_id not in memory.draining]
+    replicas = list(replicas)
+    by_job = _present(replicas)
+    leaving = _leaving(replicas, by_job)
+    live = [
+        j
+        for j in jobs
+        if not j.ending and j.job_id not in memory.draining and j.job_id not in leaving
+    ]
     ids = {j.job_id for j in live}
     counts: dict[str, list[int]] = {}
     newest: dict[str, float] = {}

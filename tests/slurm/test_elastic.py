@@ -35,6 +35,7 @@ from tests.support.elasticmesh import (
     Elastic,
     controller_jobs,
     elastic_mesh,
+    left_jobs,
     serving_count,
 )
 from tests.support.meshview import fabric
@@ -99,6 +100,14 @@ def watch(cluster: SlurmCluster, ingress: AgentProcess, w: Watch) -> None:
         jobs = our_jobs(cluster)
         if count is not None and count < 2:
             w.dips.append(f"{time.monotonic():.1f} s: {count} serving; jobs {jobs}")
+        # a job whose agent left (draining before its time limit) is no replica, whatever
+        # squeue says, as for the controller; when its successor ended first (a slow drain),
+        # the pair's next successor is the replica's one unit
+        left = left_jobs(ingress.http_url, MODEL)
+        if left is None:
+            time.sleep(0.5)
+            continue
+        jobs = [(j, state, r) for j, state, r in jobs if j not in left]
         successors = Counter(r for _, _, r in jobs if r)
         units = [j for j, _, _ in jobs if j not in successors]  # a handover pair counts once
         live = {j for j, state, _ in jobs if state in ("PENDING", "RUNNING")}

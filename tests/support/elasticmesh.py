@@ -105,6 +105,27 @@ def controller_jobs(cluster: SlurmCluster) -> list[tuple[str, str, Tag]]:
     return out
 
 
+def left_jobs(url: str, model: str) -> set[str] | None:
+    """The Slurm jobs of ``model`` whose agent has left the mesh (a signed LEFT, and no new
+    session of the job since) in the registry of the agent at ``url``: draining while squeue
+    still shows them RUNNING, they serve nobody and count as no replica (None when the agent
+    does not answer)."""
+    try:
+        with AdminClient(url, timeout_s=2.0) as client:
+            nodes = client.nodes()
+    except AgentApiError:
+        return None
+    left: set[str] = set()
+    present: set[str] = set()
+    for n in nodes:
+        labels = n.get("labels") or {}
+        job = labels.get("slurm.job_id", "")
+        if not job or labels.get("fabric.service") != model:
+            continue
+        (left if n.get("state") == "left" else present).add(job)
+    return left - present
+
+
 def serving_count(url: str, model: str) -> int | None:
     """Alive SERVING replicas of ``model`` in the registry of the agent at ``url`` (None when
     it does not answer)."""
