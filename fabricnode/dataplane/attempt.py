@@ -254,7 +254,12 @@ class Attempts:
             allowed = residency.decode(carried) if carried is not None else None
         except (ForwardRejected, ValueError) as exc:
             self._forwards_served("refused").inc()
-            await send_error(conn, 403, f"forward refused: {exc}", "forward_refused", path=path)
+            # named: an ingress that meant another node at this address (one that left, its
+            # port now ours) tries elsewhere (``failure.MISDIRECTED``)
+            named = [(b"x-fabric-node", self.core.self_id.encode())]
+            await send_error(
+                conn, 403, f"forward refused: {exc}", "forward_refused", path=path, extra=named
+            )
             return True
         if allowed is not None and self.site not in allowed:
             # Checked again here (``residency``): the ingress never picks a node outside the

@@ -34,11 +34,14 @@ DOWN = "down"  # sent; the node or its engine went down while the request waited
 STATUS = "status"  # answered with a status the ingress fails over (``RETRYABLE_STATUS``)
 HEAD_OUT = "head_out"  # a continuation or held stream got an answer that cannot follow its head
 LEAVING = "leaving"  # sent; our own engine's exchange was handed over (the node drains)
+# answered by another agent than the one asked (its address taken over by a new agent since
+# the registry said where the node was): nothing reached the node meant
+MISDIRECTED = "misdirected"
 # Not failures of the node: the attempt ends for another reason and the loop goes on.
 RESUME = "resume"  # the stream broke mid-answer and a continuation is ready
 PREEMPTED = "preempted"  # the batch gate took the attempt back under interactive pressure
 
-NOT_SENT = frozenset({REFUSED, CONNECT_TIMEOUT, UNUSABLE})
+NOT_SENT = frozenset({REFUSED, CONNECT_TIMEOUT, UNUSABLE, MISDIRECTED})
 # An engine that fails on the request itself; a status counts when it is one of these.
 _ENGINE_FAILURES = frozenset({BROKEN, MALFORMED, NO_RESPONSE, DOWN})
 _ENGINE_FAILURE_STATUS = frozenset({502, 504})

@@ -302,6 +302,16 @@ class Relay:
                     self.prefill.unsent(sid, tokens, sent_at, self.clock.now(), slot is not None)
                 if status in RETRYABLE_STATUS:
                     return failure.answered(status)
+                if not local and not job.cross:
+                    answering = ex.fabric_node
+                    if answering and answering != sid.encode():
+                        # another agent at the node's address (the port a new agent took): it
+                        # refused a forward signed for the node; try another
+                        return Failed(
+                            failure.MISDIRECTED,
+                            f"answered by {answering[:8].decode('ascii', 'replace')}, not "
+                            f"{sid[:8]}: the node's address is another agent's now",
+                        )
                 if job.splice is not None or job.held_head:
                     # A continuation, or a stream held for a replica: the client has its
                     # response head (and, continuing, part of the stream).

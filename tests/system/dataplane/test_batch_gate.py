@@ -44,6 +44,10 @@ from fabricnode.testing.simnet import make_body
 pytestmark = pytest.mark.slow
 
 TOKEN = "5" * 32
+REFUSED = json.dumps(
+    {"error": {"message": "forward refused: forward header does not verify", "type": "x",
+               "code": "forward_refused"}}
+).encode()  # fmt: skip
 ANSWER = json.dumps(
     {"id": "x", "object": "chat.completion", "choices": [], "usage": {"prompt_tokens": 1}}
 ).encode()
@@ -58,6 +62,9 @@ class FakeNode:
     received: list[tuple[bytes, bytes]] = field(default_factory=list)
     held: int = 0
     failing: bool = False  # answer 503 (the ingress fails over)
+    # answer 403 forward_refused naming this session (an agent refusing a forward: another
+    # one at the node's address names another session than the node's)
+    refusing_as: str = ""
     _release: trio.Event = field(default_factory=trio.Event)
 
     def release(self) -> None:
@@ -90,6 +97,13 @@ class FakeNode:
                         if self.failing:
                             await stream.send_all(
                                 b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\n\r\n"
+                            )
+                            continue
+                        if self.refusing_as:
+                            await stream.send_all(
+                                b"HTTP/1.1 403 Forbidden\r\ncontent-type: application/json\r\n"
+                                b"x-fabric-node: %s\r\ncontent-length: %d\r\n\r\n%s"
+                                % (self.refusing_as.encode(), len(REFUSED), REFUSED)
                             )
                             continue
                         await stream.send_all(
