@@ -179,17 +179,21 @@ class LocalMesh:
         wait: bool = True,
         timeout_s: float = 30.0,
         env: Mapping[str, str] | None = None,
+        host: str = "127.0.0.1",
+        prefix: Sequence[str] = (),
     ) -> AgentProcess:
         """Spawn one agent (and by default wait until it prints its addresses); ``env`` adds
-        to the mesh's environment."""
+        to the mesh's environment. ``host``: the address its HTTP and gossip ports bind (port
+        0: any free one); ``prefix``: a command the agent's runs under (``ip netns exec NS``
+        for a node of the emulated sites: it execs the agent, whose pid it keeps)."""
         name = name or f"node{len(self.agents) + 1}"
         stdout_path = self.workdir / f"{name}.out"
         stderr_path = self.workdir / f"{name}.log"
         command = agent_command(
             "--http",
-            "127.0.0.1:0",
+            f"{host}:0",
             "--gossip",
-            "127.0.0.1:0",
+            f"{host}:0",
             "--rendezvous",
             str(self.rendezvous_path),
             "--cluster-key",
@@ -204,7 +208,7 @@ class LocalMesh:
         )
         with open(stdout_path, "wb") as out, open(stderr_path, "wb") as err:
             proc = subprocess.Popen(
-                command,
+                [*prefix, *command],
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=err,

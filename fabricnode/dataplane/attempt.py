@@ -155,6 +155,9 @@ class Attempts:
         over the link, naming our site. The body goes as it came (a Responses request is not
         retagged: the peer site's ingress does that for its node)."""
         sid = route.info.session_id
+        # a request limited to sites carries its set (``residency``): in the forward's MAC to
+        # our gateway, over the authenticated link to a peer site's
+        sites = residency.encode(job.sites) if job.sites is not None else None
         if route.hop == HOP_GATEWAY:
             forward = sign_forward(
                 self.core.keyring,
@@ -164,12 +167,17 @@ class Attempts:
                 path=job.path,
                 body=job.body,
                 now=self.wall_clock(),
+                sites=sites,
             )
-            request = upstream_request(job, route.origin, forward=forward, extra=OUT_LINE)
+            request = upstream_request(
+                job, route.origin, forward=forward, extra=OUT_LINE, sites=sites
+            )
             return self.relay.exchange(
                 conn, job, route.origin, request, sid, self._node_ok(sid), now, local=False
             )
         extra = FROM_SITE_HEADER + b": " + self.site.encode() + b"\r\n"
+        if sites is not None:
+            extra += residency.SITES_HEADER + b": " + sites + b"\r\n"
         request = upstream_request(job, route.origin, forward=None, extra=extra)
         return self.relay.exchange(conn, job, route.origin, request, sid, None, now, local=False)
 
@@ -234,24 +242,29 @@ class Attempts:
 
         return still_ok
 
-    async def serve_forward(self, conn: ClientConn, req: Request, forward: bytes) -> bool:
-        """A request another ingress routed to us, for our own engine: checked (its forward
-        header signs the method, the target with its query, and the body), then relayed as
-        it came."""
-        path = req.path
-        target = req.target  # the path, and the query where the ingress kept one
+    def check_forward(self, req: Request, forward: bytes, own_session: str) -> residency.Sites:
+        """The allowed sites (``residency``) a forward carries, once it verifies: its header
+        signs the method, the target with its query, the body and the sites, for
+        ``own_session`` (our session id; with ``sites.OUT_SUFFIX``, a request to take out of
+        the site). ``ForwardRejected`` (or ``ValueError`` for a malformed set) if not."""
         carried = req.headers.get(residency.SITES_HEADER)
+        self.forwards.verify(
+            forward,
+            own_session=own_session,
+            method=req.method,
+            path=req.target,  # the path, and the query where the ingress kept one
+            body=req.body,
+            now=self.wall_clock(),
+            sites=carried,
+        )
+        return residency.decode(carried) if carried is not None else None
+
+    async def serve_forward(self, conn: ClientConn, req: Request, forward: bytes) -> bool:
+        """A request another ingress routed to us, for our own engine: checked
+        (``check_forward``), then relayed as it came."""
+        path = req.path
         try:
-            self.forwards.verify(
-                forward,
-                own_session=self.core.self_id,
-                method=req.method,
-                path=target,
-                body=req.body,
-                now=self.wall_clock(),
-                sites=carried,
-            )
-            allowed = residency.decode(carried) if carried is not None else None
+            allowed = self.check_forward(req, forward, self.core.self_id)
         except (ForwardRejected, ValueError) as exc:
             self._forwards_served("refused").inc()
             # named: an ingress that meant another node at this address (one that left, its
@@ -283,7 +296,7 @@ class Attempts:
             )
             return True
         started = self.clock.now()
-        job = Job("forward", "", False, req.body, target, req.headers, None, started)
+        job = Job("forward", "", False, req.body, req.target, req.headers, None, started)
         job.method = req.method
         content_type = req.headers.get(b"content-type")
         if content_type is not None and content_type.startswith(b"multipart/"):

@@ -89,7 +89,7 @@ from typing import Any
 
 import trio
 
-from fabricnode.dataplane import responses, routing
+from fabricnode.dataplane import residency, responses, routing
 from fabricnode.dataplane.apikeys import ApiKeyStore, RateLimiter
 from fabricnode.dataplane.asgi_call import KEY_SCOPE, KEYS_SCOPE, OWNER_SCOPE, AsgiApp, answer_asgi
 from fabricnode.dataplane.attempt import Attempts
@@ -133,9 +133,13 @@ from fabricnode.dataplane.request import (
     route_headers,
 )
 from fabricnode.dataplane.residency import (
+    FORWARD_ELSEWHERE,
     NO_COMMON_SITE,
     NOT_SERVED_THERE,
     SITE_NOT_ALLOWED,
+    SITES_HEADER,
+    Sites,
+    forward_message,
     narrow,
     refusal_message,
 )
@@ -151,8 +155,9 @@ from fabricnode.dataplane.sites import (
     SiteOffer,
     choose,
     may_leave,
-    site_allowed,
+    may_leave_for,
     site_routes,
+    taken_in,
 )
 from fabricnode.dataplane.sockio import LoopClock, Reactor, Watchdog, close
 from fabricnode.dataplane.tiers import OWNER_HEADER, RoomRules, owner_of
@@ -616,27 +621,30 @@ class Ingress:
         from_site = headers.get(FROM_SITE_HEADER)
         if from_site is not None:
             site = from_site.decode("ascii", "replace")
-            if not site_allowed(self.site, site):  # residency: the gateway taking it in
-                why = Rejection(403, f"site {site!r} may not use site {self.site!r}", "site")
+            # The link authenticated the peer site, whose gateway sends the request's allowed
+            # sites (``sites``, rule 4); the client's key stayed at its ingress.
+            carried = headers.get(SITES_HEADER)
+            try:
+                allowed = residency.decode(carried) if carried is not None else None
+            except ValueError as exc:
+                why = Rejection(400, f"bad allowed sites from site {site!r}: {exc}", "site")
                 return self._reject(conn, why, path)
-            # The link authenticated the peer site; the client's key stayed at its ingress.
+            if not taken_in(allowed, self.site):  # residency: the gateway taking it in
+                self.metrics.residency_refusals.labels(FORWARD_ELSEWHERE).inc()
+                assert allowed is not None  # every site takes a request of any site
+                why = Rejection(403, forward_message(self.site, allowed), SITE_NOT_ALLOWED)
+                return self._reject(conn, why, path)
             routed = decode_as(kind, headers, req.body, None)
             if isinstance(routed, Rejection):
                 return self._reject(conn, routed, path)
+            routed.sites = narrow(routed.sites, allowed)
             return self._route_decoded(conn, req, path, kind, routed, self.clock.now(), site)
         assert forward is not None
         if OUT_HEADER not in headers:
             return self.attempts.serve_forward(conn, req, forward)
         try:
-            self.attempts.forwards.verify(
-                forward,
-                own_session=self.core.self_id + OUT_SUFFIX,
-                method=req.method,
-                path=req.target,
-                body=req.body,
-                now=self.wall_clock(),
-            )
-        except ForwardRejected as exc:
+            allowed = self.attempts.check_forward(req, forward, self.core.self_id + OUT_SUFFIX)
+        except (ForwardRejected, ValueError) as exc:
             why = Rejection(403, f"forward refused: {exc}", "forward_refused")
             return self._reject(conn, why, path)
         if self.site_offers is None:
@@ -644,19 +652,21 @@ class Ingress:
                 503, "this agent is not a gateway", "no_eligible_node", [(b"retry-after", b"1")]
             )
             return self._reject(conn, why, path)
-        # The ingress that sent it checked the client's key; its credentials stayed there.
+        # The ingress that sent it checked the client's key; its credentials stayed there,
+        # its limits came as the allowed sites the forward signs.
         routed = decode_as(kind, headers, req.body, None)
         if isinstance(routed, Rejection):
             return self._reject(conn, routed, path)
+        routed.sites = narrow(routed.sites, allowed)
         return self._route_decoded(conn, req, path, kind, routed, self.clock.now(), "", True)
 
-    def _out_routes(self, model: str) -> list[Route]:
+    def _out_routes(self, model: str, sites: Sites) -> list[Route]:
         """Where a request our site cannot serve goes: a gateway sends it to the gateways of
-        the peer sites that serve ``model`` (``sites.choose``); another agent to the gateways of
-        our site, in turn (each asks its peer sites)."""
+        the peer sites that serve ``model`` at a site ``sites`` allows (``sites.choose``);
+        another agent to the gateways of our site, in turn (each asks its peer sites)."""
         offers = self.site_offers
         if offers is not None:
-            return site_routes(choose(offers(model)))
+            return site_routes(choose(offers(model), sites))
         gateways = self.table.gateways()
         n = len(gateways)
         if n > 1:
@@ -664,10 +674,18 @@ class Ingress:
             gateways = gateways[first:] + gateways[:first]
         return gateways
 
-    def _not_served(self, model: str, out: bool) -> Rejection:
-        """No node of our site, nor (``out``) a reachable peer site serves ``model``."""
+    def _not_served(self, model: str, out: bool, sites: Sites) -> Rejection:
+        """No node of our site, nor (``out``) a reachable peer site at a site ``sites``
+        allows, serves ``model``."""
         offers = self.site_offers
-        if out and offers is not None and any(o.replicas for o in offers(model)):
+        serving = [o for o in offers(model) if o.replicas] if out and offers is not None else []
+        if serving and sites is not None and not any(o.site in sites for o in serving):
+            self.metrics.residency_refusals.labels(NOT_SERVED_THERE).inc()
+            message = refusal_message(
+                model, sites, key_sites=None, header_sites=None, model_sites=None
+            )
+            return Rejection(403, message, SITE_NOT_ALLOWED)
+        if serving:
             return Rejection(
                 503,
                 f"no reachable site can take a request for model {model!r} now",
@@ -746,10 +764,14 @@ class Ingress:
         if not routes and not hold_s:
             # No node of our site: another site's, through a gateway (never for a request
             # that came from another site: one WAN crossing per attempt).
-            if may_leave(from_site, False) and kind != RESPONSES and routed.sites is None:
-                routes = self._out_routes(model)
+            if (
+                may_leave(from_site, False)
+                and kind != RESPONSES
+                and may_leave_for(routed.sites, self.site)
+            ):
+                routes = self._out_routes(model, routed.sites)
             if not routes:
-                return self._reject(conn, self._not_served(model, out), path)
+                return self._reject(conn, self._not_served(model, out, routed.sites), path)
         job = Job(kind, model, routed.stream, body, path, headers, routed.key, started, doc)
         job.sites = routed.sites
         if from_site:
@@ -803,6 +825,8 @@ class Ingress:
                 return None, False
             if self.declared is not None and self.declared(model):
                 return None, False  # scale from zero: a replica may start at an allowed site
+            if may_leave_for(sites, self.site) and (self.site_offers or self.table.gateways()):
+                return None, False  # another allowed site may serve it: a gateway checks
             reason = NOT_SERVED_THERE
         else:
             reason = NO_COMMON_SITE
@@ -952,7 +976,7 @@ class Ingress:
                 if not candidates and not left and self._may_go_out(job, routes):
                     # Every node of our site failed or none is eligible: another site.
                     left = True
-                    out = self._out_routes(job.model)
+                    out = self._out_routes(job.model, job.sites)
                     if out:
                         routes = out
                         candidates = self._candidates(routes, routed, tried, now, wall)
@@ -1107,7 +1131,7 @@ class Ingress:
         another site: ``sites.may_leave``), not waking a sleeping replica."""
         return (
             may_leave(job.from_site, job.out)
-            and job.sites is None  # limited to sites: served in this site only, for now
+            and may_leave_for(job.sites, self.site)
             and job.slot is None
             and not job.waking
             and job.model != "-"

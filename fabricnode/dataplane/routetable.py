@@ -268,7 +268,9 @@ class RouteTable:
             standing = core.standing(sid, State.SERVING)  # the table holds SERVING entries only
             if standing < Standing.SUSPECT:
                 continue
-            if sites is not None and info.site not in sites:
+            # a gateway of our site serves nothing itself: it takes the request out, and
+            # checks the set again against the peer sites it offers (``sites``, rule 4)
+            if sites is not None and info.site not in sites and r.hop != HOP_GATEWAY:
                 continue
             if providers and not provider_allowed(info, providers):
                 continue
@@ -285,6 +287,10 @@ class RouteTable:
 
 
 GATEWAY_LABEL = "fabric.gateway"  # sites.GATEWAY_LABEL (sites imports this module)
+# What a route leads to (``Route.hop``), named in ``sites`` (which imports this module).
+HOP_NODE = 0  # a node of our site (or our own engine)
+HOP_GATEWAY = 1  # a gateway of our site, which takes the request out
+HOP_SITE = 2  # a gateway of a peer site, over the federation link
 
 
 def _gateway_route(sid: str, url: str, labels: tuple[tuple[str, str], ...]) -> Route | None:
@@ -304,7 +310,7 @@ def _gateway_route(sid: str, url: str, labels: tuple[tuple[str, str], ...]) -> R
         max_model_len=None,
         quantization=None,
     )
-    return Route(info, origin, 0.0, False, False, 1)
+    return Route(info, origin, 0.0, False, False, HOP_GATEWAY)
 
 
 def _asleep(labels: tuple[tuple[str, str], ...]) -> bool:

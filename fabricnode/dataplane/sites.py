@@ -30,15 +30,22 @@ every other client's request, so the mark cannot be forged from outside. The rul
 3. **Credentials never cross**: the request a gateway sends carries none of the client's
    headers but those ``relay.FORWARDED_REQUEST_HEADERS`` lets through (no ``Authorization``,
    no ``x-api-key``); the receiving gateway trusts the authenticated link instead.
-4. **Residency** (``site_allowed``): the hook where the allowed set of sites of a request is
-   checked at a gateway, once built (issue 40, residency): today every site is allowed.
+4. **Residency** (``residency``; docs/federation.md, "Data residency"). A request limited to
+   sites leaves its site only if its allowed set names another site (``may_leave_for``). The
+   set travels with it: in the forward's MAC to a gateway of its site, which checks the forward,
+   narrows the set by its own service file and offers only the allowed peer sites
+   (``choose(offers, allowed)``; none: 403 ``site_not_allowed``); over the authenticated link
+   to the peer site's gateway, which refuses it (403) unless its own site is in the set
+   (``taken_in``) and routes it inside its site with the same filter as any request. Each
+   hop may only narrow the set. A peer site is trusted with the set it forwards, as with the
+   requests it sends at all: its gateways hold a site key we pinned.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fabricnode.dataplane import routetable
+from fabricnode.dataplane import residency, routetable
 from fabricnode.dataplane.routetable import Origin, Route
 from fabricnode.dataplane.routing import NodeInfo
 
@@ -53,10 +60,10 @@ OUT_HEADER = b"x-fabric-out"
 OUT_SUFFIX = "/out"
 # Response header naming the site whose node served (cross-site answers only).
 SITE_HEADER = b"x-fabric-site"
-# What a route leads to.
-HOP_NODE = 0  # a node of our site (or our own engine)
-HOP_GATEWAY = 1  # a gateway of our site, which takes the request out
-HOP_SITE = 2  # a gateway of a peer site, over the federation link
+# What a route leads to (``Route.hop``).
+HOP_NODE = routetable.HOP_NODE  # a node of our site (or our own engine)
+HOP_GATEWAY = routetable.HOP_GATEWAY  # a gateway of our site, which takes the request out
+HOP_SITE = routetable.HOP_SITE  # a gateway of a peer site, over the federation link
 # The host part of a site origin: ``site:<site>/<gateway address>``; the port is 0.
 SITE_ORIGIN_PREFIX = "site:"
 
@@ -80,16 +87,26 @@ def may_leave(from_site: str, out: bool) -> bool:
     return not from_site and not out
 
 
-def site_allowed(site: str, from_site: str) -> bool:
-    """Residency hook: whether a request may be served at ``site`` (checked by the gateway
-    that takes it out, per peer site, and by the gateway that takes it in, ``from_site``
-    the requester's). Every site until residency is built."""
-    return True
+def may_leave_for(allowed: residency.Sites, site: str) -> bool:
+    """Whether a request whose allowed set is ``allowed`` may be served at some site other
+    than ours (``site``): any site, or a set that names another (rule 4)."""
+    return allowed is None or any(s != site for s in allowed)
 
 
-def choose(offers: list[SiteOffer]) -> list[tuple[str, str]]:
-    """``(site, gateway address)`` pairs to try, best first (rule 2 of the module docstring)."""
-    usable = [o for o in offers if o.routable and o.replicas > 0 and o.gateways]
+def taken_in(allowed: residency.Sites, site: str) -> bool:
+    """Whether the gateway of ``site`` may take in a request a peer site sent with the
+    allowed set ``allowed`` (rule 4)."""
+    return residency.allows(allowed, site)
+
+
+def choose(offers: list[SiteOffer], allowed: residency.Sites = None) -> list[tuple[str, str]]:
+    """``(site, gateway address)`` pairs to try, best first (rule 2 of the module docstring),
+    at the sites ``allowed`` (rule 4; None: any)."""
+    usable = [
+        o
+        for o in offers
+        if o.routable and o.replicas > 0 and o.gateways and residency.allows(allowed, o.site)
+    ]
     usable.sort(
         key=lambda o: (
             o.admitting <= 0,

@@ -13,8 +13,10 @@ the sentence the log shows.
 1. **Units.** Each of our jobs for the model is PENDING, STARTING (running, no SERVING replica
    yet) or SERVING (its agent's entry, matched by the ``slurm.job_id`` label, is SERVING and
    alive). A time-limit successor and the job it replaces (``replaces=``) count as one unit
-   until the old job is gone; jobs being drained by a cancel, and jobs whose agent has left
-   the mesh (signed LEFT, draining before its time limit or a signal), do not count.
+   until the old job is gone; jobs being drained by a cancel do not count. A job whose agent
+   has left the mesh (signed LEFT: its time limit near, a SIGTERM, a preemption) still counts
+   until squeue says how it ended (its replacement's reason names that), but it is the first
+   a surplus retires (rule 4).
 2. **Time limits, make-before-break.** A SERVING job whose end is nearer than the model's lead
    time (``Memory.lead_s``: the learned time from ``sbatch`` to SERVING on that partition, times
    ``lead_factor`` and at least ``lead_slack_s`` more, plus the agent's leave margin) gets a
@@ -66,7 +68,7 @@ pass does (serving, and pending or starting), for the policy before the pass run
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 
 from fabricnode.elastic.jobs import Job
@@ -293,7 +295,7 @@ def reconcile(
             return True
 
         mine = [j for j in jobs if j.model == goal.model and not j.ending]
-        live = [j for j in mine if j.job_id not in memory.draining and j.job_id not in leaving]
+        live = [j for j in mine if j.job_id not in memory.draining]
         phase = {j.job_id: _phase(j, by_job) for j in live}
         successors = {j.replaces for j in live if j.replaces}
         units = [j for j in live if j.job_id not in successors]  # a handover pair counts once
@@ -319,7 +321,7 @@ def reconcile(
                 memory.draining[j.job_id] = now
                 units.remove(j)
         # rule 4 first: the units a scale-down retires get no successor (rule 2)
-        victims = _victims(units, live, phase, len(units) - goal.target)
+        victims = _victims(units, live, phase, len(units) - goal.target, leaving)
         retired = {j.job_id for unit in victims for j in unit}
         # rule 2: successors ahead of time limits, for serving jobs only (a job still starting
         # replaces nothing yet, and a lead longer than a job must not chain successors), not
@@ -379,7 +381,7 @@ def reconcile(
                 sum(1 for j in live if phase[j.job_id] == SERVING),
                 counts[STARTING],
                 counts[PENDING],
-                sum(1 for j in mine if j.job_id in memory.draining or j.job_id in leaving),
+                sum(1 for j in mine if j.job_id in memory.draining),
                 state,
                 note,
                 goal.why.text,
@@ -423,18 +425,28 @@ class _Budget:
 
 
 def _victims(
-    units: Sequence[Job], live: Sequence[Job], phase: Mapping[str, str], surplus: int
+    units: Sequence[Job],
+    live: Sequence[Job],
+    phase: Mapping[str, str],
+    surplus: int,
+    leaving: Set[str] = frozenset(),
 ) -> list[tuple[Job, ...]]:
     """The ``surplus`` units a scale-down retires (rule 4), each with the job its successor
-    replaces when it is a handover pair: first those that serve nobody yet, pending then
-    starting (newest first), then the serving ones nearest their time limit (a pair's is its
-    old job's: it is the one a successor was needed for), so that what stays needs none."""
+    replaces when it is a handover pair: first those whose agent has left (``leaving``: they
+    are ending anyway), then those that serve nobody yet, pending then starting (newest
+    first), then the serving ones nearest their time limit (a pair's is its old job's: it is
+    the one a successor was needed for), so that what stays needs none. Leaving first: a job
+    whose agent left while the successor paired with it had ended first (a drain slower than
+    the successor's whole life) is a unit again, beside the successor's own successor; the
+    newest-first rule would cancel that one, the replica's future, instead of the leaver."""
     if surplus <= 0:
         return []
     by_id = {j.job_id: j for j in live}
     order = {PENDING: 0, STARTING: 1, SERVING: 2}
 
     def key(unit: tuple[Job, ...]) -> tuple[int, float, float]:
+        if any(j.job_id in leaving for j in unit):
+            return (-1, 0.0, 0.0)
         rank = max(order[phase[j.job_id]] for j in unit)
         newest = -max(j.submitted_at or 0.0 for j in unit)
         if rank < 2:
@@ -456,10 +468,7 @@ def _present(replicas: Iterable[Replica]) -> dict[str, Replica]:
 def _leaving(replicas: Iterable[Replica], present: Mapping[str, Replica]) -> set[str]:
     """Jobs whose agent has left the mesh (signed LEFT: its time limit near, a SIGTERM, a
     preemption) and is not back as a new session: still RUNNING in squeue while it drains,
-    but serving nobody and never again, so no unit (rule 1). Counted as one, such a job kept
-    its replacement from being submitted until squeue let it go, and, when the successor
-    that paired it had ended first (a drain slower than the successor's whole life), made
-    the pair's next successor a surplus unit the scale-down cancelled."""
+    serving nobody and never again (rules 1 and 4)."""
     return {r.job_id for r in replicas if r.job_id and r.state == "left"} - set(present)
 
 
@@ -558,14 +567,8 @@ def _placement_of(job: Job, goal: Goal, places: Sequence[Placement]) -> Placemen
 
 def holdings(jobs: Iterable[Job], replicas: Iterable[Replica], memory: Memory) -> dict[str, Held]:
     """Per model, the units the next pass starts from (``Held``), for the scaling policy."""
-    replicas = list(replicas)
     by_job = _present(replicas)
-    leaving = _leaving(replicas, by_job)
-    live = [
-        j
-        for j in jobs
-        if not j.ending and j.job_id not in memory.draining and j.job_id not in leaving
-    ]
+    live = [j for j in jobs if not j.ending and j.job_id not in memory.draining]
     ids = {j.job_id for j in live}
     counts: dict[str, list[int]] = {}
     newest: dict[str, float] = {}

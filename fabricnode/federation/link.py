@@ -11,8 +11,8 @@ line at start); ``run`` then, in its own nursery:
 * once the agent has joined its site's mesh, rebuilds our site's summary from the registry
   every ``summary_period_s`` and signs a new one (new ``seq``) when it changed and at least
   every ``keepalive_s``;
-* over each connection, sends the latest summary (only over one connection per site: the
-  oldest up), pings every ``ping_interval_s``, and feeds what it receives into the
+* over each connection, sends the latest summary (only over one connection per peer gateway:
+  the oldest up; every gateway of a peer site keeps its own view), pings every ``ping_interval_s``, and feeds what it receives into the
   ``FederationView``: summaries (``view.accept``) and round trips (``view.observe_rtt``).
 
 TLS: both sides present their site certificate and require the other's; the trust store is
@@ -564,9 +564,16 @@ class Gateway:
                 await changed.wait()
 
     def _carries(self, conn: _Conn) -> bool:
-        """Whether our summaries go to ``conn.site`` over ``conn``: the oldest one up."""
+        """Whether our summaries go to the peer gateway at the other end of ``conn`` over it:
+        the oldest connection up with that gateway (named by its HELLO; one that takes no
+        connections names none, and each of its connections counts alone). Per gateway, not
+        per site: every gateway of a peer site keeps its own view, and one of two gateways of
+        a site that heard our summary over the other's connection only never had it (seen
+        over the emulated WAN: a site's second gateway never saw a peer site routable)."""
+        if not conn.peer_gateway:
+            return True
         for other in self._conns:
-            if other.site == conn.site:
+            if other.site == conn.site and other.peer_gateway == conn.peer_gateway:
                 return other is conn
         return False
 

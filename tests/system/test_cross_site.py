@@ -6,6 +6,7 @@ gateway and one of C's; killing the C gateway that carries the load fails no req
 from __future__ import annotations
 
 import json
+import re
 import socket
 import ssl
 import statistics
@@ -18,6 +19,7 @@ import httpx
 import pytest
 
 from cli.localmesh import AgentProcess, LocalMesh, wait_until
+from fabricnode.dataplane.apikeys import ApiKeyStore
 from fabricnode.federation.keygen import generate_site_key
 from fabricnode.federation.sitekey import SiteKey
 from tests.support.meshview import free_port
@@ -50,6 +52,13 @@ def test_a_model_only_another_site_serves_is_answered_through_the_gateways(
     peers_a = peer_dir(tmp_path, "A", key_c)
     peers_c = peer_dir(tmp_path, "C", key_a)
     request_log = tmp_path / "a-ingress-requests.jsonl"
+    # an ingress of A with API keys on: one key limited to site A, one to site C
+    keys_path = tmp_path / "a-api-keys.json"
+    store = ApiKeyStore(keys_path, enabled=True)
+    only_a = store.new_key("only-a", sites=["A"])[0]
+    only_c = store.new_key("only-c", sites=["C"])[0]
+    ops = store.new_key("ops", admin=True)[0]
+    store.save()
     with LocalMesh(tmp_path / "site-a") as site_a, LocalMesh(tmp_path / "site-c") as site_c:
         c_node = site_c.start("c-node", args=["--site", "C", "--sim", MODEL])
         gw_c1 = site_c.start(
@@ -63,6 +72,7 @@ def test_a_model_only_another_site_serves_is_answered_through_the_gateways(
             args=gateway_args(key_a, peers_a, port_a, f"C=127.0.0.1:{port_c1}"),
         )
         ingress = site_a.start("a-ingress", args=["--site", "A", "--request-log", str(request_log)])
+        keyed = site_a.start("a-keyed", args=["--site", "A", "--api-keys", str(keys_path)])
 
         def c_lists_both_gateways() -> bool:
             row = sites_of(gw_a).get("C")
@@ -76,13 +86,18 @@ def test_a_model_only_another_site_serves_is_answered_through_the_gateways(
 
         assert wait_until(c_lists_both_gateways, 40), sites_of(gw_a)
         # the ingress knows A's gateway (its entry, labelled fabric.gateway)
-        assert wait_until(
-            lambda: any(
-                n["session_id"] == gw_a.session_id
-                for n in httpx.get(f"{ingress.http_url}/fabric/v1/nodes", timeout=5).json()["nodes"]
-            ),
-            20,
-        )
+        for agent in (ingress, keyed):
+            assert wait_until(
+                lambda agent=agent: any(  # type: ignore[misc]
+                    n["session_id"] == gw_a.session_id
+                    for n in httpx.get(
+                        f"{agent.http_url}/fabric/v1/nodes",
+                        headers={"authorization": f"Bearer {ops}"},
+                        timeout=5,
+                    ).json()["nodes"]
+                ),
+                20,
+            )
         c_sid = c_node.session_id
         url = ingress.http_url
 
@@ -116,6 +131,56 @@ def test_a_model_only_another_site_serves_is_answered_through_the_gateways(
         with aclient.messages.stream(model=MODEL, max_tokens=6, messages=messages) as stream:
             streamed = "".join(stream.text_stream)
         assert len(streamed.split()) == 6
+
+        # data residency across sites (docs/federation.md): the request's allowed sites travel
+        # with it, checked by the gateway taking it out and the one taking it in; what site C's
+        # node serves is counted in its request log
+        def c_served() -> int:
+            """Requests that reached C's node (every forward its agent took, whatever came
+            of it): the engine sees no request that did not."""
+            page = httpx.get(f"{c_node.http_url}/metrics", timeout=5).text
+            found = re.findall(r"^fabric_forward_requests_total\{[^}]*\} (\S+)$", page, re.M)
+            return int(sum(float(v) for v in found))
+
+        chat_body = {"model": MODEL, "messages": [{"role": "user", "content": "where"}]}
+
+        def ask(base: str, key: str = "none", **headers: str) -> httpx.Response:
+            return httpx.post(
+                f"{base}/v1/chat/completions",
+                json=chat_body,
+                headers={"authorization": f"Bearer {key}", **headers},
+                timeout=30,
+            )
+
+        assert c_served() >= 4  # the answers above
+        seen = c_served()
+        limited_a = openai.OpenAI(
+            base_url=f"{keyed.http_url}/v1", api_key=only_a, max_retries=0, timeout=30
+        )
+        for _ in range(3):  # a key limited to A: the model only C serves is not found for it
+            with pytest.raises(openai.NotFoundError) as refused:
+                limited_a.chat.completions.create(**chat_body)  # type: ignore[call-overload]
+            assert MODEL in str(refused.value)
+        refused_header = ask(url, **{"X-Fabric-Require": "site=A"})
+        assert refused_header.status_code == 404, refused_header.text
+        assert refused_header.json()["error"]["code"] == "model_not_found"
+        # over the link, a request whose allowed sites exclude C: refused at C's gateway
+        link_head = (
+            f"POST /v1/chat/completions HTTP/1.1\r\ncontent-type: application/json\r\n"
+            f"x-fabric-sites: A\r\ncontent-length: {len(json.dumps(chat_body))}"
+        )
+        over = _over_link(key_a, key_c, port_c1, link_head.encode(), json.dumps(chat_body).encode())
+        assert over.startswith(b"HTTP/1.1 403") and b"site_not_allowed" in over, over[:300]
+        # the key limited to C, and requests asking for C (or A or C), are served at C
+        allowed_c = ask(keyed.http_url, only_c)
+        assert allowed_c.status_code == 200, allowed_c.text
+        assert allowed_c.headers["x-fabric-site"] == "C"
+        for require in ("site=C", "site=A|C"):
+            r = ask(url, **{"X-Fabric-Require": require})
+            assert r.status_code == 200 and r.headers["x-fabric-site"] == "C", (require, r.text)
+        # C's node saw the three it may serve, none of those limited to A (sent before them)
+        assert wait_until(lambda: c_served() >= seen + 3, 10)
+        assert c_served() == seen + 3, (seen, c_served())
 
         # a model no site serves: 404, as for a model unknown in a site
         with pytest.raises(openai.NotFoundError):

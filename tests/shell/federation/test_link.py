@@ -21,6 +21,7 @@ from fabricnode.mesh.identity import Identity
 from fabricnode.mesh.keyring import Keyring
 from fabricnode.mesh.registry import ModelInfo, State
 from fabricnode.testing.simnet import make_body
+from tests.support.meshview import free_port
 
 NOW = 1_750_000_000.0
 
@@ -129,6 +130,33 @@ async def test_summaries_cross_partitions_keep_the_site_and_healing_restores_it(
         await wait_for(lambda: gw_a.view.routable("C", clock()))
         stats = gw_a.statistics()
         assert stats.accepted >= 2 and stats.refused["bad_signature"] == 0
+        nursery.cancel_scope.cancel()
+
+
+async def test_every_gateway_of_a_site_with_two_gets_the_peer_sites_summary(
+    tmp_path: Path, keys: dict[str, SiteKey]
+) -> None:
+    """A's gateway dials C's first gateway; C's second dials A's: A's summary must reach both
+    of C's (each keeps its own view), not only the one whose connection is A's oldest."""
+    peers_c = peer_dir(tmp_path, "C", keys["A"])
+
+    def at(cfg: FederationConfig) -> FederationConfig:
+        """Each gateway says its own address in its HELLO, as ``--gateway`` makes it."""
+        port = free_port()
+        return replace(cfg, gateway=f"127.0.0.1:{port}", listen_port=port)
+
+    gw_c1 = Gateway.load(at(config(keys["C"], peers_c)), wall_clock=clock)
+    async with trio.open_nursery() as nursery:
+        addr_c1, _ = await start(nursery, gw_c1, serving_core("llama", "C"))
+        cfg_a = config(keys["A"], peer_dir(tmp_path, "A", keys["C"]), (("C", addr_c1),))
+        gw_a = Gateway.load(at(cfg_a), wall_clock=clock)
+        addr_a, _ = await start(nursery, gw_a, serving_core("other", "A"))
+        gw_c2 = Gateway.load(at(config(keys["C"], peers_c, (("A", addr_a),))), wall_clock=clock)
+        await start(nursery, gw_c2, serving_core("llama", "C"))
+        for gw in (gw_c1, gw_c2):
+            await wait_for(lambda gw=gw: gw.view.routable("A", clock()))  # type: ignore[misc]
+            assert gw.view.sites_serving("other", clock()) == ["A"]
+        await wait_for(lambda: gw_a.view.routable("C", clock()))
         nursery.cancel_scope.cancel()
 
 

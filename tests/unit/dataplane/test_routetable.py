@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from fabricnode.dataplane.routetable import CircuitBreaker, RouteTable
+from fabricnode.dataplane.routetable import HOP_GATEWAY, CircuitBreaker, RouteTable
 from fabricnode.mesh.identity import Identity
 from fabricnode.mesh.membership import Liveness
 from fabricnode.mesh.registry import Addresses, ModelInfo, State
@@ -168,6 +168,18 @@ def test_a_node_outside_the_allowed_sites_is_never_a_candidate() -> None:
     assert sites_of(frozenset({"A", "C"})) == {"A", "C"}
     assert sites_of(frozenset({"a"})) == set()  # names are compared exactly
     assert sites_of(frozenset()) == set()
+    # a route to a gateway of our site (site A here) is no node that serves: it takes the
+    # request out and checks the set against the peer sites it offers (``sites``, rule 4)
+    a_node = next(r for r in routes if by_site[r.info.session_id] == "A")
+    gateway = replace(a_node, hop=HOP_GATEWAY)
+    assert table.eligible(
+        [a_node, gateway], now=0.0, wall_now=net.wall, inflight={}, breaker=breaker,
+        providers=frozenset(), requirements=None, sites=frozenset({"C"}),
+    ) != []  # fmt: skip
+    assert table.eligible(
+        [a_node], now=0.0, wall_now=net.wall, inflight={}, breaker=breaker,
+        providers=frozenset(), requirements=None, sites=frozenset({"C"}),
+    ) == []  # fmt: skip
     # the breaker's last resort (every node ejected: try them anyway) stays within the sites
     for sid in by_site:
         breaker.failed(sid, 0.0)

@@ -9,9 +9,11 @@ from fabricnode.dataplane.sites import (
     SiteOffer,
     choose,
     may_leave,
+    may_leave_for,
     parse_site_origin,
     site_origin,
     site_routes,
+    taken_in,
 )
 from fabricnode.federation.summary import GATEWAY_LABEL
 
@@ -68,6 +70,23 @@ def test_a_request_from_another_site_or_already_leaving_never_leaves_again() -> 
     assert not may_leave("C", False)  # came over the link: served inside this site only
     assert not may_leave("", True)  # a gateway taking it out sends it to peer sites only
     assert not may_leave("C", True)
+
+
+def test_a_request_limited_to_sites_is_offered_only_the_allowed_peer_sites() -> None:
+    offers = [offer("B", "b:1", rtt=0.001), offer("C", "c:1", rtt=0.2), offer("D", "d:1")]
+    assert [s for s, _ in choose(offers, frozenset({"C", "D"}))] == ["D", "C"]
+    assert choose(offers, frozenset({"A"})) == []  # our own site only: no peer at all
+    assert choose(offers, frozenset()) == []  # no site at all
+    assert [s for s, _ in choose(offers, None)] == ["B", "D", "C"]
+
+
+def test_a_request_leaves_only_for_a_site_its_set_names_and_is_taken_in_only_there() -> None:
+    assert may_leave_for(None, "A")
+    assert may_leave_for(frozenset({"A", "C"}), "A")
+    assert not may_leave_for(frozenset({"A"}), "A")
+    assert not may_leave_for(frozenset(), "A")
+    assert taken_in(None, "C") and taken_in(frozenset({"A", "C"}), "C")
+    assert not taken_in(frozenset({"A"}), "C") and not taken_in(frozenset(), "C")
 
 
 def test_site_routes_are_peer_gateways_over_the_link() -> None:

@@ -482,10 +482,10 @@ def test_no_pass_submits_a_successor_for_a_job_it_or_the_idle_rule_retires_first
         assert max(j.ends_at or 0 for j in gone) <= min(j.ends_at or 0 for j in kept)
 
 
-def test_a_job_whose_agent_left_is_no_unit_though_squeue_still_shows_it_running() -> None:
+def test_a_job_whose_agent_left_is_the_first_a_surplus_retires() -> None:
     # The agent of job 6 left at its time limit and drains slowly; its successor 8 ended
-    # first, so 8's successor 10 (still starting) is what carries that replica on: 10 must not
-    # be cancelled as a surplus, and nothing more is submitted.
+    # first, so 6 is a unit again beside 10 (8's successor, still starting), which carries
+    # that replica on: the surplus retires 6, never 10, and nothing more is submitted.
     jobs = [
         job("6", submitted=NOW - 90, ends=NOW + 30, replaces="4"),
         job("9", submitted=NOW - 60, ends=NOW + 60, replaces="7"),
@@ -495,13 +495,9 @@ def test_a_job_whose_agent_left_is_no_unit_though_squeue_still_shows_it_running(
     left = Replica("a" * 32, M, "6", "left")
     replicas = [left, serving("9"), Replica("b" * 32, M, "10", "join")]
     p = reconcile(NOW, [goal()], jobs, replicas, Memory())
-    assert p.actions == ()
-    (s,) = p.status
-    assert (s.serving, s.starting, s.pending, s.draining) == (1, 1, 1, 1)
-    assert holdings(jobs, replicas, Memory())[M] == Held(1, 1, None)
-    # a lone job whose agent left is replaced at once, not when squeue lets it go
-    p = reconcile(NOW, [goal(1)], [job("6")], [left], Memory())
-    assert len(submits(p.actions)) == 1
-    # an agent back as a new session (a restarted engine) keeps its job a unit
+    assert [c.job_id for c in cancels(p.actions)] == ["6"] and submits(p.actions) == []
+    # a lone job whose agent left still counts until squeue says how it ended (its
+    # replacement's reason names that), and a restarted engine's new session keeps it a unit
+    assert reconcile(NOW, [goal(1)], [job("6")], [left], Memory()).actions == ()
     back = [left, Replica("c" * 32, M, "6", "serving")]
     assert reconcile(NOW, [goal(1)], [job("6")], back, Memory()).actions == ()

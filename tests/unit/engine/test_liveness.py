@@ -3,8 +3,8 @@ engine's progress (``engine.liveness``)."""
 
 from __future__ import annotations
 
-import os
-import time
+import subprocess
+import sys
 from pathlib import Path
 
 from hypothesis import given
@@ -124,14 +124,36 @@ def test_laws(events: list[tuple[str, float]]) -> None:
 
 
 def test_the_cpu_time_of_a_process_group_is_read_from_proc() -> None:
-    """What the supervisor feeds ``cpu``: this test's own group, which spins a little."""
-    group = os.getpgid(0)
-    before = group_cpu_seconds(group)
-    assert before is not None
-    deadline = time.process_time() + 0.2
-    while time.process_time() < deadline:
-        pass
-    after = group_cpu_seconds(group)
-    assert after is not None and after - before >= 0.1
+    """What the supervisor feeds ``cpu``: a group of its own (a child in a new session) that
+    spins 0.3 s of CPU when told. Not this test's own group: under pytest it holds whatever
+    else the run started, and a member that exits takes its CPU time out of the sum."""
+    spin = (
+        "import sys, time\n"
+        "print('ready', flush=True); sys.stdin.readline()\n"
+        "end = time.process_time() + 0.3\n"
+        "while time.process_time() < end: pass\n"
+        "print('spun', flush=True); sys.stdin.readline()\n"
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", spin],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    assert child.stdin is not None and child.stdout is not None
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        group = child.pid  # the session's (and group's) leader
+        before = group_cpu_seconds(group)
+        assert before is not None
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        assert child.stdout.readline().strip() == "spun"
+        after = group_cpu_seconds(group)
+        assert after is not None and after - before >= 0.25, (before, after)
+    finally:
+        child.stdin.close()
+        child.wait(10)
     assert group_cpu_seconds(2**22 + 7) == 0.0  # no such group: nothing used
     assert group_cpu_seconds(group, Path("/nonexistent")) is None
