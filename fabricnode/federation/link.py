@@ -12,8 +12,9 @@ line at start); ``run`` then, in its own nursery:
   every ``summary_period_s`` and signs a new one (new ``seq``) when it changed and at least
   every ``keepalive_s``;
 * over each connection, sends the latest summary (only over one connection per peer gateway:
-  the oldest up; every gateway of a peer site keeps its own view), pings every ``ping_interval_s``, and feeds what it receives into the
-  ``FederationView``: summaries (``view.accept``) and round trips (``view.observe_rtt``).
+  the oldest up; every gateway of a peer site keeps its own view), pings every
+  ``ping_interval_s``, and feeds what it receives into the ``FederationView``: summaries
+  (``view.accept``) and round trips (``view.observe_rtt``).
 
 TLS: both sides present their site certificate and require the other's; the trust store is
 exactly the pinned peer certificates (self-signed, loaded as CA data; no name check: the
