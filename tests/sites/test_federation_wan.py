@@ -33,21 +33,19 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 
-from cli.localmesh import AgentProcess, LocalMesh, wait_until
+from cli.localmesh import wait_until
 from fabricnode.dataplane.apikeys import ApiKeyStore
 from fabricnode.federation import protocol
 from fabricnode.federation.keygen import generate_site_key
-from fabricnode.federation.sitekey import SiteKey
 from fabricnode.federation.summary import ModelCapacity, SiteSummary, SummaryBody
-from tests.support.sites import Link, Site, Sites, Topology, emulated_sites, require_sites
+from tests.support.federation import Federation, start_meshes
+from tests.support.sites import Link, Site, Topology, emulated_sites, require_sites
 
 openai = pytest.importorskip("openai")
 anthropic = pytest.importorskip("anthropic")
@@ -55,7 +53,6 @@ anthropic = pytest.importorskip("anthropic")
 pytestmark = pytest.mark.slow
 
 CUT_S = float(os.environ.get("FABRIC_WAN_CUT_S", "60"))
-FED_PORT = 7950
 TOPOLOGY = Topology(
     sites=(Site("a", computes=2), Site("b"), Site("c", gateways=2)),
     links={
@@ -66,79 +63,6 @@ TOPOLOGY = Topology(
 )
 MODELS = {"a": "sim-a", "b": "sim-b", "c": "sim-c"}
 GATEWAYS = ("a-gw0", "b-gw0", "c-gw0", "c-gw1")
-
-
-@dataclass
-class Federation:
-    sites: Sites
-    root: Path
-    keys: dict[str, SiteKey]
-    meshes: dict[str, LocalMesh] = field(default_factory=dict)
-    agents: dict[str, AgentProcess] = field(default_factory=dict)
-    api_keys: dict[str, str] = field(default_factory=dict)
-
-    def start(self, node: str, *args: str) -> AgentProcess:
-        n = self.sites.node(node)
-        agent = self.meshes[n.site].start(
-            node,
-            wait=False,
-            host=n.address,
-            prefix=["ip", "netns", "exec", n.netns],
-            args=["--site", n.site, *args],
-        )
-        self.agents[node] = agent
-        return agent
-
-    def gateway(self, node: str) -> AgentProcess:
-        n = self.sites.node(node)
-        assert n.wan_address is not None
-        peers = self.root / f"peers-{n.site}"
-        if not peers.exists():
-            peers.mkdir()
-            for site, key in self.keys.items():
-                if site != n.site:
-                    (peers / f"{site}.pem").write_bytes(key.cert.pem)
-        dial = [
-            arg
-            for other in self.keys
-            if other != n.site
-            for arg in ("--federation-peer", f"{other}={self.wan(other + '-gw0')}")
-        ]
-        return self.start(
-            node,
-            "--gateway", self.wan(node),
-            "--site-key", str(self.keys[n.site].key_path),
-            "--peer-sites", str(peers),
-            *dial,
-        )  # fmt: skip
-
-    def wan(self, node: str) -> str:
-        return f"{self.sites.node(node).wan_address}:{FED_PORT}"
-
-    def url(self, node: str) -> str:
-        return self.agents[node].http_url
-
-    def at(self, node: str, fn: Callable[[], Any]) -> Any:
-        """``fn()`` inside ``node``'s namespace: its sockets are that node's."""
-        return self.sites.in_node(node, fn)
-
-    def get(self, src: str, node: str, path: str) -> Any:
-        """GET ``path`` of ``node``'s agent from inside ``src`` (as the ops key)."""
-        headers = {"authorization": f"Bearer {self.api_keys['ops']}"}
-        return self.at(
-            src,
-            lambda: httpx.get(f"{self.url(node)}{path}", headers=headers, timeout=10).json(),
-        )
-
-    def peer_sites(self, gateway: str) -> dict[str, dict[str, Any]]:
-        doc = self.get(gateway, gateway, "/fabric/v1/sites")
-        return {row["site"]: row for row in doc["sites"]}
-
-    def metric(self, node: str, name: str, **labels: str) -> float:
-        page = self.at(node, lambda: httpx.get(f"{self.url(node)}/metrics", timeout=10).text)
-        selector = ",".join(f'{k}="{v}"' for k, v in labels.items())
-        found = re.search(rf"^{name}\{{{selector}\}} (\S+)$", page, re.M)
-        return float(found.group(1)) if found else 0.0
 
 
 @pytest.fixture(scope="module")
@@ -156,8 +80,7 @@ def federation(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Federation]
         }
         store.save()
         try:
-            for s in TOPOLOGY.sites:
-                fed.meshes[s.name] = LocalMesh(root / f"site-{s.name}")
+            start_meshes(fed)
             # the nodes first (a gateway's first summary then lists their models)
             fed.start("a-c1", "--sim", MODELS["a"])
             fed.start("b-c0", "--sim", MODELS["b"])
@@ -169,8 +92,7 @@ def federation(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Federation]
                 agent.wait_ready(60)
             yield fed
         finally:
-            for mesh in fed.meshes.values():
-                mesh.close()
+            fed.close()
 
 
 def everyone_sees_everything(fed: Federation) -> bool:
