@@ -36,9 +36,13 @@ class FederationConfig:
     handshake_timeout_s: float = 10.0
     send_timeout_s: float = 10.0  # a peer that takes no bytes this long is dropped
     idle_timeout_s: float = 10.0  # a peer that sends nothing this long is dropped
-    dial_timeout_s: float = 5.0
+    # A link to a site that cannot be reached is dialed again every few seconds (a SYN each),
+    # so that the views agree within seconds of a heal: at most 15 s between dials, and a
+    # connect left hanging for 5 s, left a gateway of a site cut for 60 s unaware of the heal
+    # 10 s after it (the emulated WAN's acceptance test); one SYN every ~2 s is nothing.
+    dial_timeout_s: float = 3.0
     backoff_min_s: float = 0.5
-    backoff_max_s: float = 15.0
+    backoff_max_s: float = 2.0
     max_connections: int = 64  # incoming links, at once
     # Cross-site requests (ALPN fabric-http/1): connections carrying them, at once, each way.
     max_http_connections: int = 256
