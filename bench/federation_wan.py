@@ -11,8 +11,8 @@ agents (``fabric start``) in network namespaces; the figures are read from the g
   serves, the time until each other site's gateway lists the model (the summary path: the
   node's entry gossiped to its gateway, the next summary, one WAN crossing); per pair, against
   the pair's RTT plus 2 s. Done from every site in turn.
-* **an update**: that node leaves (SIGTERM); the time until each other site's gateway lists the
-  model with no replica.
+* **an update**: that node leaves (SIGTERM); from the signal, the time until each other site's
+  gateway lists the model with no replica.
 * **false partitions**: over ``--steady-s`` of steady state, every gateway's view polled twice a
   second; a sample where a live, connected site is not routable is a false positive.
 * **WAN bytes per gateway**: what the router carried out of each site's segment over the steady
@@ -178,11 +178,11 @@ def main(argv: list[str] | None = None) -> int:
                     seen = wait_views(
                         fed, gateways, origin, lambda row, m=model: replicas(row, m) == 1, 30
                     )
-                    node.terminate()
-                    node.wait(30)
+                    node.terminate()  # the update's clock starts at the SIGTERM
                     gone = wait_views(
                         fed, gateways, origin, lambda row, m=model: not replicas(row, m), 30
                     )
+                    node.wait(30)
                     for site in names:
                         if site == origin:
                             continue
