@@ -5,14 +5,16 @@
 # Why these lanes: what bounds each part of the suite is different, and only side by side do
 # they keep both cores busy. Five places run a lane each; when a lane ends, the next queued lane
 # takes its place (QUEUE, longest first).
-#   slurm-elastic  SLURM_ELASTIC, on a Slurm of its own: the elastic controller waiting out
-#            time limits, takeovers, ramps and replacements; at a fifth of a core.
 #   interpreted  the data plane's tests once more on the interpreted sources (FABRIC_NATIVE=0
 #            on every tests/<kind>/dataplane folder and tests/unit/requestlog: what runs where
-#            the compiled build is missing or stale, so it must stay correct too).
-#            These two need neither the compiled build nor lint, so they run interpreted and
-#            start first, beside `make test`'s setup (LANES_SETUP: lint, types, the build, the
-#            vLLM venv), which kept a core mostly idle for ~230 s.
+#            the compiled build is missing or stale, so it must stay correct too). It needs
+#            neither the compiled build nor lint, so it starts first, beside `make test`'s
+#            setup (LANES_SETUP: lint, types, the build, the vLLM venv: ~25 s with the build
+#            cached, ~230 s without, a core mostly idle meanwhile).
+#   slurm-elastic  SLURM_ELASTIC, on a Slurm of its own: the elastic controller waiting out
+#            time limits, takeovers and replacements; at a fifth of a core. (Run interpreted
+#            beside the setup, its two-minute jobs' drains slowed enough to leave a replica
+#            alone for 16 s: compiled, after the setup.)
 #   compute  tests/unit, tests/shell: pure code, in-process trio services on the fake network
 #            under MockClock (the mesh simulations at 20-60 nodes are the slowest); they keep a
 #            core busy and seldom wait.
@@ -133,9 +135,7 @@ QUEUE=(agents-late agents-tail sites agents-benches compute-system browser slurm
 
 declare -A in_slot=() # a place -> the lane in it now (ended when its status file is there)
 setup_failed=0
-# The lanes that need nothing of the setup, interpreted, first: beside it when there is one.
-lane slurm-elastic FABRIC_NATIVE=0 -- "${SLURM_ELASTIC[@]}" &
-in_slot[slurm-elastic]=slurm-elastic
+# The lane that needs nothing of the setup (interpreted) first: beside it when there is one.
 lane interpreted FABRIC_NATIVE=0 -- "${DATAPLANE_TESTS[@]}" &
 in_slot[interpreted]=interpreted
 if [ -n "${LANES_SETUP:-}" ]; then
@@ -143,6 +143,8 @@ if [ -n "${LANES_SETUP:-}" ]; then
     bash -c "$LANES_SETUP" || setup_failed=1
     echo "== setup done after $(($(date +%s) - started)) s (exit status: $setup_failed)"
 fi
+lane slurm-elastic -- "${SLURM_ELASTIC[@]}" &
+in_slot[slurm-elastic]=slurm-elastic
 lane compute -- "${COMPUTE[@]}" &
 in_slot[compute]=compute
 lane agents -- -m "not compute" "${late_ignored[@]}" "${AGENTS[@]}" &
