@@ -644,6 +644,16 @@ class Agent:
                 acts = drain.engine_stopped(now(), relayed=ingress.relayed_inflight)
                 if acts:
                     continue
+            # The counts as they are now, before waiting for them to change: the requests in
+            # flight may all have ended while the actions above ran (signing LEFT lingers a
+            # second), and no change would come to wake the wait; the drain then sat until its
+            # 30 s deadline (a time-limited job's slot held 18 s, a SIGTERMed agent not gone
+            # in 15 s, in make test)
+            acts = drain.update(
+                now(), engine=ingress.local_inflight, relayed=ingress.relayed_inflight
+            )
+            if acts:
+                continue
             with trio.move_on_at(drain.next_deadline()):
                 await ingress.wait_inflight_change()
             acts = drain.update(

@@ -80,3 +80,31 @@ def test_streams_still_running_at_the_drain_deadline_are_resumed_elsewhere(
     print(f"\ndrain: {len(on_drained)} of 10 streams on the drained node; {handed}")
     assert on_drained and handed  # resumed on the backup, whole
     assert backup.running
+
+
+def test_a_node_whose_requests_end_while_it_signs_left_exits_at_once(mesh: LocalMesh) -> None:
+    """Requests in flight at the SIGTERM that end within the second the node spends signing
+    LEFT: nothing changes after that to wake the drain, which must see the count is zero and
+    stop the engine then, not at its 30 s deadline (a time-limited job held its GPU 18 s so,
+    and a SIGTERMed agent of test_failover was not gone in 15 s)."""
+    ingress = mesh.start("ingress")
+    node = mesh.start("drained", args=sim_engine_args(MODEL, "H100", "--slowdown", "10"))
+    assert wait_until(lambda: serving_count(ingress, MODEL) == 1, 30)
+    # About half a second each (36 tokens a second): in flight at the signal, ended well
+    # within the one-second linger of LEFT
+    threads, results = run_streams([ingress.http_url] * 2, MODEL, max_tokens=16)
+    time.sleep(0.1)  # the streams have begun (what is asserted is the exit, not a timing)
+    t0 = time.monotonic()
+    node.terminate()  # the agent alone, as when it leaves before its job's time limit: its
+    # engine is signalled by nobody else, so only the drain stops it
+    assert node.wait(40) == 0
+    took = time.monotonic() - t0
+    for t in threads:
+        t.join(30)
+    for s in results:
+        assert s.status == 200 and s.done and not s.errors, s
+    log = node.stderr_tail(400)
+    drained = [line for line in log.splitlines() if "drained in" in line]
+    print(f"\nexited {took:.1f} s after SIGTERM: {drained}")
+    assert drained and "drain deadline" not in log, log
+    assert took < 15.0, drained  # the deadline is 30 s: the drain ended on the count, not it
