@@ -1,6 +1,6 @@
 """The elastic controller on a real Slurm (tests/support/slurmcluster.py), with simulated
 engines: a service file applied through `fabric services apply`, two controller agents (one
-acts), jobs of two minutes kept at two SERVING replicas across their time limits, a job's
+acts), jobs of three minutes kept at two SERVING replicas across their time limits, a job's
 agent killed and replaced, the acting controller killed and its standby taking over, squeue
 watched the whole time for a duplicate job, a steady client load that sees no failure, and a
 service file Slurm refuses reported without touching what serves. (A load jump to four
@@ -58,8 +58,16 @@ gpus_per_replica = 1
 min_replicas = 2
 max_replicas = 2
 partitions = ["high"]
-time_limit = "2:00"
+time_limit = "3:00"
 """
+# Why three minutes: the cluster's 4 GPUs hold two generations of the two replicas, not three,
+# so a job's successor starts only when its predecessor's predecessor has ended (its agent
+# leaves at half the job, L, then drains and exits: d). With T(k) the start of generation k,
+# T(k+1) = T(k-1) + L + d, and the handover from k to k+1 is made before broken only while
+# T(k) - T(k-1) >= u + d (u: RUNNING to SERVING). The first spacing is set by the controller's
+# lead and the others alternate around it: with two-minute jobs (L = 60 s) a loaded machine
+# (u ~ 19 s) gave spacings of ~20 and ~45 s and a 2-4 s dip at every other handover (CI ran
+# 95.6% two SERVING); with L = 90 s the spacings are ~41 and ~54 s, both well above u + d.
 
 # The test cluster's GPUs are of Slurm type "fake"; "a100" is refused by sbatch there.
 TYPED = """
@@ -234,8 +242,8 @@ def test_the_controller_keeps_replicas_across_time_limits_kills_and_its_own_fail
     assert any("time limit" in d["reason"] for d in decisions)
     # the successors' lead is the first controller's: the start-up time it plans with (the
     # lead is that, times a safety factor, plus the agents' leave margin). The leads in the
-    # decisions' reasons are no measure of it here: with two-minute jobs the lead is longer
-    # than a job serves, so each successor is submitted when its job begins to serve, and the
+    # decisions' reasons are no measure of it here: with jobs this short the lead may be longer
+    # than a job serves, so a successor is submitted when its job begins to serve, and the
     # reason gives the time left then (the job's start-up, which varies with the machine's load)
     print(f"learned start-up: first controller {first_start_up} (it published {published} "
           f"last), taken over {second_start_up} (then {now_start_up}); time-limit successors' "
@@ -489,7 +497,7 @@ def test_a_preempted_replica_is_replaced_and_no_request_fails(
     the four GPUs preempts one; the client load sees no failure and the replica comes back."""
     mesh, ingress = elastic.mesh, elastic.ingress
     service = tmp_path / "preempt.toml"
-    service.write_text(SERVICE.replace('["high"]', '["low"]').replace('"2:00"', '"10:00"'))
+    service.write_text(SERVICE.replace('["high"]', '["low"]').replace('"3:00"', '"10:00"'))
     assert fabric(mesh, ingress, "services", "apply", str(service)).returncode == 0
     t0 = time.monotonic()
 

@@ -3,8 +3,10 @@ requests that had not started streaming, and a stream broken mid-way ends with a
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
+import os
 import signal
 import threading
 import time
@@ -15,7 +17,7 @@ import httpx
 import pytest
 
 from cli.localmesh import AgentProcess, LocalMesh, wait_until
-from tests.support.meshload import run_load, serving_count, sim_engine_args
+from tests.support.meshload import engine_process, run_load, serving_count, sim_engine_args
 
 pytestmark = pytest.mark.slow
 
@@ -114,19 +116,25 @@ def test_request_to_a_node_that_goes_down_fails_over_before_the_first_byte(
 ) -> None:
     """A non-streamed request waiting on an engine that hangs is moved once the node is DOWN."""
     ingress = mesh.start("ingress")
-    hung = mesh.start(
-        "hung", args=sim_engine_args("m1", "H100", "--hang-after-s", "3", "--slowdown", "5")
-    )
-    assert wait_until(lambda: serving_count(ingress, "m1") == 1, 30)
+    hung = mesh.start("hung", args=sim_engine_args("m1", "H100", "--slowdown", "5"))
     healthy = mesh.start("healthy", args=sim_engine_args("m1", "L40S"))
     assert wait_until(lambda: serving_count(ingress, "m1") == 2, 30)
-    # Wait for the hang; requests that land on the hung node must still be answered.
-    time.sleep(max(0.0, 3.5))
+    # The engine hangs when the test says so, not on a timer that a slow start could outrun
+    # (with --hang-after-s the hung node could be DOWN before the other one served). Stopped,
+    # it accepts nothing and answers nothing (the agent's listening socket still queues
+    # connections): requests that land on it before it is declared DOWN must still be answered.
+    engine = engine_process(hung)
+    assert engine is not None
+    os.kill(engine.pid, signal.SIGSTOP)
     served: Counter[str] = Counter()
-    for i in range(6):
-        r = httpx.post(ingress.http_url + "/v1/chat/completions", json=chat(i), timeout=30)
-        assert r.status_code == 200, r.text
-        served[r.headers["x-fabric-node"]] += 1
+    try:
+        for i in range(6):
+            r = httpx.post(ingress.http_url + "/v1/chat/completions", json=chat(i), timeout=30)
+            assert r.status_code == 200, r.text
+            served[r.headers["x-fabric-node"]] += 1
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # stopped by its agent by now
+            os.kill(engine.pid, signal.SIGCONT)
     assert served[healthy.session_id] == 6
     assert hung.running  # the agent itself is fine; its engine was declared DOWN
 
