@@ -272,7 +272,14 @@ class Agent:
 
         def known_model(model: str) -> bool:
             table = ingress.table
-            return bool(table.routes(model) or table.sleeping(model) or declared.hold_s(model))
+            if table.routes(model) or table.sleeping(model) or declared.hold_s(model):
+                return True
+            # Across sites: a gateway knows what its peer sites serve; another agent only
+            # that its site has gateways, and a line no site serves fails on its own.
+            offers = ingress.site_offers
+            if offers is not None:
+                return any(o.replicas for o in offers(model))
+            return bool(table.gateways())
 
         worker = None
         if cfg.batch.concurrency > 0:

@@ -43,6 +43,7 @@ from fabricnode.dataplane.ingress_config import IngressConfig
 from fabricnode.dataplane.job import BatchSlot, Job
 from fabricnode.dataplane.metrics import IngressMetrics, LabelCache
 from fabricnode.dataplane.relay import Relay, upstream_request
+from fabricnode.dataplane.request import PRIORITY_HEADER
 from fabricnode.dataplane.routetable import Origin, Route, origin_of
 from fabricnode.dataplane.sites import (
     FROM_SITE_HEADER,
@@ -58,6 +59,8 @@ from fabricnode.mesh.schema import Standing
 from fabricnode.mesh.sites import DEFAULT_SITE
 
 OUT_LINE = OUT_HEADER + b": 1\r\n"
+# A batch request that leaves the site says so (``tiers``): the gateways route it as batch work.
+BATCH_LINE = PRIORITY_HEADER + b": batch\r\n"
 
 
 class Attempts:
@@ -169,15 +172,16 @@ class Attempts:
                 now=self.wall_clock(),
                 sites=sites,
             )
-            request = upstream_request(
-                job, route.origin, forward=forward, extra=OUT_LINE, sites=sites
-            )
+            extra = OUT_LINE + BATCH_LINE if job.slot is not None else OUT_LINE
+            request = upstream_request(job, route.origin, forward=forward, extra=extra, sites=sites)
             return self.relay.exchange(
                 conn, job, route.origin, request, sid, self._node_ok(sid), now, local=False
             )
         extra = FROM_SITE_HEADER + b": " + self.site.encode() + b"\r\n"
         if sites is not None:
             extra += residency.SITES_HEADER + b": " + sites + b"\r\n"
+        if job.slot is not None:  # batch work stays batch work at the site that takes it
+            extra += BATCH_LINE
         request = upstream_request(job, route.origin, forward=None, extra=extra)
         return self.relay.exchange(conn, job, route.origin, request, sid, None, now, local=False)
 
@@ -185,9 +189,12 @@ class Attempts:
         """A ``POST /v1/responses`` about to go to node ``sid``: its body names that node
         (``responses.tagged``), without the priority field."""
         if job.doc is not None:
-            owner = job.key.key_id if job.key is not None else responses.ANONYMOUS
+            owner = job.response_owner
+            site = self.site if owner is not None else ""  # made for another site: named
+            if owner is None:
+                owner = job.key.key_id if job.key is not None else responses.ANONYMOUS
             job.body, job.response_id = responses.tagged(
-                job.doc, sid, os.urandom(8), self.core.keyring, owner
+                job.doc, sid, os.urandom(8), self.core.keyring, owner, site
             )
             if job.slot is not None:
                 job.slot.unprioritized = None

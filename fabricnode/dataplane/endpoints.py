@@ -43,6 +43,12 @@ which node stored the response and route a follow-up there, with no shared store
 holder can make one for another key). An id of the form without the tag (53 characters, from
 before responses had owners) still names its node; one of neither form (made by an engine
 directly) names none.
+
+Across sites: a response made for a client of another site (the request came over the
+federation link) is stored where it was made, and its id names that site too:
+``resp_<64 hex digits>_<site>`` (``site_of_response``). A follow-up at any other site goes out
+through the gateways to that site alone, whose gateway pins it to the node (``responses``,
+"Across sites").
 """
 
 from __future__ import annotations
@@ -141,19 +147,25 @@ SESSION_HEX = 32  # a session id: 16 bytes of SHA-256, hex
 NONCE_BYTES = 8
 OWNER_TAG_BYTES = 8
 MAX_RESPONSE_ID_CHARS = 256
-_TAGGED_ID = re.compile(r"resp_([0-9a-f]{32})([0-9a-f]{16})([0-9a-f]{16})?")
+SITE_SEPARATOR = "_"  # before the site of a response stored for a client of another site
+_TAGGED_ID = re.compile(
+    r"resp_([0-9a-f]{32})([0-9a-f]{16})([0-9a-f]{16})?(?:_([A-Za-z0-9][A-Za-z0-9._-]{0,63}))?"
+)
 
 
-def response_id(session_id: str, nonce: bytes, owner_tag: bytes) -> str:
+def response_id(session_id: str, nonce: bytes, owner_tag: bytes, site: str = "") -> str:
     """The id of a response stored by ``session_id``'s engine (``nonce``: 8 random bytes;
-    ``owner_tag``: ``responses.owner_tag``'s 8 bytes)."""
+    ``owner_tag``: ``responses.owner_tag``'s 8 bytes; ``site``: the site of that node, named
+    when the response was made for a client of another site, whose follow-ups come back
+    through the gateways: ``resp_<64 hex digits>_<site>``)."""
     if (
         len(session_id) != SESSION_HEX
         or len(nonce) != NONCE_BYTES
         or len(owner_tag) != OWNER_TAG_BYTES
     ):
         raise ValueError("a session id of 32 hex digits, 8 random bytes and an 8-byte tag needed")
-    return RESPONSE_ID_PREFIX + session_id + nonce.hex() + owner_tag.hex()
+    rid = RESPONSE_ID_PREFIX + session_id + nonce.hex() + owner_tag.hex()
+    return rid + SITE_SEPARATOR + site if site else rid
 
 
 def parse_response_id(rid: str) -> tuple[str, bytes, bytes | None] | None:
@@ -170,6 +182,13 @@ def node_of_response(rid: str) -> str | None:
     """The session id a response id names (``response_id``), None if it names none."""
     m = _TAGGED_ID.fullmatch(rid)
     return m.group(1) if m is not None else None
+
+
+def site_of_response(rid: str) -> str:
+    """The site a response id names (``response_id``'s ``site``), "" if it names none: a
+    response stored at our own site, or an id this mesh did not make."""
+    m = _TAGGED_ID.fullmatch(rid)
+    return (m.group(4) or "") if m is not None else ""
 
 
 # == errors in each dialect ==================================================================

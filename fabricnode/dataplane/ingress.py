@@ -104,6 +104,7 @@ from fabricnode.dataplane.endpoints import (
     RESPONSE_CANCEL,
     RESPONSES,
     response_follow_up,
+    site_of_response,
 )
 from fabricnode.dataplane.failover import Failover
 from fabricnode.dataplane.failure import RESUMED, TAKEN_BACK, Failed
@@ -638,6 +639,8 @@ class Ingress:
             if isinstance(routed, Rejection):
                 return self._reject(conn, routed, path)
             routed.sites = narrow(routed.sites, allowed)
+            if routed.batch:  # batch work of another site: queued fairly beside our tenants
+                routed.tenant = f"site:{site}"
             return self._route_decoded(conn, req, path, kind, routed, self.clock.now(), site)
         assert forward is not None
         if OUT_HEADER not in headers:
@@ -750,26 +753,23 @@ class Ingress:
             routes = self.table.sleeping(model)
             waking = routes is not None
         doc = routed.doc
-        if kind == RESPONSES:
-            if routed.pinned is not None and routed.key is not None:  # keys on: owners
-                previous = str(doc.get("previous_response_id"))
-                if not responses.owned(previous, routed.key.key_id, self.core.keyring):
-                    return self._reject(conn, responses.not_yours(previous), path)
-            pinned = responses.pin(model, doc, routed.pinned, routes, self._pinned_node)
-            if isinstance(pinned, Rejection):
-                return self._reject(conn, pinned, path)
-            routes = pinned
-        if not routes and not out:
+        response_owner = None
+        elsewhere = False  # continues a response another site stores: only there
+        if kind == RESPONSES and not out:
+            held = self._responses_pin(routed, model, routes, from_site)
+            if isinstance(held, Rejection):
+                return self._reject(conn, held, path)
+            routes, response_owner = held
+            elsewhere = routes is None
+        if not routes and not out and not elsewhere:
             hold_s = self.declared(model) if self.declared is not None else None
+        leaving = False
         if not routes and not hold_s:
             # No node of our site: another site's, through a gateway (never for a request
             # that came from another site: one WAN crossing per attempt).
-            if (
-                may_leave(from_site, False)
-                and kind != RESPONSES
-                and may_leave_for(routed.sites, self.site)
-            ):
+            if may_leave(from_site, False) and may_leave_for(routed.sites, self.site):
                 routes = self._out_routes(model, routed.sites)
+                leaving = not out
             if not routes:
                 return self._reject(conn, self._not_served(model, out, routed.sites), path)
         job = Job(kind, model, routed.stream, body, path, headers, routed.key, started, doc)
@@ -787,8 +787,14 @@ class Ingress:
         if kind in PREFILL_KINDS:
             job.prefill_tokens = routed.prompt_tokens_est
         if kind in PREPARED_KINDS:
-            if kind == RESPONSES:
+            if kind == RESPONSES and leaving:
+                # to another site: its gateway names its node; ours, the owner (``responses``)
+                owner = routed.key.key_id if routed.key is not None else responses.ANONYMOUS
+                ref = responses.owner_ref(self.core.keyring, owner)
+                job.body = responses.carrying_owner(doc, ref)
+            elif kind == RESPONSES and not out:
                 job.retag = True  # each attempt names its node in the response id
+                job.response_owner = response_owner
             else:  # a form goes on with its boundary
                 job.content_type = req.headers.get(b"content-type", job.content_type)
         if not routes:
@@ -842,6 +848,45 @@ class Ingress:
         )
         return Rejection(403, message, SITE_NOT_ALLOWED)
 
+    def _responses_pin(
+        self, routed: Routed, model: str, routes: list[Route] | None, from_site: str
+    ) -> tuple[list[Route] | None, str | None] | Rejection:
+        """The routes of a ``POST /v1/responses`` and, for one from another site, the owner its
+        response gets (``responses``, "Across sites"), or why it may go nowhere. One that
+        continues a response stored at another site goes out to that site alone."""
+        doc = routed.doc
+        previous = str(doc.get("previous_response_id")) if routed.pinned is not None else ""
+        held_at = site_of_response(previous) if previous else ""
+        owner = None
+        if from_site:
+            ref = responses.carried_owner(doc)
+            if ref is None:
+                return Rejection(
+                    400, f"a Responses request from site {from_site!r} names no owner", "site"
+                )
+            owner = responses.site_owner(from_site, ref)
+        if held_at and held_at != self.site:
+            if from_site:  # no bounce: the site that sent it should have sent it there
+                return responses.not_yours(previous)
+            if routed.sites is not None and held_at not in routed.sites:
+                self.metrics.residency_refusals.labels(NOT_SERVED_THERE).inc()
+                return Rejection(
+                    403,
+                    f"response {previous!r} is stored at site {held_at!r}, which this request "
+                    f"may not reach (allowed: {', '.join(sorted(routed.sites)) or 'none'})",
+                    SITE_NOT_ALLOWED,
+                )
+            routed.sites = narrow(routed.sites, frozenset((held_at,)))
+            return None, None
+        if previous:
+            mine = owner if owner is not None else routed.key.key_id if routed.key else None
+            if mine is not None and not responses.owned(previous, mine, self.core.keyring):
+                return responses.not_yours(previous)  # keys on, or another site's: owners
+        pinned = responses.pin(model, doc, routed.pinned, routes, self._pinned_node)
+        if isinstance(pinned, Rejection):
+            return pinned
+        return pinned, owner
+
     def _pinned_node(self, sid: str) -> PinnedNode:
         """What the mesh says of node ``sid`` (its registry state and ``schema.standing``
         verdict), for a Responses refusal's reason."""
@@ -865,6 +910,9 @@ class Ingress:
         filters = route_headers(headers, checked)
         if isinstance(filters, Rejection):
             return self._reject(conn, filters, path)
+        held_at = site_of_response(rid)
+        if held_at and held_at != self.site:
+            return self._reject(conn, responses.held_elsewhere(rid, held_at), path)
         if checked is not None and not responses.owned(rid, checked.key_id, self.core.keyring):
             return self._reject(conn, responses.not_yours(rid), path)  # keys on: its owner's
         stream = kind != RESPONSE_CANCEL and b"stream=true" in req.target.partition(b"?")[2]
@@ -985,8 +1033,10 @@ class Ingress:
                 if not candidates:
                     break
                 ranked: list[routing.Candidate] | None
-                if slot is not None:
-                    # Only to a node with room for batch work, else held in the gate.
+                if slot is not None and routes[0].hop == HOP_NODE:
+                    # Only to a node with room for batch work, else held in the gate. (A batch
+                    # request leaving the site goes on as batch work: the gate of the site that
+                    # takes it in holds it, where the nodes' load is known.)
                     admitted = await self.gate_waits.admit(conn, job, routed, tried)
                     if isinstance(admitted, str):
                         refusal = admitted
@@ -1018,7 +1068,11 @@ class Ingress:
                 try:
                     if isinstance(attempt, Failed):
                         outcome = attempt
-                    elif slot is not None and slot.preemptions < cfg.batch_max_preemptions:
+                    elif (
+                        slot is not None
+                        and route.hop == HOP_NODE
+                        and slot.preemptions < cfg.batch_max_preemptions
+                    ):
                         outcome = await self.gate_waits.preemptible(job, pick, attempt)
                     else:
                         outcome = await attempt

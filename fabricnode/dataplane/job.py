@@ -61,6 +61,7 @@ class Job:
         "prompt_tokens",
         "response",
         "response_id",
+        "response_owner",
         "response_sse",
         "resumes",
         "retag",
@@ -144,6 +145,9 @@ class Job:
         # id naming the node tried (``endpoints.response_id``), kept in ``response_id``.
         self.retag = False
         self.response_id: str | None = None
+        # Whose it is when it came from another site (``responses.site_owner``): the id names
+        # that owner and our site; None: the caller's key (or no owner with keys off).
+        self.response_owner: str | None = None
         # The data of the last event relayed of a stream that broke (its error event follows).
         self.last_event: bytes | None = None
         # The batch tier (``tiers``): held at the ingress until a node has room (None: an

@@ -19,6 +19,17 @@ holder can make an id that another key would pass. A caller whose key did not cr
 the 404 of an unknown id (``not_yours``): whether another key's response exists is not
 said. With keys off there are no owners, as before.
 
+Across sites (``docs/federation.md``, "Cross-site requests"): a response is stored at the site
+whose node made it, and its owner is checked there. The client's key never leaves its ingress,
+so the ingress sends an opaque reference to it instead (``owner_ref``: an HMAC with its cluster
+key over the key's id, or ``ANONYMOUS`` with keys off) as the ``request_id`` of the request it
+sends out (``carrying_owner``; the body is signed in the forward to its gateway and crosses the
+authenticated link). The gateway of the site that takes it in reads it (``carried_owner``),
+makes the owner ``site:<their site>/<reference>`` (``site_owner``) and tags the id with it, its
+own site named in the id (``endpoints.response_id``). A follow-up at the client's site goes out
+to that site alone (``endpoints.site_of_response``), whose gateway checks the owner as it checks
+a key: a follow-up from another site, or for another key, is the 404 of an unknown id.
+
 The refusal says why, from what the shell knows of the node (``PinnedNode``: the mesh's
 ``schema.standing`` verdict with the registry state behind it): it left, it is down, it does
 not serve, it is dead, it does not serve that model, or the caller's key or ``X-Fabric-*``
@@ -31,6 +42,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -156,15 +168,70 @@ def not_yours(rid: str) -> Rejection:
     return Rejection(404, f"response {rid!r} not found", "response_not_found")
 
 
+def held_elsewhere(rid: str, site: str) -> Rejection:
+    """The answer to ``GET /v1/responses/{rid}`` or its cancel at a site other than the one
+    that stores it: follow-ups by ``previous_response_id`` go there from any site, but a read
+    or a cancel names no model, and the gateways route by model (``docs/federation.md``)."""
+    return Rejection(
+        404,
+        f"response {rid!r} is stored at site {site!r}: read or cancel it through an ingress "
+        "of that site (a POST /v1/responses with it as previous_response_id is routed there "
+        "from any site)",
+        "response_not_found",
+    )
+
+
 def tagged(
-    doc: dict[str, Any], sid: str, nonce: bytes, keyring: Keyring, owner: str
+    doc: dict[str, Any], sid: str, nonce: bytes, keyring: Keyring, owner: str, site: str = ""
 ) -> tuple[bytes, str]:
     """The body of a ``POST /v1/responses`` about to go to node ``sid``, and the response id
     it names: its ``request_id`` (which vLLM makes the response's id, and its store's key)
     names that node and the key that creates it (``endpoints.response_id``; ``nonce``: the
-    id's 8 random bytes; ``owner``: the caller's key id, ``ANONYMOUS`` with keys off)."""
+    id's 8 random bytes; ``owner``: the caller's key id, ``ANONYMOUS`` with keys off, or
+    ``site_owner`` for a client of another site; ``site``: our site, named in the id of a
+    response made for another site)."""
     key = keyring.keys[keyring.primary]
-    rid = response_id(sid, nonce, owner_tag(key, sid, nonce, owner))
+    rid = response_id(sid, nonce, owner_tag(key, sid, nonce, owner), site)
     body = dict(doc)
     body["request_id"] = rid
     return orjson.dumps(body), rid
+
+
+OWNER_REF_DOMAIN = b"fabric/response-owner-ref/v1"
+OWNER_REF_HEX = 16
+_OWNER_REF = re.compile(r"[0-9a-f]{16}")
+
+
+def owner_ref(keyring: Keyring, owner: str) -> str:
+    """What a request sent to another site carries of its owner (``owner``: the caller's key
+    id, ``ANONYMOUS`` with keys off): an opaque reference, the same for one key at every
+    ingress of our site, from which no other site learns the key's id."""
+    if owner == ANONYMOUS:
+        return ANONYMOUS
+    key = keyring.keys[keyring.primary]
+    msg = OWNER_REF_DOMAIN + b"|" + owner.encode()
+    return hmac.new(key, msg, hashlib.sha256).hexdigest()[:OWNER_REF_HEX]
+
+
+def carrying_owner(doc: dict[str, Any], ref: str) -> bytes:
+    """The body of a ``POST /v1/responses`` sent out of our site: as it came, its
+    ``request_id`` the owner's reference (the site that takes it in replaces it with the id it
+    hands out)."""
+    body = dict(doc)
+    body["request_id"] = ref
+    return orjson.dumps(body)
+
+
+def carried_owner(doc: dict[str, Any] | None) -> str | None:
+    """The owner's reference a request from another site carries (``carrying_owner``), None
+    when it carries none that is well formed."""
+    ref = doc.get("request_id") if doc is not None else None
+    if ref == ANONYMOUS or (isinstance(ref, str) and _OWNER_REF.fullmatch(ref)):
+        return ref
+    return None
+
+
+def site_owner(from_site: str, ref: str) -> str:
+    """The owner of a response made for a client of site ``from_site`` (``ref``: its
+    reference): distinct from every key id of ours, and from every other site's owners."""
+    return f"site:{from_site}/{ref}"

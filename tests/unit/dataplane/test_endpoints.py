@@ -23,6 +23,7 @@ from fabricnode.dataplane.endpoints import (
     parse_response_id,
     response_follow_up,
     response_id,
+    site_of_response,
     stream_error_events,
 )
 from fabricnode.dataplane.multipart import boundary_of, form_fields
@@ -114,12 +115,22 @@ def test_a_response_id_names_its_node_and_its_owner_tag() -> None:
     sid=st.binary(min_size=16, max_size=16),
     nonce=st.binary(min_size=8, max_size=8),
     tag=st.binary(min_size=8, max_size=8),
+    site=st.sampled_from(["", "C", "site-2", "eu.west_1", "0a" * 32]),
 )
 @settings(max_examples=50)
-def test_any_node_nonce_and_tag_round_trip(sid: bytes, nonce: bytes, tag: bytes) -> None:
-    rid = response_id(sid.hex(), nonce, tag)
+def test_any_node_nonce_tag_and_site_round_trip(
+    sid: bytes, nonce: bytes, tag: bytes, site: str
+) -> None:
+    rid = response_id(sid.hex(), nonce, tag, site)
     assert node_of_response(rid) == sid.hex()
     assert parse_response_id(rid) == (sid.hex(), nonce, tag)
+    assert site_of_response(rid) == site
+
+
+@pytest.mark.parametrize("suffix", ["_", "_-x", "_" + "a" * 65, "_a b", "_a/b", "-C"])
+def test_an_id_with_a_malformed_site_names_nothing(suffix: str) -> None:
+    rid = response_id(SID, bytes(8), bytes(8)) + suffix
+    assert node_of_response(rid) is None and site_of_response(rid) == ""
 
 
 @pytest.mark.parametrize(

@@ -10,17 +10,22 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fabricnode.dataplane.endpoints import node_of_response, response_id
+from fabricnode.dataplane.endpoints import node_of_response, response_id, site_of_response
 from fabricnode.dataplane.request import Rejection
 from fabricnode.dataplane.responses import (
     ANONYMOUS,
     PinnedNode,
+    carried_owner,
+    carrying_owner,
     follow_up,
     gone_message,
+    held_elsewhere,
     not_yours,
     owned,
+    owner_ref,
     pin,
     pinned_node,
+    site_owner,
     tagged,
 )
 from fabricnode.dataplane.routetable import Route
@@ -177,3 +182,47 @@ def test_a_tag_verifies_for_its_owner_only(nonce: bytes, owner: str, other: str)
     _, rid = tagged({}, B, nonce, RING, owner)
     assert owned(rid, owner, RING)
     assert owned(rid, other, RING) == (other == owner)
+
+
+# == across sites ==============================================================================
+
+
+def test_a_response_made_for_another_site_names_our_site_and_that_sites_owner() -> None:
+    """The gateway that takes in a request from site A tags the id with A's owner reference
+    and names its own site; the owner is neither any key of ours nor another site's."""
+    owner = site_owner("A", "0123456789abcdef")
+    body, rid = tagged({"model": "m"}, B, b"\x07" * 8, RING, owner, "C")
+    assert orjson.loads(body)["request_id"] == rid
+    assert rid.endswith("_C") and site_of_response(rid) == "C" and node_of_response(rid) == B
+    assert owned(rid, owner, RING)
+    assert not owned(rid, site_owner("B", "0123456789abcdef"), RING)  # another site
+    assert not owned(rid, site_owner("A", "fedcba9876543210"), RING)  # another key of A
+    assert not owned(rid, "0123456789abcdef", RING)  # a key id of ours that looks alike
+    # a response made for our own clients names no site
+    assert site_of_response(STORED) == "" and site_of_response("resp_other") == ""
+
+
+def test_an_owner_reference_hides_the_key_and_is_the_same_for_one_key_at_every_ingress() -> None:
+    ref = owner_ref(RING, "key-alice")
+    assert len(ref) == 16 and "alice" not in ref
+    assert ref == owner_ref(Keyring.with_key(b"k" * 32), "key-alice")  # another ingress
+    assert ref != owner_ref(RING, "key-bob")
+    assert ref != owner_ref(Keyring.with_key(b"x" * 32), "key-alice")  # another site's key
+    assert owner_ref(RING, ANONYMOUS) == ANONYMOUS  # keys off: nobody's, as at home
+    body = carrying_owner({"model": "m", "request_id": "client's own"}, ref)
+    assert carried_owner(orjson.loads(body)) == ref
+
+
+@pytest.mark.parametrize(
+    "value", [None, "", "x" * 16, "0123456789ABCDEF", "0123456789abcde", 7, ["-"], "--"]
+)
+def test_a_malformed_owner_reference_from_a_peer_site_is_none(value: object) -> None:
+    doc = {} if value is None else {"request_id": value}
+    assert carried_owner(doc) is None
+    assert carried_owner(None) is None
+
+
+def test_reading_a_response_another_site_stores_says_where_it_is() -> None:
+    refused = held_elsewhere("resp_x_C", "C")
+    assert (refused.status, refused.code) == (404, "response_not_found")
+    assert "site 'C'" in refused.message and "previous_response_id" in refused.message
