@@ -17,6 +17,11 @@ Targets (all in front of ONE fake backend process: ``bench/fake_backend.py``, or
                 client talks to that agent's ``/v1`` (ingress = serving node)
   fabric-2hop   a second agent without an engine in the same mesh is the ingress:
                 client → ingress agent → serving agent → backend
+  fabric-sites  across two sites (docs/federation.md): the serving agent's mesh is site
+                ``default`` with a gateway, a second mesh is site ``A`` with a gateway, and the
+                client talks to A's gateway: client → gateway A → (TLS, the federation link) →
+                gateway of default → serving agent → backend. Its +mean less fabric-2hop's is
+                what one gateway hop adds (loopback: no RTT)
 
 When a fabric target is asked for, the backend IS the serving agent's engine child, and every
 other target uses that same process; otherwise the bench starts the backend itself.
@@ -132,8 +137,16 @@ MODE_REQUESTS = {
     "audio": ("/v1/audio/transcriptions", API_AUDIO),
     "responses-sse": ("/v1/responses", API_RESPONSES),
 }
-ALL_TARGETS = ("direct", "vllm-router", "litellm", "trio-floor", "fabric-1hop", "fabric-2hop")
-FABRIC_TARGETS = ("fabric-1hop", "fabric-2hop")
+ALL_TARGETS = (
+    "direct",
+    "vllm-router",
+    "litellm",
+    "trio-floor",
+    "fabric-1hop",
+    "fabric-2hop",
+    "fabric-sites",
+)
+FABRIC_TARGETS = ("fabric-1hop", "fabric-2hop", "fabric-sites")
 
 
 class Unavailable(Exception):
@@ -473,6 +486,8 @@ class Bench:
                 self.setup_fabric_1hop(target)
             elif name == "fabric-2hop":
                 self.setup_fabric_2hop(target)
+            elif name == "fabric-sites":
+                self.setup_fabric_sites(target)
             else:
                 raise Unavailable("unknown target")
             target.info.update(probe_completions(target.port))
@@ -634,6 +649,50 @@ class Bench:
         target.router_pids = self.agent_pids(ingress, self.serving_agent)
         target.info["agents"] = 2
         self.wait_fabric_models(ingress, self.args.fabric_timeout)
+
+    def setup_fabric_sites(self, target: Target) -> None:
+        if self.serving_agent is None or self.mesh is None:
+            raise Unavailable(self.fabric_error or "no serving agent")
+        try:
+            from cli.localmesh import LocalMesh
+            from fabricnode.federation.keygen import generate_site_key
+            from tests.support.meshview import free_port as mesh_port
+            from tests.system.test_federation import gateway_args, peer_dir
+        except Exception as exc:
+            raise Unavailable(f"cannot import the federation helpers: {exc}") from exc
+        root = self.workdir / "sites"
+        root.mkdir(exist_ok=True)
+        key_home = generate_site_key("default", root / "key-default")
+        key_a = generate_site_key("A", root / "key-A")
+        port_home, port_a = mesh_port(), mesh_port()
+        peers_home, peers_a = peer_dir(root, "default", key_a), peer_dir(root, "A", key_home)
+        site_a = LocalMesh(root / "site-a", provider="bench", log_level=self.args.fabric_log_level)
+        self.procs.cleanups.append(lambda: (site_a.stop_all(timeout_s=5.0), site_a.close()))
+        try:
+            home_gw = self.mesh.start(
+                "gateway-default",
+                args=gateway_args(key_home, peers_home, port_home, f"A=127.0.0.1:{port_a}"),
+                timeout_s=30.0,
+            )
+            gw_a = site_a.start(
+                "gateway-a",
+                args=gateway_args(key_a, peers_a, port_a, f"default=127.0.0.1:{port_home}"),
+                timeout_s=30.0,
+            )
+        except Exception as exc:
+            raise Unavailable(f"gateway did not start: {exc}") from exc
+        target.port = int(gw_a.http_url.rsplit(":", 1)[1])
+        target.router_pids = self.agent_pids(gw_a, home_gw, self.serving_agent)
+        target.info["agents"] = 3
+
+        def answers() -> str | None:  # once A's gateway holds the summary that lists MODEL
+            body = json.dumps(
+                {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
+            ).encode()
+            status, _, data = http_request(target.port, "POST", CHAT_PATH, body, timeout_s=5.0)
+            return None if status == 200 else f"HTTP {status} {data[:120]!r}"
+
+        wait_until(answers, self.args.fabric_timeout, "a chat answer through the gateways")
 
 
 # -- measurement --------------------------------------------------------------------------------

@@ -276,7 +276,7 @@ class Agent:
                 return True
             # Across sites: a gateway knows what its peer sites serve; another agent only
             # that its site has gateways, and a line no site serves fails on its own.
-            offers = ingress.site_offers
+            offers = ingress.across.offers
             if offers is not None:
                 return any(o.replicas for o in offers(model))
             return bool(table.gateways())
@@ -595,7 +595,7 @@ class Agent:
                 )
             return found
 
-        ingress.site_offers = offers
+        ingress.across.offers = offers
 
     async def _drain(self, ingress: Ingress, gossip: GossipService) -> None:
         """Leave as the drain decides (``engine.drain``); returns when the doors may close."""

@@ -36,6 +36,9 @@ Modules, in reading order (pure first, then the shell that uses them):
 * ``sites``           cross-site requests: the routes that leave the site (a gateway of ours,
                       a peer site's gateway over the link), the chooser among peer sites, the
                       no-bounce rule, the header marking a request from another site.
+* ``across``          the ingress's decisions about sites (``Across``): what a peer site's
+                      gateway may bring in, where a request no node of ours takes goes out,
+                      residency's routes and 403s, where a Responses follow-up goes.
 * ``tiers``           priority tiers: the interactive/batch headers, when a node has room for
                       batch work, fair queueing of waiting batch requests between API keys.
 * ``failover``        the account of a request's attempts (nodes, time, refused connects,

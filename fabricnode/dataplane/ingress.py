@@ -30,11 +30,13 @@ The loop stays here because it holds a request's state across its attempts (the 
 the splice) and the waiting rooms' shells wake through the ingress (``mesh_changed``).
 
 Across sites (``sites``; docs/federation.md): a request for a model no node of our site serves
-leaves through a gateway (``_out_routes``: a gateway of our site, or from a gateway the peer
-sites' gateways), as does one whose every node of our site failed before answering; a gateway
-serves what another ingress of the site asks it to take out (``X-Fabric-Out``) and what a peer
-site's gateway sends over the link (``serve_remote``; marked ``X-Fabric-From-Site``), the latter
-routed inside our site only (``_handle_across``).
+leaves through a gateway (``across.Across.out_routes``: a gateway of our site, or from a gateway
+the peer sites' gateways), as does one whose every node of our site failed before answering; a
+gateway serves what another ingress of the site asks it to take out (``X-Fabric-Out``) and what
+a peer site's gateway sends over the link (``serve_remote``; marked ``X-Fabric-From-Site``), the
+latter routed inside our site only (``_handle_across``). What may come in, where a request
+goes out, residency's routes and refusals and where a Responses follow-up goes are decided by
+``across.Across``; the ingress acts on its answers.
 
 Elsewhere: the client connections and what is refused on them (``frontdoor``); the checks
 before routing, the header grammars and a request's one routed record (``request.Routed``);
@@ -89,7 +91,8 @@ from typing import Any
 
 import trio
 
-from fabricnode.dataplane import residency, responses, routing
+from fabricnode.dataplane import responses, routing
+from fabricnode.dataplane.across import Across
 from fabricnode.dataplane.apikeys import ApiKeyStore, RateLimiter
 from fabricnode.dataplane.asgi_call import KEY_SCOPE, KEYS_SCOPE, OWNER_SCOPE, AsgiApp, answer_asgi
 from fabricnode.dataplane.attempt import Attempts
@@ -134,15 +137,7 @@ from fabricnode.dataplane.request import (
     route_headers,
 )
 from fabricnode.dataplane.residency import (
-    FORWARD_ELSEWHERE,
-    NO_COMMON_SITE,
-    NOT_SERVED_THERE,
-    SITE_NOT_ALLOWED,
-    SITES_HEADER,
-    Sites,
-    forward_message,
     narrow,
-    refusal_message,
 )
 from fabricnode.dataplane.responses import PinnedNode
 from fabricnode.dataplane.routetable import CircuitBreaker, Route, RouteTable, models_body, route_of
@@ -153,12 +148,8 @@ from fabricnode.dataplane.sites import (
     HOP_NODE,
     OUT_HEADER,
     OUT_SUFFIX,
-    SiteOffer,
-    choose,
     may_leave,
     may_leave_for,
-    site_routes,
-    taken_in,
 )
 from fabricnode.dataplane.sockio import LoopClock, Reactor, Watchdog, close
 from fabricnode.dataplane.tiers import OWNER_HEADER, RoomRules, owner_of
@@ -323,10 +314,15 @@ class Ingress:
             wake_local=wake_local,
             site=site,
         )
-        # Cross-site (``sites``), set by the agent: on a gateway what it knows of the peer
-        # sites for a model (None: not a gateway; our site is ``site`` above). A request no
-        # node of our site can take leaves through a gateway (``_out_routes``).
-        self.site_offers: Callable[[str], list[SiteOffer]] | None = None
+        # The decisions about sites (``across``); on a gateway the agent sets ``across.offers``,
+        # what it knows of the peer sites.
+        self.across = Across(
+            site,
+            self.table,
+            lambda: core.keyring,
+            lambda reason: self.metrics.residency_refusals.labels(reason).inc(),
+            declared,
+        )
         self._conn_nursery: trio.Nursery | None = None
         self._batch_waiting = LabelCache(self.metrics.batch_waiting)
         self._waiting_labels: set[str] = set()  # batch_waiting labels set so far
@@ -622,19 +618,9 @@ class Ingress:
         from_site = headers.get(FROM_SITE_HEADER)
         if from_site is not None:
             site = from_site.decode("ascii", "replace")
-            # The link authenticated the peer site, whose gateway sends the request's allowed
-            # sites (``sites``, rule 4); the client's key stayed at its ingress.
-            carried = headers.get(SITES_HEADER)
-            try:
-                allowed = residency.decode(carried) if carried is not None else None
-            except ValueError as exc:
-                why = Rejection(400, f"bad allowed sites from site {site!r}: {exc}", "site")
-                return self._reject(conn, why, path)
-            if not taken_in(allowed, self.site):  # residency: the gateway taking it in
-                self.metrics.residency_refusals.labels(FORWARD_ELSEWHERE).inc()
-                assert allowed is not None  # every site takes a request of any site
-                why = Rejection(403, forward_message(self.site, allowed), SITE_NOT_ALLOWED)
-                return self._reject(conn, why, path)
+            allowed = self.across.taken_in(site, headers)
+            if isinstance(allowed, Rejection):
+                return self._reject(conn, allowed, path)
             routed = decode_as(kind, headers, req.body, None)
             if isinstance(routed, Rejection):
                 return self._reject(conn, routed, path)
@@ -650,7 +636,7 @@ class Ingress:
         except (ForwardRejected, ValueError) as exc:
             why = Rejection(403, f"forward refused: {exc}", "forward_refused")
             return self._reject(conn, why, path)
-        if self.site_offers is None:
+        if self.across.offers is None:
             why = Rejection(
                 503, "this agent is not a gateway", "no_eligible_node", [(b"retry-after", b"1")]
             )
@@ -662,41 +648,6 @@ class Ingress:
             return self._reject(conn, routed, path)
         routed.sites = narrow(routed.sites, allowed)
         return self._route_decoded(conn, req, path, kind, routed, self.clock.now(), "", True)
-
-    def _out_routes(self, model: str, sites: Sites) -> list[Route]:
-        """Where a request our site cannot serve goes: a gateway sends it to the gateways of
-        the peer sites that serve ``model`` at a site ``sites`` allows (``sites.choose``);
-        another agent to the gateways of our site, in turn (each asks its peer sites)."""
-        offers = self.site_offers
-        if offers is not None:
-            return site_routes(choose(offers(model), sites))
-        gateways = self.table.gateways()
-        n = len(gateways)
-        if n > 1:
-            first = self.requests % n  # spread requests over the site's gateways
-            gateways = gateways[first:] + gateways[:first]
-        return gateways
-
-    def _not_served(self, model: str, out: bool, sites: Sites) -> Rejection:
-        """No node of our site, nor (``out``) a reachable peer site at a site ``sites``
-        allows, serves ``model``."""
-        offers = self.site_offers
-        serving = [o for o in offers(model) if o.replicas] if out and offers is not None else []
-        if serving and sites is not None and not any(o.site in sites for o in serving):
-            self.metrics.residency_refusals.labels(NOT_SERVED_THERE).inc()
-            message = refusal_message(
-                model, sites, key_sites=None, header_sites=None, model_sites=None
-            )
-            return Rejection(403, message, SITE_NOT_ALLOWED)
-        if serving:
-            return Rejection(
-                503,
-                f"no reachable site can take a request for model {model!r} now",
-                "no_eligible_node",
-                [(b"retry-after", b"%d" % self.config.retry_after_s)],
-            )
-        where = "any node" if offers is None else "any node of this site or a peer site"
-        return Rejection(404, f"model {model!r} is not served by {where}", "model_not_found")
 
     def _route(
         self, conn: ClientConn, req: Request, path: bytes, kind: str
@@ -744,7 +695,7 @@ class Ingress:
             # Data residency: only the replicas at an allowed site (awake ones first), or the
             # 403 when there are none and none may come. A request limited to sites never
             # leaves this site until the gateways check residency (docs/federation.md).
-            within = self._routes_within(routed, model_sites, routes)
+            within = self.across.within(routed, model_sites, routes)
             if isinstance(within, Rejection):
                 return self._reject(conn, within, path)
             routes, waking = within
@@ -756,7 +707,7 @@ class Ingress:
         response_owner = None
         elsewhere = False  # continues a response another site stores: only there
         if kind == RESPONSES and not out:
-            held = self._responses_pin(routed, model, routes, from_site)
+            held = self.across.responses_routes(routed, routes, from_site, self._pinned_node)
             if isinstance(held, Rejection):
                 return self._reject(conn, held, path)
             routes, response_owner = held
@@ -768,10 +719,11 @@ class Ingress:
             # No node of our site: another site's, through a gateway (never for a request
             # that came from another site: one WAN crossing per attempt).
             if may_leave(from_site, False) and may_leave_for(routed.sites, self.site):
-                routes = self._out_routes(model, routed.sites)
+                routes = self.across.out_routes(model, routed.sites)
                 leaving = not out
             if not routes:
-                return self._reject(conn, self._not_served(model, out, routed.sites), path)
+                why = self.across.not_served(model, out, routed.sites, self.config.retry_after_s)
+                return self._reject(conn, why, path)
         job = Job(kind, model, routed.stream, body, path, headers, routed.key, started, doc)
         job.sites = routed.sites
         if from_site:
@@ -803,89 +755,6 @@ class Ingress:
         if len(routes) > 1 and self.policy.name.startswith("prefix"):
             routed.prefix_blocks = routing.prompt_blocks(prompt_text(doc, kind))
         return self._dispatch(conn, job, routed, routes)
-
-    def _routes_within(
-        self, routed: Routed, model_sites: frozenset[str] | None, routes: list[Route] | None
-    ) -> tuple[list[Route] | None, bool] | Rejection:
-        """Data residency (``residency``): the routes of a request limited to sites, those at
-        an allowed site (the awake ones, else the sleeping ones, one of which it wakes: then
-        True), or the 403 when no allowed site may serve it: its allowed set is empty, or its
-        model has replicas (awake or asleep) but none at an allowed site and is not declared
-        (none may start). None, False: no replica anywhere (the 404, or the wait for one of a
-        declared model, that every request gets). ``eligible`` filters by the same set again
-        at every pick."""
-        sites = routed.sites
-        assert sites is not None
-        model = routed.model
-        asleep = self.table.sleeping(model)
-        if sites:
-            if routes:
-                within = [r for r in routes if r.info.site in sites]
-                if within:
-                    return within, False
-            if asleep:
-                within = [r for r in asleep if r.info.site in sites]
-                if within:
-                    return within, True
-            if not routes and not asleep:
-                return None, False
-            if self.declared is not None and self.declared(model):
-                return None, False  # scale from zero: a replica may start at an allowed site
-            if may_leave_for(sites, self.site) and (self.site_offers or self.table.gateways()):
-                return None, False  # another allowed site may serve it: a gateway checks
-            reason = NOT_SERVED_THERE
-        else:
-            reason = NO_COMMON_SITE
-        self.metrics.residency_refusals.labels(reason).inc()
-        key = routed.key
-        requirements = routed.requirements
-        message = refusal_message(
-            model,
-            sites,
-            key_sites=key.sites if key is not None else None,
-            header_sites=requirements.sites if requirements is not None else None,
-            model_sites=model_sites,
-        )
-        return Rejection(403, message, SITE_NOT_ALLOWED)
-
-    def _responses_pin(
-        self, routed: Routed, model: str, routes: list[Route] | None, from_site: str
-    ) -> tuple[list[Route] | None, str | None] | Rejection:
-        """The routes of a ``POST /v1/responses`` and, for one from another site, the owner its
-        response gets (``responses``, "Across sites"), or why it may go nowhere. One that
-        continues a response stored at another site goes out to that site alone."""
-        doc = routed.doc
-        previous = str(doc.get("previous_response_id")) if routed.pinned is not None else ""
-        held_at = site_of_response(previous) if previous else ""
-        owner = None
-        if from_site:
-            ref = responses.carried_owner(doc)
-            if ref is None:
-                return Rejection(
-                    400, f"a Responses request from site {from_site!r} names no owner", "site"
-                )
-            owner = responses.site_owner(from_site, ref)
-        if held_at and held_at != self.site:
-            if from_site:  # no bounce: the site that sent it should have sent it there
-                return responses.not_yours(previous)
-            if routed.sites is not None and held_at not in routed.sites:
-                self.metrics.residency_refusals.labels(NOT_SERVED_THERE).inc()
-                return Rejection(
-                    403,
-                    f"response {previous!r} is stored at site {held_at!r}, which this request "
-                    f"may not reach (allowed: {', '.join(sorted(routed.sites)) or 'none'})",
-                    SITE_NOT_ALLOWED,
-                )
-            routed.sites = narrow(routed.sites, frozenset((held_at,)))
-            return None, None
-        if previous:
-            mine = owner if owner is not None else routed.key.key_id if routed.key else None
-            if mine is not None and not responses.owned(previous, mine, self.core.keyring):
-                return responses.not_yours(previous)  # keys on, or another site's: owners
-        pinned = responses.pin(model, doc, routed.pinned, routes, self._pinned_node)
-        if isinstance(pinned, Rejection):
-            return pinned
-        return pinned, owner
 
     def _pinned_node(self, sid: str) -> PinnedNode:
         """What the mesh says of node ``sid`` (its registry state and ``schema.standing``
@@ -1024,7 +893,7 @@ class Ingress:
                 if not candidates and not left and self._may_go_out(job, routes):
                     # Every node of our site failed or none is eligible: another site.
                     left = True
-                    out = self._out_routes(job.model, job.sites)
+                    out = self.across.out_routes(job.model, job.sites)
                     if out:
                         routes = out
                         candidates = self._candidates(routes, routed, tried, now, wall)

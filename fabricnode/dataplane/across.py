@@ -1,0 +1,216 @@
+"""The ingress's decisions about sites: what may come in from a peer site, where a request no
+node of our site can take goes, which routes a request limited to sites may use, and where a
+``POST /v1/responses`` that continues a stored response may go. Pure: no sockets, no clock.
+
+The rules are ``sites``' (no bounce, the chooser, credentials, residency across gateways),
+``residency``'s (the allowed sites, never relaxed) and ``responses``' ("Across sites": a
+response is stored and its owner checked at the site whose node made it). The ingress asks, and
+acts on the answer: a list of routes, or a ``Rejection`` to send (already counted in the
+residency refusals where it is one).
+
+What it reads of the shell: the route table (our site's nodes, sleeping ones and gateways), the
+service file's declared models (``declared``: a declared model may still get a replica at an
+allowed site), the cluster keyring (Responses owners) and, on a gateway, what it knows of the
+peer sites (``offers``, set by the agent; None on an agent that is not a gateway).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Protocol
+
+from fabricnode.dataplane import residency, responses
+from fabricnode.dataplane.endpoints import site_of_response
+from fabricnode.dataplane.request import Rejection, Routed
+from fabricnode.dataplane.residency import (
+    FORWARD_ELSEWHERE,
+    NO_COMMON_SITE,
+    NOT_SERVED_THERE,
+    SITE_NOT_ALLOWED,
+    SITES_HEADER,
+    Sites,
+    forward_message,
+    narrow,
+    refusal_message,
+)
+from fabricnode.dataplane.responses import PinnedNode
+from fabricnode.dataplane.routetable import Route
+from fabricnode.dataplane.sites import SiteOffer, choose, may_leave_for, site_routes, taken_in
+from fabricnode.mesh.keyring import Keyring
+
+
+class SiteTable(Protocol):
+    """What ``Across`` reads of the route table (``routetable.RouteTable``)."""
+
+    def sleeping(self, model: str) -> list[Route] | None: ...
+
+    def gateways(self) -> list[Route]: ...
+
+
+class Across:
+    def __init__(
+        self,
+        site: str,
+        table: SiteTable,
+        keyring: Callable[[], Keyring],
+        refused: Callable[[str], None],
+        declared: Callable[[str], float | None] | None = None,
+    ) -> None:
+        self.site = site  # ours
+        self.table = table
+        self.keyring = keyring
+        self.refused = refused  # counts a residency refusal by its reason
+        self.declared = declared
+        # On a gateway, what it knows of the peer sites for a model (``sites.SiteOffer``); None
+        # on an agent that is not a gateway.
+        self.offers: Callable[[str], list[SiteOffer]] | None = None
+        self.turns = 0  # out routes handed out: spreads requests over our site's gateways
+
+    # -- a request from a peer site --------------------------------------------------------------
+
+    def taken_in(self, from_site: str, headers: Mapping[bytes, bytes]) -> Sites | Rejection:
+        """The allowed sites of a request a peer site's gateway sent us over the link (the link
+        authenticated ``from_site``; the client's key stayed at its ingress), or why we refuse
+        it: a malformed set (400), or one our site is not in (403, residency at the gateway that
+        takes it in)."""
+        carried = headers.get(SITES_HEADER)
+        try:
+            allowed = residency.decode(carried) if carried is not None else None
+        except ValueError as exc:
+            return Rejection(400, f"bad allowed sites from site {from_site!r}: {exc}", "site")
+        if not taken_in(allowed, self.site):
+            self.refused(FORWARD_ELSEWHERE)
+            assert allowed is not None  # every site takes a request of any site
+            return Rejection(403, forward_message(self.site, allowed), SITE_NOT_ALLOWED)
+        return allowed
+
+    # -- a request no node of our site takes ---------------------------------------------------
+
+    def out_routes(self, model: str, sites: Sites) -> list[Route]:
+        """Where a request our site cannot serve goes: a gateway sends it to the gateways of
+        the peer sites that serve ``model`` at a site ``sites`` allows (``sites.choose``);
+        another agent to the gateways of our site, in turn (each asks its peer sites)."""
+        offers = self.offers
+        if offers is not None:
+            return site_routes(choose(offers(model), sites))
+        gateways = self.table.gateways()
+        n = len(gateways)
+        if n > 1:
+            first = self.turns % n  # spread requests over the site's gateways
+            self.turns += 1
+            gateways = gateways[first:] + gateways[:first]
+        return gateways
+
+    def not_served(self, model: str, out: bool, sites: Sites, retry_after_s: int) -> Rejection:
+        """No node of our site, nor (``out``) a reachable peer site at a site ``sites``
+        allows, serves ``model``."""
+        offers = self.offers
+        serving = [o for o in offers(model) if o.replicas] if out and offers is not None else []
+        if serving and sites is not None and not any(o.site in sites for o in serving):
+            self.refused(NOT_SERVED_THERE)
+            message = refusal_message(
+                model, sites, key_sites=None, header_sites=None, model_sites=None
+            )
+            return Rejection(403, message, SITE_NOT_ALLOWED)
+        if serving:
+            return Rejection(
+                503,
+                f"no reachable site can take a request for model {model!r} now",
+                "no_eligible_node",
+                [(b"retry-after", b"%d" % retry_after_s)],
+            )
+        where = "any node" if offers is None else "any node of this site or a peer site"
+        return Rejection(404, f"model {model!r} is not served by {where}", "model_not_found")
+
+    # -- residency -----------------------------------------------------------------------------
+
+    def within(
+        self, routed: Routed, model_sites: frozenset[str] | None, routes: list[Route] | None
+    ) -> tuple[list[Route] | None, bool] | Rejection:
+        """Data residency (``residency``): the routes of a request limited to sites, those at
+        an allowed site (the awake ones, else the sleeping ones, one of which it wakes: then
+        True), or the 403 when no allowed site may serve it: its allowed set is empty, or its
+        model has replicas (awake or asleep) but none at an allowed site and is not declared
+        (none may start). None, False: no replica anywhere (the 404, or the wait for one of a
+        declared model, that every request gets). ``eligible`` filters by the same set again
+        at every pick."""
+        sites = routed.sites
+        assert sites is not None
+        model = routed.model
+        asleep = self.table.sleeping(model)
+        if sites:
+            if routes:
+                within = [r for r in routes if r.info.site in sites]
+                if within:
+                    return within, False
+            if asleep:
+                within = [r for r in asleep if r.info.site in sites]
+                if within:
+                    return within, True
+            if not routes and not asleep:
+                return None, False
+            if self.declared is not None and self.declared(model):
+                return None, False  # scale from zero: a replica may start at an allowed site
+            if may_leave_for(sites, self.site) and (self.offers or self.table.gateways()):
+                return None, False  # another allowed site may serve it: a gateway checks
+            reason = NOT_SERVED_THERE
+        else:
+            reason = NO_COMMON_SITE
+        self.refused(reason)
+        key = routed.key
+        requirements = routed.requirements
+        message = refusal_message(
+            model,
+            sites,
+            key_sites=key.sites if key is not None else None,
+            header_sites=requirements.sites if requirements is not None else None,
+            model_sites=model_sites,
+        )
+        return Rejection(403, message, SITE_NOT_ALLOWED)
+
+    # -- Responses -----------------------------------------------------------------------------
+
+    def responses_routes(
+        self,
+        routed: Routed,
+        routes: list[Route] | None,
+        from_site: str,
+        pinned_node: Callable[[str], PinnedNode],
+    ) -> tuple[list[Route] | None, str | None] | Rejection:
+        """The routes of a ``POST /v1/responses`` and, for one from a peer site, the owner its
+        response gets (``responses``, "Across sites"), or why it may go nowhere. One that
+        continues a response another site stores goes out to that site alone: (None, None),
+        its allowed sites narrowed to that site."""
+        doc = routed.doc
+        previous = str(doc.get("previous_response_id")) if routed.pinned is not None else ""
+        held_at = site_of_response(previous) if previous else ""
+        owner = None
+        if from_site:
+            ref = responses.carried_owner(doc)
+            if ref is None:
+                return Rejection(
+                    400, f"a Responses request from site {from_site!r} names no owner", "site"
+                )
+            owner = responses.site_owner(from_site, ref)
+        if held_at and held_at != self.site:
+            if from_site:  # no bounce: the site that sent it should have sent it there
+                return responses.not_yours(previous)
+            if routed.sites is not None and held_at not in routed.sites:
+                self.refused(NOT_SERVED_THERE)
+                allowed = ", ".join(sorted(routed.sites)) or "none"
+                return Rejection(
+                    403,
+                    f"response {previous!r} is stored at site {held_at!r}, which this request "
+                    f"may not reach (allowed: {allowed})",
+                    SITE_NOT_ALLOWED,
+                )
+            routed.sites = narrow(routed.sites, frozenset((held_at,)))
+            return None, None
+        if previous:
+            mine = owner if owner is not None else routed.key.key_id if routed.key else None
+            if mine is not None and not responses.owned(previous, mine, self.keyring()):
+                return responses.not_yours(previous)  # keys on, or another site's: owners
+        pinned = responses.pin(routed.model, doc, routed.pinned, routes, pinned_node)
+        if isinstance(pinned, Rejection):
+            return pinned
+        return pinned, owner

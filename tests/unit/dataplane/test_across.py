@@ -1,0 +1,180 @@
+"""The ingress's decisions about sites (``fabricnode.dataplane.across``): what a peer site may
+bring in, where a request no node of ours takes goes out, residency's routes and refusals, and
+where a Responses follow-up goes. No sockets, no mesh: a table of routes and offers."""
+
+from __future__ import annotations
+
+import math
+
+import orjson
+import pytest
+
+from fabricnode.dataplane import residency, responses
+from fabricnode.dataplane.across import Across
+from fabricnode.dataplane.keytable import ApiKey
+from fabricnode.dataplane.request import Rejection, Routed, pinned_node
+from fabricnode.dataplane.responses import PinnedNode
+from fabricnode.dataplane.routetable import Route
+from fabricnode.dataplane.routing import NodeInfo
+from fabricnode.dataplane.sites import HOP_SITE, SiteOffer
+from fabricnode.mesh.keyring import Keyring
+from fabricnode.mesh.registry import State
+from fabricnode.mesh.schema import Standing
+
+RING = Keyring.with_key(b"k" * 32)
+NODE = "b" * 32
+
+
+def route(sid: str, site: str = "A") -> Route:
+    info = NodeInfo(sid, f"http://{sid[:4]}", "p", None, None, "L4", 1, 4096, None, site=site)
+    return Route(info, ("127.0.0.1", 1), math.inf, False)
+
+
+class Table:
+    def __init__(self, gateways: int = 0, asleep: list[Route] | None = None) -> None:
+        self._gateways = [route(f"{i:032x}") for i in range(gateways)]
+        self._asleep = asleep
+
+    def sleeping(self, model: str) -> list[Route] | None:
+        return self._asleep
+
+    def gateways(self) -> list[Route]:
+        return list(self._gateways)
+
+
+def across(table: Table | None = None, declared: bool = False) -> tuple[Across, list[str]]:
+    refused: list[str] = []
+    made = Across(
+        "A",
+        table or Table(),
+        lambda: RING,
+        refused.append,
+        (lambda model: 60.0) if declared else None,
+    )
+    return made, refused
+
+
+def routed(doc: dict[str, object] | None = None, sites: frozenset[str] | None = None) -> Routed:
+    doc = doc if doc is not None else {"model": "m"}
+    r = Routed("responses", "m", False, doc, None, frozenset(), None, None, 0)
+    r.pinned = pinned_node(doc)
+    r.sites = sites
+    return r
+
+
+def test_a_request_from_a_peer_site_is_taken_in_only_when_our_site_is_allowed() -> None:
+    a, refused = across()
+    assert a.taken_in("C", {}) is None  # any site
+    assert a.taken_in("C", {residency.SITES_HEADER: b"A,B"}) == frozenset({"A", "B"})
+    no = a.taken_in("C", {residency.SITES_HEADER: b"B"})
+    assert (
+        isinstance(no, Rejection) and no.status == 403 and refused == [residency.FORWARD_ELSEWHERE]
+    )
+    bad = a.taken_in("C", {residency.SITES_HEADER: b"\xff"})
+    assert isinstance(bad, Rejection) and bad.status == 400 and "'C'" in bad.message
+
+
+def test_an_agent_spreads_out_going_requests_over_its_sites_gateways() -> None:
+    a, _ = across(Table(gateways=3))
+    firsts = [a.out_routes("m", None)[0].info.session_id for _ in range(6)]
+    assert len(set(firsts)) == 3 and firsts[:3] == firsts[3:]
+    assert across()[0].out_routes("m", None) == []  # no gateway: nowhere
+
+
+def test_a_gateway_offers_the_peer_sites_that_serve_the_model_and_are_allowed() -> None:
+    a, refused = across()
+    offers = [
+        SiteOffer("C", ("10.0.0.1:7000",), True, 0.1, 1, 1, 0),
+        SiteOffer("B", ("10.0.0.2:7000",), True, 0.2, 1, 1, 0),
+    ]
+    a.offers = lambda model: offers if model == "m" else []
+    out = a.out_routes("m", frozenset({"B"}))
+    assert [r.info.site for r in out] == ["B"] and out[0].hop == HOP_SITE
+    assert [r.info.site for r in a.out_routes("m", None)] == ["C", "B"]
+    # nothing for an unknown model: 404; sites serve it but none allowed: 403 (counted)
+    assert a.not_served("x", True, None, 1).status == 404
+    denied = a.not_served("m", True, frozenset({"D"}), 1)
+    assert denied.status == 403 and refused == [residency.NOT_SERVED_THERE]
+    busy = a.not_served("m", True, None, 7)
+    assert busy.status == 503 and (b"retry-after", b"7") in busy.headers
+
+
+def test_residency_keeps_the_allowed_routes_and_refuses_what_cannot_be_served() -> None:
+    here, there = route("1" * 32, "A"), route("2" * 32, "B")
+    a, refused = across()
+    assert a.within(routed(sites=frozenset({"B"})), None, [here, there]) == ([there], False)
+    asleep = route("3" * 32, "B")
+    a2, _ = across(Table(asleep=[asleep]))
+    assert a2.within(routed(sites=frozenset({"B"})), None, [here]) == ([asleep], True)
+    no_common = a.within(routed(sites=frozenset()), None, [here])
+    assert isinstance(no_common, Rejection) and refused[-1] == residency.NO_COMMON_SITE
+    elsewhere = a.within(routed(sites=frozenset({"C"})), None, [here])
+    assert isinstance(elsewhere, Rejection) and elsewhere.status == 403
+    assert refused[-1] == residency.NOT_SERVED_THERE
+    # ...unless a replica may start (declared) or a gateway may find site C
+    assert across(declared=True)[0].within(routed(sites=frozenset({"C"})), None, [here]) == (
+        None,
+        False,
+    )
+    assert across(Table(gateways=1))[0].within(routed(sites=frozenset({"C"})), None, [here]) == (
+        None,
+        False,
+    )
+
+
+def facts(sid: str) -> PinnedNode:
+    return PinnedNode(State.SERVING, Standing.ROUTABLE, True)
+
+
+def test_a_follow_up_of_a_response_another_site_stores_goes_to_that_site_alone() -> None:
+    a, refused = across()
+    _, rid = responses.tagged({}, NODE, b"\x01" * 8, RING, "site:A/-", "C")
+    r = routed({"model": "m", "previous_response_id": rid})
+    assert a.responses_routes(r, [route(NODE)], "", facts) == (None, None)
+    assert r.sites == frozenset({"C"})
+    # limited to sites that leave C out: 403, counted
+    limited = routed({"model": "m", "previous_response_id": rid}, frozenset({"A"}))
+    no = a.responses_routes(limited, None, "", facts)
+    assert isinstance(no, Rejection) and no.status == 403 and "site 'C'" in no.message
+    assert refused == [residency.NOT_SERVED_THERE]
+    # from a peer site: never sent on (the 404 of an unknown id)
+    bounced = routed({"model": "m", "previous_response_id": rid, "request_id": "-"})
+    again = a.responses_routes(bounced, None, "B", facts)
+    assert isinstance(again, Rejection) and again.status == 404
+
+
+def test_a_response_from_a_peer_site_is_owned_by_that_sites_reference() -> None:
+    a, _ = across()
+    ref = "0123456789abcdef"
+    new = routed({"model": "m", "request_id": ref})
+    assert a.responses_routes(new, [route(NODE)], "C", facts) == ([route(NODE)], f"site:C/{ref}")
+    nameless = a.responses_routes(routed({"model": "m"}), [route(NODE)], "C", facts)
+    assert isinstance(nameless, Rejection) and nameless.status == 400
+    # stored here for C's reference: continued from C with it, not with another or from B
+    _, rid = responses.tagged({}, NODE, b"\x02" * 8, RING, f"site:C/{ref}", "A")
+    follow = {"model": "m", "previous_response_id": rid, "request_id": ref}
+    assert a.responses_routes(routed(follow), [route(NODE)], "C", facts) == (
+        [route(NODE)],
+        f"site:C/{ref}",
+    )
+    for site, other in (("B", ref), ("C", "fedcba9876543210")):
+        doc = {**follow, "request_id": other}
+        no = a.responses_routes(routed(doc), [route(NODE)], site, facts)
+        assert isinstance(no, Rejection) and no.status == 404
+
+
+@pytest.mark.parametrize("keyed", [False, True])
+def test_a_local_follow_up_is_pinned_to_its_node_and_checked_for_its_key(keyed: bool) -> None:
+    a, _ = across()
+    _, rid = responses.tagged({}, NODE, b"\x03" * 8, RING, "key-1")
+    r = routed({"model": "m", "previous_response_id": rid})
+    if keyed:
+        r.key = ApiKey("key-2", "bob", b"\x00" * 32, 0.0)
+        no = a.responses_routes(r, [route(NODE), route("c" * 32)], "", facts)
+        assert isinstance(no, Rejection) and no.status == 404
+    else:
+        assert a.responses_routes(r, [route(NODE), route("c" * 32)], "", facts) == (
+            [route(NODE)],
+            None,
+        )
+    assert orjson.dumps(r.doc)  # the decoded body is left as it came
