@@ -83,7 +83,7 @@ SLURM=(tests/slurm)
 # (agents of several sites and meshes, gateways): a queued lane.
 SITES_AGENTS=(tests/system/test_sites.py tests/system/test_federation.py
     tests/system/test_residency.py tests/system/test_cross_site.py
-    tests/system/test_cross_site_state.py)
+    tests/system/test_cross_site_state.py tests/system/test_push_across_sites.py)
 SITES=(tests/sites "${SITES_AGENTS[@]}")
 # Every tests/<kind>/dataplane folder, and the request log's tests (three of its modules are
 # compiled with the data plane: fabricnode.native.COMPANIONS): run again on the interpreted

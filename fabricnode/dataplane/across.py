@@ -35,8 +35,26 @@ from fabricnode.dataplane.residency import (
 )
 from fabricnode.dataplane.responses import PinnedNode
 from fabricnode.dataplane.routetable import Route
-from fabricnode.dataplane.sites import SiteOffer, choose, may_leave_for, site_routes, taken_in
+from fabricnode.dataplane.sites import (
+    SiteOffer,
+    admitting,
+    choose,
+    may_leave_for,
+    pushed,
+    site_routes,
+    taken_in,
+)
 from fabricnode.mesh.keyring import Keyring
+
+
+def refused_here(allowed: Sites, site: str) -> Rejection | None:
+    """The 403 of a request whose allowed sites (``residency``) exclude ours, ``site``: a
+    forward to our node, or a request a peer site's gateway sends us; None when ours is
+    allowed. The caller counts it (``FORWARD_ELSEWHERE``)."""
+    if taken_in(allowed, site):
+        return None
+    assert allowed is not None  # every site takes a request of any site
+    return Rejection(403, forward_message(site, allowed), SITE_NOT_ALLOWED)
 
 
 class SiteTable(Protocol):
@@ -78,10 +96,10 @@ class Across:
             allowed = residency.decode(carried) if carried is not None else None
         except ValueError as exc:
             return Rejection(400, f"bad allowed sites from site {from_site!r}: {exc}", "site")
-        if not taken_in(allowed, self.site):
+        refused = refused_here(allowed, self.site)
+        if refused is not None:
             self.refused(FORWARD_ELSEWHERE)
-            assert allowed is not None  # every site takes a request of any site
-            return Rejection(403, forward_message(self.site, allowed), SITE_NOT_ALLOWED)
+            return refused
         return allowed
 
     # -- a request no node of our site takes ---------------------------------------------------
@@ -93,6 +111,23 @@ class Across:
         offers = self.offers
         if offers is not None:
             return site_routes(choose(offers(model), sites))
+        return self._gateways_in_turn()
+
+    def federated(self) -> bool:
+        """Whether a request may leave our site at all: we are a gateway, or our site has one."""
+        return self.offers is not None or bool(self.table.gateways())
+
+    def push_routes(self, model: str, sites: Sites) -> list[Route]:
+        """Where a request goes that our site's nodes cannot admit now (two-layer routing,
+        ``sites`` rule 5): from a gateway, to the peer sites that can admit it now, best first;
+        from another agent, to our site's gateways, in turn (each routes it anywhere, our site
+        first). None of either: [], and it waits here for our nodes."""
+        offers = self.offers
+        if offers is not None:
+            return site_routes(choose(admitting(offers(model)), sites))
+        return pushed(self._gateways_in_turn())
+
+    def _gateways_in_turn(self) -> list[Route]:
         gateways = self.table.gateways()
         n = len(gateways)
         if n > 1:

@@ -35,6 +35,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 from fabricnode.dataplane import failure, residency, responses
+from fabricnode.dataplane.across import refused_here
 from fabricnode.dataplane.clientconn import ClientConn, send_error
 from fabricnode.dataplane.failure import Failed
 from fabricnode.dataplane.forward_auth import ForwardRejected, ForwardVerifier, sign_forward
@@ -49,8 +50,11 @@ from fabricnode.dataplane.sites import (
     FROM_SITE_HEADER,
     HOP_GATEWAY,
     HOP_NODE,
+    HOP_PUSH,
     OUT_HEADER,
     OUT_SUFFIX,
+    PUSH_HEADER,
+    PUSH_SUFFIX,
 )
 from fabricnode.dataplane.sockio import LoopClock
 from fabricnode.dataplane.tiers import PRIORITY_KINDS, prioritized
@@ -59,6 +63,7 @@ from fabricnode.mesh.schema import Standing
 from fabricnode.mesh.sites import DEFAULT_SITE
 
 OUT_LINE = OUT_HEADER + b": 1\r\n"
+PUSH_LINE = PUSH_HEADER + b": 1\r\n"
 # A batch request that leaves the site says so (``tiers``): the gateways route it as batch work.
 BATCH_LINE = PRIORITY_HEADER + b": batch\r\n"
 
@@ -161,18 +166,21 @@ class Attempts:
         # a request limited to sites carries its set (``residency``): in the forward's MAC to
         # our gateway, over the authenticated link to a peer site's
         sites = residency.encode(job.sites) if job.sites is not None else None
-        if route.hop == HOP_GATEWAY:
+        if route.hop == HOP_GATEWAY or route.hop == HOP_PUSH:
+            push = route.hop == HOP_PUSH
             forward = sign_forward(
                 self.core.keyring,
                 sender=self.core.self_id,
-                target=sid + OUT_SUFFIX,
+                target=sid + (PUSH_SUFFIX if push else OUT_SUFFIX),
                 method=job.method,
                 path=job.path,
                 body=job.body,
                 now=self.wall_clock(),
                 sites=sites,
             )
-            extra = OUT_LINE + BATCH_LINE if job.slot is not None else OUT_LINE
+            extra = PUSH_LINE if push else OUT_LINE
+            if job.slot is not None:
+                extra += BATCH_LINE
             request = upstream_request(job, route.origin, forward=forward, extra=extra, sites=sites)
             return self.relay.exchange(
                 conn, job, route.origin, request, sid, self._node_ok(sid), now, local=False
@@ -281,13 +289,13 @@ class Attempts:
                 conn, 403, f"forward refused: {exc}", "forward_refused", path=path, extra=named
             )
             return True
-        if allowed is not None and self.site not in allowed:
+        elsewhere = refused_here(allowed, self.site)
+        if elsewhere is not None:
             # Checked again here (``residency``): the ingress never picks a node outside the
             # request's sites, and a node never serves one for a site it is not.
             self._forwards_served("refused").inc()
             self.metrics.residency_refusals.labels(residency.FORWARD_ELSEWHERE).inc()
-            message = residency.forward_message(self.site, allowed)
-            await send_error(conn, 403, message, residency.SITE_NOT_ALLOWED, path=path)
+            await send_error(conn, 403, elsewhere.message, elsewhere.code, path=path)
             return True
         url = self.serving_engine_url()
         origin = self._local_origin(url) if url is not None else None

@@ -148,6 +148,8 @@ from fabricnode.dataplane.sites import (
     HOP_NODE,
     OUT_HEADER,
     OUT_SUFFIX,
+    PUSH_HEADER,
+    PUSH_SUFFIX,
     may_leave,
     may_leave_for,
 )
@@ -613,7 +615,8 @@ class Ingress:
         """A model-routed request that is not a client's own: one a peer site's gateway sent
         over the link (``FROM_SITE_HEADER``, set by the frontdoor only on such connections),
         one another ingress of our site asks us, a gateway, to take out of the site
-        (``OUT_HEADER``, its forward signed for that), or an ordinary forward to our engine."""
+        (``OUT_HEADER``, its forward signed for that) or to route anywhere, our site first
+        (``PUSH_HEADER``: its nodes could not admit it), or an ordinary forward to our engine."""
         headers = req.headers
         from_site = headers.get(FROM_SITE_HEADER)
         if from_site is not None:
@@ -629,10 +632,12 @@ class Ingress:
                 routed.tenant = f"site:{site}"
             return self._route_decoded(conn, req, path, kind, routed, self.clock.now(), site)
         assert forward is not None
-        if OUT_HEADER not in headers:
+        push = PUSH_HEADER in headers  # route it anywhere, our site first (``sites`` rule 5)
+        if OUT_HEADER not in headers and not push:
             return self.attempts.serve_forward(conn, req, forward)
+        target = self.core.self_id + (PUSH_SUFFIX if push else OUT_SUFFIX)
         try:
-            allowed = self.attempts.check_forward(req, forward, self.core.self_id + OUT_SUFFIX)
+            allowed = self.attempts.check_forward(req, forward, target)
         except (ForwardRejected, ValueError) as exc:
             why = Rejection(403, f"forward refused: {exc}", "forward_refused")
             return self._reject(conn, why, path)
@@ -647,7 +652,8 @@ class Ingress:
         if isinstance(routed, Rejection):
             return self._reject(conn, routed, path)
         routed.sites = narrow(routed.sites, allowed)
-        return self._route_decoded(conn, req, path, kind, routed, self.clock.now(), "", True)
+        now = self.clock.now()
+        return self._route_decoded(conn, req, path, kind, routed, now, "", not push)
 
     def _route(
         self, conn: ClientConn, req: Request, path: bytes, kind: str
@@ -881,7 +887,8 @@ class Ingress:
         observed = -1  # candidates for the first attempt, observed when the request is done
         refusal = ""  # why the batch gate sent the request away (GATE_FULL, GATE_TIMEOUT)
         slot = job.slot  # a batch request's (``tiers``); None for an interactive one
-        left = False  # the routes left the site (failover to a peer site)
+        left = False  # the routes left the site (failover to a peer site, or pushed)
+        home: list[Route] | None = None  # our site's routes, while the request is pushed
         if slot is None:
             self.answering += 1
         try:
@@ -897,6 +904,11 @@ class Ingress:
                     if out:
                         routes = out
                         candidates = self._candidates(routes, routed, tried, now, wall)
+                if not candidates and home is not None:
+                    # Pushed, and no gateway or site took it before its first byte: it waits
+                    # for our own nodes after all.
+                    routes, home = home, None
+                    candidates = self._candidates(routes, routed, tried, now, wall)
                 if not tried:
                     observed = len(candidates)
                 if not candidates:
@@ -915,13 +927,28 @@ class Ingress:
                     ranked, routes = admitted
                     now, wall = self.clock.now(), self.wall_clock()
                     fo.restart_clock(now)  # the time it waited is not failover time
-                elif len(candidates) == 1 or job.waking or routes[0].hop != HOP_NODE:
+                elif (
+                    (len(candidates) == 1 and (left or not self.across.federated()))
+                    or job.waking
+                    or routes[0].hop != HOP_NODE
+                ):
                     # One candidate: nothing to choose and no use holding (the request would
-                    # wait for the same node either way); the policy is skipped, as prompt
-                    # hashing was.
+                    # wait for the same node either way) unless the site is federated, where
+                    # a request that node cannot admit is pushed; the policy is skipped, as
+                    # prompt hashing was.
                     ranked = candidates
                 else:
                     ranked = policy.rank(routed, candidates, wall)
+                if ranked is None and not left and self._may_go_out(job, routes):
+                    # None of our nodes can admit it now: two-layer routing (``sites`` rule 5)
+                    # pushes it to a gateway of ours, or from a gateway to a peer site that can
+                    # admit it; with neither, it waits here for our nodes.
+                    out = self.across.push_routes(job.model, job.sites)
+                    pushed = self._candidates(out, routed, tried, now, wall) if out else []
+                    if pushed:
+                        left = True
+                        home, routes, ranked = routes, out, pushed
+                        self.metrics.decision(policy.name, "push")
                 if ranked is None:
                     ranked = await self._hold(routed, routes, tried, candidates)
                     if not ranked:

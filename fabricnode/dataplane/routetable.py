@@ -63,7 +63,8 @@ class Route:
     # Its engine serves waiting requests by their ``priority`` field (fabric.priority_scheduling).
     priority: bool = False
     # What it leads to (``sites``): a node of our site (0), a gateway of our site that takes
-    # the request out (1), a gateway of a peer site over the federation link (2).
+    # the request out (1), a gateway of a peer site over the federation link (2), a gateway of
+    # our site that routes it anywhere, our site first (3).
     hop: int = 0
 
 
@@ -141,7 +142,9 @@ class RouteTable:
         for entry in core.registry:
             body = entry.body
             if body.state in (State.JOIN, State.SERVING) and body.session_id != core.self_id:
-                gateway = _gateway_route(body.session_id, body.addresses.http, body.labels)
+                gateway = _gateway_route(
+                    body.session_id, body.addresses.http, body.labels, body.site
+                )
                 if gateway is not None:
                     gateways.append(replace(gateway, expires_at=body.expires_at))
             if body.state != State.SERVING or not body.addresses.http:
@@ -268,9 +271,10 @@ class RouteTable:
             standing = core.standing(sid, State.SERVING)  # the table holds SERVING entries only
             if standing < Standing.SUSPECT:
                 continue
-            # a gateway of our site serves nothing itself: it takes the request out, and
-            # checks the set again against the peer sites it offers (``sites``, rule 4)
-            if sites is not None and info.site not in sites and r.hop != HOP_GATEWAY:
+            # a gateway of our site serves nothing itself: it takes the request out (or routes
+            # a pushed one), and checks the set again against the sites it offers (``sites``,
+            # rule 4); a pushed request's route to it is a gateway route too (its hop aside)
+            if sites is not None and info.site not in sites and r.hop not in GATEWAY_HOPS:
                 continue
             if providers and not provider_allowed(info, providers):
                 continue
@@ -291,9 +295,15 @@ GATEWAY_LABEL = "fabric.gateway"  # sites.GATEWAY_LABEL (sites imports this modu
 HOP_NODE = 0  # a node of our site (or our own engine)
 HOP_GATEWAY = 1  # a gateway of our site, which takes the request out
 HOP_SITE = 2  # a gateway of a peer site, over the federation link
+# a gateway of our site that routes it anywhere: our site's nodes first, else a peer site that
+# can admit it now (our site's nodes could not: two-layer routing, ``sites``)
+HOP_PUSH = 3
+GATEWAY_HOPS = (HOP_GATEWAY, HOP_PUSH)  # the routes to a gateway of our site
 
 
-def _gateway_route(sid: str, url: str, labels: tuple[tuple[str, str], ...]) -> Route | None:
+def _gateway_route(
+    sid: str, url: str, labels: tuple[tuple[str, str], ...], site: str
+) -> Route | None:
     if not url or not any(key == GATEWAY_LABEL and value for key, value in labels):
         return None
     origin = origin_of(url)
@@ -309,6 +319,7 @@ def _gateway_route(sid: str, url: str, labels: tuple[tuple[str, str], ...]) -> R
         gpu_count=0,
         max_model_len=None,
         quantization=None,
+        site=site,  # ours: what a request the gateway serves inside the site is logged with
     )
     return Route(info, origin, 0.0, False, False, HOP_GATEWAY)
 

@@ -39,11 +39,18 @@ every other client's request, so the mark cannot be forged from outside. The rul
    (``taken_in``) and routes it inside its site with the same filter as any request. Each
    hop may only narrow the set. A peer site is trusted with the set it forwards, as with the
    requests it sends at all: its gateways hold a site key we pinned.
+5. **Two-layer routing** (SkyLB's, issue 41): a request is served inside our site while one of
+   our nodes can admit it (the pending-aware policy ranks one); when none can, it is pushed:
+   an ingress that is not a gateway hands it to a gateway of our site (``HOP_PUSH``, a forward
+   signed for ``PUSH_SUFFIX``), and a gateway sends it to a peer site that can admit it now
+   (``admitting``: a replica with no request waiting, chosen as in rule 2) or, when none can,
+   holds it for our site's nodes as any ingress does. A pushed request is sent out at most
+   once (rule 1): the gateway that takes it in routes it inside its site.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fabricnode.dataplane import residency, routetable
 from fabricnode.dataplane.routetable import Origin, Route
@@ -58,12 +65,17 @@ FROM_SITE_HEADER = b"x-fabric-from-site"
 # A forward asking a gateway of our site to take the request out of the site.
 OUT_HEADER = b"x-fabric-out"
 OUT_SUFFIX = "/out"
+# A forward asking a gateway of our site to route the request anywhere, our site first: our
+# site's nodes cannot admit it now (``push_routes``, two-layer routing).
+PUSH_HEADER = b"x-fabric-push"
+PUSH_SUFFIX = "/push"
 # Response header naming the site whose node served (cross-site answers only).
 SITE_HEADER = b"x-fabric-site"
 # What a route leads to (``Route.hop``).
 HOP_NODE = routetable.HOP_NODE  # a node of our site (or our own engine)
 HOP_GATEWAY = routetable.HOP_GATEWAY  # a gateway of our site, which takes the request out
 HOP_SITE = routetable.HOP_SITE  # a gateway of a peer site, over the federation link
+HOP_PUSH = routetable.HOP_PUSH  # a gateway of our site, to route it anywhere, our site first
 # The host part of a site origin: ``site:<site>/<gateway address>``; the port is 0.
 SITE_ORIGIN_PREFIX = "site:"
 
@@ -137,6 +149,18 @@ def parse_site_origin(origin: Origin) -> tuple[str, str] | None:
     if not sep or not site or not addr:
         return None
     return site, addr
+
+
+def admitting(offers: list[SiteOffer]) -> list[SiteOffer]:
+    """The peer sites that can admit a request now: a replica with no request waiting (rule 5,
+    two-layer routing)."""
+    return [o for o in offers if o.admitting > 0]
+
+
+def pushed(gateways: list[Route]) -> list[Route]:
+    """Our site's gateways as routes that ask each to route the request anywhere, our site
+    first (``HOP_PUSH``)."""
+    return [replace(r, hop=HOP_PUSH) for r in gateways]
 
 
 def site_routes(pairs: list[tuple[str, str]]) -> list[Route]:

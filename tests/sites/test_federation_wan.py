@@ -44,7 +44,7 @@ from fabricnode.dataplane.apikeys import ApiKeyStore
 from fabricnode.federation import protocol
 from fabricnode.federation.keygen import generate_site_key
 from fabricnode.federation.summary import ModelCapacity, SiteSummary, SummaryBody
-from tests.support.federation import Federation, start_meshes
+from tests.support.federation import Federation, official_answers, start_meshes
 from tests.support.sites import Link, Site, Topology, emulated_sites, require_sites
 
 openai = pytest.importorskip("openai")
@@ -144,31 +144,7 @@ def test_three_sites_over_the_wan(federation: Federation) -> None:
     model = MODELS["c"]
 
     def clients() -> dict[str, Any]:
-        client = openai.OpenAI(base_url=f"{ingress}/v1", api_key=key, max_retries=0, timeout=60)
-        raw = client.chat.completions.with_raw_response.create(
-            model=model, messages=[{"role": "user", "content": "hello"}], max_tokens=5
-        )
-        chunks = list(
-            client.chat.completions.create(
-                model=model,
-                messages=[{"role": "user", "content": "stream please"}],
-                max_tokens=8,
-                stream=True,
-            )
-        )
-        aclient = anthropic.Anthropic(base_url=ingress, api_key=key, max_retries=0)
-        messages = [{"role": "user", "content": [{"type": "text", "text": "hi there"}]}]
-        msg = aclient.messages.create(model=model, max_tokens=6, messages=messages)
-        with aclient.messages.stream(model=model, max_tokens=6, messages=messages) as stream:
-            streamed = "".join(stream.text_stream)
-        return {
-            "json": raw.parse().choices[0].message.content,
-            "site": raw.headers["x-fabric-site"],
-            "node": raw.headers["x-fabric-node"],
-            "stream": "".join(c.choices[0].delta.content or "" for c in chunks if c.choices),
-            "messages": msg.content[0].text,
-            "messages_stream": streamed,
-        }
+        return official_answers(ingress, key, model)
 
     answers = fed.at("a-c0", clients)
     assert answers["json"] and answers["stream"].strip(), answers

@@ -107,3 +107,38 @@ def start_meshes(fed: Federation) -> None:
     """One ``LocalMesh`` (its own cluster key and rendezvous file) per site of the topology."""
     for site in fed.sites.topology.sites:
         fed.meshes[site.name] = LocalMesh(fed.root / f"site-{site.name}")
+
+
+def official_answers(base: str, key: str, model: str, timeout_s: float = 60.0) -> dict[str, Any]:
+    """What the official clients get at ingress ``base`` for ``model``: the ``openai`` client's
+    JSON answer (its text, and the site and node that served it) and stream, the ``anthropic``
+    client's Messages answer, plain and streamed (a few tokens each)."""
+    import anthropic
+    import openai
+
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0, timeout=timeout_s)
+    raw = client.chat.completions.with_raw_response.create(
+        model=model, messages=[{"role": "user", "content": "hello"}], max_tokens=5
+    )
+    chunks = list(
+        client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "stream please"}],
+            max_tokens=8,
+            stream=True,
+        )
+    )
+    aclient = anthropic.Anthropic(base_url=base, api_key=key, max_retries=0, timeout=timeout_s)
+    messages: Any = [{"role": "user", "content": [{"type": "text", "text": "hi there"}]}]
+    msg = aclient.messages.create(model=model, max_tokens=6, messages=messages)
+    with aclient.messages.stream(model=model, max_tokens=6, messages=messages) as stream:
+        streamed = "".join(stream.text_stream)
+    block = msg.content[0]
+    return {
+        "json": raw.parse().choices[0].message.content,
+        "site": raw.headers["x-fabric-site"],
+        "node": raw.headers["x-fabric-node"],
+        "stream": "".join(c.choices[0].delta.content or "" for c in chunks if c.choices),
+        "messages": block.text if block.type == "text" else "",
+        "messages_stream": streamed,
+    }

@@ -22,6 +22,7 @@ from cli.localmesh import AgentProcess, LocalMesh, wait_until
 from fabricnode.dataplane.apikeys import ApiKeyStore
 from fabricnode.federation.keygen import generate_site_key
 from fabricnode.federation.sitekey import SiteKey
+from tests.support.federation import official_answers
 from tests.support.meshview import free_port
 from tests.system.test_federation import gateway_args, peer_dir, sites_of
 
@@ -101,36 +102,15 @@ def test_a_model_only_another_site_serves_is_answered_through_the_gateways(
         c_sid = c_node.session_id
         url = ingress.http_url
 
-        # the official openai client: JSON and a stream
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=30)
+        # the official clients: openai's JSON and stream, anthropic's Messages plain and streamed
         started = time.monotonic()
-        raw = client.chat.completions.with_raw_response.create(
-            model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=5
-        )
-        first_s = time.monotonic() - started
-        reply = raw.parse()
-        assert reply.choices[0].message.content
-        assert raw.headers["x-fabric-node"] == c_sid
-        assert raw.headers["x-fabric-site"] == "C"
-        chunks = list(
-            client.chat.completions.create(
-                model=MODEL,
-                messages=[{"role": "user", "content": "stream please"}],
-                max_tokens=8,
-                stream=True,
-            )
-        )
-        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-        assert text.strip()
-
-        # the anthropic client: Messages, plain and streamed
-        aclient = anthropic.Anthropic(base_url=url, api_key="sk-none", max_retries=0)
-        messages = [{"role": "user", "content": [{"type": "text", "text": "hi there"}]}]
-        msg = aclient.messages.create(model=MODEL, max_tokens=6, messages=messages)
-        assert msg.content[0].type == "text" and len(msg.content[0].text.split()) == 6
-        with aclient.messages.stream(model=MODEL, max_tokens=6, messages=messages) as stream:
-            streamed = "".join(stream.text_stream)
-        assert len(streamed.split()) == 6
+        answers = official_answers(url, "none", MODEL, timeout_s=30)
+        first_s = time.monotonic() - started  # the four answers, the first crossing included
+        assert answers["json"] and answers["stream"].strip(), answers
+        assert answers["node"] == c_sid and answers["site"] == "C"
+        assert len(answers["messages"].split()) == 6, answers
+        assert len(answers["messages_stream"].split()) == 6, answers
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=30)
 
         # data residency across sites (docs/federation.md): the request's allowed sites travel
         # with it, checked by the gateway taking it out and the one taking it in; what site C's
@@ -288,7 +268,8 @@ def test_a_model_only_another_site_serves_is_answered_through_the_gateways(
         # the added latency per hop is printed, not asserted (a bench's figure: loaded CI
         # machines make it anything); the target is in docs/federation.md
         print(
-            f"first cross-site answer in {first_s * 1000:.0f} ms; median {direct_ms:.2f} ms at "
+            f"the official clients' four answers in {first_s * 1000:.0f} ms; "
+            f"median {direct_ms:.2f} ms at "
             f"C's node, {across_ms:.2f} ms from A's ingress: {per_hop_ms:.2f} ms per hop; "
             f"{done[0]} requests and {streams[0]} streams under load, {done[0] - before} "
             f"requests after killing {carrying.name}, none failed before its first byte "

@@ -10,13 +10,13 @@ import orjson
 import pytest
 
 from fabricnode.dataplane import residency, responses
-from fabricnode.dataplane.across import Across
+from fabricnode.dataplane.across import Across, refused_here
 from fabricnode.dataplane.keytable import ApiKey
 from fabricnode.dataplane.request import Rejection, Routed, pinned_node
 from fabricnode.dataplane.responses import PinnedNode
 from fabricnode.dataplane.routetable import Route
 from fabricnode.dataplane.routing import NodeInfo
-from fabricnode.dataplane.sites import HOP_SITE, SiteOffer
+from fabricnode.dataplane.sites import HOP_PUSH, HOP_SITE, SiteOffer
 from fabricnode.mesh.keyring import Keyring
 from fabricnode.mesh.registry import State
 from fabricnode.mesh.schema import Standing
@@ -178,3 +178,32 @@ def test_a_local_follow_up_is_pinned_to_its_node_and_checked_for_its_key(keyed: 
             None,
         )
     assert orjson.dumps(r.doc)  # the decoded body is left as it came
+
+
+def test_a_forward_or_a_peer_sites_request_is_refused_here_only_outside_its_sites() -> None:
+    assert refused_here(None, "A") is None
+    assert refused_here(frozenset({"A", "C"}), "A") is None
+    no = refused_here(frozenset({"C"}), "A")
+    assert no is not None and (no.status, no.code) == (403, residency.SITE_NOT_ALLOWED)
+    assert "site 'A'" in no.message and "C" in no.message
+
+
+def test_a_request_our_nodes_cannot_admit_is_pushed_to_a_gateway_or_an_admitting_site() -> None:
+    """Two-layer routing (``sites`` rule 5): an agent pushes to its site's gateways (asking each
+    to route it anywhere, our site first); a gateway to the peer sites that can admit it now."""
+    agent, _ = across(Table(gateways=2))
+    pushed = agent.push_routes("m", None)
+    assert [r.hop for r in pushed] == [HOP_PUSH, HOP_PUSH]
+    assert across()[0].push_routes("m", None) == []  # no gateway: it waits here
+    gateway, _ = across()
+    offers = [
+        SiteOffer("B", ("10.0.0.2:7000",), True, 0.05, 2, 0, 9),  # full: never pushed to
+        SiteOffer("C", ("10.0.0.3:7000",), True, 0.20, 1, 1, 0),
+        SiteOffer("D", ("10.0.0.4:7000",), True, 0.10, 1, 1, 0),
+    ]
+    gateway.offers = lambda model: offers
+    assert [r.info.site for r in gateway.push_routes("m", None)] == ["D", "C"]
+    assert [r.info.site for r in gateway.push_routes("m", frozenset({"C"}))] == ["C"]
+    assert gateway.push_routes("m", frozenset({"B"})) == []  # the allowed site is full
+    # taking a request out (no node of ours serves the model) still offers every site
+    assert [r.info.site for r in gateway.out_routes("m", None)] == ["D", "C", "B"]

@@ -1,0 +1,121 @@
+"""Two-layer routing with real agents on loopback (``sites`` rule 5, SkyLB's): a burst at site A
+beyond its one small replica is served inside A while A's node can admit, and the overflow is
+pushed to sites B and C, which can; no request fails, and each crosses between sites at most
+once (the request logs of A's ingress and of B's and C's gateways agree)."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from cli.localmesh import LocalMesh, wait_until
+from fabricnode.federation.keygen import generate_site_key
+from tests.support.meshload import sim_engine_args
+from tests.support.meshview import free_port
+from tests.system.test_federation import gateway_args, peer_dir, sites_of
+
+pytestmark = pytest.mark.slow
+MODEL = "sim-shared"
+
+
+def logged(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_a_burst_beyond_a_sites_replicas_is_pushed_to_sites_that_can_admit_it(
+    tmp_path: Path,
+) -> None:
+    names = ("A", "B", "C")
+    keys = {s: generate_site_key(s, tmp_path / f"key-{s}") for s in names}
+    ports = {s: free_port() for s in names}
+    logs = {s: tmp_path / f"{s}-requests.jsonl" for s in names}
+    with (
+        LocalMesh(tmp_path / "site-a") as site_a,
+        LocalMesh(tmp_path / "site-b") as site_b,
+        LocalMesh(tmp_path / "site-c") as site_c,
+    ):
+        meshes = {"A": site_a, "B": site_b, "C": site_c}
+        gateways = {}
+        for s in names:
+            others = [o for o in names if o != s]
+            peers = peer_dir(tmp_path, s, *(keys[o] for o in others))
+            dial = [f"{o}=127.0.0.1:{ports[o]}" for o in others]
+            args = gateway_args(keys[s], peers, ports[s], *dial)
+            gateways[s] = meshes[s].start(
+                f"{s}-gateway", args=[*args, "--request-log", str(logs[s])]
+            )
+        # A's one replica runs two requests at a time, slowly: a burst of eight queues there
+        small = sim_engine_args(MODEL, "L4", "--max-num-seqs", "2", "--slowdown", "4")
+        site_a.start("A-node", args=["--site", "A", *small])
+        # B's and C's replicas take three at a time: the overflow fills one and spills to the other
+        middle = sim_engine_args(MODEL, "L4", "--max-num-seqs", "3", "--slowdown", "4")
+        for s in ("B", "C"):
+            meshes[s].start(f"{s}-node", args=["--site", s, *middle])
+        ingress = site_a.start(
+            "A-ingress", args=["--site", "A", "--request-log", str(tmp_path / "ingress.jsonl")]
+        )
+
+        def everyone_admits() -> bool:
+            rows = sites_of(gateways["A"])
+            return all(
+                (rows.get(o) or {}).get("routable")
+                and ((rows[o].get("summary") or {}).get("models", {}).get(MODEL) or {}).get(
+                    "admitting"
+                )
+                for o in ("B", "C")
+            )
+
+        assert wait_until(everyone_admits, 40), sites_of(gateways["A"])
+        assert wait_until(
+            lambda: httpx.get(f"{ingress.http_url}/v1/models", timeout=5).json()["data"], 20
+        )
+
+        results: Counter[str] = Counter()
+        served_at: Counter[str] = Counter()
+        lock = threading.Lock()
+
+        def client(i: int) -> None:
+            body = {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": f"client {i}: tell me a story"}],
+                "max_tokens": 24,
+            }
+            with httpx.Client(timeout=60) as http:
+                for _ in range(5):
+                    r = http.post(f"{ingress.http_url}/v1/chat/completions", json=body)
+                    with lock:
+                        results[str(r.status_code)] += 1
+                        if r.status_code == 200:
+                            served_at[r.headers.get("x-fabric-site", "A")] += 1  # A: no header
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        print(f"results {dict(results)}; served at {dict(served_at)}")
+        assert results == Counter({"200": 40}), results
+        assert served_at["A"] > 0, served_at  # A served what it could admit
+        assert served_at["B"] > 0 and served_at["C"] > 0, served_at  # the overflow went out
+        assert set(served_at) <= {"A", "B", "C"}, served_at
+
+        # The request logs: what A's ingress saw served at B or C is what B's and C's gateways
+        # took in, each served in its own site: none went on to a third site.
+        def settled() -> bool:
+            at = Counter(r["site"] for r in logged(tmp_path / "ingress.jsonl"))
+            return sum(at.values()) == 40
+
+        assert wait_until(settled, 10)
+        at_ingress = Counter(r["site"] for r in logged(tmp_path / "ingress.jsonl"))
+        for s in ("B", "C"):
+            taken_in = logged(logs[s])
+            assert {r["site"] for r in taken_in} <= {s}, taken_in[:3]
+            assert len(taken_in) == at_ingress[s], (s, len(taken_in), at_ingress)
