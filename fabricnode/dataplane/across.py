@@ -57,6 +57,9 @@ def refused_here(allowed: Sites, site: str) -> Rejection | None:
     return Rejection(403, forward_message(site, allowed), SITE_NOT_ALLOWED)
 
 
+MAX_SESSIONS = 16384  # sessions a gateway remembers the pushed-to site of
+
+
 class SiteTable(Protocol):
     """What ``Across`` reads of the route table (``routetable.RouteTable``)."""
 
@@ -83,6 +86,11 @@ class Across:
         # on an agent that is not a gateway.
         self.offers: Callable[[str], list[SiteOffer]] | None = None
         self.turns = 0  # out routes handed out: spreads requests over our site's gateways
+        # On a gateway, the peer site each session's last pushed request went to (a
+        # conversation's cache is there): its next pushed turn goes there first while that
+        # site can admit. Bounded: the oldest is forgotten first.
+        self.sessions: dict[str, str] = {}
+        self.max_sessions = MAX_SESSIONS
 
     # -- a request from a peer site --------------------------------------------------------------
 
@@ -117,15 +125,33 @@ class Across:
         """Whether a request may leave our site at all: we are a gateway, or our site has one."""
         return self.offers is not None or bool(self.table.gateways())
 
-    def push_routes(self, model: str, sites: Sites) -> list[Route]:
+    def push_routes(self, model: str, sites: Sites, session: str | None = None) -> list[Route]:
         """Where a request goes that our site's nodes cannot admit now (two-layer routing,
-        ``sites`` rule 5): from a gateway, to the peer sites that can admit it now, best first;
-        from another agent, to our site's gateways, in turn (each routes it anywhere, our site
-        first). None of either: [], and it waits here for our nodes."""
+        ``sites`` rule 5): from a gateway, to the peer sites that can admit it now, best first
+        (the site its ``session`` was last pushed to first: ``pushed_to``); from another agent,
+        to our site's gateways, in turn (each routes it anywhere, our site first). None of
+        either: [], and it waits here for our nodes."""
         offers = self.offers
         if offers is not None:
-            return site_routes(choose(admitting(offers(model)), sites))
+            chosen = choose(admitting(offers(model)), sites)
+            home = self.sessions.get(session) if session is not None else None
+            if home is not None and len(chosen) > 1:
+                # the session's site first (its gateways in their order), the others after
+                chosen = [c for c in chosen if c[0] == home] + [c for c in chosen if c[0] != home]
+            return site_routes(chosen)
         return pushed(self._gateways_in_turn())
+
+    def pushed_to(self, session: str | None, site: str) -> None:
+        """A pushed request of ``session`` went to peer site ``site``: its next turns go there
+        first (``push_routes``)."""
+        if session is None:
+            return
+        sessions = self.sessions
+        if session in sessions:
+            del sessions[session]  # to the newest end
+        elif len(sessions) >= self.max_sessions:
+            del sessions[next(iter(sessions))]
+        sessions[session] = site
 
     def _gateways_in_turn(self) -> list[Route]:
         gateways = self.table.gateways()

@@ -146,6 +146,7 @@ from fabricnode.dataplane.sites import (
     FROM_SITE_HEADER,
     HOP_GATEWAY,
     HOP_NODE,
+    HOP_SITE,
     OUT_HEADER,
     OUT_SUFFIX,
     PUSH_HEADER,
@@ -943,7 +944,7 @@ class Ingress:
                     # None of our nodes can admit it now: two-layer routing (``sites`` rule 5)
                     # pushes it to a gateway of ours, or from a gateway to a peer site that can
                     # admit it; with neither, it waits here for our nodes.
-                    out = self.across.push_routes(job.model, job.sites)
+                    out = self.across.push_routes(job.model, job.sites, routed.session_key)
                     pushed = self._candidates(out, routed, tried, now, wall) if out else []
                     if pushed:
                         left = True
@@ -956,6 +957,8 @@ class Ingress:
                 pick = ranked[0].node.session_id
                 route = route_of(routes, pick)
                 fo.picked(pick)
+                if home is not None and route.hop == HOP_SITE:
+                    self.across.pushed_to(routed.session_key, route.info.site)
                 if job.splice is not None:
                     log.info("stream continuation %d goes to %s", job.resumes, pick[:8])
                 policy.on_routed(routed, pick, wall)

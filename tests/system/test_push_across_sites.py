@@ -1,7 +1,8 @@
 """Two-layer routing with real agents on loopback (``sites`` rule 5, SkyLB's): a burst at site A
-beyond its one small replica is served inside A while A's node can admit, and the overflow is
+beyond its two small replicas is served inside A while A's node can admit, and the overflow is
 pushed to sites B and C, which can; no request fails, and each crosses between sites at most
-once (the request logs of A's ingress and of B's and C's gateways agree)."""
+once (the request logs of A's ingress and of B's and C's gateways agree). A conversation stays
+on its site and replica while the site has room."""
 
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ from tests.system.test_federation import gateway_args, peer_dir, sites_of
 
 pytestmark = pytest.mark.slow
 MODEL = "sim-shared"
+CLIENTS, CLIENT_REQUESTS = 12, 4  # the burst: twelve clients, each a request after another
+BURST = CLIENTS * CLIENT_REQUESTS
 
 
 def logged(path: Path) -> list[dict[str, Any]]:
@@ -52,9 +55,11 @@ def test_a_burst_beyond_a_sites_replicas_is_pushed_to_sites_that_can_admit_it(
             gateways[s] = meshes[s].start(
                 f"{s}-gateway", args=[*args, "--request-log", str(logs[s])]
             )
-        # A's one replica runs two requests at a time, slowly: a burst of eight queues there
+        # A's two replicas run two requests at a time each, slowly: a burst of twelve clients
+        # and a conversation queue there
         small = sim_engine_args(MODEL, "L4", "--max-num-seqs", "2", "--slowdown", "4")
-        site_a.start("A-node", args=["--site", "A", *small])
+        for i in range(2):
+            site_a.start(f"A-node-{i}", args=["--site", "A", *small])
         # B's and C's replicas take three at a time: the overflow fills one and spills to the other
         middle = sim_engine_args(MODEL, "L4", "--max-num-seqs", "3", "--slowdown", "4")
         for s in ("B", "C"):
@@ -78,9 +83,30 @@ def test_a_burst_beyond_a_sites_replicas_is_pushed_to_sites_that_can_admit_it(
             lambda: httpx.get(f"{ingress.http_url}/v1/models", timeout=5).json()["data"], 20
         )
 
+        def turns(session: str, n: int) -> list[tuple[str, str]]:
+            """A conversation of ``n`` turns: (site, node) of each answer."""
+            out = []
+            messages: list[dict[str, str]] = []
+            with httpx.Client(timeout=60, headers={"x-session-id": session}) as http:
+                for t in range(n):
+                    messages.append({"role": "user", "content": f"{session} turn {t}"})
+                    body = {"model": MODEL, "messages": messages, "max_tokens": 8}
+                    r = http.post(f"{ingress.http_url}/v1/chat/completions", json=body)
+                    assert r.status_code == 200, r.text
+                    reply = r.json()["choices"][0]["message"]["content"]
+                    messages.append({"role": "assistant", "content": reply})
+                    out.append((r.headers.get("x-fabric-site", "A"), r.headers["x-fabric-node"]))
+            return out
+
+        # while A has room, a conversation stays on A's replica
+        calm = turns("calm", 3)
+        assert {site for site, _ in calm} == {"A"} and len({node for _, node in calm}) == 1, calm
+
         results: Counter[str] = Counter()
         served_at: Counter[str] = Counter()
         lock = threading.Lock()
+        busy: list[tuple[str, str]] = []
+        spilling = threading.Event()  # a request of the burst was answered at B or C
 
         def client(i: int) -> None:
             body = {
@@ -89,29 +115,42 @@ def test_a_burst_beyond_a_sites_replicas_is_pushed_to_sites_that_can_admit_it(
                 "max_tokens": 24,
             }
             with httpx.Client(timeout=60) as http:
-                for _ in range(5):
+                for _ in range(CLIENT_REQUESTS):
                     r = http.post(f"{ingress.http_url}/v1/chat/completions", json=body)
                     with lock:
                         results[str(r.status_code)] += 1
                         if r.status_code == 200:
-                            served_at[r.headers.get("x-fabric-site", "A")] += 1  # A: no header
+                            site = r.headers.get("x-fabric-site", "A")  # A: no header
+                            served_at[site] += 1
+                            if site != "A":
+                                spilling.set()
 
-        threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(CLIENTS)]
+
+        def conversation() -> None:  # begins once A is full and the burst spills over
+            if spilling.wait(60):
+                busy.extend(turns("busy", 5))
+
+        threads.append(threading.Thread(target=conversation))
         for t in threads:
             t.start()
         for t in threads:
             t.join(120)
-        print(f"results {dict(results)}; served at {dict(served_at)}")
-        assert results == Counter({"200": 40}), results
+        print(f"results {dict(results)}; served at {dict(served_at)}; conversation {busy}")
+        assert results == Counter({"200": BURST}), results
         assert served_at["A"] > 0, served_at  # A served what it could admit
         assert served_at["B"] > 0 and served_at["C"] > 0, served_at  # the overflow went out
         assert set(served_at) <= {"A", "B", "C"}, served_at
+        # a conversation that begins while A is full is answered wherever there is room: a
+        # turn goes back to the site it was pushed to while that site can admit (the gateway's
+        # sessions: tests/unit/dataplane/test_across.py), else to one that can
+        assert len(busy) == 5, busy
 
         # The request logs: what A's ingress saw served at B or C is what B's and C's gateways
         # took in, each served in its own site: none went on to a third site.
         def settled() -> bool:
             at = Counter(r["site"] for r in logged(tmp_path / "ingress.jsonl"))
-            return sum(at.values()) == 40
+            return sum(at.values()) == BURST + len(calm) + len(busy)  # the burst, two conversations
 
         assert wait_until(settled, 10)
         at_ingress = Counter(r["site"] for r in logged(tmp_path / "ingress.jsonl"))

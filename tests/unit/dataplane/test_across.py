@@ -207,3 +207,30 @@ def test_a_request_our_nodes_cannot_admit_is_pushed_to_a_gateway_or_an_admitting
     assert gateway.push_routes("m", frozenset({"B"})) == []  # the allowed site is full
     # taking a request out (no node of ours serves the model) still offers every site
     assert [r.info.site for r in gateway.out_routes("m", None)] == ["D", "C", "B"]
+
+
+def test_a_pushed_conversation_goes_back_to_the_site_it_was_pushed_to_while_it_admits() -> None:
+    gateway, _ = across()
+    offers = [
+        SiteOffer("C", ("10.0.0.3:7000",), True, 0.20, 1, 1, 0),
+        SiteOffer("D", ("10.0.0.4:7000",), True, 0.10, 1, 1, 0),
+    ]
+    gateway.offers = lambda model: offers
+    assert [r.info.site for r in gateway.push_routes("m", None, "conv")] == ["D", "C"]
+    gateway.pushed_to("conv", "C")  # D was busy that turn: it went to C
+    assert [r.info.site for r in gateway.push_routes("m", None, "conv")] == ["C", "D"]
+    assert [r.info.site for r in gateway.push_routes("m", None, "other")] == ["D", "C"]
+    offers[0] = SiteOffer("C", ("10.0.0.3:7000",), True, 0.20, 1, 0, 4)  # C full now
+    assert [r.info.site for r in gateway.push_routes("m", None, "conv")] == ["D"]
+
+
+def test_the_sessions_a_gateway_remembers_are_bounded_oldest_first() -> None:
+    gateway, _ = across()
+    gateway.max_sessions = 3
+    for i in range(5):
+        gateway.pushed_to(f"s{i}", "C")
+    gateway.pushed_to("s2", "D")  # remembered again: the newest
+    gateway.pushed_to("s5", "C")
+    assert list(gateway.sessions) == ["s4", "s2", "s5"]
+    gateway.pushed_to(None, "C")
+    assert len(gateway.sessions) == 3
