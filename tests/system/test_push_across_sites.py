@@ -6,11 +6,9 @@ on its site and replica while the site has room."""
 
 from __future__ import annotations
 
-import json
 import threading
 from collections import Counter
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -19,18 +17,13 @@ from cli.localmesh import LocalMesh, wait_until
 from fabricnode.federation.keygen import generate_site_key
 from tests.support.meshload import sim_engine_args
 from tests.support.meshview import free_port
+from tests.system.test_cross_site import log_lines
 from tests.system.test_federation import gateway_args, peer_dir, sites_of
 
 pytestmark = pytest.mark.slow
 MODEL = "sim-shared"
 CLIENTS, CLIENT_REQUESTS = 12, 4  # the burst: twelve clients, each a request after another
 BURST = CLIENTS * CLIENT_REQUESTS
-
-
-def logged(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def test_a_burst_beyond_a_sites_replicas_is_pushed_to_sites_that_can_admit_it(
@@ -149,12 +142,12 @@ def test_a_burst_beyond_a_sites_replicas_is_pushed_to_sites_that_can_admit_it(
         # The request logs: what A's ingress saw served at B or C is what B's and C's gateways
         # took in, each served in its own site: none went on to a third site.
         def settled() -> bool:
-            at = Counter(r["site"] for r in logged(tmp_path / "ingress.jsonl"))
+            at = Counter(r["site"] for r in log_lines(tmp_path / "ingress.jsonl"))
             return sum(at.values()) == BURST + len(calm) + len(busy)  # the burst, two conversations
 
         assert wait_until(settled, 10)
-        at_ingress = Counter(r["site"] for r in logged(tmp_path / "ingress.jsonl"))
+        at_ingress = Counter(r["site"] for r in log_lines(tmp_path / "ingress.jsonl"))
         for s in ("B", "C"):
-            taken_in = logged(logs[s])
+            taken_in = log_lines(logs[s])
             assert {r["site"] for r in taken_in} <= {s}, taken_in[:3]
             assert len(taken_in) == at_ingress[s], (s, len(taken_in), at_ingress)
