@@ -591,6 +591,7 @@ class Agent:
                         cap.replicas,
                         cap.admitting,
                         cap.waiting,
+                        view.fresh(site, now),
                     )
                 )
             return found

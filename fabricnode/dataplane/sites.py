@@ -43,7 +43,8 @@ every other client's request, so the mark cannot be forged from outside. The rul
    our nodes can admit it (the pending-aware policy ranks one); when none can, it is pushed:
    an ingress that is not a gateway hands it to a gateway of our site (``HOP_PUSH``, a forward
    signed for ``PUSH_SUFFIX``), and a gateway sends it to a peer site that can admit it now
-   (``admitting``: a replica with no request waiting, chosen as in rule 2) or, when none can,
+   (``admitting``: a replica with no request waiting, on a summary fresh enough to say so,
+   ``SiteOffer.fresh``; chosen as in rule 2) or, when none can,
    holds it for our site's nodes as any ingress does. A pushed request is sent out at most
    once (rule 1): the gateway that takes it in routes it inside its site.
 """
@@ -91,6 +92,9 @@ class SiteOffer:
     replicas: int
     admitting: int
     waiting: int
+    # Its summary is recent enough to say what it can admit now (``view.fresh``): only such a
+    # site is pushed to (rule 5).
+    fresh: bool = True
 
 
 def may_leave(from_site: str, out: bool) -> bool:
@@ -152,9 +156,9 @@ def parse_site_origin(origin: Origin) -> tuple[str, str] | None:
 
 
 def admitting(offers: list[SiteOffer]) -> list[SiteOffer]:
-    """The peer sites that can admit a request now: a replica with no request waiting (rule 5,
-    two-layer routing)."""
-    return [o for o in offers if o.admitting > 0]
+    """The peer sites that can admit a request now: a replica with no request waiting, on a
+    summary recent enough to say so (rule 5, two-layer routing)."""
+    return [o for o in offers if o.admitting > 0 and o.fresh]
 
 
 def pushed(gateways: list[Route]) -> list[Route]:

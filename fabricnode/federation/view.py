@@ -47,6 +47,9 @@ REFUSALS = (
 MAX_RTT_S = 60.0
 
 
+FRESH_SLACK_S = 0.5  # what ``fresh`` allows beyond a keep-alive period and a round trip
+
+
 @dataclass(frozen=True)
 class ViewConfig:
     stale_floor_s: float = 5.0  # never unreachable sooner than this after the last summary
@@ -154,6 +157,18 @@ class FederationView:
         cfg = self.config
         rtt = self.rtt(site) or 0.0
         return max(cfg.stale_floor_s, cfg.rtt_factor * rtt + cfg.summary_period_s)
+
+    def fresh(self, site: str, now: float) -> bool:
+        """Whether the site's summary is recent enough to say what it can admit *now*: no
+        older than one keep-alive period and a round trip (and half a second of scheduling),
+        the longest a site that changed nothing waits between two summaries. A routable site
+        whose summary is older is still served what only it serves; nothing is pushed to it
+        on the word of that summary (two-layer routing prices a summary's age this way)."""
+        state = self._sites.get(site)
+        if state is None or state.accepted_at is None:
+            return False
+        rtt = state.rtt_s or 0.0
+        return now - state.accepted_at <= self.config.summary_period_s + rtt + FRESH_SLACK_S
 
     def routable(self, site: str, now: float) -> bool:
         state = self._sites.get(site)

@@ -234,3 +234,15 @@ def test_the_sessions_a_gateway_remembers_are_bounded_oldest_first() -> None:
     assert list(gateway.sessions) == ["s4", "s2", "s5"]
     gateway.pushed_to(None, "C")
     assert len(gateway.sessions) == 3
+
+
+def test_a_site_whose_summary_is_too_old_to_say_it_admits_is_not_pushed_to() -> None:
+    gateway, _ = across()
+    offers = [
+        SiteOffer("C", ("10.0.0.3:7000",), True, 0.05, 1, 1, 0, fresh=False),
+        SiteOffer("D", ("10.0.0.4:7000",), True, 0.20, 1, 1, 0),
+    ]
+    gateway.offers = lambda model: offers
+    assert [r.info.site for r in gateway.push_routes("m", None)] == ["D"]
+    # still routable: what no node of ours serves goes to the nearest, C, as before
+    assert [r.info.site for r in gateway.out_routes("m", None)] == ["C", "D"]

@@ -60,6 +60,21 @@ def test_the_staleness_bound_scales_with_the_measured_rtt(
     assert view.rtt("C") == pytest.approx(2.0, rel=0.01)
 
 
+def test_a_summary_says_what_a_site_admits_now_for_a_keep_alive_period_and_a_round_trip(
+    view: FederationView, site_keys: dict[str, SiteKey]
+) -> None:
+    """Two-layer routing pushes to a site only on a summary this fresh; the site stays
+    routable (what only it serves still goes there) until the staleness bound."""
+    assert not view.fresh("C", T0)  # nothing heard yet
+    assert view.accept(summary(site_keys["C"], 1), "C", T0) == ACCEPTED
+    assert view.fresh("C", T0 + 2.4)  # 2 s keep-alive + 0.5 s, no RTT measured yet
+    assert not view.fresh("C", T0 + 2.6) and view.routable("C", T0 + 2.6)
+    for _ in range(50):
+        view.observe_rtt("C", 0.25)
+    assert view.fresh("C", T0 + 2.7) and not view.fresh("C", T0 + 2.8)
+    assert not view.fresh("Z", T0)  # not a peer
+
+
 def test_forged_summary_is_refused(view: FederationView, site_keys: dict[str, SiteKey]) -> None:
     forged = summary(site_keys["C-fake"], 1)  # a key that calls itself C, not the pinned one
     assert view.accept(forged, "C", T0) == "bad_signature"
