@@ -25,6 +25,7 @@
 #   slurm    tests/slurm but SLURM_ELASTIC: a real Slurm (jobs scheduled, agents starting inside
 #            them, preemption, drains) and a real vLLM on CPU; mostly waiting.
 # Queued:
+#   compute-tail  COMPUTE_TAIL (the longest compute tests: mesh simulations at scale, the fuzzer).
 #   agents-late  LATE_AGENTS (the Batch API's, plan-apply and CLI agent tests).
 #   agents-tail  TAIL_AGENTS (the longest agent tests).
 #   sites    tests/sites and SITES_AGENTS: the emulated sites (network namespaces, a WAN router
@@ -56,6 +57,11 @@ BIN=${BIN:-.venv/bin}
 # queued lane of their own. (Split in two from the start, tests/unit beside tests/shell, every
 # lane ran slower: a fresh clone's run went from 21 min 59 s to 22 min 45 s.)
 COMPUTE=(tests/unit tests/shell)
+# The compute tests that take longest (the mesh simulations at scale and the datagram fuzzer:
+# 336 s of the compute lane's 1,073 in a fresh clone's run, the run's length): a queued lane,
+# first in the queue, so that they run in the place of the first lane to end.
+COMPUTE_TAIL=(tests/unit/mesh/test_core_sim.py tests/unit/mesh/test_security.py
+    tests/shell/mesh/test_service_fakenet.py)
 BROWSER=(tests/browser)
 AGENTS=(tests/system)
 # The agent tests that take longest (churn under load, a busy engine, the demo and the key
@@ -123,8 +129,10 @@ ignoring() { # ignoring PATH...: pytest's --ignore for each
 mapfile -t late_ignored < <(ignoring "${LATE_AGENTS[@]}" "${TAIL_AGENTS[@]}" \
     "${BENCH_AGENTS[@]}" "${SITES_AGENTS[@]}")
 mapfile -t elastic_ignored < <(ignoring "${SLURM_ELASTIC[@]}" "${SLURM_JUMP[@]}")
+mapfile -t compute_ignored < <(ignoring "${COMPUTE_TAIL[@]}")
 
 # The queued lanes, longest first: each starts in the place of the next lane to end.
+run_compute_tail() { lane compute-tail -- "${COMPUTE_TAIL[@]}"; }
 run_agents_late() { lane agents-late -- -m "not compute" "${LATE_AGENTS[@]}"; }
 run_agents_tail() { lane agents-tail -- -m "not compute" "${TAIL_AGENTS[@]}"; }
 run_sites() { lane sites -- "${SITES[@]}"; }
@@ -132,7 +140,8 @@ run_agents_benches() { lane agents-benches -- -m "not compute" "${BENCH_AGENTS[@
 run_compute_system() { lane compute-system -- -m compute "${AGENTS[@]}"; }
 run_browser() { lane browser -- "${BROWSER[@]}"; }
 run_slurm_jump() { lane slurm-jump -- "${SLURM_JUMP[@]}"; }
-QUEUE=(agents-late agents-tail sites agents-benches compute-system browser slurm-jump)
+QUEUE=(compute-tail agents-late agents-tail sites agents-benches compute-system browser
+    slurm-jump)
 
 declare -A in_slot=() # a place -> the lane in it now (ended when its status file is there)
 setup_failed=0
@@ -146,7 +155,7 @@ if [ -n "${LANES_SETUP:-}" ]; then
 fi
 lane slurm-elastic -- "${SLURM_ELASTIC[@]}" &
 in_slot[slurm-elastic]=slurm-elastic
-lane compute -- "${COMPUTE[@]}" &
+lane compute -- "${compute_ignored[@]}" "${COMPUTE[@]}" &
 in_slot[compute]=compute
 lane agents -- -m "not compute" "${late_ignored[@]}" "${AGENTS[@]}" &
 in_slot[agents]=agents
@@ -176,8 +185,8 @@ while [ ${#QUEUE[@]} -gt 0 ]; do
 done
 wait
 
-LANES=(slurm-elastic interpreted compute agents slurm agents-late agents-tail sites agents-benches
-    compute-system browser slurm-jump)
+LANES=(slurm-elastic interpreted compute agents slurm compute-tail agents-late agents-tail sites
+    agents-benches compute-system browser slurm-jump)
 failed_lanes=0
 for name in "${LANES[@]}"; do
     read -r status took <"$WORK/$name.status" 2>/dev/null || { status=1 took=0; }

@@ -21,7 +21,9 @@ import pytest
 from tests.support import REPO
 
 BENCH = REPO / "bench" / "router.py"
-TIME_BUDGET_S = 25.0
+# A hang guard, not a speed check: the --quick run takes ~18 s on a quiet machine and went past
+# 25 s with the rest of `make test` beside it (benches report speed; tests assert behaviour).
+TIME_BUDGET_S = 120.0
 MODES = ("json", "sse", "audio", "responses-sse")
 LABELS = {f"c={c} {mode}" for c in (1, 32) for mode in MODES}
 

@@ -304,14 +304,31 @@ def test_crash_after_seconds_exits_the_process() -> None:
 
 
 def test_hang_stops_answering_health_until_killed() -> None:
+    # The engine was serving when it printed its ready line; it hangs when its log says so
+    # (a GET of /health before that raced the 0.3 s timer on a loaded machine).
     with engine("--hang-after-s", "0.3", "--shutdown-grace-s", "0.2") as e, e.client(1.0) as c:
-        assert c.get("/health").status_code == 200
-        time.sleep(0.4)
+        assert _stderr_says(e.proc, "hanging after", READY_TIMEOUT_S)
         with pytest.raises(httpx.TimeoutException):
             c.get("/health", timeout=0.3)
         assert e.proc.poll() is None
         e.proc.send_signal(signal.SIGTERM)
         assert e.wait(5) == 0
+
+
+def _stderr_says(proc: subprocess.Popen[str], text: str, timeout: float) -> bool:
+    """Whether a line of ``proc``'s stderr holds ``text`` within ``timeout`` seconds."""
+    found = threading.Event()
+
+    def read() -> None:
+        stderr = proc.stderr
+        assert stderr is not None
+        for line in stderr:
+            if text in line:
+                found.set()
+                return
+
+    threading.Thread(target=read, daemon=True).start()
+    return found.wait(timeout)
 
 
 def test_error_rate_one_answers_500_but_health_stays_up() -> None:
