@@ -237,11 +237,12 @@ class Across:
         routes: list[Route] | None,
         from_site: str,
         pinned_node: Callable[[str], PinnedNode],
-    ) -> tuple[list[Route] | None, str | None] | Rejection:
-        """The routes of a ``POST /v1/responses`` and, for one from a peer site, the owner its
-        response gets (``responses``, "Across sites"), or why it may go nowhere. One that
-        continues a response another site stores goes out to that site alone: (None, None),
-        its allowed sites narrowed to that site."""
+    ) -> tuple[list[Route] | None, str | None, str] | Rejection:
+        """The routes of a ``POST /v1/responses``, for one from a peer site the owner its
+        response gets (``responses``, "Across sites"), and the peer site that stores the
+        response it continues ("" if none), or why it may go nowhere. One that continues a
+        response another site stores goes out to that site alone: (None, None, that site), its
+        allowed sites narrowed to that site."""
         doc = routed.doc
         previous = str(doc.get("previous_response_id")) if routed.pinned is not None else ""
         held_at = site_of_response(previous) if previous else ""
@@ -266,7 +267,7 @@ class Across:
                     SITE_NOT_ALLOWED,
                 )
             routed.sites = narrow(routed.sites, frozenset((held_at,)))
-            return None, None
+            return None, None, held_at
         if previous:
             mine = owner if owner is not None else routed.key.key_id if routed.key else None
             if mine is not None and not responses.owned(previous, mine, self.keyring()):
@@ -274,4 +275,4 @@ class Across:
         pinned = responses.pin(routed.model, doc, routed.pinned, routes, pinned_node)
         if isinstance(pinned, Rejection):
             return pinned
-        return pinned, owner
+        return pinned, owner, ""

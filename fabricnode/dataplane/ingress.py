@@ -717,8 +717,8 @@ class Ingress:
             held = self.across.responses_routes(routed, routes, from_site, self._pinned_node)
             if isinstance(held, Rejection):
                 return self._reject(conn, held, path)
-            routes, response_owner = held
-            elsewhere = routes is None
+            routes, response_owner, held_at = held
+            elsewhere = bool(held_at)
         if not routes and not out and not elsewhere:
             hold_s = self.declared(model) if self.declared is not None else None
         leaving = False

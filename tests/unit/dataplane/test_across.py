@@ -130,7 +130,7 @@ def test_a_follow_up_of_a_response_another_site_stores_goes_to_that_site_alone()
     a, refused = across()
     _, rid = responses.tagged({}, NODE, b"\x01" * 8, RING, "site:A/-", "C")
     r = routed({"model": "m", "previous_response_id": rid})
-    assert a.responses_routes(r, [route(NODE)], "", facts) == (None, None)
+    assert a.responses_routes(r, [route(NODE)], "", facts) == (None, None, "C")
     assert r.sites == frozenset({"C"})
     # limited to sites that leave C out: 403, counted
     limited = routed({"model": "m", "previous_response_id": rid}, frozenset({"A"}))
@@ -147,7 +147,11 @@ def test_a_response_from_a_peer_site_is_owned_by_that_sites_reference() -> None:
     a, _ = across()
     ref = "0123456789abcdef"
     new = routed({"model": "m", "request_id": ref})
-    assert a.responses_routes(new, [route(NODE)], "C", facts) == ([route(NODE)], f"site:C/{ref}")
+    assert a.responses_routes(new, [route(NODE)], "C", facts) == (
+        [route(NODE)],
+        f"site:C/{ref}",
+        "",
+    )
     nameless = a.responses_routes(routed({"model": "m"}), [route(NODE)], "C", facts)
     assert isinstance(nameless, Rejection) and nameless.status == 400
     # stored here for C's reference: continued from C with it, not with another or from B
@@ -156,6 +160,7 @@ def test_a_response_from_a_peer_site_is_owned_by_that_sites_reference() -> None:
     assert a.responses_routes(routed(follow), [route(NODE)], "C", facts) == (
         [route(NODE)],
         f"site:C/{ref}",
+        "",
     )
     for site, other in (("B", ref), ("C", "fedcba9876543210")):
         doc = {**follow, "request_id": other}
@@ -176,6 +181,7 @@ def test_a_local_follow_up_is_pinned_to_its_node_and_checked_for_its_key(keyed: 
         assert a.responses_routes(r, [route(NODE), route("c" * 32)], "", facts) == (
             [route(NODE)],
             None,
+            "",
         )
     assert orjson.dumps(r.doc)  # the decoded body is left as it came
 
@@ -246,3 +252,10 @@ def test_a_site_whose_summary_is_too_old_to_say_it_admits_is_not_pushed_to() -> 
     assert [r.info.site for r in gateway.push_routes("m", None)] == ["D"]
     # still routable: what no node of ours serves goes to the nearest, C, as before
     assert [r.info.site for r in gateway.out_routes("m", None)] == ["C", "D"]
+
+
+def test_a_new_response_for_a_model_no_node_of_ours_serves_has_no_routes_here_yet() -> None:
+    """Not "stored elsewhere": a declared model may still get a replica (the cold start), or a
+    gateway take it out; only a continuation names a site."""
+    a, _ = across()
+    assert a.responses_routes(routed({"model": "m"}), None, "", facts) == (None, None, "")
