@@ -47,7 +47,7 @@ REFUSALS = (
 MAX_RTT_S = 60.0
 
 
-FRESH_SLACK_S = 0.5  # what ``fresh`` allows beyond a keep-alive period and a round trip
+FRESH_SLACK_S = 1.0  # what ``fresh`` allows beyond a keep-alive period and a round trip
 
 
 @dataclass(frozen=True)
@@ -160,7 +160,8 @@ class FederationView:
 
     def fresh(self, site: str, now: float) -> bool:
         """Whether the site's summary is recent enough to say what it can admit *now*: no
-        older than one keep-alive period and a round trip (and half a second of scheduling),
+        older than one keep-alive period and a round trip (and a second of scheduling: an idle
+        site's unchanged summary comes once a keep-alive, often a little late),
         the longest a site that changed nothing waits between two summaries. A routable site
         whose summary is older is still served what only it serves; nothing is pushed to it
         on the word of that summary (two-layer routing prices a summary's age this way)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -53,8 +54,10 @@ def test_a_burst_beyond_a_sites_replicas_is_pushed_to_sites_that_can_admit_it(
         small = sim_engine_args(MODEL, "L4", "--max-num-seqs", "2", "--slowdown", "4")
         for i in range(2):
             site_a.start(f"A-node-{i}", args=["--site", "A", *small])
-        # B's and C's replicas take three at a time: the overflow fills one and spills to the other
-        middle = sim_engine_args(MODEL, "L4", "--max-num-seqs", "3", "--slowdown", "4")
+        # B's and C's replicas take one at a time: the nearer one has a queue (and its summary
+        # says so) after its first pushed request, and the overflow spills to the other (with
+        # three at a time, a run sent all of it to C, whose summaries never showed a queue)
+        middle = sim_engine_args(MODEL, "L4", "--max-num-seqs", "1", "--slowdown", "4")
         for s in ("B", "C"):
             meshes[s].start(f"{s}-node", args=["--site", s, *middle])
         ingress = site_a.start(
@@ -132,7 +135,9 @@ def test_a_burst_beyond_a_sites_replicas_is_pushed_to_sites_that_can_admit_it(
         print(f"results {dict(results)}; served at {dict(served_at)}; conversation {busy}")
         assert results == Counter({"200": BURST}), results
         assert served_at["A"] > 0, served_at  # A served what it could admit
-        assert served_at["B"] > 0 and served_at["C"] > 0, served_at  # the overflow went out
+        # the overflow went out (to B and C in most runs; which one takes a pushed request is
+        # what its summary said at that moment, so one of them may take it all)
+        assert served_at["B"] + served_at["C"] > 0, served_at
         assert set(served_at) <= {"A", "B", "C"}, served_at
         # a conversation that begins while A is full is answered wherever there is room: a
         # turn goes back to the site it was pushed to while that site can admit (the gateway's
@@ -141,13 +146,23 @@ def test_a_burst_beyond_a_sites_replicas_is_pushed_to_sites_that_can_admit_it(
 
         # The request logs: what A's ingress saw served at B or C is what B's and C's gateways
         # took in, each served in its own site: none went on to a third site.
-        def settled() -> bool:
-            at = Counter(r["site"] for r in log_lines(tmp_path / "ingress.jsonl"))
-            return sum(at.values()) == BURST + len(calm) + len(busy)  # the burst, two conversations
+        # Each agent writes its log line when it has settled the request (its own time): read
+        # them once every one is there (A's ingress's last lines may come before B's or C's).
+        def taken_in(s: str) -> list[dict[str, Any]]:
+            return log_lines(logs[s])
 
-        assert wait_until(settled, 10)
-        at_ingress = Counter(r["site"] for r in log_lines(tmp_path / "ingress.jsonl"))
+        def at_ingress() -> Counter[str]:
+            return Counter(r["site"] for r in log_lines(tmp_path / "ingress.jsonl"))
+
+        def settled() -> bool:
+            at = at_ingress()
+            if sum(at.values()) != BURST + len(calm) + len(busy):  # the burst, two conversations
+                return False
+            return all(len(taken_in(s)) >= at[s] for s in ("B", "C"))
+
+        assert wait_until(settled, 10), at_ingress()
+        at = at_ingress()
         for s in ("B", "C"):
-            taken_in = log_lines(logs[s])
-            assert {r["site"] for r in taken_in} <= {s}, taken_in[:3]
-            assert len(taken_in) == at_ingress[s], (s, len(taken_in), at_ingress)
+            lines = taken_in(s)
+            assert {r["site"] for r in lines} <= {s}, lines[:3]
+            assert len(lines) == at[s], (s, len(lines), at)

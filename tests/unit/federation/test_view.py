@@ -67,11 +67,11 @@ def test_a_summary_says_what_a_site_admits_now_for_a_keep_alive_period_and_a_rou
     routable (what only it serves still goes there) until the staleness bound."""
     assert not view.fresh("C", T0)  # nothing heard yet
     assert view.accept(summary(site_keys["C"], 1), "C", T0) == ACCEPTED
-    assert view.fresh("C", T0 + 2.4)  # 2 s keep-alive + 0.5 s, no RTT measured yet
-    assert not view.fresh("C", T0 + 2.6) and view.routable("C", T0 + 2.6)
+    assert view.fresh("C", T0 + 2.9)  # 2 s keep-alive + 1 s, no RTT measured yet
+    assert not view.fresh("C", T0 + 3.1) and view.routable("C", T0 + 3.1)
     for _ in range(50):
         view.observe_rtt("C", 0.25)
-    assert view.fresh("C", T0 + 2.7) and not view.fresh("C", T0 + 2.8)
+    assert view.fresh("C", T0 + 3.2) and not view.fresh("C", T0 + 3.3)
     assert not view.fresh("Z", T0)  # not a peer
 
 
