@@ -20,7 +20,8 @@ from collections.abc import Callable, Mapping
 from typing import Protocol
 
 from fabricnode.dataplane import residency, responses
-from fabricnode.dataplane.endpoints import site_of_response
+from fabricnode.dataplane.endpoints import RESPONSES, site_of_response
+from fabricnode.dataplane.job import Job
 from fabricnode.dataplane.request import Rejection, Routed
 from fabricnode.dataplane.residency import (
     FORWARD_ELSEWHERE,
@@ -36,9 +37,11 @@ from fabricnode.dataplane.residency import (
 from fabricnode.dataplane.responses import PinnedNode
 from fabricnode.dataplane.routetable import Route
 from fabricnode.dataplane.sites import (
+    HOP_NODE,
     SiteOffer,
     admitting,
     choose,
+    may_leave,
     may_leave_for,
     pushed,
     site_routes,
@@ -229,7 +232,29 @@ class Across:
         )
         return Rejection(403, message, SITE_NOT_ALLOWED)
 
+    def may_go_out(self, job: Job, routes: list[Route]) -> bool:
+        """Whether a request routed to our site's nodes may try another site (all of them
+        failed, or none can admit it: ``push_routes``): an interactive request for a model,
+        not a Responses request, not already leaving (nor come from another site:
+        ``sites.may_leave``), allowed elsewhere, not waking a sleeping replica."""
+        return (
+            may_leave(job.from_site, job.out)
+            and may_leave_for(job.sites, self.site)
+            and job.slot is None
+            and not job.waking
+            and job.model != "-"
+            and job.kind != RESPONSES
+            and bool(routes)
+            and routes[0].hop == HOP_NODE
+        )
+
     # -- Responses -----------------------------------------------------------------------------
+
+    def outgoing_response(self, routed: Routed) -> bytes:
+        """The body of a ``POST /v1/responses`` that leaves our site: its owner's reference as
+        its ``request_id`` (the gateway that takes it in names its node and tags the id)."""
+        owner = routed.key.key_id if routed.key is not None else responses.ANONYMOUS
+        return responses.carrying_owner(routed.doc, responses.owner_ref(self.keyring(), owner))
 
     def responses_routes(
         self,

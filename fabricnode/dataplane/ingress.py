@@ -748,9 +748,7 @@ class Ingress:
         if kind in PREPARED_KINDS:
             if kind == RESPONSES and leaving:
                 # to another site: its gateway names its node; ours, the owner (``responses``)
-                owner = routed.key.key_id if routed.key is not None else responses.ANONYMOUS
-                ref = responses.owner_ref(self.core.keyring, owner)
-                job.body = responses.carrying_owner(doc, ref)
+                job.body = self.across.outgoing_response(routed)
             elif kind == RESPONSES and not out:
                 job.retag = True  # each attempt names its node in the response id
                 job.response_owner = response_owner
@@ -898,7 +896,7 @@ class Ingress:
                 candidates = self._candidates(
                     routes, routed, tried, now, wall, interactive=slot is None
                 )
-                if not candidates and not left and self._may_go_out(job, routes):
+                if not candidates and not left and self.across.may_go_out(job, routes):
                     # Every node of our site failed or none is eligible: another site.
                     left = True
                     out = self.across.out_routes(job.model, job.sites)
@@ -940,7 +938,7 @@ class Ingress:
                     ranked = candidates
                 else:
                     ranked = policy.rank(routed, candidates, wall)
-                if ranked is None and not left and self._may_go_out(job, routes):
+                if ranked is None and not left and self.across.may_go_out(job, routes):
                     # None of our nodes can admit it now: two-layer routing (``sites`` rule 5)
                     # pushes it to a gateway of ours, or from a gateway to a peer site that can
                     # admit it; with neither, it waits here for our nodes.
@@ -1077,21 +1075,6 @@ class Ingress:
             return await self._wait_for_replica(conn, job, routed, fallback, frozenset(tried))
         self._account(job, observed)
         return keep and not conn.closing
-
-    def _may_go_out(self, job: Job, routes: list[Route]) -> bool:
-        """Whether a request whose nodes in our site all failed (or none is eligible) may try
-        another site: an interactive request for a model, not already leaving (nor come from
-        another site: ``sites.may_leave``), not waking a sleeping replica."""
-        return (
-            may_leave(job.from_site, job.out)
-            and may_leave_for(job.sites, self.site)
-            and job.slot is None
-            and not job.waking
-            and job.model != "-"
-            and job.kind != RESPONSES
-            and bool(routes)
-            and routes[0].hop == HOP_NODE
-        )
 
     def _may_wait(self, job: Job) -> float | None:
         """The hold time of a declared model if a request no node answered may still wait

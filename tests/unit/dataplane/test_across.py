@@ -11,6 +11,7 @@ import pytest
 
 from fabricnode.dataplane import residency, responses
 from fabricnode.dataplane.across import Across, refused_here
+from fabricnode.dataplane.job import BatchSlot, Job
 from fabricnode.dataplane.keytable import ApiKey
 from fabricnode.dataplane.request import Rejection, Routed, pinned_node
 from fabricnode.dataplane.responses import PinnedNode
@@ -259,3 +260,37 @@ def test_a_new_response_for_a_model_no_node_of_ours_serves_has_no_routes_here_ye
     gateway take it out; only a continuation names a site."""
     a, _ = across()
     assert a.responses_routes(routed({"model": "m"}), None, "", facts) == (None, None, "")
+
+
+def test_only_an_interactive_model_request_routed_to_our_nodes_may_go_out() -> None:
+    a, _ = across()
+    here = [route(NODE)]
+
+    def job(**fields: object) -> Job:
+        made = Job("chat", "m", False, b"{}", b"/v1/chat/completions", {}, None, 0.0, None)
+        for name, value in fields.items():
+            setattr(made, name, value)
+        return made
+
+    assert a.may_go_out(job(), here)
+    assert not a.may_go_out(job(), [])  # no route of ours: out_routes' case, not a retry
+    for refused in (
+        {"from_site": "C"},  # came from another site: never sent on
+        {"out": True},  # already on its way out
+        {"sites": frozenset({"A"})},  # allowed here only
+        {"slot": BatchSlot("t")},  # batch work: the gate's
+        {"waking": True},
+        {"kind": "responses"},
+    ):
+        assert not a.may_go_out(job(**refused), here), refused
+    assert a.may_go_out(job(sites=frozenset({"A", "C"})), here)
+
+
+def test_a_responses_request_leaving_carries_its_owners_reference_not_its_key() -> None:
+    a, _ = across()
+    r = routed({"model": "m", "input": "hi"})
+    body = orjson.loads(a.outgoing_response(r))
+    assert body["request_id"] == responses.ANONYMOUS and body["input"] == "hi"
+    r.key = ApiKey("key-1", "alice", b"\x00" * 32, 0.0)
+    ref = orjson.loads(a.outgoing_response(r))["request_id"]
+    assert ref == responses.owner_ref(RING, "key-1") and "key-1" not in ref
