@@ -44,6 +44,7 @@ from fabricnode.dataplane.sites import (
     may_leave,
     may_leave_for,
     pushed,
+    quicker,
     site_routes,
     taken_in,
 )
@@ -143,6 +144,41 @@ class Across:
                 chosen = [c for c in chosen if c[0] == home] + [c for c in chosen if c[0] != home]
             return site_routes(chosen)
         return pushed(self._gateways_in_turn())
+
+    def quicker_routes(
+        self, model: str, sites: Sites, session: str | None, wait_s: float
+    ) -> list[Route]:
+        """Where a request goes that one of our nodes can admit but only after ``wait_s`` (the
+        policy's pick's prefill backlog): on a gateway, the peer sites that can admit it now and
+        would start it sooner (``sites`` rule 6); elsewhere, and with none: [] (it goes to the
+        pick). An agent that is not a gateway knows no peer site's wait: it pushes only what our
+        nodes cannot admit (``push_routes``). A conversation (``session``) is not: its cache is
+        at its pick, and it keeps its site and replica while they can admit it."""
+        offers = self.offers
+        if offers is None or wait_s <= 0.0 or session is not None:
+            return []
+        found = quicker(offers(model), wait_s)
+        if not found:
+            return []
+        chosen = choose(found, sites)  # the allowed ones, each with its gateways
+        if not chosen:
+            return []
+        order = {o.site: i for i, o in enumerate(found)}
+        chosen.sort(key=lambda c: order[c[0]])  # stable: each site's gateways keep their order
+        return site_routes(chosen)
+
+    def push(
+        self, job: Job, routes: list[Route], session: str | None, wait_s: float | None
+    ) -> list[Route]:
+        """Two-layer routing's answer for a request routed to our site's nodes (``routes``):
+        where to push it instead, or [] to keep it here. ``wait_s`` None: none of our nodes can
+        admit it now (``push_routes``, rule 5); else the wait the policy's pick shows
+        (``quicker_routes``, rule 6)."""
+        if not self.may_go_out(job, routes):
+            return []
+        if wait_s is None:
+            return self.push_routes(job.model, job.sites, session)
+        return self.quicker_routes(job.model, job.sites, session, wait_s)
 
     def pushed_to(self, session: str | None, site: str) -> None:
         """A pushed request of ``session`` went to peer site ``site``: its next turns go there

@@ -938,11 +938,13 @@ class Ingress:
                     ranked = candidates
                 else:
                     ranked = policy.rank(routed, candidates, wall)
-                if ranked is None and not left and self.across.may_go_out(job, routes):
-                    # None of our nodes can admit it now: two-layer routing (``sites`` rule 5)
-                    # pushes it to a gateway of ours, or from a gateway to a peer site that can
-                    # admit it; with neither, it waits here for our nodes.
-                    out = self.across.push_routes(job.model, job.sites, routed.session_key)
+                if not left and (ranked is None or ranked[0].prefill_s > 0.0):
+                    # Two-layer routing: none of our nodes can admit it now (``sites`` rule 5),
+                    # or the pick would start it later than a peer site would (rule 6): pushed
+                    # to a gateway of ours, or from a gateway to that site; with neither, it
+                    # waits here for our nodes.
+                    wait = None if ranked is None else ranked[0].prefill_s
+                    out = self.across.push(job, routes, routed.session_key, wait)
                     pushed = self._candidates(out, routed, tried, now, wall) if out else []
                     if pushed:
                         left = True

@@ -73,21 +73,23 @@ least loaded wins, so a popular system prompt spreads over every node that has i
 
 The pending-aware policy (SkyLB's selective pushing, SP-P, §3.3) is the prefix policy with one
 change in step (c): when no node has affinity, the least loaded is chosen among *open* nodes only,
-and the request is HELD (``rank`` returns ``None``) when no node is open. Affinity comes first, even
-to a backlogged node, as long as it passes the load guard: measured on ``bench/routing.py``
+and the request is HELD (``rank`` returns ``None``) when no node is open. Affinity comes first,
+even to a backlogged node, as long as it passes the load guard: measured on ``bench/routing.py``
 (docs/benchmarks-history.md), holding or diverting a request whose prefix is cached on a node with
 a short queue costs more (a full prefill elsewhere, and the cache entry on the other node then
 splits the tree's later requests) than waiting in that node's queue. A node is *backlogged* (not
 open) only on a fresh report, when it has more than ``pending_waiting_threshold`` waiting requests
-(default 1: a queue of two or more means the batch is full) or when this ingress already has
-``max(pending_min_local_inflight, pending_local_per_running * running)`` requests in flight to it
-(the report cannot see what we pushed since it was taken; the cap doubles per report while the node
-keeps admitting, so it follows an unknown batch size without a fixed limit). A node whose load is
-unknown or stale is always open, so a HOLD always resolves: a fresh report showing room, one of our
-requests finishing, or the reports ageing out within ``load_stale_after_s``. The ingress must still
-bound how long it holds one request: under overload sustained from elsewhere, fresh reports may
-keep showing queues; it then asks again with ``allow_hold=False`` and pushes to the policy's
-least-loaded pick.
+(default 1: a queue of two or more means the batch is full), when it has any waiting request and
+its KV cache is at least ``pending_kv_full`` used (default 0.9: that one is a queue, not an
+arrival, since the engine has no room to admit it until a request ends), or when this ingress
+already has ``max(pending_min_local_inflight, pending_local_per_running * running)`` requests in
+flight to it (the report cannot see what we pushed since it was taken; the cap doubles per report
+while the node keeps admitting, so it follows an unknown batch size without a fixed limit). A node
+whose load is unknown or stale is always open, so a HOLD always resolves: a fresh report showing
+room, one of our requests finishing, or the reports ageing out within ``load_stale_after_s``. The
+ingress must still bound how long it holds one request: under overload sustained from elsewhere,
+fresh reports may keep showing queues; it then asks again with ``allow_hold=False`` and pushes to
+the policy's least-loaded pick.
 
 Why a queue of one does not close a node: an engine counts a request as waiting from its arrival
 until the next step admits it, so a snapshot often shows one waiting request on a node with room
@@ -97,7 +99,13 @@ at the ingress for up to half a second while the engines had room. Measured on `
 (docs/benchmarks-history.md, "Priority tiers", with ``bench/tiers_model.py``): with a batch beside
 the interactive requests, such snapshots on both nodes were common, held requests were about a
 third of the slowest 5%, and the batch tier's cost to the interactive p95 fell from ~1.1x to ~1.02x
-with the threshold at 1.
+with the threshold at 1. But on a node whose KV cache is full (long prompts: the Azure
+conversation trace's 1,155 tokens on an L4), one waiting request is the head of a queue, and the
+threshold let requests in behind it: measured on ``bench/federation.py`` (docs/benchmarks.md),
+closing such a node too took two-layer routing from 93.6% to 96.2% of requests within a 2 s TTFT
+objective (site-local from 55.5% to 57.2%), with ``bench/routing_model.py``'s shared-prompts
+(21.1 against 20.6 req/s, p90 0.39 against 0.44 s, 4 seeds) and ``bench/tiers_model.py``'s tiered
+cell (p95 1.026x against 1.022x alone) unchanged within their spread.
 """
 
 from __future__ import annotations
@@ -228,6 +236,8 @@ class RoutingConfig:
     # Pending-aware policy: backlogged = fresh report with waiting > this (1: a queue of one is
     # usually the arrival the step in progress will admit; module docstring) ...
     pending_waiting_threshold: int = 1
+    # ... or any waiting request while its KV cache is at least this full (module docstring) ...
+    pending_kv_full: float = 0.9
     # ... or our in-flight >= max(pending_min_local_inflight, pending_local_per_running * running).
     pending_min_local_inflight: int = 8
     pending_local_per_running: float = 2.0
@@ -254,6 +264,7 @@ class RoutingConfig:
             "prefix_min_match_ratio": self.prefix_min_match_ratio,
             "overload_abs_margin": self.overload_abs_margin,
             "pending_waiting_threshold": self.pending_waiting_threshold,
+            "pending_kv_full": self.pending_kv_full,
             "pending_local_per_running": self.pending_local_per_running,
         }
         for key, value in positive.items():
@@ -344,6 +355,8 @@ def _backlogged(c: Candidate, now: float, cfg: RoutingConfig) -> bool:
     waiting, running, _ = _visible(load, c.hidden)
     if waiting > cfg.pending_waiting_threshold:
         return True
+    if waiting > 0 and load.kv_usage >= cfg.pending_kv_full:
+        return True  # a queue, not an arrival: no room for it until a request ends
     cap = max(cfg.pending_min_local_inflight, cfg.pending_local_per_running * running)
     return c.local_inflight - c.hidden >= cap
 

@@ -47,6 +47,17 @@ every other client's request, so the mark cannot be forged from outside. The rul
    ``SiteOffer.fresh``; chosen as in rule 2) or, when none can,
    holds it for our site's nodes as any ingress does. A pushed request is sent out at most
    once (rule 1): the gateway that takes it in routes it inside its site.
+6. **The quicker site** (GORGO's cost, issue 41): a request one of our nodes can admit is
+   still pushed, from a gateway, when the wait the policy's pick shows (its prefill backlog on
+   this ingress's clock, which a late first token moves forward: the node's queue as this
+   ingress sees it) is longer than a peer site's expected wait, ``expected_wait_s``: the
+   measured round trip to it plus the prefill backlog its summary reports (``backlog_s``,
+   less the summary's age). Only sites that can admit now, on a fresh summary, are priced
+   (``quicker``); among them the cheapest first. A conversation's turn (a session key) is
+   never pushed by this rule: its cache is at its pick, and it keeps its site and replica
+   while they can admit it. The prompt's own prefill is the same term
+   at every site of one model's replicas and cancels; it enters when sites report what they
+   have cached (issue 41's prefix summaries).
 """
 
 from __future__ import annotations
@@ -95,6 +106,8 @@ class SiteOffer:
     # Its summary is recent enough to say what it can admit now (``view.fresh``): only such a
     # site is pushed to (rule 5).
     fresh: bool = True
+    # The prefill backlog its summary reports, seconds, less the summary's age (rule 6).
+    backlog_s: float = 0.0
 
 
 def may_leave(from_site: str, out: bool) -> bool:
@@ -159,6 +172,21 @@ def admitting(offers: list[SiteOffer]) -> list[SiteOffer]:
     """The peer sites that can admit a request now: a replica with no request waiting, on a
     summary recent enough to say so (rule 5, two-layer routing)."""
     return [o for o in offers if o.admitting > 0 and o.fresh]
+
+
+def expected_wait_s(offer: SiteOffer) -> float:
+    """How long a request pushed to ``offer``'s site waits before its prefill starts there
+    (rule 6): the round trip to it (unknown: infinite) and the backlog its summary reports."""
+    if offer.rtt_s is None:
+        return float("inf")
+    return offer.rtt_s + max(0.0, offer.backlog_s)
+
+
+def quicker(offers: list[SiteOffer], wait_s: float) -> list[SiteOffer]:
+    """The peer sites that can admit a request now (``admitting``) and would start it sooner
+    than ``wait_s`` from now, the quickest first (rule 6; ties by name)."""
+    priced = [(expected_wait_s(o), o.site, o) for o in admitting(offers)]
+    return [o for cost, _, o in sorted(priced, key=lambda t: (t[0], t[1])) if cost < wait_s]
 
 
 def pushed(gateways: list[Route]) -> list[Route]:

@@ -231,6 +231,42 @@ def test_a_pushed_conversation_goes_back_to_the_site_it_was_pushed_to_while_it_a
     assert [r.info.site for r in gateway.push_routes("m", None, "conv")] == ["D"]
 
 
+def test_a_request_our_pick_would_start_late_goes_to_a_quicker_site_from_a_gateway() -> None:
+    """Rule 6: the pick's wait (its prefill backlog) against each admitting site's round trip
+    and backlog, the quickest first; never a conversation's turn; an agent that is not a
+    gateway knows no peer site's wait and keeps the request."""
+    gateway, _ = across()
+    offers = [
+        SiteOffer("B", ("10.0.0.2:7000",), True, 0.04, 2, 1, 0, True, 0.5),  # 0.54 s
+        SiteOffer("C", ("10.0.0.3:7000", "10.0.0.9:7000"), True, 0.15, 2, 1, 0),  # 0.15 s
+        SiteOffer("D", ("10.0.0.4:7000",), True, 0.01, 2, 0, 3),  # full
+    ]
+    gateway.offers = lambda model: offers
+    assert gateway.quicker_routes("m", None, None, 0.1) == []  # ours is quicker
+    sites_of = [r.info.site for r in gateway.quicker_routes("m", None, None, 1.0)]
+    assert sites_of == ["C", "C", "B"]
+    # a conversation keeps its site and replica while they admit it (its cache is there)
+    assert gateway.quicker_routes("m", None, "conv", 9.0) == []
+    assert [r.info.site for r in gateway.quicker_routes("m", frozenset({"B"}), None, 1.0)] == ["B"]
+    assert gateway.quicker_routes("m", frozenset({"D"}), None, 9.0) == []
+    agent, _ = across(Table(gateways=2))
+    assert agent.quicker_routes("m", None, None, 9.0) == []
+
+
+def test_push_asks_the_rule_its_wait_names_and_only_for_a_request_that_may_go_out() -> None:
+    gateway, _ = across()
+    offers = [SiteOffer("C", ("10.0.0.3:7000",), True, 0.15, 2, 1, 0)]
+    gateway.offers = lambda model: offers
+    here = [route(NODE)]
+    job = Job("chat", "m", False, b"{}", b"/v1/chat/completions", {}, None, 0.0, None)
+    assert [r.info.site for r in gateway.push(job, here, None, None)] == ["C"]  # rule 5
+    assert [r.info.site for r in gateway.push(job, here, None, 0.5)] == ["C"]  # rule 6
+    assert gateway.push(job, here, None, 0.1) == []
+    job.from_site = "B"  # came from a peer site: never sent on
+    assert gateway.push(job, here, None, None) == []
+    assert gateway.push(job, here, None, 5.0) == []
+
+
 def test_the_sessions_a_gateway_remembers_are_bounded_oldest_first() -> None:
     gateway, _ = across()
     gateway.max_sessions = 3

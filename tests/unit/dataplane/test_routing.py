@@ -124,7 +124,9 @@ def backlogged(c: Candidate, now: float) -> bool:
     load = c.load
     if load is None or abs(now - load.at) > CFG.load_stale_after_s:
         return False
-    return load.waiting > 1 or c.local_inflight >= max(8, 2 * load.running)
+    if load.waiting > 1 or (load.waiting > 0 and load.kv_usage >= 0.9):
+        return True
+    return c.local_inflight >= max(8, 2 * load.running)
 
 
 @pytest.mark.parametrize("name", POLICY_NAMES)
@@ -545,6 +547,20 @@ def test_pending_does_not_hold_for_a_queue_of_one() -> None:
     assert pick(policy, request(), one_each) == "b"
     assert policy.statistics().holds == 0
     assert policy.rank(request(), [cand("a", waiting=2), cand("b", waiting=2)], NOW) is None
+
+
+def test_pending_holds_for_one_waiting_request_on_a_node_whose_kv_cache_is_full() -> None:
+    # One waiting request on a node with no KV room is the head of a queue: it waits for a
+    # request to end, and so would the next (bench/federation.py: long prompts on an L4).
+    policy = make_policy("prefix-pending")
+    full = [cand("a", waiting=1, running=20, kv=0.95), cand("b", waiting=1, running=9, kv=0.9)]
+    assert policy.rank(request(), full, NOW) is None
+    room = [*full, cand("c", waiting=1, running=30, kv=0.6)]
+    assert pick(policy, request(), room) == "c"
+    lenient = make_policy("prefix-pending", config=RoutingConfig(pending_kv_full=1.01))
+    assert lenient.rank(request(), full, NOW) is not None
+    with pytest.raises(ValueError, match="pending_kv_full"):
+        RoutingConfig(pending_kv_full=-0.1)
 
 
 def test_pending_caps_what_we_push_between_reports() -> None:

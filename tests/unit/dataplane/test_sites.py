@@ -3,14 +3,21 @@ gateway a request leaving the site goes to, and that a request never leaves twic
 
 from __future__ import annotations
 
+import math
+
+from hypothesis import given
+from hypothesis import strategies as st
+
 from fabricnode.dataplane import routetable, sites
 from fabricnode.dataplane.sites import (
     HOP_SITE,
     SiteOffer,
     choose,
+    expected_wait_s,
     may_leave,
     may_leave_for,
     parse_site_origin,
+    quicker,
     site_origin,
     site_routes,
     taken_in,
@@ -26,8 +33,10 @@ def offer(
     replicas: int = 1,
     admitting: int = 1,
     waiting: int = 0,
+    fresh: bool = True,
+    backlog: float = 0.0,
 ) -> SiteOffer:
-    return SiteOffer(site, gateways, routable, rtt, replicas, admitting, waiting)
+    return SiteOffer(site, gateways, routable, rtt, replicas, admitting, waiting, fresh, backlog)
 
 
 def test_admitting_sites_first_then_by_round_trip() -> None:
@@ -105,3 +114,53 @@ def test_the_gateway_label_is_the_federations() -> None:
     from fabricnode.dataplane import upstream
 
     assert upstream.SITE_ORIGIN_PREFIX == sites.SITE_ORIGIN_PREFIX
+
+
+def test_a_sites_expected_wait_is_its_round_trip_and_reported_backlog() -> None:
+    """Rule 6's price: the measured round trip and the backlog the summary reports (never
+    negative); a site whose round trip is unknown is never the quicker one."""
+    assert expected_wait_s(offer("b", "b:1", rtt=0.04, backlog=0.25)) == 0.29
+    assert expected_wait_s(offer("b", "b:1", rtt=0.04, backlog=-1.0)) == 0.04
+    assert expected_wait_s(offer("b", "b:1", rtt=None)) == math.inf
+
+
+def test_the_quicker_sites_admit_now_and_start_sooner_than_the_local_wait() -> None:
+    offers = [
+        offer("near", "n:1", rtt=0.04, backlog=0.3),  # 0.34 s
+        offer("far", "f:1", rtt=0.25),  # 0.25 s
+        offer("full", "u:1", rtt=0.01, admitting=0, waiting=4),  # cannot admit: not priced
+        offer("old", "o:1", rtt=0.01, fresh=False),  # its summary is too old to say
+        offer("unknown", "x:1", rtt=None),
+    ]
+    assert [o.site for o in quicker(offers, 1.0)] == ["far", "near"]
+    assert [o.site for o in quicker(offers, 0.3)] == ["far"]
+    assert quicker(offers, 0.25) == []  # no sooner: it stays at our site
+    assert quicker(offers, 0.0) == []
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from("abcdef"),
+            st.one_of(st.none(), st.floats(0.0, 1.0)),
+            st.integers(0, 2),
+            st.booleans(),
+            st.floats(-1.0, 2.0),
+        ),
+        max_size=6,
+    ),
+    st.floats(0.0, 3.0),
+)
+def test_quicker_laws(rows: list[tuple[str, float | None, int, bool, float]], wait: float) -> None:
+    """Every site it returns can admit now, on a fresh summary, and is priced below the local
+    wait; none left out is; they come cheapest first."""
+    offers = [
+        offer(s, f"{s}:1", rtt=rtt, admitting=adm, replicas=2, fresh=fr, backlog=b)
+        for s, rtt, adm, fr, b in rows
+    ]
+    found = quicker(offers, wait)
+    costs = [expected_wait_s(o) for o in found]
+    assert costs == sorted(costs)
+    for o in offers:
+        eligible = o.admitting > 0 and o.fresh and expected_wait_s(o) < wait
+        assert (o in found) == eligible
