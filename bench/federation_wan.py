@@ -19,7 +19,7 @@ agents (``fabric start``) in network namespaces; the figures are read from the g
   window (summaries, pings, TLS and TCP/IP, retransmissions), per second.
 
 Crash detection and false positives *inside* a site are the mesh's own (bench/gossip.py); the
-gateway's CPU and the summary's size by nodes and models, bench/federation.py. Root only.
+gateway's CPU and the summary's size by nodes and models, bench/federation_bytes.py. Root only.
 
     python bench/federation_wan.py                        # 5 sites, 50-250 ms, 1% loss
     python bench/federation_wan.py --sites 3 --steady-s 20 --json out.json

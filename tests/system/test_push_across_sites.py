@@ -6,10 +6,8 @@ on its site and replica while the site has room."""
 
 from __future__ import annotations
 
-import threading
 from collections import Counter
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -18,7 +16,7 @@ from cli.localmesh import LocalMesh, wait_until
 from fabricnode.federation.keygen import generate_site_key
 from tests.support.meshload import sim_engine_args
 from tests.support.meshview import free_port
-from tests.system.test_cross_site import log_lines
+from tests.support.pushburst import burst, check_request_logs, turns
 from tests.system.test_federation import gateway_args, peer_dir, sites_of
 
 pytestmark = pytest.mark.slow
@@ -79,90 +77,25 @@ def test_a_burst_beyond_a_sites_replicas_is_pushed_to_sites_that_can_admit_it(
             lambda: httpx.get(f"{ingress.http_url}/v1/models", timeout=5).json()["data"], 20
         )
 
-        def turns(session: str, n: int) -> list[tuple[str, str]]:
-            """A conversation of ``n`` turns: (site, node) of each answer."""
-            out = []
-            messages: list[dict[str, str]] = []
-            with httpx.Client(timeout=60, headers={"x-session-id": session}) as http:
-                for t in range(n):
-                    messages.append({"role": "user", "content": f"{session} turn {t}"})
-                    body = {"model": MODEL, "messages": messages, "max_tokens": 8}
-                    r = http.post(f"{ingress.http_url}/v1/chat/completions", json=body)
-                    assert r.status_code == 200, r.text
-                    reply = r.json()["choices"][0]["message"]["content"]
-                    messages.append({"role": "assistant", "content": reply})
-                    out.append((r.headers.get("x-fabric-site", "A"), r.headers["x-fabric-node"]))
-            return out
-
         # while A has room, a conversation stays on A's replica
-        calm = turns("calm", 3)
+        calm = turns(ingress.http_url, MODEL, "calm", 3, "A")
         assert {site for site, _ in calm} == {"A"} and len({node for _, node in calm}) == 1, calm
 
-        results: Counter[str] = Counter()
-        served_at: Counter[str] = Counter()
-        lock = threading.Lock()
-        busy: list[tuple[str, str]] = []
-        spilling = threading.Event()  # a request of the burst was answered at B or C
-
-        def client(i: int) -> None:
-            body = {
-                "model": MODEL,
-                "messages": [{"role": "user", "content": f"client {i}: tell me a story"}],
-                "max_tokens": 24,
-            }
-            with httpx.Client(timeout=60) as http:
-                for _ in range(CLIENT_REQUESTS):
-                    r = http.post(f"{ingress.http_url}/v1/chat/completions", json=body)
-                    with lock:
-                        results[str(r.status_code)] += 1
-                        if r.status_code == 200:
-                            site = r.headers.get("x-fabric-site", "A")  # A: no header
-                            served_at[site] += 1
-                            if site != "A":
-                                spilling.set()
-
-        threads = [threading.Thread(target=client, args=(i,)) for i in range(CLIENTS)]
-
-        def conversation() -> None:  # begins once A is full and the burst spills over
-            if spilling.wait(60):
-                busy.extend(turns("busy", 5))
-
-        threads.append(threading.Thread(target=conversation))
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-        print(f"results {dict(results)}; served at {dict(served_at)}; conversation {busy}")
-        assert results == Counter({"200": BURST}), results
-        assert served_at["A"] > 0, served_at  # A served what it could admit
+        got = burst(ingress.http_url, MODEL, clients=CLIENTS, per_client=CLIENT_REQUESTS, home="A")
+        print(f"results {dict(got.results)}; served at {dict(got.served_at)}; busy {got.busy}")
+        assert got.results == Counter({"200": BURST}), got.results
+        assert got.served_at["A"] > 0, got.served_at  # A served what it could admit
         # the overflow went out (to B and C in most runs; which one takes a pushed request is
         # what its summary said at that moment, so one of them may take it all)
-        assert served_at["B"] + served_at["C"] > 0, served_at
-        assert set(served_at) <= {"A", "B", "C"}, served_at
+        assert got.served_at["B"] + got.served_at["C"] > 0, got.served_at
+        assert set(got.served_at) <= {"A", "B", "C"}, got.served_at
         # a conversation that begins while A is full is answered wherever there is room: a
         # turn goes back to the site it was pushed to while that site can admit (the gateway's
         # sessions: tests/unit/dataplane/test_across.py), else to one that can
-        assert len(busy) == 5, busy
-
-        # The request logs: what A's ingress saw served at B or C is what B's and C's gateways
-        # took in, each served in its own site: none went on to a third site.
-        # Each agent writes its log line when it has settled the request (its own time): read
-        # them once every one is there (A's ingress's last lines may come before B's or C's).
-        def taken_in(s: str) -> list[dict[str, Any]]:
-            return log_lines(logs[s])
-
-        def at_ingress() -> Counter[str]:
-            return Counter(r["site"] for r in log_lines(tmp_path / "ingress.jsonl"))
-
-        def settled() -> bool:
-            at = at_ingress()
-            if sum(at.values()) != BURST + len(calm) + len(busy):  # the burst, two conversations
-                return False
-            return all(len(taken_in(s)) >= at[s] for s in ("B", "C"))
-
-        assert wait_until(settled, 10), at_ingress()
-        at = at_ingress()
-        for s in ("B", "C"):
-            lines = taken_in(s)
-            assert {r["site"] for r in lines} <= {s}, lines[:3]
-            assert len(lines) == at[s], (s, len(lines), at)
+        assert len(got.busy) == 5, got.busy
+        # each request crossed between sites at most once (the request logs)
+        check_request_logs(
+            tmp_path / "ingress.jsonl",
+            {s: logs[s] for s in ("B", "C")},
+            BURST + len(calm) + len(got.busy),
+        )
