@@ -101,6 +101,7 @@ def status_doc(held: Json, nodes: list[Json], controller: Json | None) -> Json:
         except ConfigError as exc:
             problem = str(exc)
     by_model = {m["model"]: m for m in (controller or {}).get("models", [])}
+    shares = (controller or {}).get("site_shares") or {}
     models = []
     for m in spec.models if spec is not None else ():
         running = [n for n in nodes if _label(n, SERVICE_LABEL) == m.name]
@@ -120,6 +121,8 @@ def status_doc(held: Json, nodes: list[Json], controller: Json | None) -> Json:
                 "note": st.get("note", ""),
                 "reason": st.get("reason", ""),
                 "learned": st.get("learned", {}),  # what the acting controller learned of it
+                # its site's share of a model counted across sites (prefer_sites)
+                "site_share": shares.get(m.name),
             }
         )
     return {
@@ -187,6 +190,9 @@ def _render(doc: Json) -> None:
                  m["starting"], m["pending"], m["draining"], state]  # fmt: skip
         table.add_row(*("-" if c is None else str(c) for c in cells))
     console().print(table)
+    for m in doc["models"]:
+        if m.get("site_share"):
+            print(f"  {m['model']}: {m['site_share']}")
     for d in doc["decisions"][-10:]:
         when = time.strftime("%H:%M:%S", time.localtime(d["at"]))
         job = f" job {d['job_id']}" if d.get("job_id") else ""

@@ -745,7 +745,7 @@ class Agent:
         slurm = SlurmControl(
             cc.mesh_tag, cc.sbatch_script, cc.user, dry_run=cc.dry_run, output=cc.output
         )
-        return Controller(
+        controller = Controller(
             core,
             slurm,
             plans_from_text,
@@ -753,7 +753,33 @@ class Agent:
             scaler=ForecastScaler(core),
             interval_s=cc.interval_s,
             wall_clock=self.wall_clock,
+            site=self.config.site,
         )
+        if self.gateway is not None:
+            controller.serving_elsewhere = self._serving_elsewhere(self.gateway)
+        return controller
+
+    def _serving_elsewhere(self, gateway: Gateway) -> Callable[[str], dict[str, int]]:
+        """What the other sites serve of a model (``elastic.sitespread``): the replicas of each
+        routable peer site, by its gateway's view. Routable, not fresh: an idle site's summary
+        comes once a keep-alive, often a little past ``fresh``'s bound, and a share that
+        followed it would start and cancel jobs; a site cut off stops being routable within
+        ``max(5 s, 4 x RTT + 2 s)``."""
+        view = gateway.view
+        wall_clock = self.wall_clock
+
+        def serving(model: str) -> dict[str, int]:
+            now = wall_clock()
+            found: dict[str, int] = {}
+            for site in view.sites:
+                summary = view.summary(site)
+                if summary is None or not view.routable(site, now):
+                    continue
+                cap = summary.body.models.get(model)
+                found[site] = cap.replicas if cap is not None else 0
+            return found
+
+        return serving
 
     def _engine_log_path(self, session_id: str) -> Path | None:
         if self.config.job_log_dir is not None:

@@ -11,6 +11,8 @@ below it, and nothing imports the loop):
 * ``reconcile``   one controller pass, pure: from Slurm's and the mesh's view, the jobs to submit
   and cancel (keep-alive across time limits, replacement, scaling, back-off, limits).
 * ``plans``       the service file as the controller's plans (``"auto"`` GPUs from the planner).
+* ``sitespread``  capacity across sites: our site's share of a model counted over several sites
+  (``prefer_sites``), from what the other sites serve (pure).
 * ``slurmctl``    the Slurm command lines: submit, list and cancel the controller's (tagged) jobs,
   or dry-run them.
 * ``capacity``    what one replica sustains, from the planner or a low default.

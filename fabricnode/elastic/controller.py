@@ -33,13 +33,14 @@ import logging
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import trio
 
 from fabricnode.elastic.leader import candidate_since
 from fabricnode.elastic.observe import SlurmCalls, acting_controller, replicas
 from fabricnode.elastic.reconcile import Memory, ModelStatus, holdings, reconcile
+from fabricnode.elastic.sitespread import ServingElsewhere, site_plan
 from fabricnode.elastic.slurmctl import SlurmControl, SlurmRefused
 from fabricnode.elastic.startups import inherited_start_ups, start_up_labels
 from fabricnode.elastic.vocab import (
@@ -57,6 +58,7 @@ from fabricnode.elastic.vocab import (
 from fabricnode.errors import FabricError
 from fabricnode.mesh.core import MeshCore
 from fabricnode.mesh.schema import CONTROLLER_LABEL
+from fabricnode.mesh.sites import DEFAULT_SITE
 
 log = logging.getLogger("fabricnode.elastic.controller")
 
@@ -77,6 +79,8 @@ class ControllerStatus:
     objectives: dict[str, float] = field(default_factory=dict)
     # model -> what this controller learned of it (the scaler's, and the start-up time)
     learned: dict[str, dict[str, object]] = field(default_factory=dict)
+    # model -> our site's share of it, for models counted across sites (``sitespread``)
+    site_shares: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -91,6 +95,7 @@ class ControllerStatus:
             ],
             "commands": list(self.commands),
             "objectives": dict(self.objectives),
+            "site_shares": dict(self.site_shares),
         }
 
 
@@ -111,6 +116,10 @@ class Controller:
     _calls: SlurmCalls = field(init=False)
     _acted: bool = False  # has acted since it started (the first pass inherits start-ups)
     _published: tuple[tuple[str, str], ...] = ()  # the start-up labels on our entry
+    # Capacity across sites (``sitespread``): our site, and what the other sites serve of a
+    # model (set by the agent of a gateway, from its view of the peer sites; None elsewhere).
+    site: str = DEFAULT_SITE
+    serving_elsewhere: ServingElsewhere | None = None
 
     def __post_init__(self) -> None:
         self._calls = SlurmCalls(self.slurm)
@@ -182,6 +191,7 @@ class Controller:
                 self._decide(Decision(now, "", "invalid", Why(Reason.INVALID, str(exc))))
             self.status.error = f"the service file is invalid, nothing changes: {exc}"
             return
+        plans = self._site_plans(plans)
         if plans.digest != self.status.service_digest:
             for p in plans.models:  # a new file: failed models get another chance
                 self.memory.reset_model(p.model)
@@ -241,6 +251,23 @@ class Controller:
         self.status.error = ""
         self.status.last_pass_at = now
         self.status.commands = tuple(self.slurm.commands[ran:]) if self.slurm.dry_run else ()
+
+    def _site_plans(self, plans: ServicePlans) -> ServicePlans:
+        """The plans with our site's share of every model counted across sites
+        (``sitespread``); the shares in the status."""
+        shares: dict[str, str] = {}
+        models = []
+        for plan in plans.models:
+            bounded, got = site_plan(plan, self.site, self.serving_elsewhere)
+            if got is not None:
+                shares[plan.model] = got.describe(self.site, plan.service.prefer_sites)
+            models.append(bounded)
+        if shares != self.status.site_shares:
+            for model, said in sorted(shares.items()):
+                if self.status.site_shares.get(model) != said:
+                    log.info("controller: %s: %s", model, said)
+            self.status.site_shares = shares
+        return replace(plans, models=tuple(models)) if shares else plans
 
     def _decide(self, decision: Decision) -> None:
         self.recent.append(decision)

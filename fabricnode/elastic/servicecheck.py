@@ -303,6 +303,18 @@ class Checker:
                 f"{len(names)} Slurm GPU type(s) for {len(kinds)} gpu_types: give Slurm's name "
                 f"of each GPU type, in the same order ({', '.join(kinds)})",
             )
+        allowed, preferred = values.get("sites"), values.get("prefer_sites")
+        if allowed and preferred and draft.ok("sites", "prefer_sites"):
+            outside = [s for s in preferred if s not in allowed]
+            if outside:
+                path, key = self.line_key(draft, "prefer_sites")
+                self.report(
+                    path,
+                    draft.where,
+                    key,
+                    f"{', '.join(outside)} not in sites ({', '.join(allowed)}): the model may "
+                    f"not be served there (data residency)",
+                )
         gpus = values.get("gpus_per_replica")
         if limits is not None and gpus is not None and gpus > limits.max_gpus:
             path, key = self.line_key(draft, "gpus_per_replica")
@@ -379,4 +391,5 @@ def _model_of(values: Mapping[str, Any]) -> ModelService:
         sleep_after_s=seconds(values.get("sleep_after")),
         scale_in_hold_s=seconds(values.get("scale_in_hold")),
         sites=values.get("sites", ()),
+        prefer_sites=values.get("prefer_sites", ()),
     )

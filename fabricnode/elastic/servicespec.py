@@ -83,12 +83,12 @@ ROW_KEYS = (
 )
 # ...then the keys added since, each only up to the last one set: a file that sets none of them
 # has the row (and the digest) it always had, and agents that predate them still read it.
-ROW_EXTENSIONS = ("sleep_after", "gres_types", "scale_in_hold", "sites")
+ROW_EXTENSIONS = ("sleep_after", "gres_types", "scale_in_hold", "sites", "prefer_sites")
 MODEL_KEYS = (
     *ROW_KEYS[:4],
     "gres_types",
     *ROW_KEYS[4:],
-    *("sleep_after", "scale_in_hold", "sites"),
+    *("sleep_after", "scale_in_hold", "sites", "prefer_sites"),
 )
 DEFAULT_KEYS = tuple(key for key in MODEL_KEYS if key not in ("name", "model_path"))
 
@@ -134,6 +134,10 @@ class ModelService:
     scale_in_hold_s: float | None = None
     # data residency: the only sites whose nodes may serve it (sorted); () = any site
     sites: tuple[str, ...] = ()
+    # capacity across sites (``elastic.sitespread``): where its replicas go, first choice first;
+    # with it, min_replicas and max_replicas count the replicas of every site listed, and each
+    # site's controller places its share. () = each site's controller keeps its own replicas.
+    prefer_sites: tuple[str, ...] = ()
 
     @property
     def simulated(self) -> bool:
@@ -167,6 +171,7 @@ class ModelService:
             list(self.gres_types),
             None if self.scale_in_hold_s is None else _ms(self.scale_in_hold_s),
             list(self.sites),
+            list(self.prefer_sites),
         ]
         while extensions and extensions[-1] in (None, []):
             extensions.pop()  # ROW_EXTENSIONS: only up to the last one set
@@ -194,6 +199,7 @@ class ModelService:
             "sleep_after_s": self.sleep_after_s,
             "scale_in_hold_s": self.scale_in_hold_s,
             "sites": list(self.sites),
+            "prefer_sites": list(self.prefer_sites),
         }
 
     def _toml_lines(self) -> list[str]:
@@ -218,6 +224,7 @@ class ModelService:
             ("sleep_after", _duration_or_none(self.sleep_after_s)),
             ("scale_in_hold", _duration_or_none(self.scale_in_hold_s)),
             ("sites", list(self.sites) or None),
+            ("prefer_sites", list(self.prefer_sites) or None),
         ]
         return [f"{key} = {_toml_value(value)}" for key, value in values if value is not None]
 

@@ -387,4 +387,5 @@ def field_checks(catalog: Catalog) -> dict[str, Callable[[object], Any]]:
         "sleep_after": _duration_ms(False, MAX_SLEEP_AFTER_MS),
         "scale_in_hold": _duration_ms(True, MAX_SCALE_IN_HOLD_MS),
         "sites": _sites,
+        "prefer_sites": _list(_site, "site names", key_of=str),
     }

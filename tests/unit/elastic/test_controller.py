@@ -29,6 +29,10 @@ MESH = mesh_tag(b"k" * 32)
 PLANS = {
     "two": ServicePlans((plan("m", 2, 4, partitions=("gpu",), time_limit_s=120),), digest="two"),
     "none": ServicePlans((), digest="none"),
+    "across": ServicePlans(
+        (plan("m", 2, 2, partitions=("gpu",), prefer_sites=("B", "A"), sites=("A", "B")),),
+        digest="across",
+    ),
 }
 
 
@@ -256,3 +260,34 @@ def test_a_phantom_controller_candidate_no_probe_vouches_for_leaves_the_real_one
     trio.run(real.tick)
     assert real.status.role == "acting"
     assert len(slurm.submitted) == 2
+
+
+def test_a_model_counted_across_sites_gets_what_the_preferred_site_does_not_serve() -> None:
+    """``prefer_sites = ["B", "A"]``, two replicas in all (``elastic.sitespread``): the
+    controller at site A starts both while B serves none (its partition refuses), and cancels
+    its jobs as B's serve, one for one."""
+    net = mesh(2)
+    nodes = list(net.nodes.values())
+    slurm = FakeSlurm()
+    ctl = controller(net, nodes[1], slurm)
+    ctl.site = "A"
+    at_b = {"m": 0}
+    ctl.serving_elsewhere = lambda model: {"B": at_b[model]}
+    announce(net, ctl, nodes[1], 1.0)
+    apply(net, nodes[0], "across")
+    trio.run(ctl.tick)
+    assert len(slurm.jobs) == 2
+    assert "site A's share: 2 to 2 (0 serving at sites preferred before it" in str(
+        ctl.status.to_json()["site_shares"]
+    )
+    at_b["m"] = 1  # B serves one: A keeps one
+    trio.run(ctl.tick)
+    assert len(slurm.jobs) == 1
+    at_b["m"] = 2
+    trio.run(ctl.tick)
+    assert slurm.jobs == {}
+    assert [d.action for d in ctl.recent] == ["submit", "submit", "cancel", "cancel"]
+    # not a gateway (no view of the other sites): they are taken to serve nothing
+    ctl.serving_elsewhere = None
+    trio.run(ctl.tick)
+    assert len(slurm.jobs) == 2

@@ -901,7 +901,7 @@ def test_from_canonical_accepts_only_canonical_bytes_that_check() -> None:
         (packed(domain, version, [32, 0], models), "max_gpus"),
         (packed(domain, version, limits, models[::-1]), "not in canonical form"),
         (packed(domain, version, limits, [models[0][:14]]), "malformed model"),
-        (packed(domain, version, limits, [[*models[0], None, None, None]]), "malformed model"),
+        (packed(domain, version, limits, [[*models[0], None, None, None, None]]), "malformed"),
         (packed(domain, version, limits, [[*models[1], None]]), "not in canonical form"),
         (packed(domain, version, limits, [[*models[0][:3], ["B200"], *models[0][4:]]]), "B200"),
         (packed(domain, version, limits, [[*models[0][:7], "2s", *models[0][8:]]]), "ttft_p95"),
@@ -947,6 +947,8 @@ def model_services(draw: st.DrawFn, name: str) -> ModelService:
             )
     low = draw(st.integers(0, 3))
     ms = st.integers(1, 600_000)
+    sites = tuple(sorted(draw(st.lists(SITE_NAMES, unique=True, max_size=3))))
+    preferred = draw(st.integers(0, len(sites)))
     return ModelService(
         name=name,
         engine=engine,
@@ -965,7 +967,8 @@ def model_services(draw: st.DrawFn, name: str) -> ModelService:
         sbatch_args=draw(SBATCH),
         sleep_after_s=draw(st.none() | ms.map(lambda n: n / 1000)),
         scale_in_hold_s=draw(st.none() | st.integers(0, 86_400_000).map(lambda n: n / 1000)),
-        sites=tuple(sorted(draw(st.lists(SITE_NAMES, unique=True, max_size=3)))),
+        sites=sites,
+        prefer_sites=tuple(draw(st.permutations(sites))[:preferred]) if sites else (),
     )
 
 
@@ -1061,6 +1064,7 @@ LIKELY: dict[str, list[object]] = {
     "sleep_after": ["5m", 30, 0, "8d"],
     "scale_in_hold": ["5m", "0s", 30, "25h"],
     "sites": [["A"], ["eu-1", "us_2"], [], "A", ["a b"], ["A", "A"], ["A", "a"], ["-x"]],
+    "prefer_sites": [["A"], ["us_2", "eu-1"], [], "A", ["A", "A"], ["B", "A"]],
     "partitions": [["gpu"], ["a", "b"], [], "gpu", ["a,b"], ["a", "a"]],
     "account": ["proj", "a b", ""],
     "qos": ["normal", 3],
@@ -1223,6 +1227,34 @@ def test_sites_limit_where_a_model_is_served_and_absent_it_signs_as_before() -> 
     # the order the file lists them in means nothing: the same spec, the same signature
     swapped = parse(text.replace('["eu-2", "A"]', '["A", "eu-2"]'))
     assert swapped.canonical() == with_it.canonical()
+
+
+def test_prefer_sites_keeps_its_order_signs_it_and_stays_within_the_sites() -> None:
+    text = FULL.replace(
+        'name = "tiny-sim"\n',
+        'name = "tiny-sim"\nsites = ["A", "B"]\nprefer_sites = ["B", "A"]\n',
+        1,
+    )
+    spec = parse(text)
+    tiny = spec.model("tiny-sim")
+    assert tiny is not None and tiny.prefer_sites == ("B", "A")  # the order is the preference
+    rows = {row[0]: row for row in msgpack.unpackb(spec.canonical(), raw=False)[3]}
+    assert rows["tiny-sim"][19] == ["B", "A"] and len(rows["qwen2.5-72b"]) == 15
+    assert from_canonical(spec.canonical()) == spec
+    assert parse(spec.to_toml()) == spec
+    assert tiny.to_json()["prefer_sites"] == ["B", "A"]
+    swapped = parse(text.replace('["B", "A"]\n', '["A", "B"]\n'))
+    assert swapped.canonical() != spec.canonical()  # another preference, another file
+    # a preferred site the model may not be served at (data residency) is refused
+    outside = text.replace('prefer_sites = ["B", "A"]', 'prefer_sites = ["B", "C"]  # <-')
+    found = problems(outside)
+    assert len(found) == 1
+    line, where, key, said = found[0]
+    assert (line, where, key) == (marked_line(outside), '[[model]] "tiny-sim"', "prefer_sites")
+    assert "C not in sites (A, B)" in said
+    # without sites, any site may be preferred
+    free = parse(text.replace('sites = ["A", "B"]\n', "", 1))
+    assert free.model("tiny-sim").prefer_sites == ("B", "A")  # type: ignore[union-attr]
 
 
 def test_sites_in_defaults_apply_to_every_model_that_does_not_set_its_own() -> None:
