@@ -180,6 +180,22 @@ class Across:
             return self.push_routes(job.model, job.sites, session)
         return self.quicker_routes(job.model, job.sites, session, wait_s)
 
+    def instead_of_cold_start(self, model: str, sites: Sites, from_site: str) -> list[Route]:
+        """Where a request goes for a declared model no node of our site serves now, rather
+        than wait here for a replica to start (``hold_requests``): a gateway sends it to the
+        peer sites that serve the model now (``choose``; a start here takes tens of seconds, a
+        site that serves answers in a round trip, and with ``prefer_sites`` our controller may
+        start none at all); another agent hands it to a gateway of our site (``pushed``: the
+        gateway serves it, sends it out, or waits there for the start). [] (wait here): it
+        came from a peer site, it may be served at our site only, or we have no gateway."""
+        if not may_leave(from_site, False) or not may_leave_for(sites, self.site):
+            return []
+        offers = self.offers
+        if offers is not None:
+            serving = [o for o in offers(model) if o.replicas > 0]
+            return site_routes(choose(serving, sites))
+        return pushed(self._gateways_in_turn())
+
     def pushed_to(self, session: str | None, site: str) -> None:
         """A pushed request of ``session`` went to peer site ``site``: its next turns go there
         first (``push_routes``)."""

@@ -719,9 +719,14 @@ class Ingress:
                 return self._reject(conn, held, path)
             routes, response_owner, held_at = held
             elsewhere = bool(held_at)
+        leaving = False
         if not routes and not out and not elsewhere:
             hold_s = self.declared(model) if self.declared is not None else None
-        leaving = False
+            if hold_s and kind != RESPONSES and not routed.batch:
+                # a peer site may serve it now: there, not after a start here
+                routes = self.across.instead_of_cold_start(model, routed.sites, from_site)
+                if routes:
+                    hold_s, leaving = None, True
         if not routes and not hold_s:
             # No node of our site: another site's, through a gateway (never for a request
             # that came from another site: one WAN crossing per attempt).

@@ -267,6 +267,27 @@ def test_push_asks_the_rule_its_wait_names_and_only_for_a_request_that_may_go_ou
     assert gateway.push(job, here, None, 5.0) == []
 
 
+def test_a_declared_model_served_elsewhere_goes_there_rather_than_wait_for_a_start_here() -> None:
+    """A declared model no node of ours serves: a gateway sends the request to the peer sites
+    that serve it now; an agent hands it to a gateway of ours; it waits here for a start when
+    no site serves it, when it came from a peer site, or when it may be served here only."""
+    gateway, _ = across()
+    offers = [
+        SiteOffer("B", ("10.0.0.2:7000",), True, 0.04, 0, 0, 0),  # declared there too, none yet
+        SiteOffer("C", ("10.0.0.3:7000",), True, 0.15, 2, 0, 3),  # serves (busy, but serves)
+    ]
+    gateway.offers = lambda model: offers
+    assert [r.info.site for r in gateway.instead_of_cold_start("m", None, "")] == ["C"]
+    assert gateway.instead_of_cold_start("m", None, "B") == []  # came from a peer site
+    assert gateway.instead_of_cold_start("m", frozenset({"A"}), "") == []  # here only
+    assert gateway.instead_of_cold_start("m", frozenset({"A", "B"}), "") == []  # C not allowed
+    offers.pop()
+    assert gateway.instead_of_cold_start("m", None, "") == []  # nobody serves it: wait here
+    agent, _ = across(Table(gateways=2))
+    assert [r.hop for r in agent.instead_of_cold_start("m", None, "")] == [HOP_PUSH, HOP_PUSH]
+    assert across()[0].instead_of_cold_start("m", None, "") == []  # no gateway
+
+
 def test_the_sessions_a_gateway_remembers_are_bounded_oldest_first() -> None:
     gateway, _ = across()
     gateway.max_sessions = 3
