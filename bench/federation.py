@@ -53,14 +53,12 @@ and C's clients.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import math
 import random
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +70,7 @@ for _path in (str(REPO), str(BENCH_DIR)):
 
 from _model_core import EngineNode, ModelCore  # noqa: E402
 from routing_model import parse_config  # noqa: E402
+from tiers import ATTRIBUTION, TRACE, Request, load_trace  # noqa: E402
 
 from fabricnode.dataplane import routing  # noqa: E402
 from fabricnode.dataplane.across import Across  # noqa: E402
@@ -99,42 +98,12 @@ assert FederationConfig.__dataclass_fields__["summary_period_s"].default == SUMM
 REQUEST_ENVELOPE_BYTES = 200
 SSE_EVENT_BYTES = 190
 POLICIES = ("local", "central", "round-robin", "ours")
-TRACE = REPO.parent / "shared" / "data" / "azure-llm-2023-conv.csv"
-ATTRIBUTION = (
-    "Trace: Azure LLM inference trace 2023 (conversation), CC-BY 4.0. Patel, Choukse, Zhang, "
-    'Shah, Goiri, Maleki, Bianchini. "Splitwise: Efficient generative LLM inference using '
-    'phase splitting", ISCA 2024.'
-)
 
 
 def one_way(a: str, b: str) -> float:
     if a == b:
         return 0.0
     return RTT_S[(a, b) if (a, b) in RTT_S else (b, a)] / 2
-
-
-@dataclass(frozen=True)
-class TraceRow:
-    t: float  # seconds from the trace's start
-    prompt: int
-    output: int
-
-
-def load_trace(path: Path) -> list[TraceRow]:
-    rows: list[TraceRow] = []
-    t0: datetime | None = None
-    with path.open(newline="") as f:
-        for row in csv.DictReader(f):
-            stamp = datetime.fromisoformat(row["TIMESTAMP"].strip()[:26])
-            t0 = t0 or stamp
-            rows.append(
-                TraceRow(
-                    (stamp - t0).total_seconds(),
-                    max(1, int(row["ContextTokens"])),
-                    max(1, int(row["GeneratedTokens"])),
-                )
-            )
-    return rows
 
 
 @dataclass(frozen=True)
@@ -145,17 +114,17 @@ class Arrival:
     output: int
 
 
-def demand(trace: list[TraceRow], args: argparse.Namespace, seed: int) -> list[Arrival]:
+def demand(trace: list[Request], args: argparse.Namespace, seed: int) -> list[Arrival]:
     """Every site's requests over the day (module docstring), in time order."""
     rng = random.Random(seed)
-    span = trace[-1].t + 1e-6
+    span = trace[-1].at_s + 1e-6
     squeeze = args.day / span
     limit = args.max_model_len
     out: list[Arrival] = []
     for k, site in enumerate(SITES):
         offset = span * k / len(SITES)
         for row in trace:
-            t = ((row.t + offset) % span) * squeeze
+            t = ((row.at_s + offset) % span) * squeeze
             phase = 2 * math.pi * (t / args.day - (k + 0.5) / len(SITES))
             keep = args.scale * (1 + args.amplitude * math.cos(phase)) / (1 + args.amplitude)
             if rng.random() >= keep:
@@ -674,7 +643,7 @@ def fewest(
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    trace = load_trace(args.trace)
+    trace = load_trace(args.trace, 0.0, 24 * 60)  # the whole trace
     arrivals = demand(trace, args, args.seed)
     policies = args.policies.split(",")
     for p in policies:

@@ -22,7 +22,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 
@@ -38,6 +37,7 @@ from tests.support.elasticmesh import (
     elastic_mesh,
     left_jobs,
     serving_count,
+    steady_load,
 )
 from tests.support.meshview import fabric
 from tests.support.slurmcluster import SlurmCluster
@@ -127,16 +127,7 @@ def watch(cluster: SlurmCluster, ingress: AgentProcess, w: Watch) -> None:
 
 
 def load(ingress: AgentProcess, w: Watch) -> None:
-    with httpx.Client(base_url=ingress.http_url, timeout=60) as client:
-        while not w.stop.is_set():
-            body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
-                    "max_tokens": 8}  # fmt: skip
-            try:
-                r = client.post("/v1/chat/completions", json=body)
-                w.results[str(r.status_code)] += 1
-            except httpx.HTTPError as exc:
-                w.results[type(exc).__name__] += 1
-            time.sleep(0.5)
+    steady_load(ingress.http_url, MODEL, w.stop, w.results)
 
 
 def controller_role(agent: AgentProcess) -> str | None:

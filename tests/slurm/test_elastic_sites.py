@@ -27,7 +27,7 @@ from cli.localmesh import AgentProcess, LocalMesh, wait_until
 from fabricnode.federation.keygen import generate_site_key
 from fabricnode.mesh.identity import OperatorKey
 from tests.support import REPO
-from tests.support.elasticmesh import FABRIC, serving_count, tagged_jobs
+from tests.support.elasticmesh import FABRIC, serving_count, steady_load, tagged_jobs
 from tests.support.meshview import fabric, free_port
 from tests.support.slurmcluster import SlurmCluster, throwaway_cluster
 from tests.system.test_federation import gateway_args, peer_dir, sites_of
@@ -129,19 +129,6 @@ def watch(a: Site, b: Site, w: Watch) -> None:
         time.sleep(0.5)
 
 
-def load(a: Site, w: Watch) -> None:
-    with httpx.Client(base_url=a.gateway.http_url, timeout=60) as client:
-        while not w.stop.is_set():
-            body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
-                    "max_tokens": 8}  # fmt: skip
-            try:
-                r = client.post("/v1/chat/completions", json=body)
-                w.results[str(r.status_code)] += 1
-            except httpx.HTTPError as exc:
-                w.results[type(exc).__name__] += 1
-            time.sleep(0.3)
-
-
 def share_of(site: Site) -> str:
     doc = httpx.get(f"{site.gateway.http_url}/fabric/v1/controller", timeout=5).json()
     return str((doc.get("site_shares") or {}).get(MODEL, ""))
@@ -173,7 +160,11 @@ def test_replicas_go_to_the_other_site_while_the_preferred_one_refuses_and_come_
     w = Watch()
     threads = [
         threading.Thread(target=watch, args=(a, b, w), daemon=True),
-        threading.Thread(target=load, args=(a, w), daemon=True),
+        threading.Thread(
+            target=steady_load,
+            args=(a.gateway.http_url, MODEL, w.stop, w.results, 0.3),
+            daemon=True,
+        ),
     ]
     for t in threads:
         t.start()

@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import pytest
 
 from cli.localmesh import AgentProcess, LocalMesh
@@ -139,3 +142,20 @@ def serving_count(url: str, model: str) -> int | None:
         for n in nodes
         if (n.get("labels") or {}).get("fabric.service") == model and n.get("liveness") == "alive"
     )
+
+
+def steady_load(
+    url: str, model: str, stop: threading.Event, results: Counter[str], pause_s: float = 0.5
+) -> None:
+    """One client at ``url`` sending a short chat request for ``model`` every ``pause_s``
+    until ``stop``; each result (status code, or the exception's name) counted."""
+    with httpx.Client(base_url=url, timeout=60) as client:
+        while not stop.is_set():
+            body = {"model": model, "messages": [{"role": "user", "content": "hi"}],
+                    "max_tokens": 8}  # fmt: skip
+            try:
+                r = client.post("/v1/chat/completions", json=body)
+                results[str(r.status_code)] += 1
+            except httpx.HTTPError as exc:
+                results[type(exc).__name__] += 1
+            time.sleep(pause_s)
