@@ -52,9 +52,17 @@ class SiteShare:
     before: int
     elsewhere: int
 
+    blind: bool = False  # no view of the other sites (this controller is not a gateway)
+
     def describe(self, ours: str, prefer: tuple[str, ...]) -> str:
         if ours not in prefer:
             return f"site {ours} is not in prefer_sites ({', '.join(prefer)})"
+        if self.blind:
+            return (
+                f"site {ours}'s share: {self.floor} to {self.ceiling}, blind: this controller "
+                f"sees no other site (run the controller on a gateway: fabric start --gateway "
+                f"... --controller)"
+            )
         return (
             f"site {ours}'s share: {self.floor} to {self.ceiling} "
             f"({self.before} serving at sites preferred before it, {self.elsewhere} elsewhere)"
@@ -99,6 +107,8 @@ def site_plan(
         return plan, None
     serving = serving_elsewhere(service.name) if serving_elsewhere is not None else {}
     got = share(ours, prefer, service.min_replicas, service.max_replicas, serving)
+    if serving_elsewhere is None:
+        got = replace(got, blind=True)
     idle = service.idle_to_zero_s if service.min_replicas == 0 else None
     bounded = replace(
         service, min_replicas=got.floor, max_replicas=got.ceiling, idle_to_zero_s=idle

@@ -291,3 +291,5 @@ def test_a_model_counted_across_sites_gets_what_the_preferred_site_does_not_serv
     ctl.serving_elsewhere = None
     trio.run(ctl.tick)
     assert len(slurm.jobs) == 2
+    said = ctl.status.site_shares["m"]
+    assert "blind: this controller sees no other site" in said and "--gateway" in said
