@@ -174,26 +174,55 @@ class Across:
         where to push it instead, or [] to keep it here. ``wait_s`` None: none of our nodes can
         admit it now (``push_routes``, rule 5); else the wait the policy's pick shows
         (``quicker_routes``, rule 6)."""
+        if wait_s is not None and self.offers is None:
+            return []  # not a gateway: no peer site's wait to compare (``quicker_routes``)
         if not self.may_go_out(job, routes):
             return []
         if wait_s is None:
             return self.push_routes(job.model, job.sites, session)
         return self.quicker_routes(job.model, job.sites, session, wait_s)
 
+    def without_nodes(
+        self,
+        routed: Routed,
+        out: bool,
+        from_site: str,
+        hold_s: float | None,
+        retry_after_s: int,
+    ) -> tuple[list[Route], float | None] | Rejection:
+        """Where a request goes that no node of our site can take (``out``: a gateway takes it
+        out of our site): the routes of another site and no hold; or, for a declared model
+        whose start it may wait for (``hold_s``), none and that hold; or why no site serves it.
+
+        A declared model served elsewhere goes there rather than wait for a start here
+        (``instead_of_cold_start``), unless it is a Responses or batch request."""
+        model, sites = routed.model, routed.sites
+        if hold_s:
+            if routed.kind != RESPONSES and not routed.batch:
+                routes = self.instead_of_cold_start(model, sites, from_site)
+                if routes:
+                    return routes, None
+            return [], hold_s
+        if may_leave(from_site, False) and may_leave_for(sites, self.site):
+            # never a request that came from another site: one WAN crossing per attempt
+            routes = self.out_routes(model, sites)
+            if routes:
+                return routes, None
+        return self.not_served(model, out, sites, retry_after_s)
+
     def instead_of_cold_start(self, model: str, sites: Sites, from_site: str) -> list[Route]:
         """Where a request goes for a declared model no node of our site serves now, rather
         than wait here for a replica to start (``hold_requests``): a gateway sends it to the
-        peer sites that serve the model now (``choose``; a start here takes tens of seconds, a
-        site that serves answers in a round trip, and with ``prefer_sites`` our controller may
-        start none at all); another agent hands it to a gateway of our site (``pushed``: the
-        gateway serves it, sends it out, or waits there for the start). [] (wait here): it
-        came from a peer site, it may be served at our site only, or we have no gateway."""
+        peer sites that serve the model now (``out_routes``; a start here takes tens of
+        seconds, a site that serves answers in a round trip, and with ``prefer_sites`` our
+        controller may start none at all); another agent hands it to a gateway of our site
+        (``pushed``: the gateway serves it, sends it out, or waits there for the start). []
+        (wait here): it came from a peer site, it may be served at our site only, no peer site
+        serves it, or we have no gateway."""
         if not may_leave(from_site, False) or not may_leave_for(sites, self.site):
             return []
-        offers = self.offers
-        if offers is not None:
-            serving = [o for o in offers(model) if o.replicas > 0]
-            return site_routes(choose(serving, sites))
+        if self.offers is not None:
+            return self.out_routes(model, sites)
         return pushed(self._gateways_in_turn())
 
     def pushed_to(self, session: str | None, site: str) -> None:

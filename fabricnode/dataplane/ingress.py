@@ -151,8 +151,6 @@ from fabricnode.dataplane.sites import (
     OUT_SUFFIX,
     PUSH_HEADER,
     PUSH_SUFFIX,
-    may_leave,
-    may_leave_for,
 )
 from fabricnode.dataplane.sockio import LoopClock, Reactor, Watchdog, close
 from fabricnode.dataplane.tiers import OWNER_HEADER, RoomRules, owner_of
@@ -720,22 +718,16 @@ class Ingress:
             routes, response_owner, held_at = held
             elsewhere = bool(held_at)
         leaving = False
-        if not routes and not out and not elsewhere:
-            hold_s = self.declared(model) if self.declared is not None else None
-            if hold_s and kind != RESPONSES and not routed.batch:
-                # a peer site may serve it now: there, not after a start here
-                routes = self.across.instead_of_cold_start(model, routed.sites, from_site)
-                if routes:
-                    hold_s, leaving = None, True
-        if not routes and not hold_s:
-            # No node of our site: another site's, through a gateway (never for a request
-            # that came from another site: one WAN crossing per attempt).
-            if may_leave(from_site, False) and may_leave_for(routed.sites, self.site):
-                routes = self.across.out_routes(model, routed.sites)
-                leaving = not out
-            if not routes:
-                why = self.across.not_served(model, out, routed.sites, self.config.retry_after_s)
-                return self._reject(conn, why, path)
+        if not routes:
+            # No node of our site: another site's, or the wait for a declared model's start
+            if not out and not elsewhere and self.declared is not None:
+                hold_s = self.declared(model)
+            retry_after_s = self.config.retry_after_s
+            there = self.across.without_nodes(routed, out, from_site, hold_s, retry_after_s)
+            if isinstance(there, Rejection):
+                return self._reject(conn, there, path)
+            routes, hold_s = there
+            leaving = bool(routes) and not out
         job = Job(kind, model, routed.stream, body, path, headers, routed.key, started, doc)
         job.sites = routed.sites
         if from_site:

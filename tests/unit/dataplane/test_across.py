@@ -288,6 +288,28 @@ def test_a_declared_model_served_elsewhere_goes_there_rather_than_wait_for_a_sta
     assert across()[0].instead_of_cold_start("m", None, "") == []  # no gateway
 
 
+def test_a_request_no_node_of_ours_takes_goes_out_waits_for_a_start_or_is_refused() -> None:
+    gateway, _ = across()
+    offers = [SiteOffer("C", ("10.0.0.3:7000",), True, 0.15, 1, 1, 0)]
+    gateway.offers = lambda model: offers
+    chat = Routed("chat", "m", False, {"model": "m"}, None, frozenset(), None, None, 0)
+    there = gateway.without_nodes(chat, False, "", None, 1)
+    assert not isinstance(there, Rejection)
+    assert [r.info.site for r in there[0]] == ["C"] and there[1] is None
+    # a declared model served at C goes there; a Responses request waits for the start here
+    there = gateway.without_nodes(chat, False, "", 60.0, 1)
+    assert not isinstance(there, Rejection) and there[1] is None
+    new_response = routed({"model": "m"})
+    assert gateway.without_nodes(new_response, False, "", 60.0, 1) == ([], 60.0)
+    # from a peer site: never sent on (served nowhere here: the 404); no site serves it: 404
+    came = gateway.without_nodes(chat, False, "B", None, 1)
+    assert isinstance(came, Rejection) and came.status == 404
+    offers.clear()
+    gone = gateway.without_nodes(chat, False, "", None, 1)
+    assert isinstance(gone, Rejection) and gone.status == 404
+    assert gateway.without_nodes(chat, False, "", 60.0, 1) == ([], 60.0)
+
+
 def test_the_sessions_a_gateway_remembers_are_bounded_oldest_first() -> None:
     gateway, _ = across()
     gateway.max_sessions = 3
