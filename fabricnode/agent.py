@@ -571,6 +571,11 @@ class Agent:
         the link, to the gateways the view says serve the model."""
         gateway.http_handler = ingress.serve_remote
         ingress.pool.dialer = gateway.dial_http
+        ingress.across.offers = self._site_offers(gateway)
+
+    def _site_offers(self, gateway: Gateway) -> Callable[[str], list[SiteOffer]]:
+        """What the gateway's view of the peer sites says of a model, per site that lists it
+        (``sites.SiteOffer``): the data plane routes by it, the controller counts by it."""
         view = gateway.view
         wall_clock = self.wall_clock
 
@@ -596,7 +601,7 @@ class Agent:
                 )
             return found
 
-        ingress.across.offers = offers
+        return offers
 
     async def _drain(self, ingress: Ingress, gossip: GossipService) -> None:
         """Leave as the drain decides (``engine.drain``); returns when the doors may close."""
@@ -761,25 +766,12 @@ class Agent:
 
     def _serving_elsewhere(self, gateway: Gateway) -> Callable[[str], dict[str, int]]:
         """What the other sites serve of a model (``elastic.sitespread``): the replicas of each
-        routable peer site, by its gateway's view. Routable, not fresh: an idle site's summary
-        comes once a keep-alive, often a little past ``fresh``'s bound, and a share that
-        followed it would start and cancel jobs; a site cut off stops being routable within
-        ``max(5 s, 4 x RTT + 2 s)``."""
-        view = gateway.view
-        wall_clock = self.wall_clock
-
-        def serving(model: str) -> dict[str, int]:
-            now = wall_clock()
-            found: dict[str, int] = {}
-            for site in view.sites:
-                summary = view.summary(site)
-                if summary is None or not view.routable(site, now):
-                    continue
-                cap = summary.body.models.get(model)
-                found[site] = cap.replicas if cap is not None else 0
-            return found
-
-        return serving
+        routable peer site that lists it, by the gateway's site offers. Routable, not fresh: an
+        idle site's summary comes once a keep-alive, often a little past ``fresh``'s bound, and
+        a share that followed it would start and cancel jobs; a site cut off stops being
+        routable within ``max(5 s, 4 x RTT + 2 s)``."""
+        offers = self._site_offers(gateway)
+        return lambda model: {o.site: o.replicas for o in offers(model) if o.routable}
 
     def _engine_log_path(self, session_id: str) -> Path | None:
         if self.config.job_log_dir is not None:
