@@ -26,8 +26,13 @@ import pytest
 from cli.localmesh import AgentProcess, LocalMesh, wait_until
 from fabricnode.federation.keygen import generate_site_key
 from fabricnode.mesh.identity import OperatorKey
-from tests.support import REPO
-from tests.support.elasticmesh import FABRIC, serving_count, steady_load, tagged_jobs
+from tests.support.elasticmesh import (
+    FABRIC,
+    controller_env,
+    serving_count,
+    steady_load,
+    tagged_jobs,
+)
 from tests.support.meshview import fabric, free_port
 from tests.support.slurmcluster import SlurmCluster, throwaway_cluster
 from tests.system.test_federation import gateway_args, peer_dir, sites_of
@@ -95,11 +100,8 @@ def sites(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Site]]
                     "--trust-operator", operator.fingerprint,
                     "--controller",
                 ]  # fmt: skip
-                # The jobs' agents inherit this (sbatch --export=ALL): this checkout's sources,
-                # the site's Slurm, and the site's name.
-                env = {**clusters[s].env, "FABRIC_BIN": str(FABRIC), "FABRIC_SIM_GPU": "H100",
-                       "FABRIC_LEAVE_BEFORE_END": "", "FABRIC_JOIN": "",
-                       "PYTHONPATH": str(REPO), "FABRIC_SITE": s}  # fmt: skip
+                # the jobs' agents inherit it: the site's Slurm, and the site's name
+                env = controller_env(clusters[s], FABRIC_SITE=s)
                 gateway = mesh.start(f"{s}-gateway", args=args, env=env)
                 made[s] = Site(s, clusters[s], mesh, gateway)
             yield made

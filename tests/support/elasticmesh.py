@@ -53,6 +53,16 @@ class Elastic:
         return self.live_controllers()
 
 
+def controller_env(cluster: SlurmCluster, **extra: str) -> dict[str, str]:
+    """The environment of a controller agent on ``cluster``, which its jobs inherit (sbatch
+    --export=ALL): the cluster's Slurm, simulated H100s, and the ``fabric`` console script
+    with PYTHONPATH making it import this checkout's sources (a worktree's), not those the
+    environment was installed from; ``extra`` on top (``FABRIC_SITE``)."""
+    return {**cluster.env, "FABRIC_BIN": str(FABRIC), "FABRIC_SIM_GPU": "H100",
+            "FABRIC_LEAVE_BEFORE_END": "", "FABRIC_JOIN": "", "PYTHONPATH": str(REPO),
+            **extra}  # fmt: skip
+
+
 @contextlib.contextmanager
 def elastic_mesh(cluster: SlurmCluster, workdir: Path) -> Iterator[Elastic]:
     """An ingress and two controller agents (one acts) trusting the mesh's operator key; the
@@ -63,10 +73,7 @@ def elastic_mesh(cluster: SlurmCluster, workdir: Path) -> Iterator[Elastic]:
     key = OperatorKey.generate()
     key.save(local.workdir / "operator.key")
     trust = ("--trust-operator", key.fingerprint)
-    # The jobs' agents run the ``fabric`` console script: PYTHONPATH makes it import this
-    # checkout's sources (a worktree's), not those the environment was installed from.
-    env = {**cluster.env, "FABRIC_BIN": str(FABRIC), "FABRIC_SIM_GPU": "H100",
-           "FABRIC_LEAVE_BEFORE_END": "", "FABRIC_JOIN": "", "PYTHONPATH": str(REPO)}  # fmt: skip
+    env = controller_env(cluster)
     args = (*trust, "--controller")
     try:
         ingress = local.start("ingress", args=trust)
