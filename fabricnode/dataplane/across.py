@@ -38,8 +38,10 @@ from fabricnode.dataplane.responses import PinnedNode
 from fabricnode.dataplane.routetable import Route
 from fabricnode.dataplane.sites import (
     HOP_NODE,
+    Prompt,
     SiteOffer,
     admitting,
+    by_cost,
     choose,
     may_leave,
     may_leave_for,
@@ -129,15 +131,23 @@ class Across:
         """Whether a request may leave our site at all: we are a gateway, or our site has one."""
         return self.offers is not None or bool(self.table.gateways())
 
-    def push_routes(self, model: str, sites: Sites, session: str | None = None) -> list[Route]:
+    def push_routes(
+        self,
+        model: str,
+        sites: Sites,
+        session: str | None = None,
+        prompt: Prompt | None = None,
+    ) -> list[Route]:
         """Where a request goes that our site's nodes cannot admit now (two-layer routing,
-        ``sites`` rule 5): from a gateway, to the peer sites that can admit it now, best first
-        (the site its ``session`` was last pushed to first: ``pushed_to``); from another agent,
-        to our site's gateways, in turn (each routes it anywhere, our site first). None of
-        either: [], and it waits here for our nodes."""
+        ``sites`` rule 5): from a gateway, to the peer sites that can admit it now, the
+        quickest first (with the ``prompt``'s prefix, rule 7), the site its ``session`` was
+        last pushed to before them (``pushed_to``); from another agent, to our site's gateways,
+        in turn (each routes it anywhere, our site first). None of either: [], and it waits
+        here for our nodes."""
         offers = self.offers
         if offers is not None:
-            chosen = choose(admitting(offers(model)), sites)
+            found = admitting(offers(model))
+            chosen = by_cost(choose(found, sites), found, prompt)
             home = self.sessions.get(session) if session is not None else None
             if home is not None and len(chosen) > 1:
                 # the session's site first (its gateways in their order), the others after
@@ -146,18 +156,26 @@ class Across:
         return pushed(self._gateways_in_turn())
 
     def quicker_routes(
-        self, model: str, sites: Sites, session: str | None, wait_s: float
+        self,
+        model: str,
+        sites: Sites,
+        session: str | None,
+        wait_s: float,
+        prompt: Prompt | None = None,
     ) -> list[Route]:
         """Where a request goes that one of our nodes can admit but only after ``wait_s`` (the
         policy's pick's prefill backlog): on a gateway, the peer sites that can admit it now and
-        would start it sooner (``sites`` rule 6); elsewhere, and with none: [] (it goes to the
-        pick). An agent that is not a gateway knows no peer site's wait: it pushes only what our
-        nodes cannot admit (``push_routes``). A conversation (``session``) is not: its cache is
-        at its pick, and it keeps its site and replica while they can admit it."""
+        would answer it sooner (``sites`` rule 6, with the ``prompt``'s prefix: rule 7);
+        elsewhere, and with none: [] (it goes to the pick). An agent that is not a gateway
+        knows no peer site's wait: it pushes only what our nodes cannot admit
+        (``push_routes``). A conversation (``session``) is not: its cache is at its pick, and
+        it keeps its site and replica while they can admit it."""
         offers = self.offers
-        if offers is None or wait_s <= 0.0 or session is not None:
+        if offers is None or session is not None:
             return []
-        found = quicker(offers(model), wait_s)
+        if wait_s <= 0.0 and (prompt is None or prompt.here >= prompt.blocks):
+            return []  # no site can be quicker than a pick that starts it now, cache and all
+        found = quicker(offers(model), wait_s, prompt)
         if not found:
             return []
         chosen = choose(found, sites)  # the allowed ones, each with its gateways
@@ -168,19 +186,25 @@ class Across:
         return site_routes(chosen)
 
     def push(
-        self, job: Job, routes: list[Route], session: str | None, wait_s: float | None
+        self,
+        job: Job,
+        routes: list[Route],
+        session: str | None,
+        wait_s: float | None,
+        prompt: Prompt | None = None,
     ) -> list[Route]:
         """Two-layer routing's answer for a request routed to our site's nodes (``routes``):
         where to push it instead, or [] to keep it here. ``wait_s`` None: none of our nodes can
         admit it now (``push_routes``, rule 5); else the wait the policy's pick shows
-        (``quicker_routes``, rule 6)."""
+        (``quicker_routes``, rule 6). ``prompt``: its prefix blocks, priced on a gateway
+        (rule 7)."""
         if wait_s is not None and self.offers is None:
             return []  # not a gateway: no peer site's wait to compare (``quicker_routes``)
         if not self.may_go_out(job, routes):
             return []
         if wait_s is None:
-            return self.push_routes(job.model, job.sites, session)
-        return self.quicker_routes(job.model, job.sites, session, wait_s)
+            return self.push_routes(job.model, job.sites, session, prompt)
+        return self.quicker_routes(job.model, job.sites, session, wait_s, prompt)
 
     def without_nodes(
         self,

@@ -91,7 +91,7 @@ from typing import Any
 
 import trio
 
-from fabricnode.dataplane import responses, routing
+from fabricnode.dataplane import responses, routing, sites
 from fabricnode.dataplane.across import Across
 from fabricnode.dataplane.apikeys import ApiKeyStore, RateLimiter
 from fabricnode.dataplane.asgi_call import KEY_SCOPE, KEYS_SCOPE, OWNER_SCOPE, AsgiApp, answer_asgi
@@ -754,9 +754,30 @@ class Ingress:
         if not routes:
             assert hold_s is not None
             return self._wait_for_replica(conn, job, routed, hold_s, frozenset())
-        if len(routes) > 1 and self.policy.name.startswith("prefix"):
+        if (len(routes) > 1 or self.across.offers is not None) and self.policy.name.startswith(
+            "prefix"
+        ):
+            # a gateway prices prefixes across sites even with one node (``sites`` rule 7)
             routed.prefix_blocks = routing.prompt_blocks(prompt_text(doc, kind))
         return self._dispatch(conn, job, routed, routes)
+
+    def _prompt(
+        self, routed: Routed, ranked: list[routing.Candidate] | None
+    ) -> sites.Prompt | None:
+        """On a gateway, the request's prompt as the cross-site cost prices it (``sites``
+        rule 7): its blocks, those the pick holds, one block's prefill at the pick's rate."""
+        blocks = routed.prefix_blocks
+        if not blocks or self.across.offers is None:
+            return None
+        policy = self.policy
+        pick = ranked[0].node.session_id if ranked else ""
+        rate = self.prefill.rate(pick) if pick else self.prefill.default_rate
+        return sites.Prompt(
+            len(blocks),
+            policy.held_blocks(routed, pick) if pick else 0,
+            routing.BLOCK_TOKENS_EST / rate,
+            lambda sid: policy.held_blocks(routed, sid),
+        )
 
     def _pinned_node(self, sid: str) -> PinnedNode:
         """What the mesh says of node ``sid`` (its registry state and ``schema.standing``
@@ -935,13 +956,19 @@ class Ingress:
                     ranked = candidates
                 else:
                     ranked = policy.rank(routed, candidates, wall)
-                if not left and (ranked is None or ranked[0].prefill_s > 0.0):
+                if not left and (
+                    ranked is None
+                    or ranked[0].prefill_s > 0.0
+                    or (routed.prefix_blocks and self.across.offers is not None)
+                ):
                     # Two-layer routing: none of our nodes can admit it now (``sites`` rule 5),
-                    # or the pick would start it later than a peer site would (rule 6): pushed
-                    # to a gateway of ours, or from a gateway to that site; with neither, it
-                    # waits here for our nodes.
+                    # or the pick would answer it later than a peer site would (rules 6 and 7):
+                    # pushed to a gateway of ours, or from a gateway to that site; with
+                    # neither, it waits here for our nodes.
                     wait = None if ranked is None else ranked[0].prefill_s
-                    out = self.across.push(job, routes, routed.session_key, wait)
+                    out = self.across.push(
+                        job, routes, routed.session_key, wait, self._prompt(routed, ranked)
+                    )
                     pushed = self._candidates(out, routed, tried, now, wall) if out else []
                     if pushed:
                         left = True

@@ -127,6 +127,12 @@ from fabricnode.mesh.sites import DEFAULT_SITE
 # -- node facts and requests --------------------------------------------------------------------
 
 
+PROMPT_BLOCK_CHARS = 64  # ``prompt_blocks``' block, in characters
+# The ingress estimates a prompt's tokens as its body's bytes / 4 (``request``): a block's
+# tokens in the same units, for its prefill time (``sites.Prompt``).
+BLOCK_TOKENS_EST = PROMPT_BLOCK_CHARS / 4
+
+
 @dataclass(frozen=True, slots=True)
 class NodeInfo:
     """Static facts from a node's signed registry entry, for one model."""
@@ -217,7 +223,7 @@ class RoutingConfig:
     prefill_weight: float = 100.0
     # Prompt hashing, passed by the ingress to ``prompt_blocks``. 64 chars ~ 16 tokens, one
     # vLLM KV block; 256 blocks cover the first 16 KiB of a prompt, plenty to tell prefixes apart.
-    prefix_block_chars: int = 64
+    prefix_block_chars: int = PROMPT_BLOCK_CHARS
     prefix_max_blocks: int = 256
     # Hard cap on prefix index entries (one per distinct block hash, all models): ~20 MB.
     prefix_max_entries: int = 100_000
@@ -364,7 +370,9 @@ def _backlogged(c: Candidate, now: float, cfg: RoutingConfig) -> bool:
 # -- prompt hashing -----------------------------------------------------------------------------
 
 
-def prompt_blocks(text: str, *, block_chars: int = 64, max_blocks: int = 256) -> tuple[int, ...]:
+def prompt_blocks(
+    text: str, *, block_chars: int = PROMPT_BLOCK_CHARS, max_blocks: int = 256
+) -> tuple[int, ...]:
     """Cumulative hashes of the prompt's whole ``block_chars`` blocks, at most ``max_blocks``.
 
     Value i covers ``text[: (i + 1) * block_chars]``: it chains the previous value with block i,
@@ -440,6 +448,12 @@ class Policy(Protocol):
         """The node is gone (LEFT/DOWN/dead): drop it from any index."""
         ...
 
+    def held_blocks(self, req: RouteRequest, session_id: str) -> int:
+        """How many leading blocks of ``req``'s prompt (``prompt_blocks``) this ingress last
+        sent to ``session_id`` (a node, or a peer site's gateway: the cross-site cost,
+        ``sites`` rule 6), by its prefix index; 0 for a policy that keeps none."""
+        ...
+
     def statistics(self) -> RoutingStatistics: ...
 
 
@@ -477,6 +491,9 @@ class _StatelessPolicy:
 
     def on_removed(self, session_id: str) -> None:
         pass
+
+    def held_blocks(self, req: RouteRequest, session_id: str) -> int:
+        return 0
 
     def statistics(self) -> RoutingStatistics:
         return RoutingStatistics(self.name, ranked=self._ranked)
@@ -773,6 +790,13 @@ class PrefixPolicy:
 
     def on_removed(self, session_id: str) -> None:
         self._slot_of.pop(session_id, None)
+
+    def held_blocks(self, req: RouteRequest, session_id: str) -> int:
+        slot = self._slot_of.get(session_id)
+        blocks = req.prefix_blocks[: self._cfg.prefix_max_blocks]
+        if slot is None or not blocks:
+            return 0
+        return self._longest(blocks, len(blocks), hash(req.model), {slot: 0}, [0.0], math.inf)
 
     def statistics(self) -> RoutingStatistics:
         return RoutingStatistics(

@@ -56,12 +56,27 @@ every other client's request, so the mark cannot be forged from outside. The rul
    (``quicker``); among them the cheapest first. A conversation's turn (a session key) is
    never pushed by this rule: its cache is at its pick, and it keeps its site and replica
    while they can admit it. The prompt's own prefill is the same term
-   at every site of one model's replicas and cancels; it enters when sites report what they
-   have cached (issue 41's prefix summaries).
+   at every site of one model's replicas and cancels, except for the part some site holds
+   cached: rule 7.
+7. **Prefix locality across sites** (SkyLB's regional snapshot, §3.2). A gateway's prefix
+   index (``routing.PrefixPolicy``) records every request it routes, the ones it sends to a
+   peer site's gateway included: that gateway is a target in the index like a node of ours,
+   so the index holds, per peer site, the prefixes we sent there (``Prompt.held``). It is an
+   approximation of what that site has cached, the one SkyLB measured as enough: requests
+   from different regions share 2.5% of their prefixes, so what a site caches of *our*
+   clients' prompts is what we sent it. The cost of rules 5 and 6 then counts the prompt's
+   uncached blocks at each place (``Prompt``: the blocks not held there, at the pick's
+   learned prefill rate): ours is the pick's wait plus what the pick does not hold, a peer
+   site's is its expected wait plus what we did not send it. So a prompt whose long prefix
+   we sent to site B goes on to B while B can admit it and that is quicker than computing
+   the prefix here, and one our pick holds is not pushed by rule 6 unless the peer site is
+   quicker by more than the prefill the cache saves. Without a prefix index, or a prompt of
+   fewer than one block, every term is 0 and rules 5 and 6 are as above.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from fabricnode.dataplane import residency, routetable
@@ -174,19 +189,65 @@ def admitting(offers: list[SiteOffer]) -> list[SiteOffer]:
     return [o for o in offers if o.admitting > 0 and o.fresh]
 
 
-def expected_wait_s(offer: SiteOffer) -> float:
-    """How long a request pushed to ``offer``'s site waits before its prefill starts there
-    (rule 6): the round trip to it (unknown: infinite) and the backlog its summary reports."""
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """A prompt's prefill as the cross-site cost prices it (rule 7): its whole prefix blocks
+    (``routing.prompt_blocks``), how many of them the policy's pick holds, the prefill time
+    of one block at the pick's learned rate, and how many blocks our prefix index holds at a
+    route (``held(session id)``: a peer site's gateway holds what we sent it)."""
+
+    blocks: int
+    here: int
+    block_s: float
+    held: Callable[[str], int]
+
+    def here_s(self) -> float:
+        """The prefill of the blocks the pick does not hold."""
+        return max(0, self.blocks - self.here) * self.block_s
+
+    def at_s(self, offer: SiteOffer) -> float:
+        """The prefill of the blocks we did not send to ``offer``'s site (any of its
+        gateways: they route inside the one site)."""
+        held = max((self.held(site_sid(offer.site, a)) for a in offer.gateways), default=0)
+        return max(0, self.blocks - held) * self.block_s
+
+
+def expected_wait_s(offer: SiteOffer, prompt: Prompt | None = None) -> float:
+    """How long a request pushed to ``offer``'s site waits for its first token there, as far
+    as sites differ (rules 6 and 7): the round trip to it (unknown: infinite), the backlog its
+    summary reports, and the prefill of what of the ``prompt`` it does not hold."""
     if offer.rtt_s is None:
         return float("inf")
-    return offer.rtt_s + max(0.0, offer.backlog_s)
+    uncached = prompt.at_s(offer) if prompt is not None else 0.0
+    return offer.rtt_s + max(0.0, offer.backlog_s) + uncached
 
 
-def quicker(offers: list[SiteOffer], wait_s: float) -> list[SiteOffer]:
-    """The peer sites that can admit a request now (``admitting``) and would start it sooner
-    than ``wait_s`` from now, the quickest first (rule 6; ties by name)."""
-    priced = [(expected_wait_s(o), o.site, o) for o in admitting(offers)]
-    return [o for cost, _, o in sorted(priced, key=lambda t: (t[0], t[1])) if cost < wait_s]
+def quicker(
+    offers: list[SiteOffer], wait_s: float, prompt: Prompt | None = None
+) -> list[SiteOffer]:
+    """The peer sites that can admit a request now (``admitting``) and would answer it
+    sooner than our pick, which starts it ``wait_s`` from now (and computes what of the
+    ``prompt`` it does not hold), the quickest first (rules 6 and 7; ties by name)."""
+    here = wait_s + (prompt.here_s() if prompt is not None else 0.0)
+    priced = [(expected_wait_s(o, prompt), o.site, o) for o in admitting(offers)]
+    return [o for cost, _, o in sorted(priced, key=lambda t: (t[0], t[1])) if cost < here]
+
+
+def by_cost(
+    chosen: list[tuple[str, str]], offers: list[SiteOffer], prompt: Prompt | None
+) -> list[tuple[str, str]]:
+    """``choose``'s pairs with the sites in order of ``expected_wait_s`` (rules 5 and 7),
+    each site's gateways in their order; ties keep ``choose``'s order."""
+    if prompt is None or len(chosen) < 2:
+        return chosen
+    cost = {o.site: expected_wait_s(o, prompt) for o in offers}
+    return sorted(chosen, key=lambda c: cost.get(c[0], float("inf")))
+
+
+def site_sid(site: str, addr: str) -> str:
+    """The session id of a route to a peer site's gateway: a name for the breaker, the
+    request log and the prefix index (rule 7)."""
+    return "site:" + site + "/" + addr
 
 
 def pushed(gateways: list[Route]) -> list[Route]:
@@ -199,7 +260,7 @@ def site_routes(pairs: list[tuple[str, str]]) -> list[Route]:
     """The routes to peer sites' gateways (``choose``'s pairs, in order)."""
     routes: list[Route] = []
     for site, addr in pairs:
-        sid = "site:" + site + "/" + addr  # a name for the breaker and the request log
+        sid = site_sid(site, addr)
         info = NodeInfo(
             session_id=sid,
             url="fabric-http://" + addr,

@@ -16,8 +16,8 @@ from fabricnode.dataplane.keytable import ApiKey
 from fabricnode.dataplane.request import Rejection, Routed, pinned_node
 from fabricnode.dataplane.responses import PinnedNode
 from fabricnode.dataplane.routetable import Route
-from fabricnode.dataplane.routing import NodeInfo
-from fabricnode.dataplane.sites import HOP_PUSH, HOP_SITE, SiteOffer
+from fabricnode.dataplane.routing import NodeInfo, RouteRequest, make_policy, prompt_blocks
+from fabricnode.dataplane.sites import HOP_PUSH, HOP_SITE, Prompt, SiteOffer
 from fabricnode.mesh.keyring import Keyring
 from fabricnode.mesh.registry import State
 from fabricnode.mesh.schema import Standing
@@ -373,3 +373,45 @@ def test_a_responses_request_leaving_carries_its_owners_reference_not_its_key() 
     r.key = ApiKey("key-1", "alice", b"\x00" * 32, 0.0)
     ref = orjson.loads(a.outgoing_response(r))["request_id"]
     assert ref == responses.owner_ref(RING, "key-1") and "key-1" not in ref
+
+
+def test_a_gateway_keeps_a_shared_prefix_at_the_site_it_sent_it_to() -> None:
+    """Rule 7 with the product's prefix index: the first prompt of a long shared prefix that
+    our site cannot admit goes to the nearest site that can (B); the next ones go to B too,
+    although C is nearer by then, while B can admit; our pick's own cache keeps a prompt
+    here; a conversation's turn is never moved by the cost."""
+    policy = make_policy("prefix-pending")
+    gateway, _ = across()
+    offers = [
+        SiteOffer("B", ("10.0.0.2:7000",), True, 0.15, 2, 1, 0),
+        SiteOffer("C", ("10.0.0.3:7000",), True, 0.20, 2, 1, 0),
+    ]
+    gateway.offers = lambda model: offers
+    system = "".join(f"rule {i}: answer briefly and cite your sources.\n" for i in range(60))
+    here = [route(NODE)]
+    job = Job("chat", "m", False, b"{}", b"/v1/chat/completions", {}, None, 0.0, None)
+
+    def prompt_of(req: RouteRequest, pick: str | None) -> Prompt:
+        n = len(req.prefix_blocks)
+        held = policy.held_blocks(req, pick) if pick else 0
+        return Prompt(n, held, 0.004, lambda sid: policy.held_blocks(req, sid))
+
+    first = RouteRequest("m", prompt_blocks(system + "q1"), None, 0)
+    out = gateway.push(job, here, None, None, prompt_of(first, None))  # rule 5
+    assert [r.info.site for r in out] == ["B", "C"]  # the nearer first
+    policy.on_routed(first, out[0].info.session_id, 0.0)
+    offers[1] = SiteOffer("C", ("10.0.0.3:7000",), True, 0.01, 2, 1, 0)  # C is nearer now
+    second = RouteRequest("m", prompt_blocks(system + "q2"), None, 0)
+    out = gateway.push(job, here, None, None, prompt_of(second, None))
+    assert [r.info.site for r in out] == ["B", "C"]  # B holds the prefix: 0.15 s < 0.01 + 0.17
+    # our node can admit it now and holds nothing of it: B is quicker than computing it here
+    assert [r.info.site for r in gateway.push(job, here, None, 0.0, prompt_of(second, NODE))] == [
+        "B"
+    ]
+    # once our node holds the prefix too, a prompt that starts now stays here
+    policy.on_routed(second, NODE, 0.0)
+    third = RouteRequest("m", prompt_blocks(system + "q3"), None, 0)
+    assert gateway.push(job, here, None, 0.0, prompt_of(third, NODE)) == []
+    assert gateway.push(job, here, "conv", 0.0, prompt_of(first, None)) == []  # a session's turn
+    agent, _ = across(Table(gateways=1))  # an agent that is not a gateway prices nothing
+    assert agent.push(job, here, None, 0.0, prompt_of(second, None)) == []

@@ -720,3 +720,26 @@ def test_pinned_provider_name_also_requires_a_pinned_fingerprint() -> None:
     assert not provider_allowed(impostor, frozenset({"acme"}), pinned)
     assert provider_allowed(impostor, frozenset({"acme"}))  # unpinned names trust any cert
     assert provider_allowed(impostor, frozenset({FP_B}), pinned)  # explicit fingerprint
+
+
+@pytest.mark.parametrize("name", ["prefix", "prefix-pending"])
+def test_held_blocks_is_the_prefix_the_index_holds_at_a_target(name: str) -> None:
+    """What the cross-site cost reads (``sites`` rule 7): the leading blocks of a prompt this
+    ingress last sent to a target (a node, or a peer site's gateway), per model."""
+    policy = make_policy(name)
+    first = routed(policy, SYSTEM + "first question", "site:B/gw.b:7950")
+    assert policy.held_blocks(first, "site:B/gw.b:7950") == len(first.prefix_blocks)
+    again = request(SYSTEM + "a second, different question")
+    assert policy.held_blocks(again, "site:B/gw.b:7950") == len(SYSTEM) // 64
+    assert policy.held_blocks(again, "site:C/gw.c:7950") == 0  # never sent there
+    assert policy.held_blocks(request(SYSTEM + "q", model="m2"), "site:B/gw.b:7950") == 0
+    assert policy.held_blocks(request("short"), "site:B/gw.b:7950") == 0  # no whole block
+    policy.on_removed("site:B/gw.b:7950")
+    assert policy.held_blocks(again, "site:B/gw.b:7950") == 0
+
+
+@pytest.mark.parametrize("name", ["round-robin", "least-load", "p2c"])
+def test_a_policy_without_a_prefix_index_holds_nothing(name: str) -> None:
+    policy = make_policy(name)
+    req = routed(policy, SYSTEM, "b")
+    assert policy.held_blocks(req, "b") == 0

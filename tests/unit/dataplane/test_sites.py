@@ -11,7 +11,9 @@ from hypothesis import strategies as st
 from fabricnode.dataplane import routetable, sites
 from fabricnode.dataplane.sites import (
     HOP_SITE,
+    Prompt,
     SiteOffer,
+    by_cost,
     choose,
     expected_wait_s,
     may_leave,
@@ -20,6 +22,7 @@ from fabricnode.dataplane.sites import (
     quicker,
     site_origin,
     site_routes,
+    site_sid,
     taken_in,
 )
 from fabricnode.federation.summary import GATEWAY_LABEL
@@ -164,3 +167,77 @@ def test_quicker_laws(rows: list[tuple[str, float | None, int, bool, float]], wa
     for o in offers:
         eligible = o.admitting > 0 and o.fresh and expected_wait_s(o) < wait
         assert (o in found) == eligible
+
+
+def prompt(blocks: int, here: int, block_s: float = 0.01, **held: int) -> Prompt:
+    """A prompt of ``blocks`` blocks, ``here`` of them at the pick, and per site (its
+    gateway ``<site>:1``) the blocks we sent there."""
+    by_sid = {site_sid(site, f"{site}:1"): n for site, n in held.items()}
+    return Prompt(blocks, here, block_s, lambda sid: by_sid.get(sid, 0))
+
+
+def test_a_prompts_uncached_blocks_are_priced_where_they_would_be_computed() -> None:
+    """Rule 7: ours is the pick's wait plus the blocks it does not hold; a peer site's is its
+    expected wait plus the blocks we did not send it (its best gateway)."""
+    p = prompt(100, 40, b=100, c=10)
+    assert p.here_s() == 0.6
+    b = offer("b", "b:1", rtt=0.04)
+    assert expected_wait_s(b, p) == 0.04
+    c = offer("c", "x:1", "c:1", rtt=0.02)  # its second gateway got them
+    assert math.isclose(expected_wait_s(c, p), 0.02 + 0.9)
+    assert expected_wait_s(offer("d", "d:1", rtt=0.01), p) == 0.01 + 1.0
+
+
+def test_a_prefix_sent_to_a_site_draws_its_next_prompts_there_and_one_held_here_stays() -> None:
+    near = offer("near", "near:1", rtt=0.04)
+    far = offer("far", "far:1", rtt=0.15)
+    offers = [near, far]
+    # our pick starts it now but holds none of it; we sent the prefix to the far site
+    sent = prompt(200, 0, far=200)
+    assert [o.site for o in quicker(offers, 0.0, sent)] == ["far"]  # near computes it all too
+    # our pick holds it all: its wait would have to exceed the far site's round trip
+    assert quicker(offers, 0.1, prompt(200, 200, far=200)) == []
+    assert [o.site for o in quicker(offers, 0.2, prompt(200, 200, far=200))] == ["far"]
+    # rule 5's order: the far site first while it holds the prefix, else the nearest
+    pairs = [("near", "near:1"), ("far", "far:1")]
+    assert by_cost(pairs, offers, sent) == [("far", "far:1"), ("near", "near:1")]
+    assert by_cost(pairs, offers, prompt(200, 0)) == pairs
+    assert by_cost(pairs, offers, None) == pairs
+
+
+# sixty-fourths: every sum of these is exact, so equal costs compare equal
+SIXTY_FOURTHS = st.integers(0, 192).map(lambda k: k / 64)
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from("abcdef"),
+            st.one_of(st.none(), SIXTY_FOURTHS),
+            st.integers(0, 2),
+            st.integers(0, 300),
+        ),
+        max_size=6,
+    ),
+    SIXTY_FOURTHS,
+    st.integers(0, 256),
+    st.integers(0, 256),
+    st.integers(0, 4).map(lambda k: k / 64),
+)
+def test_prompt_cost_laws(
+    rows: list[tuple[str, float | None, int, int]],
+    wait: float,
+    blocks: int,
+    here: int,
+    block_s: float,
+) -> None:
+    """A prompt no place holds any of costs the same everywhere and cancels (``quicker`` as
+    without it); holding more of it never makes a site costlier."""
+    offers = [offer(s, f"{s}:1", rtt=rtt, admitting=adm) for s, rtt, adm, _ in rows]
+    even = Prompt(blocks, 0, block_s, lambda sid: 0)
+    assert quicker(offers, wait, even) == quicker(offers, wait)
+    held = {site_sid(s, f"{s}:1"): n for s, _, _, n in rows}
+    p = Prompt(blocks, min(here, blocks), block_s, lambda sid: held.get(sid, 0))
+    less = Prompt(blocks, min(here, blocks), block_s, lambda sid: held.get(sid, 0) // 2)
+    for o in offers:
+        assert expected_wait_s(o, p) <= expected_wait_s(o, less)
