@@ -464,7 +464,7 @@ class Agent:
             engine = self.engine
             return tracker.is_ready() and (engine is None or engine.state == "serving")
 
-        controller = self._controller(core, gossip)
+        controller = self._controller(core, gossip, ingress)
 
         def engine_statistics() -> EngineStatistics | None:
             engine = self.engine
@@ -597,6 +597,7 @@ class Agent:
                         cap.admitting,
                         cap.waiting,
                         view.fresh(site, now),
+                        start_s=cap.start_s,
                     )
                 )
             return found
@@ -740,8 +741,12 @@ class Agent:
             )
         )
 
-    def _controller(self, core: MeshCore, gossip: GossipService) -> Controller | None:
-        """``--controller``: the elastic control loop (one of the controller agents acts)."""
+    def _controller(
+        self, core: MeshCore, gossip: GossipService, ingress: Ingress
+    ) -> Controller | None:
+        """``--controller``: the elastic control loop (one of the controller agents acts). On a
+        gateway it sees the other sites (``sitespread``), and says how long its starts take:
+        in our site's summary, and to our data plane (``sites`` rule 8)."""
         cc = self.config.controller
         if cc is None:
             return None
@@ -762,6 +767,8 @@ class Agent:
         )
         if self.gateway is not None:
             controller.serving_elsewhere = self._serving_elsewhere(self.gateway)
+            self.gateway.starts = lambda: controller.starts
+            ingress.across.start_here = controller.start_here
         return controller
 
     def _serving_elsewhere(self, gateway: Gateway) -> Callable[[str], dict[str, int]]:

@@ -47,6 +47,7 @@ from fabricnode.dataplane.sites import (
     may_leave_for,
     pushed,
     quicker,
+    quicker_start,
     site_routes,
     taken_in,
 )
@@ -97,6 +98,10 @@ class Across:
         # site can admit. Bounded: the oldest is forgotten first.
         self.sessions: dict[str, str] = {}
         self.max_sessions = MAX_SESSIONS
+        # On a gateway whose agent runs the site's controller, the seconds it expects a
+        # replica of a model to take to serve if started now (``sites`` rule 8; inf: it would
+        # start none); None (unset, or the answer): it cannot say, and requests wait here.
+        self.start_here: Callable[[str], float | None] | None = None
 
     # -- a request from a peer site --------------------------------------------------------------
 
@@ -245,9 +250,23 @@ class Across:
         serves it, or we have no gateway."""
         if not may_leave(from_site, False) or not may_leave_for(sites, self.site):
             return []
-        if self.offers is not None:
-            return self.out_routes(model, sites)
+        offers = self.offers
+        if offers is not None:
+            return self.out_routes(model, sites) or self.start_elsewhere(model, sites, offers)
         return pushed(self._gateways_in_turn())
+
+    def start_elsewhere(
+        self, model: str, sites: Sites, offers: Callable[[str], list[SiteOffer]]
+    ) -> list[Route]:
+        """On a gateway, where a request for a declared model no site serves waits for its
+        start: the peer sites whose controllers expect to have it serving sooner than ours
+        would (``sites`` rule 8), the soonest first; [] (here): ours is the soonest, or our
+        controller cannot say how long (it does not act on this gateway)."""
+        start_here = self.start_here
+        here = start_here(model) if start_here is not None else None
+        if here is None:
+            return []
+        return site_routes(quicker_start(offers(model), here, sites))
 
     def pushed_to(self, session: str | None, site: str) -> None:
         """A pushed request of ``session`` went to peer site ``site``: its next turns go there

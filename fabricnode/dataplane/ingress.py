@@ -847,11 +847,17 @@ class Ingress:
             await send_error(conn, 503, full.message, full.code, extra=full.headers, path=job.path)
             return True
 
+        may_go = routed.kind != RESPONSES and not routed.batch
+
         def lookup(tried: set[str]) -> list[Route] | None:
             routes = self.table.routes(model)
             if not routes:
                 routes = self.table.sleeping(model)
                 job.waking = routes is not None
+            if not routes and may_go:
+                # no node of ours: a peer site that serves it by now, or that would start it
+                # sooner than ours (our Slurm refused it meanwhile: ``sites`` rule 8)
+                routes = self.across.instead_of_cold_start(model, routed.sites, job.from_site)
             if routes and self._candidates(
                 routes, routed, tried, self.clock.now(), self.wall_clock()
             ):

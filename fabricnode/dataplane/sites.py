@@ -72,6 +72,18 @@ every other client's request, so the mark cannot be forged from outside. The rul
    the prefix here, and one our pick holds is not pushed by rule 6 unless the peer site is
    quicker by more than the prefill the cache saves. Without a prefix index, or a prompt of
    fewer than one block, every term is 0 and rules 5 and 6 are as above.
+8. **Scale from zero at the quickest site.** A declared model no site serves waits for a
+   replica to start (``hold_requests``), at the site whose controller would have it serving
+   first: each site's summary says, per model its acting controller would start now, the
+   seconds it expects that to take (``start_s``: its learned start-up time; no value while
+   its Slurm refuses the model or keeps its jobs pending). A gateway whose own controller
+   expects ``here_s`` sends the request to a peer site whose round trip plus ``start_s`` is
+   less (``quicker_start``); that site's gateway holds it, which is the demand its controller
+   starts a replica for, and our controller, whose site holds no request, starts none. The
+   rule is asked again while the request waits: if our Slurm refuses the start, the waiting
+   requests go to the next site. A site whose controller does not run on its gateway says no
+   start (its gateway cannot see one), and a gateway that knows no expected start of its own
+   keeps its requests: starts go where the controllers can say how long they take.
 """
 
 from __future__ import annotations
@@ -123,6 +135,8 @@ class SiteOffer:
     fresh: bool = True
     # The prefill backlog its summary reports, seconds, less the summary's age (rule 6).
     backlog_s: float = 0.0
+    # Seconds until a replica its controller would start now serves (rule 8); None: none.
+    start_s: float | None = None
 
 
 def may_leave(from_site: str, out: bool) -> bool:
@@ -231,6 +245,30 @@ def quicker(
     here = wait_s + (prompt.here_s() if prompt is not None else 0.0)
     priced = [(expected_wait_s(o, prompt), o.site, o) for o in admitting(offers)]
     return [o for cost, _, o in sorted(priced, key=lambda t: (t[0], t[1])) if cost < here]
+
+
+def quicker_start(
+    offers: list[SiteOffer], here_s: float, allowed: residency.Sites = None
+) -> list[tuple[str, str]]:
+    """``(site, gateway address)`` pairs of the peer sites that would serve a model no site
+    serves sooner than our site would start it (``here_s``; infinite: we would start none),
+    by the round trip and the start their summary expects, the soonest first (rule 8; ties
+    by name), at the sites ``allowed``. Only a routable site, on a fresh summary."""
+    priced = [
+        (o.rtt_s + o.start_s, o.site, o)
+        for o in offers
+        if o.start_s is not None
+        and o.rtt_s is not None
+        and o.routable
+        and o.fresh
+        and o.gateways
+        and residency.allows(allowed, o.site)
+    ]
+    out: list[tuple[str, str]] = []
+    for cost, _, offer in sorted(priced, key=lambda t: (t[0], t[1])):
+        if cost < here_s:
+            out.extend((offer.site, addr) for addr in offer.gateways)
+    return out
 
 
 def by_cost(

@@ -30,6 +30,7 @@ the new acting controller neither forgets its predecessor's jobs nor submits twi
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
@@ -40,7 +41,7 @@ import trio
 from fabricnode.elastic.leader import candidate_since
 from fabricnode.elastic.observe import SlurmCalls, acting_controller, replicas
 from fabricnode.elastic.reconcile import Memory, ModelStatus, holdings, reconcile
-from fabricnode.elastic.sitespread import ServingElsewhere, site_plan
+from fabricnode.elastic.sitespread import ServingElsewhere, site_plan, starts_of
 from fabricnode.elastic.slurmctl import SlurmControl, SlurmRefused
 from fabricnode.elastic.startups import inherited_start_ups, start_up_labels
 from fabricnode.elastic.vocab import (
@@ -120,6 +121,9 @@ class Controller:
     # model (set by the agent of a gateway, from its view of the peer sites; None elsewhere).
     site: str = DEFAULT_SITE
     serving_elsewhere: ServingElsewhere | None = None
+    # model -> seconds a replica started now would take to serve, for the models we would
+    # start now (``may_start``); kept while acting, for our site's summary (``start_here``)
+    starts: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._calls = SlurmCalls(self.slurm)
@@ -145,6 +149,8 @@ class Controller:
             log.info("controller: %s (acting: %s)", role, leader.session_id[:8] if leader else "-")
         self.status.role = role
         self.status.acting = leader.session_id if leader else ""
+        if role != "acting":
+            self.starts = {}
         if role == "acting":
             if not self._acted:
                 self._acted = True
@@ -248,9 +254,20 @@ class Controller:
         self.status.models = tuple(
             _refused(s, refused[s.model]) if s.model in refused else s for s in result.status
         )
+        memory = self.memory  # after this pass's refusals: a start refused here is none
+        self.starts = starts_of(
+            plans.models, self.site, lambda p: memory.start_s(p.model, p.placements(), now)
+        )
         self.status.error = ""
         self.status.last_pass_at = now
         self.status.commands = tuple(self.slurm.commands[ran:]) if self.slurm.dry_run else ()
+
+    def start_here(self, model: str) -> float | None:
+        """Seconds until a replica of ``model`` started now would serve at our site (inf: we
+        would start none now); None while we do not act (the acting controller knows)."""
+        if self.status.role != "acting":
+            return None
+        return self.starts.get(model, math.inf)
 
     def _site_plans(self, plans: ServicePlans) -> ServicePlans:
         """The plans with our site's share of every model counted across sites

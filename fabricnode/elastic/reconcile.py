@@ -185,6 +185,20 @@ class Memory:
         learned = [s for (m, _), s in self.lead.items() if m == model]
         return max(learned) if learned else self.tuning.default_lead_s
 
+    def start_s(self, model: str, places: Sequence[Placement], now: float) -> float | None:
+        """How long a replica of ``model`` submitted now is expected to take to serve
+        (``cold_start_s``), or None when it would not start soon here: Slurm refused every
+        placement, or kept a job of each pending too long, or the model failed or backs off
+        (a peer site then starts it: ``dataplane.sites`` rule 8)."""
+        failures = self.failures.get(model)
+        if failures is not None and (failures.failed or failures.next_try_at > now):
+            return None
+        for p in places:
+            key = (model, *p.key())
+            if self.refusals.get(key, 0.0) <= now and self.penalised.get(key, 0.0) <= now:
+                return self.cold_start_s(model, places, now)
+        return None
+
     def inherit(self, lead: Mapping[tuple[str, str], float]) -> None:
         """Start from the learned start-up times of the controller that acted before
         (``elastic.startups``), as if learned here: it learned them from the jobs serving now,

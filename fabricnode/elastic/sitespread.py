@@ -28,6 +28,14 @@ A site that is not routable (cut off: no summary for a while) is taken to serve 
 running more than ``min_replicas`` while the cut lasts; its own controller keeps its floor
 (it cannot see the others either), so each side of a partition keeps the model served.
 
+Scale from zero at the quickest site (``dataplane.sites`` rule 8): our controller says, per
+model it would start now, how long the start is expected to take (``starts_of``: the learned
+start-up time, ``reconcile.Memory.start_s``; none while our Slurm refuses the model or keeps
+its jobs pending too long). The gateway puts it in our site's summary, and a gateway elsewhere
+sends the requests that wait for a start to the site that would serve first: its held requests
+are the demand its controller starts for, so only that site starts. A model our site may not
+serve (residency ``sites``) or has no room for (a ceiling of 0) has no start here.
+
 Laws (tests/unit/elastic/test_sitespread.py, Hypothesis): a floor and a ceiling are within
 ``[0, max_replicas]`` and the floor never above the ceiling; when every site serves its floor,
 the floors sum to ``min_replicas`` (the first site's whole floor when it serves it); a site's
@@ -36,7 +44,7 @@ floor never grows when an earlier site serves more.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 
 from fabricnode.elastic.vocab import ModelPlan
@@ -114,3 +122,25 @@ def site_plan(
         service, min_replicas=got.floor, max_replicas=got.ceiling, idle_to_zero_s=idle
     )
     return replace(plan, service=bounded), got
+
+
+def may_start(plan: ModelPlan, ours: str) -> bool:
+    """Whether our site's controller may start a replica of ``plan`` (as ``site_plan``
+    bounds it): our site is allowed (residency) and its ceiling has room."""
+    service = plan.service
+    return service.max_replicas > 0 and (not service.sites or ours in service.sites)
+
+
+def starts_of(
+    plans: Iterable[ModelPlan], ours: str, start_s: Callable[[ModelPlan], float | None]
+) -> dict[str, float]:
+    """Per model our controller would start now, the seconds it expects the start to take
+    (``start_s``; None: not soon here), to a tenth of a second (a summary changes only when
+    a start time really does)."""
+    out: dict[str, float] = {}
+    for plan in plans:
+        if may_start(plan, ours):
+            seconds = start_s(plan)
+            if seconds is not None:
+                out[plan.model] = round(seconds, 1)
+    return out

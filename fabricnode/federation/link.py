@@ -49,7 +49,7 @@ import socket
 import ssl
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -179,6 +179,10 @@ class Gateway:
         self._incoming = 0
         self._handshaking = 0  # incoming connections in their TLS handshake now
         self._current: SiteSummary | None = None
+        # The models our site's acting controller would start now, and in how many seconds
+        # it expects each to serve (``summary.ModelCapacity.start_s``): set by the agent when
+        # the controller runs here; None: our summary says no start.
+        self.starts: Callable[[], Mapping[str, float]] | None = None
         self._changed = trio.Event()
         self._nonces = itertools.count(1)
         self.connections: Counter[str] = Counter()
@@ -254,7 +258,8 @@ class Gateway:
         while True:
             now = self.wall_clock()
             gateways = gateways_of(core, self.site, cfg.gateway)
-            models = capacity_of(core, self.site, now)
+            starts = self.starts() if self.starts is not None else None
+            models = capacity_of(core, self.site, now, starts=starts)
             content = (gateways, models)
             if content != last_content or trio.current_time() - last_signed >= cfg.keepalive_s:
                 seq = next_seq(seq, now)

@@ -9,9 +9,12 @@ Wire form
 ---------
 ``[signed_bytes, signature]``, msgpack, where ``signed_bytes`` are the canonical bytes
 (``mesh.identity.canonical``) ``[b"fabric/site-summary/v1", site, seq, issued_at, [gateway,
-...], [[model, replicas, admitting, waiting, prefill_backlog_tokens, kv_usage], ...]]``: an
-array in a fixed order, models sorted by name, never a map, so there is one byte string per
-summary. The signature is the site key's Ed25519 signature over those bytes; it is checked
+...], [[model, replicas, admitting, waiting, prefill_backlog_tokens, kv_usage(, start_s)],
+...]]``: an array in a fixed order, models sorted by name, never a map, so there is one byte
+string per summary. ``start_s``, the seventh field, is there only when the site's acting
+controller would start a replica of the model now and says in how many seconds it expects it
+to serve (``ModelCapacity.start_s``): a model with no replica and no start is not listed.
+The signature is the site key's Ed25519 signature over those bytes; it is checked
 under the certificate pinned for the site the summary names (``view``), so a summary for site
 C made by any other key fails wherever it goes.
 
@@ -29,7 +32,9 @@ admin views do (``control.views.models_view``): per model, the SERVING entries t
 plane counts (``schema.CONTROL_COUNTS``) are its ``replicas``; of them, ``admitting`` are the
 routable ones (alive, not suspect) that are awake and whose engine queues nothing (their latest
 load report, at most ``max_load_age_s`` old); ``waiting`` and ``kv_usage`` (the mean) come from
-the same reports. ``prefill_backlog_tokens`` is 0 until load reports carry it.
+the same reports. ``prefill_backlog_tokens`` is 0 until load reports carry it. ``starts``
+(the controller's, when it acts on this gateway) adds each model it would start now, with its
+expected start, and a row of no replica for one our site does not serve.
 """
 
 from __future__ import annotations
@@ -58,6 +63,7 @@ MAX_WAITING = 10**9
 MAX_BACKLOG_TOKENS = 10**15
 MAX_SEQ = 2**62
 MAX_TIME = 1e11  # seconds since the epoch: year 5138
+MAX_START_S = 7 * 86400.0  # an expected start beyond a week says nothing
 # the signed bytes' bound: 512 models of 256 characters (up to 4 bytes each) and their numbers
 MAX_SUMMARY_BYTES = 256 * 1024 + MAX_MODELS * (4 * MAX_MODEL_ID + 48)
 # Label a gateway's entry carries (its federation address): the summary lists every gateway
@@ -74,6 +80,22 @@ class ModelCapacity:
     waiting: int
     prefill_backlog_tokens: int
     kv_usage: float  # mean over the replicas' reports, 0..1
+    # Seconds until a replica the site's controller would start now is expected to serve (its
+    # learned start-up time; None: it would start none now, or nobody here knows)
+    start_s: float | None = None
+
+    def row(self, name: str) -> list[object]:
+        out: list[object] = [
+            name,
+            self.replicas,
+            self.admitting,
+            self.waiting,
+            self.prefill_backlog_tokens,
+            float(self.kv_usage),
+        ]
+        if self.start_s is not None:
+            out.append(float(self.start_s))
+        return out
 
 
 @dataclass(frozen=True)
@@ -87,17 +109,7 @@ class SummaryBody:
     models: Mapping[str, ModelCapacity]
 
     def canonical_bytes(self) -> bytes:
-        rows = [
-            [
-                name,
-                cap.replicas,
-                cap.admitting,
-                cap.waiting,
-                cap.prefill_backlog_tokens,
-                float(cap.kv_usage),
-            ]
-            for name, cap in sorted(self.models.items())
-        ]
+        rows = [cap.row(name) for name, cap in sorted(self.models.items())]
         return canonical(
             SUMMARY_DOMAIN, self.site, self.seq, float(self.issued_at), list(self.gateways), rows
         )
@@ -170,8 +182,13 @@ def parse_body(signed: bytes) -> SummaryBody:
     models: dict[str, ModelCapacity] = {}
     previous = ""
     for row in codec.take_list(rows, max_len=MAX_MODELS, what="summary models"):
-        models_row = codec.take_list(row, min_len=6, max_len=6, what="summary model")
-        name, replicas, admitting, waiting, backlog, kv = models_row
+        models_row = codec.take_list(row, min_len=6, max_len=7, what="summary model")
+        name, replicas, admitting, waiting, backlog, kv = models_row[:6]
+        start_s = None
+        if len(models_row) == 7:
+            if not isinstance(models_row[6], float):
+                raise DecodeError("start_s: expected a float")
+            start_s = codec.take_float(models_row[6], lo=0.0, hi=MAX_START_S, what="start_s")
         name = codec.take_printable(name, max_len=MAX_MODEL_ID, what="summary model")
         if models and name <= previous:
             raise DecodeError("summary models: not sorted by name, or a model twice")
@@ -186,6 +203,7 @@ def parse_body(signed: bytes) -> SummaryBody:
             codec.take_int(waiting, hi=MAX_WAITING, what="waiting"),
             codec.take_int(backlog, hi=MAX_BACKLOG_TOKENS, what="prefill backlog"),
             codec.take_float(kv, lo=0.0, hi=1.0, what="kv_usage"),
+            start_s,
         )
     body = SummaryBody(site, seq, issued, gw, models)
     if body.canonical_bytes() != signed:
@@ -231,8 +249,10 @@ def capacity_of(
     *,
     max_load_age_s: float = 10.0,
     site_of: Callable[[SignedEntry], bool] | None = None,
+    starts: Mapping[str, float] | None = None,
 ) -> dict[str, ModelCapacity]:
-    """Per model our site serves, its capacity (module docstring) as this registry sees it.
+    """Per model our site serves, its capacity (module docstring) as this registry sees it;
+    per model in ``starts``, its expected start (a row of no replica if none serves).
 
     ``site_of`` decides which entries are of our site (default ``in_site``)."""
     mine = site_of or (lambda e: in_site(e, site))
@@ -256,15 +276,21 @@ def capacity_of(
             if load is not None and fresh:
                 waiting[model] = waiting.get(model, 0) + max(0, load.waiting)
                 kv.setdefault(model, []).append(min(1.0, max(0.0, load.kv_usage)))
+    starting = {
+        m: float(s)
+        for m, s in (starts or {}).items()
+        if 0.0 <= s <= MAX_START_S and 0 < len(m) <= MAX_MODEL_ID and m.isprintable()
+    }
     out: dict[str, ModelCapacity] = {}
-    for model in sorted(replicas)[:MAX_MODELS]:
+    for model in sorted(replicas.keys() | starting.keys())[:MAX_MODELS]:
         usage = kv.get(model, [])
         out[model] = ModelCapacity(
-            min(MAX_REPLICAS, replicas[model]),
+            min(MAX_REPLICAS, replicas.get(model, 0)),
             min(MAX_REPLICAS, admitting.get(model, 0)),
             min(MAX_WAITING, waiting.get(model, 0)),
             0,
             sum(usage) / len(usage) if usage else 0.0,
+            starting.get(model),
         )
     return out
 
@@ -312,6 +338,7 @@ def as_json(body: SummaryBody) -> dict[str, Any]:
                 "waiting": c.waiting,
                 "prefill_backlog_tokens": c.prefill_backlog_tokens,
                 "kv_usage": round(c.kv_usage, 4),
+                "start_s": None if c.start_s is None else round(c.start_s, 1),
             }
             for name, c in sorted(body.models.items())
         },

@@ -203,3 +203,70 @@ def test_replicas_go_to_the_other_site_while_the_preferred_one_refuses_and_come_
     # serving_count reads each site's registry: a replica A drains is SERVING until it leaves
     low = [(round(t - up, 1), x, y) for t, x, y in w.serving if x + y < 2]
     assert not low, low
+
+
+ZERO = "sim-zero"
+SERVICE_ZERO = (
+    SERVICE
+    + f"""
+[[model]]
+name = "{ZERO}"
+engine = "sim"
+gpus_per_replica = 1
+min_replicas = 0
+max_replicas = 1
+sites = ["A", "B"]
+idle_to_zero = "5m"
+hold_requests = "2m"
+time_limit = "30:00"
+"""
+)
+
+
+def zero_jobs(cluster: SlurmCluster) -> list[str]:
+    done = cluster.run("squeue", "-h", "-t", "all", "-o", "%i|%k", check=False)
+    return [ln.split("|")[0] for ln in done.stdout.splitlines() if f"model={ZERO}" in ln]
+
+
+def test_scale_from_zero_goes_to_the_site_that_can_start_while_ours_refuses(
+    sites: dict[str, Site], tmp_path: Path
+) -> None:
+    """``sites`` rule 8 on real processes: a declared model no site serves, A's partition
+    refusing new jobs. A request at A waits for a start; A's controller's submission is
+    refused, so A's gateway sends the waiting request to B, whose summary expects a start; it
+    waits at B, B's controller starts the replica, and the request is answered there. A
+    submits nothing that runs, and the next request at A goes to B's replica at once."""
+    a, b = sites["A"], sites["B"]
+    assert wait_until(lambda: all(sites_of(s.gateway).get(o, {}).get("routable")
+                                  for s, o in ((a, "B"), (b, "A"))), 40)  # fmt: skip
+    a.cluster.run("scontrol", "update", "PartitionName=low", "State=DRAIN")  # sbatch refused
+    b.cluster.run("scontrol", "update", "PartitionName=low", "State=UP")
+    try:
+        service = tmp_path / "services.toml"
+        service.write_text(SERVICE_ZERO)
+        for s in (a, b):
+            done = fabric(s.mesh, s.gateway, "services", "apply", str(service))
+            assert done.returncode == 0, done.stdout + done.stderr
+
+        def start_at_b() -> object:
+            row = sites_of(a.gateway).get("B", {}).get("summary") or {}
+            return (row.get("models") or {}).get(ZERO, {}).get("start_s")
+
+        assert wait_until(lambda: start_at_b() is not None, 30), sites_of(a.gateway)
+        asked = time.monotonic()
+        body = {"model": ZERO, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        first = httpx.post(f"{a.gateway.http_url}/v1/chat/completions", json=body, timeout=150)
+        waited_s = time.monotonic() - asked
+        assert first.status_code == 200, first.text
+        assert first.headers.get("x-fabric-site") == "B", dict(first.headers)
+        second = httpx.post(f"{a.gateway.http_url}/v1/chat/completions", json=body, timeout=30)
+        assert second.status_code == 200 and second.headers.get("x-fabric-site") == "B"
+        assert zero_jobs(a.cluster) == []  # refused: nothing of it queued or ran at A
+        assert len(zero_jobs(b.cluster)) == 1
+        decisions = httpx.get(f"{a.gateway.http_url}/fabric/v1/controller", timeout=5).json()
+        print(
+            f"\nscale from zero at B while A refuses: first answer after {waited_s:.1f} s; "
+            f"A's controller: {[d for d in decisions.get('decisions', []) if ZERO in str(d)][-2:]}"
+        )
+    finally:
+        a.cluster.run("scontrol", "update", "PartitionName=low", "State=UP")

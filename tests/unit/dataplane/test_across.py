@@ -415,3 +415,24 @@ def test_a_gateway_keeps_a_shared_prefix_at_the_site_it_sent_it_to() -> None:
     assert gateway.push(job, here, "conv", 0.0, prompt_of(first, None)) == []  # a session's turn
     agent, _ = across(Table(gateways=1))  # an agent that is not a gateway prices nothing
     assert agent.push(job, here, None, 0.0, prompt_of(second, None)) == []
+
+
+def test_a_request_waits_for_a_start_at_the_site_whose_controller_starts_it_first() -> None:
+    """Rule 8 at a gateway: a declared model no site serves waits at a peer site whose
+    controller expects to serve it sooner than ours (ours cannot say: it waits here); a site
+    that serves it comes before any start."""
+    gateway, _ = across()
+    offers = [SiteOffer("B", ("10.0.0.2:7000",), True, 0.04, 0, 0, 0, start_s=20.0)]
+    gateway.offers = lambda model: offers
+    assert gateway.instead_of_cold_start("m", None, "") == []  # our controller cannot say
+    here: dict[str, float | None] = {"m": 30.0}
+    gateway.start_here = here.get
+    assert [r.info.site for r in gateway.instead_of_cold_start("m", None, "")] == ["B"]
+    here["m"] = 10.0
+    assert gateway.instead_of_cold_start("m", None, "") == []  # ours starts sooner
+    here["m"] = math.inf  # our Slurm refuses it: the waiting requests go to B
+    assert [r.info.site for r in gateway.instead_of_cold_start("m", None, "")] == ["B"]
+    assert gateway.instead_of_cold_start("m", None, "B") == []  # came from B: waits here
+    assert gateway.instead_of_cold_start("m", frozenset({"A"}), "") == []  # here only
+    offers.append(SiteOffer("C", ("10.0.0.3:7000",), True, 0.15, 1, 1, 0))  # C serves it
+    assert [r.info.site for r in gateway.instead_of_cold_start("m", None, "")] == ["C"]

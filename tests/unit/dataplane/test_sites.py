@@ -20,6 +20,7 @@ from fabricnode.dataplane.sites import (
     may_leave_for,
     parse_site_origin,
     quicker,
+    quicker_start,
     site_origin,
     site_routes,
     site_sid,
@@ -38,8 +39,11 @@ def offer(
     waiting: int = 0,
     fresh: bool = True,
     backlog: float = 0.0,
+    start: float | None = None,
 ) -> SiteOffer:
-    return SiteOffer(site, gateways, routable, rtt, replicas, admitting, waiting, fresh, backlog)
+    return SiteOffer(
+        site, gateways, routable, rtt, replicas, admitting, waiting, fresh, backlog, start
+    )
 
 
 def test_admitting_sites_first_then_by_round_trip() -> None:
@@ -241,3 +245,20 @@ def test_prompt_cost_laws(
     less = Prompt(blocks, min(here, blocks), block_s, lambda sid: held.get(sid, 0) // 2)
     for o in offers:
         assert expected_wait_s(o, p) <= expected_wait_s(o, less)
+
+
+def test_a_model_no_site_serves_waits_at_the_site_that_would_serve_it_first() -> None:
+    """Rule 8: the sites whose round trip plus expected start is below ours, the soonest
+    first, each with its gateways; never one that says no start, is cut off, has an old
+    summary or is not allowed."""
+    offers = [
+        offer("near", "n:1", rtt=0.04, replicas=0, start=40.0),
+        offer("far", "f:1", "f:2", rtt=0.25, replicas=0, start=20.0),
+        offer("none", "x:1", rtt=0.01, replicas=0),  # its controller would start none
+        offer("cut", "c:1", rtt=0.01, replicas=0, start=1.0, routable=False),
+        offer("old", "o:1", rtt=0.01, replicas=0, start=1.0, fresh=False),
+    ]
+    assert quicker_start(offers, 30.0) == [("far", "f:1"), ("far", "f:2")]
+    assert quicker_start(offers, math.inf)[:3] == [("far", "f:1"), ("far", "f:2"), ("near", "n:1")]
+    assert quicker_start(offers, 20.0) == []  # ours is as quick: it waits here
+    assert quicker_start(offers, math.inf, frozenset({"near"})) == [("near", "n:1")]

@@ -4,6 +4,7 @@ from the registry, Slurm's refusals and invalid service files reported, dry-run.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -293,3 +294,49 @@ def test_a_model_counted_across_sites_gets_what_the_preferred_site_does_not_serv
     assert len(slurm.jobs) == 2
     said = ctl.status.site_shares["m"]
     assert "blind: this controller sees no other site" in said and "--gateway" in said
+
+
+def test_the_acting_controller_says_how_long_a_start_takes_and_none_while_slurm_refuses() -> None:
+    """What our site's summary and gateway read (``dataplane.sites`` rule 8): the acting
+    controller's expected start per model it would start now (the learned start-up time,
+    ``default_lead_s`` before any); inf while Slurm refuses every placement; a standby says
+    nothing (None)."""
+    net = mesh(2)
+    nodes = list(net.nodes.values())
+    slurm = FakeSlurm()
+    ctl = controller(net, nodes[1], slurm)
+    assert ctl.start_here("m") is None  # not acting yet
+    announce(net, ctl, nodes[1], 1.0)
+    apply(net, nodes[0], "two")
+    trio.run(ctl.tick)
+    assert ctl.status.role == "acting"
+    assert ctl.start_here("m") == ctl.memory.tuning.default_lead_s
+    assert ctl.starts == {"m": ctl.memory.tuning.default_lead_s}
+    ctl.memory.lead[("m", "gpu")] = 21.04  # learned from a job that served
+    trio.run(ctl.tick)
+    assert ctl.starts == {"m": 21.0}
+    assert ctl.start_here("other") == math.inf  # not a model it starts
+
+    refusing = controller(net, nodes[1], FakeSlurm(refuse="invalid partition specified: gpu"))
+    announce(net, refusing, nodes[1], 1.0)
+    trio.run(refusing.tick)
+    assert refusing.starts == {} and refusing.start_here("m") == math.inf
+
+
+def test_a_site_the_model_may_not_be_served_at_or_with_no_room_has_no_start() -> None:
+    net = mesh(2)
+    nodes = list(net.nodes.values())
+    ctl = controller(net, nodes[1], FakeSlurm())
+    ctl.site = "C"  # "across" allows A and B only
+    ctl.serving_elsewhere = lambda model: {}
+    announce(net, ctl, nodes[1], 1.0)
+    apply(net, nodes[0], "across")
+    trio.run(ctl.tick)
+    assert ctl.starts == {}
+    ctl.site = "A"
+    ctl.serving_elsewhere = lambda model: {"B": 2}  # B serves both: A's ceiling is 0
+    trio.run(ctl.tick)
+    assert ctl.starts == {}
+    ctl.serving_elsewhere = lambda model: {"B": 0}
+    trio.run(ctl.tick)
+    assert set(ctl.starts) == {"m"}

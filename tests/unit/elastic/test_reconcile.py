@@ -501,3 +501,21 @@ def test_a_job_whose_agent_left_is_the_first_a_surplus_retires() -> None:
     assert reconcile(NOW, [goal(1)], [job("6")], [left], Memory()).actions == ()
     back = [left, Replica("c" * 32, M, "6", "serving")]
     assert reconcile(NOW, [goal(1)], [job("6")], back, Memory()).actions == ()
+
+
+def test_the_expected_start_is_the_learned_time_and_none_where_slurm_will_not_start_soon() -> None:
+    """``Memory.start_s`` (``dataplane.sites`` rule 8): the learned start-up time on a
+    placement Slurm neither refused nor kept pending too long; None when every placement is
+    refused or penalised, or the model backs off after failures."""
+    memory = Memory()
+    places = (Placement("gpu", "", 1), Placement("big", "", 1))
+    assert memory.start_s(M, places, NOW) == memory.tuning.default_lead_s
+    memory.lead[(M, "gpu")] = 25.0
+    assert memory.start_s(M, places, NOW) == 25.0
+    memory.refused(M, places[0], "invalid partition", NOW)
+    assert memory.start_s(M, places, NOW) is not None  # "big" may still take it
+    memory.penalised[(M, *places[1].key())] = NOW + 300
+    assert memory.start_s(M, places, NOW) is None
+    assert memory.start_s(M, places, NOW + 10_000) == 25.0  # both expired
+    memory.failure(M).next_try_at = NOW + 10_100
+    assert memory.start_s(M, places, NOW + 10_000) is None

@@ -10,6 +10,7 @@ from fabricnode.errors import DecodeError
 from fabricnode.federation.sitekey import SiteKey
 from fabricnode.federation.summary import (
     MAX_MODELS,
+    MAX_START_S,
     ModelCapacity,
     SiteSummary,
     SummaryBody,
@@ -18,8 +19,9 @@ from fabricnode.federation.summary import (
     gateways_of,
     next_seq,
 )
+from fabricnode.mesh import codec
 from fabricnode.mesh.core import MeshCore
-from fabricnode.mesh.identity import Identity
+from fabricnode.mesh.identity import Identity, canonical
 from fabricnode.mesh.keyring import Keyring
 from fabricnode.mesh.registry import ModelInfo, State
 from fabricnode.mesh.wire import Load
@@ -28,12 +30,13 @@ from fabricnode.testing.simnet import make_body
 NOW = 1_750_000_000.0
 
 capacities = st.builds(
-    lambda r, a, w, b, kv: ModelCapacity(r, min(a, r), w, b, kv),
+    lambda r, a, w, b, kv, start: ModelCapacity(r, min(a, r), w, b, kv, start),
     st.integers(0, 1000),
     st.integers(0, 1000),
     st.integers(0, 10**6),
     st.integers(0, 10**9),
     st.floats(0.0, 1.0, allow_nan=False),
+    st.one_of(st.none(), st.floats(0.0, MAX_START_S, allow_nan=False)),
 )
 model_names = st.text(
     st.characters(min_codepoint=33, max_codepoint=0x2FFF, blacklist_categories=("Cs", "Zl", "Zp")),
@@ -158,3 +161,32 @@ def test_gateways_come_from_the_gateway_label_ours_first() -> None:
     _add(core, "g2", 2, labels=(("fabric.gateway", "gw2.a:7950"),))
     _add(core, "bad", 3, labels=(("fabric.gateway", "0.0.0.0:7950"),))
     assert gateways_of(core, "A", "gw1.a:7950") == ("gw1.a:7950", "gw2.a:7950")
+
+
+def test_capacity_lists_the_starts_the_controller_expects() -> None:
+    """A model the controller would start gets its expected start, with a row of no replica
+    when none serves; a start out of bounds is left out rather than break the summary."""
+    core = _core()
+    llama = ModelInfo("llama", 8192, None)
+    _add(core, "a", 2, state=State.SERVING, models=(llama,))
+    caps = capacity_of(core, "A", NOW, starts={"qwen": 21.5, "llama": 30.0, "bad": -1.0})
+    assert set(caps) == {"llama", "qwen"}
+    assert (caps["qwen"].replicas, caps["qwen"].start_s) == (0, 21.5)
+    assert (caps["llama"].replicas, caps["llama"].start_s) == (1, 30.0)
+    assert capacity_of(core, "A", NOW)["llama"].start_s is None
+
+
+def test_a_start_in_a_summary_is_a_float_within_a_week(site_keys: dict[str, SiteKey]) -> None:
+    """The seventh field of a model's row (``start_s``) decodes strictly: present only as a
+    float in [0, MAX_START_S]; a row of six fields is a site that says no start."""
+
+    def signed(row: list[object]) -> bytes:
+        body = canonical(b"fabric/site-summary/v1", "A", 1, NOW, [], [row])
+        return codec.pack([body, site_keys["A"].sign(body)])
+
+    base: list[object] = ["m", 0, 0, 0, 0, 0.0]
+    assert decode(signed(base)).body.models["m"].start_s is None
+    assert decode(signed([*base, 12.5])).body.models["m"].start_s == 12.5
+    for bad in ([*base, 12], [*base, -1.0], [*base, MAX_START_S * 2], [*base, 1.0, 2.0]):
+        with pytest.raises(DecodeError):
+            decode(signed(bad))
