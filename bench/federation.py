@@ -15,6 +15,8 @@ The policies:
   product's own ``Across.push_routes`` picks from the site summaries it has (``sites.choose``:
   sites that can admit, by the GORGO-style expected time to first token), and the peer's
   gateway routes it inside its site with the same policy, never on again.
+* ``ours-noprefix`` (with ``--tenants``): ``ours`` without pricing prompts' prefixes across
+  sites (``sites`` rule 7), to measure what that pricing is worth.
 
 What is real: the routing policy with its load scores and prefill clocks (``routing``,
 ``prefill``), the push decision and the site chooser (``dataplane.across``, ``dataplane.sites``)
@@ -48,6 +50,8 @@ and C's clients.
     python bench/federation.py                       # the four policies at 4 replicas a site
     python bench/federation.py --search              # + the replicas each needs (~5 min)
     python bench/federation.py --quick               # a smoke run (tests/system)
+    python bench/federation.py --tenants 4 --system-tokens 1000 --scale 0.11
+                                                     # shared system prompts, + ours-noprefix
 """
 
 from __future__ import annotations
@@ -78,7 +82,7 @@ from fabricnode.dataplane.ingress_config import IngressConfig  # noqa: E402
 from fabricnode.dataplane.prefill import PrefillClocks  # noqa: E402
 from fabricnode.dataplane.request import RouteRequest  # noqa: E402
 from fabricnode.dataplane.routetable import Route  # noqa: E402
-from fabricnode.dataplane.sites import SiteOffer  # noqa: E402
+from fabricnode.dataplane.sites import Prompt, SiteOffer  # noqa: E402
 from fabricnode.federation.settings import FederationConfig  # noqa: E402
 from fabricnode.federation.view import FRESH_SLACK_S  # noqa: E402
 from fabricnode.mesh.keyring import Keyring  # noqa: E402
@@ -98,6 +102,8 @@ assert FederationConfig.__dataclass_fields__["summary_period_s"].default == SUMM
 REQUEST_ENVELOPE_BYTES = 200
 SSE_EVENT_BYTES = 190
 POLICIES = ("local", "central", "round-robin", "ours")
+# ``ours`` without pricing prompts' prefixes across sites (``sites`` rule 7): with --tenants
+NO_PREFIX = "ours-noprefix"
 
 
 def one_way(a: str, b: str) -> float:
@@ -110,8 +116,9 @@ def one_way(a: str, b: str) -> float:
 class Arrival:
     site: str  # the client's
     t: float
-    prompt: int
+    prompt: int  # tokens, the tenant's system prompt included
     output: int
+    tenant: int = -1  # its site's tenant whose system prompt it starts with (-1: none)
 
 
 def demand(trace: list[Request], args: argparse.Namespace, seed: int) -> list[Arrival]:
@@ -130,8 +137,10 @@ def demand(trace: list[Request], args: argparse.Namespace, seed: int) -> list[Ar
             if rng.random() >= keep:
                 continue
             output = min(row.output, limit // 4)
-            prompt = min(row.prompt, limit - output - 8)
-            out.append(Arrival(site, t, prompt, output))
+            tenant = rng.randrange(args.tenants) if args.tenants else -1
+            system = args.system_tokens if tenant >= 0 else 0
+            prompt = min(system + row.prompt, limit - output - 8)
+            out.append(Arrival(site, t, prompt, output, tenant))
     out.sort(key=lambda a: a.t)
     return out
 
@@ -140,6 +149,7 @@ def demand(trace: list[Request], args: argparse.Namespace, seed: int) -> list[Ar
 class Req:
     arrival: Arrival
     tokens: list[int]
+    blocks: tuple[int, ...] = ()  # ``routing.prompt_blocks`` of its prompt (--tenants)
     ingress: Ingress | None = None  # the ingress holding or routing it now
     arrived_at: float = 0.0  # when it reached that ingress (its hold is bounded from there)
     pushed_to: str = ""  # the peer site ours pushed it to
@@ -216,6 +226,7 @@ class Outcome:
     crossed: float  # share of requests served at another site than their client's
     wan_mb: float
     within_by_site: dict[str, float]
+    cached: float = 0.0  # share of prompt tokens the engines' prefix caches held
 
 
 class Model(ModelCore[Node, Req]):
@@ -272,7 +283,7 @@ class Model(ModelCore[Node, Req]):
             }
         # What each site's gateway has heard of each peer: (summary, when it arrived).
         self.heard: dict[str, dict[str, tuple[Summary, float]]] = {s: {} for s in SITES}
-        if policy == "ours":
+        if policy in ("ours", NO_PREFIX):
             for s, ing in self.ingresses.items():
                 ing.across = Across(s, NoTable(), Keyring, lambda _: None)
                 ing.across.offers = self._offers_for(s)
@@ -283,7 +294,7 @@ class Model(ModelCore[Node, Req]):
             self.at(a.t, self.client_send, a)
         for n in self.nodes:
             self.at(self.rng.uniform(0, args.report_s), self.take_report, n)
-        if policy == "ours":
+        if policy in ("ours", NO_PREFIX):
             for s in SITES:
                 self.at(self.rng.uniform(0, SUMMARY_PERIOD_S), self.summarise, s)
 
@@ -350,10 +361,21 @@ class Model(ModelCore[Node, Req]):
 
     def client_send(self, now: float, a: Arrival) -> None:
         self.token_seq += 1
-        # Distinct prompts: the trace has lengths, not text, so no two share a prefix.
+        # Distinct prompts: the trace has lengths, not text, so no two share a prefix, but
+        # for their tenant's system prompt (--tenants: tokens above 50,000, one run a tenant).
         base = self.token_seq * 7919
-        tokens = [(base + i) % 50_000 + 1 for i in range(a.prompt)]
+        system: list[int] = []
+        if a.tenant >= 0:
+            k = SITES.index(a.site) * self.args.tenants + a.tenant
+            start = 50_001 + k * 397
+            system = [(start + i) % 15_000 + 50_001 for i in range(self.args.system_tokens)]
+        own = a.prompt - len(system)
+        tokens = system[: a.prompt] + [(base + i) % 50_000 + 1 for i in range(max(0, own))]
         r = Req(a, tokens)
+        if self.args.tenants:
+            # the prompt as text, 4 characters a token (the ingress's estimate): a 64-character
+            # block is the engine's 16-token block
+            r.blocks = routing.prompt_blocks("".join(f"{t:04x}" for t in tokens[:4096]))
         ing = self.ingresses[a.site]
         if self.cut_off(a.site, ing.site, now):
             r.failed = True  # the client cannot reach its ingress
@@ -382,7 +404,7 @@ class Model(ModelCore[Node, Req]):
         ing = r.ingress
         assert ing is not None
         a = r.arrival
-        rreq = RouteRequest(MODEL, (), None, a.prompt)
+        rreq = RouteRequest(MODEL, r.blocks, None, a.prompt)
         candidates = self.candidates(ing, now)
         if not candidates:
             r.failed = True
@@ -401,14 +423,16 @@ class Model(ModelCore[Node, Req]):
             # Two-layer routing: the product's push decision (``Ingress._dispatch`` asks
             # ``Across.push``, whose routes these are: ``may_go_out`` holds for every request
             # of this model at the site of its client).
+            prompt = self.prompt(ing, rreq, ranked)
             if ranked is None:  # none of our replicas can admit it (rule 5)
-                out = across.push_routes(MODEL, None, None)
-            elif ranked[0].prefill_s > 0.0:  # the pick would start it later (rule 6)
-                out = across.quicker_routes(MODEL, None, None, ranked[0].prefill_s)
+                out = across.push_routes(MODEL, None, None, prompt)
+            elif ranked[0].prefill_s > 0.0 or prompt is not None:  # rules 6 and 7
+                out = across.quicker_routes(MODEL, None, None, ranked[0].prefill_s, prompt)
             else:
                 out = []
             if out:
                 self.pushes += 1
+                ing.policy.on_routed(rreq, out[0].info.session_id, now)  # as the ingress does
                 peer = out[0].info.site
                 r.pushed_to = peer
                 self.at(now + one_way(ing.site, peer), self.arrive, (r, self.ingresses[peer]))
@@ -426,6 +450,24 @@ class Model(ModelCore[Node, Req]):
         sid = ranked[0].node.session_id
         ing.policy.on_routed(rreq, sid, now)
         self.send(now, r, ing, sid)
+
+    def prompt(
+        self, ing: Ingress, rreq: RouteRequest, ranked: list[routing.Candidate] | None
+    ) -> Prompt | None:
+        """The prompt as a gateway prices it (``Ingress._prompt``, ``sites`` rule 7); None for
+        ``ours-noprefix`` and for prompts of no whole block."""
+        if self.policy_name != "ours" or not rreq.prefix_blocks:
+            return None
+        policy = ing.policy
+        pick = ranked[0].node.session_id if ranked else ""
+        rate = ing.clocks.rate(pick) if pick else ing.clocks.default_rate
+        here = max((policy.held_blocks(rreq, c.node.session_id) for c in ranked or ()), default=0)
+        return Prompt(
+            len(rreq.prefix_blocks),
+            here,
+            routing.BLOCK_TOKENS_EST / rate,
+            lambda sid: policy.held_blocks(rreq, sid),
+        )
 
     def send(self, now: float, r: Req, ing: Ingress, sid: str) -> None:
         n = self.by_sid[sid]
@@ -528,6 +570,8 @@ class Model(ModelCore[Node, Req]):
             crossed=len(crossed) / max(1, len(served)),
             wan_mb=wan / 1e6,
             within_by_site=by_site,
+            cached=sum(n.engine.cache.hit_tokens for n in self.nodes)
+            / max(1, sum(n.engine.cache.query_tokens for n in self.nodes)),
         )
 
 
@@ -556,7 +600,11 @@ def spread(total: int) -> tuple[int, ...]:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--policies", default=",".join(POLICIES))
+    p.add_argument(
+        "--policies",
+        default="",
+        help=f"comma-separated (all of {', '.join(POLICIES)}; with --tenants also {NO_PREFIX})",
+    )
     p.add_argument("--replicas", type=int, default=4, help="replicas per site (4)")
     p.add_argument("--day", type=float, default=600.0, help="seconds the trace's hour takes")
     p.add_argument("--drain", type=float, default=60.0, help="seconds after the day (60)")
@@ -567,6 +615,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--search", action="store_true", help="find the replicas each policy needs")
     p.add_argument("--cut", action="store_true", help="also the day with site A cut off")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument(
+        "--tenants",
+        type=int,
+        default=0,
+        help="tenants a site, each request starting with its tenant's system prompt (0: none)",
+    )
+    p.add_argument("--system-tokens", type=int, default=2000, help="a system prompt's tokens")
     p.add_argument(
         "--routing",
         default="head",
@@ -590,7 +645,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 HEADER = (
     f"{'policy':12} {'replicas':>9} {'within':>7} {'good/s':>7} {'TTFT p50':>9} {'p90':>7} "
     f"{'e2e p50':>8} {'p90':>7} | {'A peak: within':>14} {'good/s':>7} {'TTFT p50':>9} "
-    f"{'p90':>7} | {'crossed':>7} {'WAN MB':>7} {'failed':>6}"
+    f"{'p90':>7} | {'crossed':>7} {'WAN MB':>7} {'failed':>6} {'cached':>6}"
 )
 
 
@@ -600,7 +655,8 @@ def row(o: Outcome) -> str:
         f"{o.policy:12} {reps:>9} {100 * o.within:6.1f}% {o.good_per_s:7.2f} "
         f"{o.ttft_p50:9.3f} {o.ttft_p90:7.3f} {o.e2e_p50:8.2f} {o.e2e_p90:7.2f} | "
         f"{100 * o.peak_within:13.1f}% {o.peak_good_per_s:7.2f} {o.peak_ttft_p50:9.3f} "
-        f"{o.peak_ttft_p90:7.3f} | {100 * o.crossed:6.1f}% {o.wan_mb:7.1f} {o.failed:6d}"
+        f"{o.peak_ttft_p90:7.3f} | {100 * o.crossed:6.1f}% {o.wan_mb:7.1f} {o.failed:6d} "
+        f"{100 * o.cached:5.1f}%"
     )
 
 
@@ -645,10 +701,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     trace = load_trace(args.trace, 0.0, 24 * 60)  # the whole trace
     arrivals = demand(trace, args, args.seed)
-    policies = args.policies.split(",")
+    policies = args.policies.split(",") if args.policies else list(POLICIES)
+    if not args.policies and args.tenants:
+        policies.append(NO_PREFIX)
     for p in policies:
-        if p not in POLICIES:
-            raise SystemExit(f"unknown policy {p!r} (known: {', '.join(POLICIES)})")
+        if p not in (*POLICIES, NO_PREFIX):
+            raise SystemExit(f"unknown policy {p!r} (known: {', '.join(POLICIES)}, {NO_PREFIX})")
     per_site = {s: sum(1 for a in arrivals if a.site == s) for s in SITES}
     print(
         f"federation model: 3 sites (RTT A-B 40, A-C 150, B-C 250 ms), {args.gpu} "

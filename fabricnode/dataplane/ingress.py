@@ -765,16 +765,18 @@ class Ingress:
         self, routed: Routed, ranked: list[routing.Candidate] | None
     ) -> sites.Prompt | None:
         """On a gateway, the request's prompt as the cross-site cost prices it (``sites``
-        rule 7): its blocks, those the pick holds, one block's prefill at the pick's rate."""
+        rule 7): its blocks, the most of them a node of ours holds, one block's prefill at the
+        pick's rate."""
         blocks = routed.prefix_blocks
         if not blocks or self.across.offers is None:
             return None
         policy = self.policy
         pick = ranked[0].node.session_id if ranked else ""
         rate = self.prefill.rate(pick) if pick else self.prefill.default_rate
+        here = max((policy.held_blocks(routed, c.node.session_id) for c in ranked or ()), default=0)
         return sites.Prompt(
             len(blocks),
-            policy.held_blocks(routed, pick) if pick else 0,
+            here,
             routing.BLOCK_TOKENS_EST / rate,
             lambda sid: policy.held_blocks(routed, sid),
         )

@@ -66,8 +66,11 @@ every other client's request, so the mark cannot be forged from outside. The rul
    from different regions share 2.5% of their prefixes, so what a site caches of *our*
    clients' prompts is what we sent it. The cost of rules 5 and 6 then counts the prompt's
    uncached blocks at each place (``Prompt``: the blocks not held there, at the pick's
-   learned prefill rate): ours is the pick's wait plus what the pick does not hold, a peer
-   site's is its expected wait plus what we did not send it. So a prompt whose long prefix
+   learned prefill rate): ours is the pick's wait plus what no node of ours holds, a peer
+   site's is its expected wait plus what we did not send it. Sites are compared by what they
+   hold, not by where the policy would send the request inside each (a weak match there goes
+   to the least loaded node, at either site): only a prefix no node of ours holds, and that
+   we sent a peer site, draws a prompt there. So a prompt whose long prefix
    we sent to site B goes on to B while B can admit it and that is quicker than computing
    the prefix here, and one our pick holds is not pushed by rule 6 unless the peer site is
    quicker by more than the prefill the cache saves. Without a prefix index, or a prompt of
@@ -206,8 +209,9 @@ def admitting(offers: list[SiteOffer]) -> list[SiteOffer]:
 @dataclass(frozen=True, slots=True)
 class Prompt:
     """A prompt's prefill as the cross-site cost prices it (rule 7): its whole prefix blocks
-    (``routing.prompt_blocks``), how many of them the policy's pick holds, the prefill time
-    of one block at the pick's learned rate, and how many blocks our prefix index holds at a
+    (``routing.prompt_blocks``), the most of them a node of our site holds (``here``: the
+    site's cache, as a peer site's is the most any of its nodes holds), the prefill time of
+    one block at the pick's learned rate, and how many blocks our prefix index holds at a
     route (``held(session id)``: a peer site's gateway holds what we sent it)."""
 
     blocks: int

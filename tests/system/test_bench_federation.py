@@ -40,6 +40,7 @@ def test_the_federation_model_tells_the_policies_apart_and_repeats_itself(tmp_pa
     for o in equal.values():
         assert o["requests"] > 300 and o["failed"] == 0
         assert 0.0 < o["within"] <= 1.0
+        assert o["cached"] < 0.05  # distinct prompts: only a preempted request's own blocks
     assert equal["local"]["crossed"] == 0.0 and equal["local"]["wan_mb"] == 0.0
     # two of three clients' requests cross to the central ingress (and most back out)
     assert equal["central"]["crossed"] > 0.5
@@ -49,3 +50,21 @@ def test_the_federation_model_tells_the_policies_apart_and_repeats_itself(tmp_pa
     assert cut["central"]["failed"] > 0
     assert cut["ours"]["failed"] == 0 and cut["local"]["failed"] == 0
     assert run(tmp_path, "b.json")["equal"] == equal
+
+
+def test_with_tenants_prompts_share_system_prompts_and_both_push_variants_run(
+    tmp_path: Path,
+) -> None:
+    """``--tenants``: every request starts with its site's tenant's system prompt, which the
+    engines' prefix caches hold (none without tenants), and ``ours`` runs beside
+    ``ours-noprefix`` (the cross-site cost without the prompt's prefix, ``sites`` rule 7)."""
+    out = tmp_path / "tenants.json"
+    done = subprocess.run(
+        [sys.executable, str(BENCH), "--quick", "--tenants", "2", "--json", str(out)],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    equal = json.loads(out.read_text())["equal"]
+    assert set(equal) == {"local", "central", "round-robin", "ours", "ours-noprefix"}
+    for o in equal.values():
+        assert o["failed"] == 0 and o["cached"] > 0.2

@@ -378,7 +378,7 @@ def test_a_responses_request_leaving_carries_its_owners_reference_not_its_key() 
 def test_a_gateway_keeps_a_shared_prefix_at_the_site_it_sent_it_to() -> None:
     """Rule 7 with the product's prefix index: the first prompt of a long shared prefix that
     our site cannot admit goes to the nearest site that can (B); the next ones go to B too,
-    although C is nearer by then, while B can admit; our pick's own cache keeps a prompt
+    although C is nearer by then, while B can admit; our site's own cache keeps a prompt
     here; a conversation's turn is never moved by the cost."""
     policy = make_policy("prefix-pending")
     gateway, _ = across()
