@@ -23,6 +23,8 @@ Packages:
 * ``batch``      the OpenAI Batch API: files and batches on the shared filesystem, worked by
                  every agent through its own ingress as batch-tier requests.
 * ``simengine``  a simulated vLLM-like engine for machines without GPUs.
+* ``kvevents``   the engines' KV-cache events (vLLM's ZMQ messages): the strict decoder, the
+                 encoder the simulated engine publishes with, a publisher's sequence.
 * ``ui``         the dashboard's static files (``GET /ui``) and their loader.
 * ``testing``    seeded fake networks for tests and benches (never imported by the agent).
 

@@ -258,6 +258,18 @@ CONTRACT_BREACHES = (
         "fabricnode.simengine.model -> time",
     ),
     Breach(
+        "kvevents-pure",
+        "fabricnode/kvevents/stream.py",
+        "import time",
+        "fabricnode.kvevents.stream -> time",
+    ),
+    Breach(
+        "layers",
+        "fabricnode/kvevents/wire.py",
+        "from fabricnode.mesh import codec",
+        "fabricnode.kvevents.wire -> fabricnode.mesh.codec",
+    ),
+    Breach(
         "batch-pure",
         "fabricnode/batch/upload.py",
         "import trio",
