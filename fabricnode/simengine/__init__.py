@@ -7,7 +7,8 @@ the ``sim`` engine template, ``fabric demo``, the system tests and ``bench/routi
 as a child engine (``python -m fabricnode.simengine``), supervised like any other.
 
 May import: ``fabricnode.control`` (ASGI serving and metric families), ``fabricnode.errors``,
-``fabricnode.addr`` and itself; ``model`` imports nothing of fabricnode at all. Never the mesh,
+``fabricnode.addr``, ``fabricnode.kvevents`` (the KV-cache events' wire form) and itself;
+``model`` imports nothing of fabricnode but ``kvevents.wire``. Never the mesh,
 the data plane or the agent: to them it is just an engine behind a URL.
 
 Modules, in reading order:
@@ -22,8 +23,10 @@ Modules, in reading order:
 * ``messages``    Anthropic's ``/v1/messages`` and ``count_tokens``.
 * ``pooling``     rerank, score, pooling, classify, tokenize, detokenize.
 * ``audio``       ``/v1/audio/transcriptions`` and ``translations`` (multipart WAV uploads).
+* ``kvpublish``   ``--kv-events-config``: the prefix cache's KV-cache events on a ZMQ PUB
+                  socket, as vLLM publishes them.
 * ``driver``      the trio driver of the scheduler: steps it in trio time, tokens to channels;
-                  the step log.
+                  the step log; the KV-cache events after each step.
 * ``server``      the raw ASGI app routing vLLM's endpoints, its metrics, sleep and faults.
 * ``__main__``    the command line: flags, the ready line, graceful exit on SIGTERM.
 """

@@ -21,6 +21,7 @@ import trio
 from fabricnode.addr import join_hostport
 from fabricnode.asgi import bind_http_socket
 from fabricnode.errors import ConfigError
+from fabricnode.simengine.kvpublish import parse_config
 from fabricnode.simengine.lora import parse_lora_module
 from fabricnode.simengine.model import (
     ADMISSION_MODES,
@@ -128,6 +129,26 @@ def build_parser() -> argparse.ArgumentParser:
         "prompts it admitted (priority, tokens, seconds queued), the queue, KV use (for "
         "experiments: it costs a write per step)",
     )
+    p.add_argument(
+        "--kv-events-config",
+        default=None,
+        metavar="JSON",
+        help="publish the prefix cache's KV-cache events over ZMQ, as vLLM's flag (its JSON: "
+        "enable_kv_cache_events, publisher, endpoint, topic, hwm)",
+    )
+    p.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="usage says the prompt tokens found in the prefix cache (as vLLM's flag: "
+        "prompt_tokens_details.cached_tokens)",
+    )
+    p.add_argument(
+        "--kv-events-encoding",
+        choices=("tagged", "positional"),
+        default="tagged",
+        help="the events as vLLM 0.32 encodes them (tagged maps) or as the vLLM before mid-2026 "
+        "(positional arrays)",
+    )
     p.add_argument("--log-level", default="WARNING")
     return p
 
@@ -165,6 +186,9 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
             raise ConfigError(f"{flag}: must not be negative")
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port: {args.port} is not a port number")
+    kv_events = None
+    if args.kv_events_config is not None:
+        kv_events = parse_config(args.kv_events_config, args.kv_events_encoding)
     engine = EngineConfig(
         model=args.model,
         gpu=gpu,
@@ -178,6 +202,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         seed=args.seed,
         admission=args.admission,
         scheduling_policy=args.scheduling_policy,
+        kv_events=kv_events is not None,
     )
     faults = FaultConfig(
         crash_after_requests=args.crash_after_requests,
@@ -207,6 +232,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         lora_modules=modules,
         responses_store_max=args.responses_store_max,
         step_log=args.step_log,
+        kv_events=kv_events,
+        prompt_tokens_details=args.enable_prompt_tokens_details,
     )
 
 

@@ -11,10 +11,13 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import time
 from dataclasses import replace
 
 import trio
 
+from fabricnode.kvevents.wire import Batch
+from fabricnode.simengine.kvpublish import KvPublisher
 from fabricnode.simengine.model import EngineConfig, Request, Scheduler, Step, TokenEvent
 
 
@@ -64,11 +67,18 @@ class EngineDriver:
     goes to its channel exactly once, in order."""
 
     def __init__(
-        self, config: EngineConfig, slowdown: float = 1.0, step_log: StepLog | None = None
+        self,
+        config: EngineConfig,
+        slowdown: float = 1.0,
+        step_log: StepLog | None = None,
+        kv_publisher: KvPublisher | None = None,
     ) -> None:
         self.config = replace(config, speed=config.speed / slowdown)
         self.scheduler = Scheduler(self.config)
         self.step_log = step_log
+        # The prefix cache's changes, published as vLLM's KV-cache events after each step
+        # (``kvpublish``); None: the engine records none.
+        self.kv_publisher = kv_publisher
         self._channels: dict[int, trio.MemorySendChannel[TokenEvent]] = {}
         self._wake = trio.Event()
         self.hung = False
@@ -98,6 +108,17 @@ class EngineDriver:
         for rid in list(self.scheduler.requests):
             self.scheduler.abort(rid)
         self.scheduler.cache.clear()
+        self._publish_kv_events()
+
+    def _publish_kv_events(self) -> None:
+        """What the prefix cache recorded since the last call, as one batch (vLLM publishes
+        one a step)."""
+        publisher = self.kv_publisher
+        if publisher is None:
+            return
+        events = self.scheduler.take_kv_events()
+        if events:
+            publisher.publish(Batch(time.time(), tuple(events), 0))
 
     async def run(self) -> None:
         while True:
@@ -113,6 +134,7 @@ class EngineDriver:
             await trio.sleep_until(step.ends_at)
             while self.hung:
                 await trio.sleep_forever()
+            self._publish_kv_events()
             for event in step.events:
                 channel = self._channels.get(event.request_id)
                 if channel is None:

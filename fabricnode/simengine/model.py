@@ -84,6 +84,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from fabricnode.kvevents.wire import Cleared, Removed, Stored
+
 BLOCK_TOKENS = 16
 VOCAB_SIZE = 32_000
 
@@ -173,6 +175,9 @@ class EngineConfig:
     # first (one token per decoding request, the next chunk of each one still prefilling), then
     # the admissions. Off: a prompt is computed whole in its admission step.
     chunked_prefill: bool = False
+    # Record the prefix cache's changes as vLLM's KV-cache events (``Scheduler.take_kv_events``;
+    # ``--kv-events-config``): blocks stored, blocks evicted, the cache cleared.
+    kv_events: bool = False
     seed: int = 0
     admission: Admission = "optimistic"
     kv_watermark_fraction: float = 0.01
@@ -312,13 +317,28 @@ def block_hashes(
 
 class PrefixCache:
     """Full KV blocks by chained hash, least recently used evicted beyond ``capacity_blocks``.
-    Hits and queries count tokens, like vLLM's ``prefix_cache_{hits,queries}``."""
+    Hits and queries count tokens, like vLLM's ``prefix_cache_{hits,queries}``.
 
-    def __init__(self, capacity_blocks: int) -> None:
+    With ``events``, every change is also recorded as vLLM records it for its KV-cache events
+    (``kvevents.wire``): each run of blocks that enters the cache is a ``Stored`` (the block
+    before it its parent, None for a prompt's first block; their tokens when the caller gives
+    them), each block evicted a ``Removed``, a clear a ``Cleared``; ``take_events`` hands them
+    over in order."""
+
+    def __init__(self, capacity_blocks: int, events: bool = False) -> None:
         self.capacity_blocks = capacity_blocks
         self._blocks: OrderedDict[bytes, None] = OrderedDict()
         self.hit_tokens = 0
         self.query_tokens = 0
+        self.events: list[Stored | Removed | Cleared] | None = [] if events else None
+
+    def take_events(self) -> list[Stored | Removed | Cleared]:
+        """The changes recorded since the last call, oldest first ([] without ``events``)."""
+        events = self.events
+        if not events:
+            return []
+        self.events = []
+        return events
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -326,6 +346,8 @@ class PrefixCache:
     def clear(self) -> None:
         """Forget every block (the KV cache was freed); the counters go on."""
         self._blocks.clear()
+        if self.events is not None:
+            self.events.append(Cleared())
 
     def lookup(self, tokens: Sequence[int], hashes: Sequence[bytes] | None = None) -> int:
         """Tokens of ``tokens`` already cached (a whole-block prefix); counts the query.
@@ -349,12 +371,41 @@ class PrefixCache:
     def insert(self, tokens: Sequence[int], hashes: Sequence[bytes] | None = None) -> None:
         self.insert_hashes(block_hashes(tokens) if hashes is None else hashes)
 
-    def insert_hashes(self, hashes: Sequence[bytes]) -> None:
-        for h in hashes:
-            self._blocks[h] = None
-            self._blocks.move_to_end(h)
-        while len(self._blocks) > self.capacity_blocks:
-            self._blocks.popitem(last=False)
+    def insert_hashes(self, hashes: Sequence[bytes], tokens: Sequence[int] = ()) -> None:
+        """Cache the chain ``hashes`` (block i covers ``tokens[16 i: 16 (i + 1)]``, given only
+        to be recorded in ``events``)."""
+        blocks = self._blocks
+        events = self.events
+        run = -1  # the first of a run of blocks new to the cache
+        for i, h in enumerate(hashes):
+            if events is not None:
+                if h not in blocks:
+                    run = i if run < 0 else run
+                elif run >= 0:
+                    events.append(_stored(hashes, tokens, run, i))
+                    run = -1
+            blocks[h] = None
+            blocks.move_to_end(h)
+        if events is not None and run >= 0:
+            events.append(_stored(hashes, tokens, run, len(hashes)))
+        while len(blocks) > self.capacity_blocks:
+            evicted, _ = blocks.popitem(last=False)
+            if events is not None:
+                events.append(Removed((evicted,), MEDIUM))
+
+
+MEDIUM = "GPU"  # where the simulated engine's blocks are, as vLLM names its GPU tier
+
+
+def _stored(hashes: Sequence[bytes], tokens: Sequence[int], first: int, end: int) -> Stored:
+    """The event of blocks ``first..end-1`` of the chain ``hashes`` entering the cache."""
+    return Stored(
+        tuple(hashes[first:end]),
+        hashes[first - 1] if first else None,
+        tuple(tokens[first * BLOCK_TOKENS : end * BLOCK_TOKENS]),
+        BLOCK_TOKENS,
+        MEDIUM,
+    )
 
 
 # -- requests and steps -----------------------------------------------------------------------
@@ -418,6 +469,7 @@ class TokenEvent:
     token: int
     index: int
     finish_reason: str | None  # "length" on a request's last token, else None
+    cached: int = 0  # the first token's: prompt tokens its prefill found in the prefix cache
 
 
 @dataclass(frozen=True)
@@ -469,7 +521,7 @@ class Scheduler:
         self.optimistic = config.admission == "optimistic"
         self.by_priority = config.scheduling_policy == "priority"
         self.watermark_blocks = int(config.kv_watermark_fraction * self.num_blocks)
-        self.cache = PrefixCache(config.cache_blocks())
+        self.cache = PrefixCache(config.cache_blocks(), events=config.kv_events)
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Request] = {}  # in admission order: the newest is last
         self.requests: dict[int, Request] = {}
@@ -699,7 +751,9 @@ class Scheduler:
             if req.first_token_at is None:
                 req.first_token_at = ends_at
             finish = "length" if len(req.output) >= req.max_tokens else None
-            events.append(TokenEvent(req.id, token, index, finish))
+            events.append(
+                TokenEvent(req.id, token, index, finish, req.cached_tokens if index == 0 else 0)
+            )
             if finish is not None:
                 req.finished_at = ends_at
                 req.finish_reason = finish
@@ -707,7 +761,7 @@ class Scheduler:
                 self._release(req)
                 self.finished += 1
         for req in prefilled:  # its blocks are computed: later prompts may hit them
-            self.cache.insert_hashes(req.context_hashes or req.block_hashes)
+            self._cache_blocks(req, req.context_hashes or req.block_hashes)
         self.steps += 1
         self.busy_s += duration
         return Step(
@@ -793,6 +847,24 @@ class Scheduler:
         else:
             self._reserved -= req.private_reservation + BLOCK_TOKENS * freed_blocks
 
+    def _cache_blocks(self, req: Request, hashes: Sequence[bytes]) -> None:
+        """Put ``req``'s computed blocks into the prefix cache (with their tokens when it
+        records events: the chain covers the prompt, then the output)."""
+        cache = self.cache
+        tokens: Sequence[int] = ()
+        if cache.events is not None:
+            tokens = (
+                req.prompt + req.output
+                if len(hashes) * BLOCK_TOKENS > len(req.prompt)
+                else req.prompt
+            )
+        cache.insert_hashes(hashes, tokens)
+
+    def take_kv_events(self) -> list[Stored | Removed | Cleared]:
+        """The prefix cache's changes since the last call, as vLLM's KV-cache events
+        (``EngineConfig.kv_events``; [] without)."""
+        return self.cache.take_events()
+
     def _preempt(self, req: Request) -> None:
         """Recompute-mode preemption of a request already taken off the running set: free its
         blocks, cache its computed full blocks (freed blocks stay cached until reused, as in
@@ -803,7 +875,7 @@ class Scheduler:
         # Only the blocks it computed are cached: a prompt preempted mid-prefill has the rest
         # still to compute (and computes it again, as it recomputes everything uncached).
         computed = len(req.prompt) + len(req.output) - req.prefill_left
-        self.cache.insert_hashes(req.context_hashes[: computed // BLOCK_TOKENS])
+        self._cache_blocks(req, req.context_hashes[: computed // BLOCK_TOKENS])
         req.prefill_left = 0
         req.preemptions += 1
         self.preemptions += 1

@@ -84,6 +84,7 @@ from fabricnode.simengine.httpio import (
 from fabricnode.simengine.httpio import dumps as _dumps
 from fabricnode.simengine.httpio import send_body as _send_body
 from fabricnode.simengine.httpio import send_json as _send_json
+from fabricnode.simengine.kvpublish import KvEventsConfig, KvPublisher
 from fabricnode.simengine.lora import Models, Served
 from fabricnode.simengine.messages import MessagesAPI
 from fabricnode.simengine.model import (
@@ -145,6 +146,9 @@ class SimConfig:
     responses_store_max_bytes: int = DEFAULT_STORE_MAX_BYTES
     max_audio_bytes: int = DEFAULT_MAX_UPLOAD_BYTES
     step_log: str | None = None  # a JSON line per step appended here (``StepLog``)
+    kv_events: KvEventsConfig | None = None  # ``--kv-events-config`` (``kvpublish``)
+    # vLLM's --enable-prompt-tokens-details: usage says the prompt tokens found cached
+    prompt_tokens_details: bool = False
 
 
 @dataclass(frozen=True)
@@ -635,9 +639,11 @@ class SimEngineApp:
             if not stream:
                 pieces: list[str] = []
                 reason: str | None = None
+                cached = 0
                 async for event in tokens:
                     pieces.append(detokenize(event.token))
                     reason = event.finish_reason
+                    cached = event.cached if event.index == 0 else cached
                 finished = True
                 text = "".join(pieces) if continuing else "".join(pieces).lstrip()
                 choice: Json = {"index": 0, "logprobs": None, "finish_reason": reason}
@@ -651,7 +657,7 @@ class SimEngineApp:
                     "created": created,
                     "model": served.name,
                     "choices": [choice],
-                    "usage": _usage(len(prompt), len(pieces)),
+                    "usage": self._usage(len(prompt), len(pieces), cached),
                 }
                 await _send_json(send, doc)
                 return
@@ -684,8 +690,10 @@ class SimEngineApp:
             # the stream's first byte comes when the prompt has been computed.
             role = chat
             count = 0
+            cached = 0
             first = not continuing
             async for event in tokens:
+                cached = event.cached if event.index == 0 else cached
                 if role:
                     await emit([_chunk_choice(chat, "", None, role=True)])
                     role = False
@@ -698,13 +706,21 @@ class SimEngineApp:
                 await emit([_chunk_choice(chat, "", None, role=True)])
             finished = True
             if include_usage:
-                await emit([], _usage(len(prompt), count))
+                await emit([], self._usage(len(prompt), count, cached))
             await send(
                 {"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False}
             )
         finally:
             if not finished:
                 self.driver.abort(rid)
+
+    def _usage(self, prompt: int, completion: int, cached: int) -> Json:
+        """A completion's usage; with ``prompt_tokens_details`` (vLLM's flag of that name) also
+        the prompt tokens its prefill found in the prefix cache, as vLLM reports them."""
+        usage = _usage(prompt, completion)
+        if self.config.prompt_tokens_details:
+            usage["prompt_tokens_details"] = {"cached_tokens": cached}
+        return usage
 
     async def embeddings(self, request: Json, send: Send) -> None:
         served = self._check_model(request)
@@ -780,7 +796,8 @@ async def serve(
     then get ``shutdown_grace_s``). Fault timers run alongside; ``started`` gives the app."""
     faults = config.faults
     step_log = StepLog(config.step_log) if config.step_log is not None else None
-    driver = EngineDriver(config.engine, faults.slowdown, step_log)
+    publisher = KvPublisher(config.kv_events) if config.kv_events is not None else None
+    driver = EngineDriver(config.engine, faults.slowdown, step_log, publisher)
     app = SimEngineApp(config, driver)
     http_done = trio.Event()
 
@@ -797,6 +814,8 @@ async def serve(
         nursery.cancel_scope.cancel()
     if step_log is not None:
         step_log.close()
+    if publisher is not None:
+        publisher.close()
 
 
 async def _crash_after(delay_s: float) -> None:

@@ -10,6 +10,7 @@ from hypothesis import event, example, given, settings, target
 from hypothesis import strategies as st
 from trio.testing import MockClock
 
+from fabricnode.kvevents.wire import Cleared, Removed, Stored
 from fabricnode.simengine.model import (
     ADMISSION_MODES,
     BLOCK_TOKENS,
@@ -167,6 +168,55 @@ def test_prefix_cache_evicts_least_recently_used_blocks() -> None:
     assert len(cache) == 4
     assert cache.lookup(a) == 0
     assert cache.lookup(b) == 63
+
+
+def test_the_prefix_cache_records_what_vllm_publishes_as_kv_events() -> None:
+    """``events``: a run of new blocks is one ``Stored`` (its parent the block before it, its
+    tokens), a block evicted a ``Removed``, a clear a ``Cleared``; and what the events say is
+    what the cache holds (replayed into a set, they give its blocks)."""
+    cache = PrefixCache(6, events=True)
+    a, b = prompt(64, 0), prompt(40, 5000)
+    ha, hb = block_hashes(a), block_hashes(b)
+    cache.insert_hashes(ha[:2], a)
+    cache.insert_hashes(ha, a)  # blocks 2 and 3 are new: parent block 1
+    first, second = cache.take_events()
+    assert first == Stored(tuple(ha[:2]), None, tuple(a[:32]), BLOCK_TOKENS, "GPU")
+    assert second == Stored(tuple(ha[2:]), ha[1], tuple(a[32:64]), BLOCK_TOKENS, "GPU")
+    assert cache.take_events() == []
+    cache.insert_hashes(hb, b)  # 2 more blocks: 6 in all, nothing evicted
+    cache.insert_hashes(block_hashes(prompt(32, 9000)), prompt(32, 9000))  # evicts a's first two
+    events = cache.take_events()
+    assert [type(e) for e in events] == [Stored, Stored, Removed, Removed]
+    assert [e.hashes for e in events[2:]] == [(ha[0],), (ha[1],)]  # type: ignore[union-attr]
+    cache.clear()
+    assert cache.take_events() == [Cleared()]
+    assert PrefixCache(4).take_events() == []  # without events: nothing recorded
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 6), st.integers(0, 5)), min_size=1, max_size=20))
+def test_replaying_the_events_gives_the_cache_s_blocks(inserts: list[tuple[int, int]]) -> None:
+    cache = PrefixCache(8, events=True)
+    held: set[bytes] = set()
+    for base, blocks in inserts:
+        tokens = prompt(blocks * BLOCK_TOKENS + 3, base * 1000)
+        cache.insert_hashes(block_hashes(tokens), tokens)
+        for e in cache.take_events():
+            if isinstance(e, Stored):
+                assert len(e.token_ids) == len(e.hashes) * BLOCK_TOKENS
+                held.update(e.hashes)  # type: ignore[arg-type]
+            elif isinstance(e, Removed):
+                held.difference_update(e.hashes)  # type: ignore[arg-type]
+    assert held == set(cache._blocks)
+
+
+def test_a_scheduler_with_kv_events_reports_its_prompts_blocks() -> None:
+    s = Scheduler(config(kv_events=True))
+    s.submit(prompt(50), 4, 0.0)
+    drive(s)
+    events = s.take_kv_events()
+    assert events and isinstance(events[0], Stored) and len(events[0].hashes) == 3
+    assert Scheduler(config()).take_kv_events() == []
 
 
 def test_output_is_deterministic_and_seeded() -> None:
