@@ -12,6 +12,8 @@ is what it reads them with, free of sockets and clocks:
 * ``stream``  ``EventStream``: the sequence of one publisher, gaps (ask the replay socket, or
               start over), duplicates, and a publisher that restarted (its sequence begins
               again)
+* ``index``   ``BlockIndex``: the blocks one engine holds, bounded, and the longest prefix of
+              a token sequence it holds (the walk down its chain of blocks)
 
 Where the socket is: vLLM's publisher *binds* an endpoint that has a ``*`` (all interfaces)
 and *connects* to any other (``ZmqEventPublisher._is_bind_endpoint``). So the agent binds its
