@@ -222,6 +222,14 @@ def start(
             "mode: add --enable-sleep-mode to vLLM); the next request wakes it (off).",
         ),
     ] = None,
+    kv_events: Annotated[
+        bool,
+        typer.Option(
+            "--kv-events/--no-kv-events",
+            help="Read the engine's KV-cache events (vLLM, the simulated engine), turning "
+            "them on with a localhost port for an engine this agent starts (on).",
+        ),
+    ] = True,
     batch_concurrency: Annotated[
         int | None,
         typer.Option(
@@ -380,6 +388,7 @@ def start(
             drain_timeout_s=drain_timeout,
             leave_before_end_s=leave_before_end,
             sleep_after_s=sleep_after,
+            kv_events=kv_events,
             batch_concurrency=batch_concurrency,
             batch_key_quota_gb=batch_key_quota_gb,
             batch_store_quota_gb=batch_store_quota_gb,

@@ -85,6 +85,7 @@ from fabricnode.engine.command import EngineCommand, with_shutdown_grace
 from fabricnode.engine.drain import HANDOVER_S, Action, Drain
 from fabricnode.engine.drain import deadline_s as drain_deadline_s
 from fabricnode.engine.follower import AssignmentFollower
+from fabricnode.engine.kvreader import reader_for
 from fabricnode.engine.service import KILL_MARGIN_S, EngineService, EngineStatistics
 from fabricnode.errors import FabricError
 from fabricnode.federation.link import Gateway
@@ -432,6 +433,9 @@ class Agent:
 
         def engine_service(command: EngineCommand) -> EngineService:
             command = with_shutdown_grace(command, engine_grace_s)
+            reader = None
+            if cfg.kv_events:  # its KV-cache events: the reader binds, the engine connects
+                reader, command = reader_for(command)
             return EngineService(
                 command,
                 gossip,
@@ -444,6 +448,7 @@ class Agent:
                 sleep_after_s=cfg.sleep_after_s,
                 on_sleep_change=on_sleep_change,
                 env=engine_env(cfg, command),
+                kv_reader=reader,
             )
 
         # Without an engine command the node stays JOIN-only until an operator's assignment

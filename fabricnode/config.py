@@ -120,6 +120,9 @@ class AgentConfig:
     drain_timeout_s: float = 30.0
     # Put the engine to sleep after this long without requests (vLLM's sleep mode); None: never.
     sleep_after_s: float | None = None
+    # Read the engine's KV-cache events (vLLM's, the simulated engine's), turning them on for
+    # an engine the agent starts (``engine.kvreader``); ``--no-kv-events``: never.
+    kv_events: bool = True
     # Inside a Slurm job with a known end time, start leaving this long before it (at most
     # half the time the job has left when the agent starts); 0 = only on SIGTERM.
     leave_before_end_s: float = DEFAULT_LEAVE_BEFORE_END_S
@@ -213,6 +216,7 @@ def load_config(
     drain_timeout_s: float | None = None,
     leave_before_end_s: float | None = None,
     sleep_after_s: float | None = None,
+    kv_events: bool = True,
     batch_concurrency: int | None = None,
     batch_key_quota_gb: float | None = None,
     batch_store_quota_gb: float | None = None,
@@ -293,6 +297,7 @@ def load_config(
         request_log_path=log_path,
         drain_timeout_s=_drain(drain_timeout_s),
         sleep_after_s=_sleep_after(sleep_after_s),
+        kv_events=kv_events,
         batch_dir=home / "batches",
         batch=_batch(
             batch_concurrency, batch_key_quota_gb, batch_store_quota_gb, batch_input_buffer_mb

@@ -886,6 +886,26 @@ class AdminMetrics(Collector):
                 "reason",
                 {reason: engine.models_dropped.get(reason, 0) for reason in DROP_REASONS},
             )
+            kv = engine.kv_events
+            if kv is not None:
+                yield from counters_by(
+                    "fabric_engine_kv_event_messages_total",
+                    "The engine's KV-cache event messages, by what became of them (applied; "
+                    "repeated; gap or restarted: the index was emptied first; malformed, "
+                    "other_topic: dropped)",
+                    "outcome",
+                    kv.messages,
+                )
+                yield gauge(
+                    "fabric_engine_kv_blocks",
+                    "Blocks the engine's prefix cache holds, as its KV-cache events say",
+                    kv.blocks,
+                )
+                yield counter(
+                    "fabric_engine_kv_blocks_refused_total",
+                    "Blocks the engine stored that the index did not keep (past its bound)",
+                    kv.refused,
+                )
 
 
 def _provider(app: AdminApp) -> str:

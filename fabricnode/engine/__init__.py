@@ -8,9 +8,10 @@ the operator's plan: an assignment for this node is rendered through the engine 
 launched like an engine given after ``--``.
 
 May import: ``fabricnode.mesh`` (the node's entry and its load reports), ``fabricnode.errors``,
-``fabricnode.addr`` and ``fabricnode.simengine.model`` (the GPU types the ``sim`` template can
-simulate). Not the data plane, ``control`` or ``agent``; it reads no environment (only
-``fabricnode.config`` does) and builds no other service (only ``fabricnode.agent`` does).
+``fabricnode.addr``, ``fabricnode.simengine.model`` (the GPU types the ``sim`` template can
+simulate) and ``fabricnode.kvevents`` (the engine's KV-cache events). Not the data plane,
+``control`` or ``agent``; it reads no environment (only ``fabricnode.config`` does) and builds
+no other service (only ``fabricnode.agent`` does).
 
 Modules, in reading order:
 
@@ -30,6 +31,8 @@ Modules, in reading order:
 * ``drain``     ``Drain`` (pure): a leaving node's drain: stop accepting, let the engine's
                 requests finish, hand the rest over at the deadline, stop the engine, close
                 the doors after what the ingress still relays.
+* ``kvreader``  the engine's KV-cache events on a localhost ZMQ socket, applied to its block
+               index (``fabricnode.kvevents``); turned on for engines the agent starts.
 * ``service``   ``EngineService``: spawn, SERVING, load scraping, DOWN on exit or hang,
                 restarts; start reading here. Every change to the node's entry goes through
                 the gossip service, which sends it at once.

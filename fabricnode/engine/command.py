@@ -33,6 +33,7 @@ command that gives it keeps its own. Other engines are left as they are.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import random
@@ -384,3 +385,79 @@ def sim_engine_command(
     argv: tuple[str, ...] = (sys.executable, "-m", SIM_MODULE, "--model", model)
     argv += ("--fd", str(listener.fileno()), "--gpu", gpu_type, *extra)
     return EngineCommand(argv, SIM, model, (), f"http://{CONNECT_HOST}:{port}", listener)
+
+
+# -- KV-cache events (issue 42) ----------------------------------------------------------------
+
+KV_EVENTS_OPTION = "--kv-events-config"
+KV_EVENTS_TOPIC = "kv-events"
+
+
+@dataclass(frozen=True)
+class KvSubscription:
+    """Where the agent reads its engine's KV-cache events: the endpoint, and whether the agent
+    binds it (the engine connects: vLLM's publisher connects to an endpoint without ``*``) or
+    connects to it (the engine binds ``tcp://*:PORT``)."""
+
+    endpoint: str
+    bind: bool
+    topic: str
+
+
+def kv_events_supported(command: EngineCommand) -> bool:
+    """Whether the agent reads this engine's KV-cache events: vLLM's and the simulated
+    engine's (SGLang's have their own stream: not yet)."""
+    return _own_options(command) >= 0
+
+
+def _own_options(command: EngineCommand) -> int:
+    """Where vLLM's or the simulated engine's own options start in ``command`` (-1: another
+    engine, whose KV-cache events we do not read yet)."""
+    if command.kind == VLLM:
+        return detect_kind(command.argv)[1]
+    return _sim_start(command.argv)
+
+
+def given_kv_events(command: EngineCommand) -> str | None:
+    """The JSON of ``command``'s own ``--kv-events-config`` (None: not given, or not vLLM nor
+    the simulated engine; "": given but unreadable)."""
+    start = _own_options(command)
+    if start < 0:
+        return None
+    try:
+        values = option_values(command.argv[start:], KV_EVENTS_OPTION)
+    except ConfigError:
+        return ""
+    return None if values is None else values[-1]
+
+
+def kv_subscription(text: str) -> KvSubscription | None:
+    """The subscription an engine's ``--kv-events-config`` JSON asks for; None: events off, or
+    an endpoint this host cannot read (another host's, an IPC path)."""
+    try:
+        doc = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(doc, dict) or doc.get("enable_kv_cache_events") is not True:
+        return None
+    if (doc.get("publisher") or "zmq") != "zmq":
+        return None
+    endpoint, topic = doc.get("endpoint", "tcp://*:5557"), doc.get("topic", "")
+    if not isinstance(endpoint, str) or not isinstance(topic, str):
+        return None
+    if endpoint.startswith("tcp://*:"):  # the engine binds all interfaces: connect to it here
+        return KvSubscription(endpoint.replace("*", CONNECT_HOST, 1), False, topic)
+    if endpoint.startswith(f"tcp://{CONNECT_HOST}:"):  # the engine connects: we bind it
+        return KvSubscription(endpoint, True, topic)
+    return None
+
+
+def with_kv_events(command: EngineCommand, endpoint: str) -> EngineCommand:
+    """``command`` with ``--kv-events-config`` publishing to ``endpoint`` (on localhost, which
+    the agent binds: the engine connects) under the topic ``KV_EVENTS_TOPIC``, when it is vLLM
+    or the simulated engine and does not give the option itself."""
+    if _own_options(command) < 0 or given_kv_events(command) is not None:
+        return command
+    config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint,
+              "topic": KV_EVENTS_TOPIC}  # fmt: skip
+    return replace(command, argv=(*command.argv, KV_EVENTS_OPTION, json.dumps(config)))

@@ -52,6 +52,7 @@ import orjson
 import trio
 
 from fabricnode.engine.command import EngineCommand, option_values, shutdown_grace_s
+from fabricnode.engine.kvreader import KvEventReader, KvEventStatistics
 from fabricnode.engine.liveness import EngineLiveness, Health
 from fabricnode.engine.metrics import engine_load, parse_samples, progress_total
 from fabricnode.engine.models import (
@@ -103,6 +104,7 @@ class EngineStatistics:
     model_reads: int  # model lists read while serving
     model_read_errors: int  # ... that could not be read (the last good list stayed)
     models_dropped: dict[str, int]  # reason -> models of the latest list the entry left out
+    kv_events: KvEventStatistics | None = None  # its KV-cache events (None: not read)
 
 
 class EngineService:
@@ -127,6 +129,7 @@ class EngineService:
         sleep_after_s: float | None = None,
         on_sleep_change: Callable[[bool], None] = lambda asleep: None,
         env: dict[str, str] | None = None,
+        kv_reader: KvEventReader | None = None,
     ) -> None:
         if restart not in RESTART_POLICIES:
             raise ValueError(f"restart policy {restart!r} not in {RESTART_POLICIES}")
@@ -148,6 +151,8 @@ class EngineService:
         self.restart_backoff_s = restart_backoff_s
         self.new_session = new_session
         self.env = env  # the child's environment (None: the agent's)
+        # Reads the engine's KV-cache events for as long as the service runs (``kvreader``).
+        self.kv_reader = kv_reader
         self.inflight = inflight  # requests the agent has in flight to the engine
         self.served = served  # requests the agent has sent to the engine, ever
         self.sleep_after_s = sleep_after_s  # idle sleep (``sleep``); None: never
@@ -175,6 +180,7 @@ class EngineService:
             self.model_reads,
             self.model_read_errors,
             dict(self.models_dropped),
+            self.kv_reader.statistics() if self.kv_reader is not None else None,
         )
 
     def _new_liveness(self) -> EngineLiveness:
@@ -195,6 +201,18 @@ class EngineService:
         )
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        reader = self.kv_reader
+        if reader is None:
+            await self._supervise(task_status=task_status)
+            return
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(reader.run)
+            await self._supervise(task_status=task_status)
+            nursery.cancel_scope.cancel()
+
+    async def _supervise(
+        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
         started = False
         async with httpx.AsyncClient() as client:
             while True:
@@ -220,6 +238,8 @@ class EngineService:
                 if self.new_session is not None:
                     self.new_session()
                 self.state = "loading"
+                if self.kv_reader is not None:
+                    self.kv_reader.engine_restarted()
                 self.process = self._new_process()
                 self.liveness = self._new_liveness()
 
