@@ -69,9 +69,11 @@ AGENTS=(tests/system)
 TAIL_AGENTS=(tests/system/test_churn.py tests/system/test_busy_engine.py
     tests/system/test_agent_integration.py)
 # Agent tests that wait on the Batch API's worker, on plans applied through the mesh and on the
-# CLI's views of a mesh: a queued lane.
+# CLI's views of a mesh, and the engines' KV-cache events (a simulated engine's, through an
+# agent: ~40 s that had made the agents lane, the run's length, longer): a queued lane.
 LATE_AGENTS=(tests/system/test_batch_api.py tests/system/test_batch_cli.py
-    tests/system/test_plan_apply.py tests/system/test_cli.py)
+    tests/system/test_plan_apply.py tests/system/test_cli.py
+    tests/system/test_simengine_kv_events.py tests/system/test_kv_events_agent.py)
 # The smoke runs of the benches that drive real agents: a queued lane.
 BENCH_AGENTS=(tests/system/test_bench_tiers.py tests/system/test_bench_routing.py)
 # The elastic controller's tests wait out Slurm time limits, takeovers and ramps (most of
