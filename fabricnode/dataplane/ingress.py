@@ -754,10 +754,10 @@ class Ingress:
         if not routes:
             assert hold_s is not None
             return self._wait_for_replica(conn, job, routed, hold_s, frozenset())
-        if (len(routes) > 1 or self.across.offers is not None) and self.policy.name.startswith(
-            "prefix"
-        ):
-            # a gateway prices prefixes across sites even with one node (``sites`` rule 7)
+        # A gateway prices prefixes across sites even with one node (``sites`` rule 7), for a
+        # request that may leave (none that came from a peer site).
+        pricing = self.across.offers is not None and not job.from_site
+        if (len(routes) > 1 or pricing) and self.policy.name.startswith("prefix"):
             routed.prefix_blocks = routing.prompt_blocks(prompt_text(doc, kind))
         return self._dispatch(conn, job, routed, routes)
 
@@ -967,7 +967,8 @@ class Ingress:
                 if not left and (
                     ranked is None
                     or ranked[0].prefill_s > 0.0
-                    or (routed.prefix_blocks and self.across.offers is not None)
+                    # a gateway prices prefixes (rule 7) for what may leave: none from a peer
+                    or (routed.prefix_blocks and self.across.offers and not job.from_site)
                 ):
                     # Two-layer routing: none of our nodes can admit it now (``sites`` rule 5),
                     # or the pick would answer it later than a peer site would (rules 6 and 7):
