@@ -36,6 +36,7 @@ from fabricnode.dataplane.residency import (
 )
 from fabricnode.dataplane.responses import PinnedNode
 from fabricnode.dataplane.routetable import Route
+from fabricnode.dataplane.routing import BLOCK_TOKENS_EST, Candidate
 from fabricnode.dataplane.sites import (
     HOP_NODE,
     Prompt,
@@ -190,6 +191,29 @@ class Across:
         chosen.sort(key=lambda c: order[c[0]])  # stable: each site's gateways keep their order
         return site_routes(chosen)
 
+    def prices(self, job: Job) -> bool:
+        """Whether the cross-site cost prices ``job``'s prompt (``sites`` rule 7): on a gateway,
+        for a request that may leave (none that came from a peer site)."""
+        return self.offers is not None and not job.from_site
+
+    def prompt(
+        self,
+        job: Job,
+        blocks: int,
+        ranked: list[Candidate] | None,
+        held: Callable[[str], int],
+        rate: Callable[[str], float],
+    ) -> Prompt | None:
+        """``job``'s prompt of ``blocks`` prefix blocks as the cross-site cost prices it
+        (``sites`` rule 7; None where it is not priced): the most of them a node of ours holds
+        (``held``: the policy's index, per session id), one block's prefill at the pick's
+        learned ``rate``."""
+        if not blocks or not self.prices(job):
+            return None
+        pick = ranked[0].node.session_id if ranked else ""
+        here = max((held(c.node.session_id) for c in ranked or ()), default=0)
+        return Prompt(blocks, here, BLOCK_TOKENS_EST / rate(pick), held)
+
     def push(
         self,
         job: Job,
@@ -227,17 +251,22 @@ class Across:
         (``instead_of_cold_start``), unless it is a Responses or batch request."""
         model, sites = routed.model, routed.sites
         if hold_s:
-            if routed.kind != RESPONSES and not routed.batch:
-                routes = self.instead_of_cold_start(model, sites, from_site)
-                if routes:
-                    return routes, None
-            return [], hold_s
+            routes = self.waits_elsewhere(routed, from_site)
+            return (routes, None) if routes else ([], hold_s)
         if may_leave(from_site, False) and may_leave_for(sites, self.site):
             # never a request that came from another site: one WAN crossing per attempt
             routes = self.out_routes(model, sites)
             if routes:
                 return routes, None
         return self.not_served(model, out, sites, retry_after_s)
+
+    def waits_elsewhere(self, routed: Routed, from_site: str) -> list[Route]:
+        """Where a request for a declared model no node of our site serves goes rather than
+        wait here for a start (``instead_of_cold_start``): never a Responses or batch request
+        (their state and their gate are here). Asked on arrival and again while it waits."""
+        if routed.kind == RESPONSES or routed.batch:
+            return []
+        return self.instead_of_cold_start(routed.model, routed.sites, from_site)
 
     def instead_of_cold_start(self, model: str, sites: Sites, from_site: str) -> list[Route]:
         """Where a request goes for a declared model no node of our site serves now, rather

@@ -91,7 +91,7 @@ from typing import Any
 
 import trio
 
-from fabricnode.dataplane import responses, routing, sites
+from fabricnode.dataplane import responses, routing
 from fabricnode.dataplane.across import Across
 from fabricnode.dataplane.apikeys import ApiKeyStore, RateLimiter
 from fabricnode.dataplane.asgi_call import KEY_SCOPE, KEYS_SCOPE, OWNER_SCOPE, AsgiApp, answer_asgi
@@ -754,32 +754,10 @@ class Ingress:
         if not routes:
             assert hold_s is not None
             return self._wait_for_replica(conn, job, routed, hold_s, frozenset())
-        # A gateway prices prefixes across sites even with one node (``sites`` rule 7), for a
-        # request that may leave (none that came from a peer site).
-        pricing = self.across.offers is not None and not job.from_site
-        if (len(routes) > 1 or pricing) and self.policy.name.startswith("prefix"):
+        # a gateway prices prefixes across sites even with one node (``sites`` rule 7)
+        if (len(routes) > 1 or self.across.prices(job)) and self.policy.name.startswith("prefix"):
             routed.prefix_blocks = routing.prompt_blocks(prompt_text(doc, kind))
         return self._dispatch(conn, job, routed, routes)
-
-    def _prompt(
-        self, routed: Routed, ranked: list[routing.Candidate] | None
-    ) -> sites.Prompt | None:
-        """On a gateway, the request's prompt as the cross-site cost prices it (``sites``
-        rule 7): its blocks, the most of them a node of ours holds, one block's prefill at the
-        pick's rate."""
-        blocks = routed.prefix_blocks
-        if not blocks or self.across.offers is None:
-            return None
-        policy = self.policy
-        pick = ranked[0].node.session_id if ranked else ""
-        rate = self.prefill.rate(pick) if pick else self.prefill.default_rate
-        here = max((policy.held_blocks(routed, c.node.session_id) for c in ranked or ()), default=0)
-        return sites.Prompt(
-            len(blocks),
-            here,
-            routing.BLOCK_TOKENS_EST / rate,
-            lambda sid: policy.held_blocks(routed, sid),
-        )
 
     def _pinned_node(self, sid: str) -> PinnedNode:
         """What the mesh says of node ``sid`` (its registry state and ``schema.standing``
@@ -849,17 +827,15 @@ class Ingress:
             await send_error(conn, 503, full.message, full.code, extra=full.headers, path=job.path)
             return True
 
-        may_go = routed.kind != RESPONSES and not routed.batch
-
         def lookup(tried: set[str]) -> list[Route] | None:
             routes = self.table.routes(model)
             if not routes:
                 routes = self.table.sleeping(model)
                 job.waking = routes is not None
-            if not routes and may_go:
+            if not routes:
                 # no node of ours: a peer site that serves it by now, or that would start it
                 # sooner than ours (our Slurm refused it meanwhile: ``sites`` rule 8)
-                routes = self.across.instead_of_cold_start(model, routed.sites, job.from_site)
+                routes = self.across.waits_elsewhere(routed, job.from_site)
             if routes and self._candidates(
                 routes, routed, tried, self.clock.now(), self.wall_clock()
             ):
@@ -967,17 +943,21 @@ class Ingress:
                 if not left and (
                     ranked is None
                     or ranked[0].prefill_s > 0.0
-                    # a gateway prices prefixes (rule 7) for what may leave: none from a peer
-                    or (routed.prefix_blocks and self.across.offers and not job.from_site)
+                    or (routed.prefix_blocks and self.across.prices(job))  # rule 7
                 ):
                     # Two-layer routing: none of our nodes can admit it now (``sites`` rule 5),
                     # or the pick would answer it later than a peer site would (rules 6 and 7):
                     # pushed to a gateway of ours, or from a gateway to that site; with
                     # neither, it waits here for our nodes.
                     wait = None if ranked is None else ranked[0].prefill_s
-                    out = self.across.push(
-                        job, routes, routed.session_key, wait, self._prompt(routed, ranked)
+                    prompt = self.across.prompt(
+                        job,
+                        len(routed.prefix_blocks),
+                        ranked,
+                        lambda sid: policy.held_blocks(routed, sid),
+                        self.prefill.rate,
                     )
+                    out = self.across.push(job, routes, routed.session_key, wait, prompt)
                     pushed = self._candidates(out, routed, tried, now, wall) if out else []
                     if pushed:
                         left = True

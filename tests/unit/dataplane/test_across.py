@@ -16,7 +16,13 @@ from fabricnode.dataplane.keytable import ApiKey
 from fabricnode.dataplane.request import Rejection, Routed, pinned_node
 from fabricnode.dataplane.responses import PinnedNode
 from fabricnode.dataplane.routetable import Route
-from fabricnode.dataplane.routing import NodeInfo, RouteRequest, make_policy, prompt_blocks
+from fabricnode.dataplane.routing import (
+    Candidate,
+    NodeInfo,
+    RouteRequest,
+    make_policy,
+    prompt_blocks,
+)
 from fabricnode.dataplane.sites import HOP_PUSH, HOP_SITE, Prompt, SiteOffer
 from fabricnode.mesh.keyring import Keyring
 from fabricnode.mesh.registry import State
@@ -436,3 +442,32 @@ def test_a_request_waits_for_a_start_at_the_site_whose_controller_starts_it_firs
     assert gateway.instead_of_cold_start("m", frozenset({"A"}), "") == []  # here only
     offers.append(SiteOffer("C", ("10.0.0.3:7000",), True, 0.15, 1, 1, 0))  # C serves it
     assert [r.info.site for r in gateway.instead_of_cold_start("m", None, "")] == ["C"]
+
+
+def test_a_gateway_prices_the_prompt_of_a_request_that_may_leave_only() -> None:
+    """``Across.prompt``: the most blocks any ranked node of ours holds, one block's prefill at
+    the pick's rate; none on an agent that is not a gateway, nor for a request from a peer."""
+    gateway, _ = across()
+    gateway.offers = lambda model: []
+    job = Job("chat", "m", False, b"{}", b"/v1/chat/completions", {}, None, 0.0, None)
+    ranked = [Candidate(route(NODE).info, None, 0), Candidate(route("c" * 32).info, None, 0)]
+    held = {NODE: 3, "c" * 32: 7}.get
+    prompt = gateway.prompt(job, 10, ranked, lambda sid: held(sid) or 0, lambda sid: 1600.0)
+    assert prompt is not None and (prompt.blocks, prompt.here, prompt.block_s) == (10, 7, 0.01)
+    assert gateway.prompt(job, 0, ranked, lambda sid: 0, lambda sid: 1.0) is None
+    job.from_site = "B"
+    assert not gateway.prices(job) and gateway.prompt(job, 10, ranked, held, lambda s: 1.0) is None
+    agent, _ = across(Table(gateways=1))
+    job.from_site = ""
+    assert agent.prompt(job, 10, ranked, lambda sid: 0, lambda sid: 1.0) is None
+
+
+def test_responses_and_batch_requests_wait_for_a_start_here() -> None:
+    gateway, _ = across()
+    offers = [SiteOffer("C", ("10.0.0.3:7000",), True, 0.15, 2, 1, 0)]
+    gateway.offers = lambda model: offers
+    chat = Routed("chat", "m", False, {"model": "m"}, None, frozenset(), None, None, 0)
+    assert [r.info.site for r in gateway.waits_elsewhere(chat, "")] == ["C"]
+    chat.batch = True
+    assert gateway.waits_elsewhere(chat, "") == []
+    assert gateway.waits_elsewhere(routed(), "") == []  # a Responses request
